@@ -1,0 +1,71 @@
+"""Build a model from its spec (the inverse of ``model.spec``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel
+
+from models._base import ModelBase
+from models._linear import LeastSquares, Logistic, Softmax
+from models._mlp import MLP
+from models._specs import LeastSquaresSpec, LogisticSpec, MLPSpec, SoftmaxSpec, validate_spec
+
+__all__ = ["from_spec"]
+
+
+def from_spec(spec: Mapping[str, Any] | BaseModel) -> LeastSquares | Logistic | Softmax | MLP:
+    """Build a built-in model from its JSON-able spec.
+
+    Parameters
+    ----------
+    spec : dict or a parsed spec (``models.ModelSpec``, e.g. a FastAPI request body)
+        ``{"kind": ..., **fields}`` with kind one of
+
+        - ``"least_squares"``, ``"logistic"``: ``n_features`` (int >= 1), ``fit_intercept`` (bool, default
+          true);
+        - ``"softmax"``: ``n_features`` (int >= 1), ``n_classes`` (int >= 2), ``fit_intercept`` (bool,
+          default true);
+        - ``"mlp"``: ``layer_sizes`` (list of >= 2 ints >= 1, the last >= 2), ``activation``
+          (``"sigmoid"`` | ``"tanh"`` | ``"relu"``, default ``"sigmoid"``).
+
+        Integers must be integers (not 64.0 or "64") and booleans booleans. ``models.SPEC_SCHEMAS`` holds
+        the JSON schema of each kind.
+
+    Returns
+    -------
+    LeastSquares, Logistic, Softmax or MLP
+        A model whose ``spec`` equals the validated spec with defaults filled in.
+
+    Raises
+    ------
+    errors.ModelSpecError
+        For an unknown kind, an unknown or missing field, a value of the wrong type or out of range; the
+        message names the field and lists the valid choices.
+
+    Examples
+    --------
+    >>> from_spec({"kind": "softmax", "n_features": 64, "n_classes": 10})
+    Softmax(n_features=64, fit_intercept=True, n_classes=10)
+    >>> m = from_spec({"kind": "mlp", "layer_sizes": [64, 32, 10], "activation": "tanh"})
+    >>> from_spec(m.spec) == m
+    True
+    >>> from_spec({"kind": "svm", "n_features": 3})
+    Traceback (most recent call last):
+    ...
+    errors.ModelSpecError: unknown model kind 'svm' in field 'kind'; valid kinds: 'least_squares', ...
+    """
+    checked = validate_spec(spec)
+    model: ModelBase
+    if isinstance(checked, LeastSquaresSpec):
+        model = LeastSquares(checked.n_features, fit_intercept=checked.fit_intercept)
+    elif isinstance(checked, LogisticSpec):
+        model = Logistic(checked.n_features, fit_intercept=checked.fit_intercept)
+    elif isinstance(checked, SoftmaxSpec):
+        model = Softmax(checked.n_features, checked.n_classes, fit_intercept=checked.fit_intercept)
+    else:
+        assert isinstance(checked, MLPSpec)
+        model = MLP(checked.layer_sizes, activation=checked.activation)
+    assert isinstance(model, LeastSquares | Logistic | Softmax | MLP)
+    return model

@@ -1,0 +1,18 @@
+"""Sandblaster: distributed batch optimization (L-BFGS, CG, GD) over a sharded parameter server.
+
+DistBelief paper, section 4.2. The coordinator holds scalars only; the vectors live on parameter-server
+shards and model replicas compute the objective portion by portion, with backup copies for stragglers.
+
+Examples
+--------
+>>> import sandblaster
+>>> from models import Logistic
+>>> from storage import load_digits
+>>> X, y = load_digits()
+>>> res = sandblaster.minimize(Logistic(64), (X, (y == 0).astype(float)), l2=1e-3)  # doctest: +SKIP
+"""
+
+from sandblaster._coordinator import IterationRecord
+from sandblaster._minimize import OptimizeResult, SandblasterOptions, minimize
+
+__all__ = ["IterationRecord", "OptimizeResult", "SandblasterOptions", "minimize"]

@@ -1,0 +1,527 @@
+"""``sandblaster.minimize``: the one front door to distributed batch optimization (paper, section 4.2)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import xarray as xr
+from distributed import Client, LocalCluster
+
+from errors import ClusterError, DatasetError, InvalidOptionError, ShardLostError
+from sandblaster._coordinator import Coordinator, IterationRecord
+from sandblaster._linesearch import LBFGSB_FTOL
+from sandblaster._replica import Replica
+from sandblaster._scheduler import PortionScheduler
+from storage import Dataset, ParameterServer
+
+__all__ = ["OptimizeResult", "SandblasterOptions", "minimize", "open_session"]
+
+Method = Literal["lbfgs", "cg", "gd"]
+
+#: How many times a run rolls back to its checkpoint after losing a shard before it gives up.
+MAX_RECOVERIES = 3
+#: Below this many parameters the default is a single shard.
+SHARD_MIN_PARAMS = 1 << 17
+#: Row-parameter products per portion by default (~10 ms of gradient work on one core here).
+PORTION_WORK = 10_000_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandblasterOptions:
+    """Every option of :func:`minimize`, validated (see :func:`minimize` for their meaning)."""
+
+    method: Method = "lbfgs"
+    l2: float = 0.0
+    shards: int | None = None
+    replicas: int | None = None
+    history: int = 10
+    gtol: float = 1e-5
+    ftol: float = LBFGSB_FTOL
+    maxiter: int = 15000
+    maxfev: int = 15000
+    maxls: int = 20
+    portions: int | None = None
+    push_every: int = 4
+    backups: bool = True
+    in_flight: int = 2
+    slowdown: dict[int, float] = field(default_factory=dict)
+    shard_workers: tuple[str, ...] | None = None
+    replica_workers: tuple[str, ...] | None = None
+    step: float = 1.0
+    restart_every: int | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in ("lbfgs", "cg", "gd"):
+            raise InvalidOptionError(f"method must be 'lbfgs', 'cg' or 'gd', got {self.method!r}")
+        _check(self.l2 >= 0 and math.isfinite(self.l2), "l2", self.l2, "a finite number >= 0")
+        for name in ("history", "maxiter", "maxfev", "maxls", "push_every", "in_flight"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                name,
+                value,
+                "an int >= 1",
+            )
+        for name in ("shards", "replicas", "portions", "restart_every"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, int) and value >= 1), name, value, "None or an int >= 1"
+            )
+        _check(self.gtol >= 0 and self.ftol >= 0, "gtol/ftol", (self.gtol, self.ftol), "numbers >= 0")
+        _check(self.step > 0 and math.isfinite(self.step), "step", self.step, "a finite number > 0")
+        _check(self.history <= 1000, "history", self.history, "at most 1000 pairs")
+        _check(
+            isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
+            "checkpoint_every",
+            self.checkpoint_every,
+            "an int >= 0 (0: never)",
+        )
+        for r, factor in self.slowdown.items():
+            _check(factor >= 1.0, f"slowdown[{r}]", factor, "a factor >= 1")
+
+
+def _check(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise InvalidOptionError(f"option {name}={value!r} is invalid: expected {expected}")
+
+
+@dataclass
+class OptimizeResult:
+    """What :func:`minimize` found. Not converging is reported here (``success=False``), not raised.
+
+    Attributes
+    ----------
+    x : numpy.ndarray
+        The solution (gathered from the shards once, at the end).
+    fun : float
+        ``F(x)``.
+    grad_norm : float
+        ``max|grad F(x)|``.
+    nit, nfev : int
+        Iterations and evaluations of F and its gradient (the initial one included).
+    success : bool
+        Whether a convergence test stopped the run.
+    status : int
+        0 converged, 1 iteration or evaluation limit, 2 line search or direction failure, 3 stopped by the
+        callback.
+    message : str
+        Why the run stopped.
+    history : xarray.Dataset
+        One row per iteration: objective, grad_norm, step, nfev, wall_time, portions, backups_issued,
+        backups_won, recomputed, fetches (parameter fetches by replicas), round_trips (coordinator to
+        shards), time_gradient, time_shard_ops, time_coordinator.
+    store : str
+        Where the parameter server's checkpoints are.
+    """
+
+    x: np.ndarray
+    fun: float
+    grad_norm: float
+    nit: int
+    nfev: int
+    success: bool
+    status: int
+    message: str
+    history: xr.Dataset
+    store: str = ""
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return (
+            f"OptimizeResult(fun={self.fun:.10g}, nit={self.nit}, nfev={self.nfev}, success={self.success}, "
+            f"message={self.message!r})"
+        )
+
+
+@contextlib.contextmanager
+def _embedded_client(client: Client | None) -> Iterator[Client]:
+    if client is not None:
+        yield client
+        return
+    n_workers = max(1, min(os.cpu_count() or 1, 4))
+    with (
+        LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            host="127.0.0.1",
+        ) as cluster,
+        Client(cluster, direct_to_workers=True) as embedded,
+    ):
+        yield embedded
+
+
+def _as_dataset(data: Any, store: str) -> Dataset:
+    if isinstance(data, Dataset):
+        return data
+    if isinstance(data, tuple) and len(data) == 2:
+        X, y = data
+        return Dataset.from_arrays(
+            np.asarray(X), np.asarray(y), path=os.path.join(store, "data"), overwrite=True
+        )
+    raise InvalidOptionError("data must be a storage.Dataset or a tuple (X, y) of arrays")
+
+
+def _status_of(success: bool, message: str) -> int:
+    if success:
+        return 0
+    if "maximum" in message:
+        return 1
+    if "callback" in message:
+        return 3
+    return 2
+
+
+def minimize(
+    model: Any,
+    data: Dataset | tuple[np.ndarray, np.ndarray],
+    *,
+    method: Method = "lbfgs",
+    x0: np.ndarray | None = None,
+    l2: float = 0.0,
+    shards: int | None = None,
+    replicas: int | None = None,
+    history: int = 10,
+    gtol: float = 1e-5,
+    ftol: float = LBFGSB_FTOL,
+    maxiter: int = 15000,
+    maxfev: int = 15000,
+    client: Client | None = None,
+    store: str | os.PathLike[str] | None = None,
+    callback: Callable[[IterationRecord], None] | None = None,
+    portions: int | None = None,
+    push_every: int = 4,
+    backups: bool = True,
+    slowdown: dict[int, float] | None = None,
+    shard_workers: Sequence[str] | None = None,
+    replica_workers: Sequence[str] | None = None,
+    seed: int | None = 0,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+) -> OptimizeResult:
+    """Minimize ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2`` with Sandblaster on a Dask cluster.
+
+    The coordinator (this process) holds scalars only; ``x``, the gradient, the direction and the L-BFGS
+    history live on parameter-server shards; replicas compute the data term portion by portion.
+
+    Parameters
+    ----------
+    model : Model
+        Anything with ``n_params``, ``init_params(seed)`` and ``loss_and_grad(w, X, y)`` (sum over rows).
+    data : storage.Dataset or (X, y)
+        Training rows; arrays are first written to a dataset in ``store``.
+    method : {"lbfgs", "cg", "gd"}
+        Vector-free L-BFGS (default), Polak-Ribiere+ CG, or gradient descent with backtracking.
+    x0 : numpy.ndarray, optional
+        Starting point (default ``model.init_params(seed)``).
+    l2 : float
+        L2 regularization, applied on the shards.
+    shards, replicas : int, optional
+        Number of parameter-server shards and model replicas (default: one of each per worker).
+    history : int
+        L-BFGS memory ``m``.
+    gtol, ftol, maxiter, maxfev : float, float, int, int
+        Stop when ``max|g_i| <= gtol``, when the relative decrease of F is ``<= ftol`` (as SciPy's
+        L-BFGS-B), or after ``maxiter`` iterations / ``maxfev`` evaluations.
+    client : distributed.Client, optional
+        The cluster; ``None`` starts an embedded ``LocalCluster`` for this call.
+    store : str or path, optional
+        Directory or URL for the parameter server's checkpoints (default: a temporary directory).
+    callback : callable, optional
+        Called with an :class:`IterationRecord` after every iteration; raising ``StopIteration`` stops
+        the run cleanly (``status=3``).
+    portions : int, optional
+        Portions per evaluation (default: the dataset's portions).
+    push_every : int
+        Replicas push their accumulated gradient every this many portions.
+    backups : bool
+        Give idle replicas backup copies of outstanding portions at the end of a batch.
+    slowdown : dict, optional
+        Fault injection: ``{replica: factor}`` makes a replica ``factor`` times slower.
+    shard_workers, replica_workers : list of str, optional
+        Worker addresses to place shards and replicas on (default: all workers).
+    seed : int, optional
+        Seed of ``model.init_params`` when ``x0`` is not given.
+    checkpoint_every : int
+        Save ``x``, the gradient, the method's history and the run's scalars to ``store`` every this many
+        iterations (0: never). A shard lost with its worker is then rebuilt, every shard is rolled back to
+        the checkpoint, and the run goes on from there.
+    resume : bool
+        Continue the run checkpointed in ``store`` (same model, data and method) instead of starting anew.
+
+    Returns
+    -------
+    OptimizeResult
+
+    Examples
+    --------
+    >>> from models import Logistic
+    >>> from storage import load_digits
+    >>> X, y = load_digits()
+    >>> res = minimize(Logistic(64), (X, (y == 0).astype(float)), l2=1e-3)   # doctest: +SKIP
+    >>> res.success                                                           # doctest: +SKIP
+    True
+    """
+    opts = SandblasterOptions(
+        method=method,
+        l2=l2,
+        shards=shards,
+        replicas=replicas,
+        history=history,
+        gtol=gtol,
+        ftol=ftol,
+        maxiter=maxiter,
+        maxfev=maxfev,
+        portions=portions,
+        push_every=push_every,
+        backups=backups,
+        slowdown=dict(slowdown or {}),
+        shard_workers=tuple(shard_workers) if shard_workers else None,
+        replica_workers=tuple(replica_workers) if replica_workers else None,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+    )
+    if resume and store is None:
+        raise InvalidOptionError("resume=True needs the store= of the run to continue")
+    n = int(model.n_params)
+    if x0 is None:
+        x_start = np.asarray(model.init_params(seed), dtype=np.float64)
+    else:
+        x_start = np.ascontiguousarray(x0, dtype=np.float64).ravel()
+    if x_start.shape != (n,):
+        raise InvalidOptionError(f"x0 has {x_start.size} values but the model has {n} parameters")
+    if not np.all(np.isfinite(x_start)):
+        raise InvalidOptionError("x0 holds NaN or inf values; pass a finite starting point")
+    tmp = None
+    if store is None:
+        tmp = tempfile.TemporaryDirectory(prefix="sandblaster-")
+        store = tmp.name
+    store = str(store)
+    try:
+        with _embedded_client(client) as c:
+            return _run(model, _as_dataset(data, store), x_start, c, store, opts, callback)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+@contextlib.contextmanager
+def open_session(
+    model: Any, dataset: Dataset, client: Client, store: str, opts: SandblasterOptions, *, n: int
+) -> Iterator[Coordinator]:
+    """Shards, replicas and scheduler for one run, wired into a :class:`Coordinator`; torn down on exit."""
+    if hasattr(dataset, "check_model"):
+        dataset.check_model(model)
+    elif dataset.n_features != getattr(model, "n_features", dataset.n_features):
+        raise DatasetError(
+            f"the model expects {model.n_features} features, the data has {dataset.n_features}"
+        )
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    shard_workers = list(opts.shard_workers or workers)
+    replica_workers = list(opts.replica_workers or workers)
+    # Sharding pays once a vector op costs more than the extra round trip per shard (~1-2 ms here): below
+    # ~128 Ki parameters one shard is faster.
+    n_shards = min(opts.shards or (len(shard_workers) if n >= SHARD_MIN_PARAMS else 1), n)
+    n_replicas = opts.replicas or len(replica_workers)
+    n_portions_wanted = opts.portions
+    if n_portions_wanted is None:
+        # Every portion costs about one round trip: make each carry >= ~10 ms of gradient work
+        # (PORTION_WORK row-parameter products), but give every replica a few, for balance and backups.
+        by_work = math.ceil(dataset.n_rows * n / PORTION_WORK)
+        n_portions_wanted = min(dataset.n_portions, max(2 * n_replicas, by_work))
+    if n_portions_wanted != dataset.n_portions:
+        rows = math.ceil(dataset.n_rows / n_portions_wanted)
+        # Portions are whole zarr chunks: round up to the chunk grid (the count may then be a bit lower).
+        rows = math.ceil(rows / dataset.chunk_rows) * dataset.chunk_rows
+        dataset = dataset.with_portion_rows(rows)
+    n_portions = dataset.n_portions
+    params = str(Path(store) / "params")
+    if opts.resume:
+        ps = ParameterServer.open(client, store=params, workers=shard_workers)
+        if ps.n != n or not ps.checkpoint_id:
+            ps.close()
+            raise InvalidOptionError(
+                f"{params!r} holds no checkpoint of a run with {n} parameters; "
+                "start runs with checkpoint_every=k to be able to resume them"
+            )
+    else:
+        ps = ParameterServer.create(
+            client, n, shards=n_shards, store=params, workers=shard_workers, overwrite=True
+        )
+    replica_futures: list[Any] = []
+    try:
+        shard_map = ps.shard_map()
+        blocks = PortionScheduler.initial_blocks(n_portions, n_replicas)
+        for r in range(n_replicas):
+            replica_futures.append(
+                client.submit(
+                    Replica,
+                    r,
+                    model,
+                    dataset,
+                    shard_map,
+                    blocks[r],
+                    opts.slowdown.get(r, 1.0),
+                    actor=True,
+                    workers=[replica_workers[r % len(replica_workers)]],
+                    allow_other_workers=False,
+                    pure=False,
+                )
+            )
+        replicas = [(f.result(), f) for f in replica_futures]
+        scheduler = PortionScheduler(
+            client,
+            replicas,
+            n_portions,
+            push_every=opts.push_every,
+            backups=opts.backups,
+            in_flight=opts.in_flight,
+        )
+        yield Coordinator(
+            ps,
+            scheduler,
+            n_rows=dataset.n_rows,
+            l2=opts.l2,
+            checkpoint_every=opts.checkpoint_every,
+            method=opts.method,
+        )
+    finally:
+        for f in replica_futures:
+            with contextlib.suppress(Exception):
+                f.release()
+        ps.close()
+
+
+def _run(
+    model: Any,
+    dataset: Dataset,
+    x_start: np.ndarray,
+    client: Client,
+    store: str,
+    opts: SandblasterOptions,
+    callback: Callable[[IterationRecord], None] | None,
+) -> OptimizeResult:
+    t_start = time.perf_counter()
+    n = x_start.size
+    with open_session(model, dataset, client, store, opts, n=n) as coord:
+        ps, scheduler = coord.ps, coord.scheduler
+        resume_meta: dict[str, Any] | None = None
+        if opts.resume:
+            resume_meta = coord.resume_from(ps.checkpoint_meta)
+        else:
+            ps.scatter(coord.state.x, x_start)
+        ps.stats.reset()
+        recoveries = 0
+        while True:
+            try:
+                if resume_meta is None:
+                    coord.start()
+                success, message = _run_method(coord, opts, n, callback, resume_meta)
+                break
+            except StopIteration:
+                success, message = False, "stopped by the callback"
+                break
+            except (ShardLostError, ClusterError) as exc:
+                lost = exc if isinstance(exc, ShardLostError) else _probe_shards(ps)
+                if lost is None or not lost.restored or recoveries >= MAX_RECOVERIES:
+                    raise
+                # A shard came back from the last checkpoint: bring the others back to it too, go on.
+                recoveries += 1
+                ps.rollback()
+                resume_meta = coord.resume_from(ps.checkpoint_meta)
+        # Counted before the final gather: during the run the coordinator only ever received scalars.
+        stats = {
+            "round_trips": ps.stats.round_trips,
+            "max_values_received": ps.stats.max_received,
+            "values_received": ps.stats.values_received,
+            "lost_replicas": list(scheduler.lost_replicas),
+            "shards": ps.shards,
+            "replicas": len(scheduler.replicas),
+            "portions": scheduler.n_portions,
+            "recoveries": recoveries,
+        }
+        x = ps.gather(coord.state.x)
+        stats["wall_s"] = time.perf_counter() - t_start
+        return OptimizeResult(
+            x=x,
+            fun=coord.state.f,
+            grad_norm=coord.state.g_inf,
+            nit=coord.state.nit,
+            nfev=coord.state.nfev,
+            success=success,
+            status=_status_of(success, message),
+            message=message,
+            history=_history(coord.state.records),
+            store=ps.url,
+            stats=stats,
+        )
+
+
+def _run_method(
+    coord: Coordinator,
+    opts: SandblasterOptions,
+    n: int,
+    callback: Callable[[IterationRecord], None] | None,
+    resume: dict[str, Any] | None,
+) -> tuple[bool, str]:
+    if opts.method == "lbfgs":
+        return coord.run_lbfgs(
+            m=opts.history,
+            gtol=opts.gtol,
+            ftol=opts.ftol,
+            maxiter=opts.maxiter,
+            maxfev=opts.maxfev,
+            maxls=opts.maxls,
+            callback=callback,
+            resume=resume,
+        )
+    if opts.method == "cg":
+        return coord.run_cg(
+            gtol=opts.gtol,
+            ftol=opts.ftol,
+            maxiter=opts.maxiter,
+            maxfev=opts.maxfev,
+            maxls=opts.maxls,
+            restart_every=opts.restart_every or n,
+            callback=callback,
+        )
+    return coord.run_gd(
+        gtol=opts.gtol,
+        ftol=opts.ftol,
+        maxiter=opts.maxiter,
+        maxfev=opts.maxfev,
+        step=opts.step,
+        callback=callback,
+    )
+
+
+def _probe_shards(ps: ParameterServer) -> ShardLostError | None:
+    """Ping every shard: a lost one is rebuilt from the checkpoint, and its error returned."""
+    try:
+        ps.ping()
+    except ShardLostError as lost:
+        return lost
+    return None
+
+
+def _history(records: list[IterationRecord]) -> xr.Dataset:
+    rows = [asdict(r) for r in records]
+    if not rows:
+        return xr.Dataset(coords={"iteration": np.arange(0)})
+    columns = {k: np.array([row[k] for row in rows]) for k in rows[0] if k != "iteration"}
+    return xr.Dataset(
+        {k: ("iteration", v) for k, v in columns.items()},
+        coords={"iteration": np.array([row["iteration"] for row in rows])},
+    )

@@ -1,0 +1,291 @@
+"""Sandblaster's portion scheduler: load balancing, backup copies and exactly-once counting (section 4.2).
+
+One *evaluation* (the objective and its gradient at one point) is split into many more portions than
+replicas. Each replica has a queue of the portions it read last time (data affinity) and takes work from it
+in chunks that shrink as the batch drains (guided self-scheduling: few round trips early, fine balance
+late); a replica whose queue is empty steals from the back of the longest other queue, so fast replicas do
+more. When nothing is left to hand out, idle replicas get *backup copies* of portions still being computed
+elsewhere (like MapReduce's backup tasks); the first result wins and the other is dropped.
+
+Exactly once: a replica pushes a work call's gradient to every shard before it reports, so a reported
+portion is on the shards. The coordinator counts the loss of the first report of each portion; the shards
+count each portion's gradient once (``Shard.accumulate``: backup copies and recomputations are pushed solo
+and dropped where a summed push covers them). A replica that dies loses only what it had not reported:
+those portions are recomputed elsewhere and pushed solo, so a shard that already got part of the lost
+replica's last push does not count them twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed import Client, Future
+from distributed.utils import sync
+
+from errors import ClusterError
+
+__all__ = ["EvaluationStats", "PortionScheduler"]
+
+_POLL = 0.25
+_LOSS_GRACE = 10.0
+_DEAD = ("error", "lost", "cancelled")
+
+
+@dataclass
+class EvaluationStats:
+    """What one evaluation cost."""
+
+    loss_sum: float = 0.0
+    rows: int = 0
+    portions: int = 0
+    backups_issued: int = 0
+    backups_won: int = 0
+    recomputed: int = 0
+    work_calls: int = 0
+    fetches: int = 0
+    compute_s: float = 0.0
+    wall_s: float = 0.0
+    per_replica: dict[int, int] = field(default_factory=dict)
+
+
+class PortionScheduler:
+    """Hands portions of one evaluation to replica actors; see the module docstring.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        The coordinator's client (its event loop runs the scheduling).
+    replicas : list of (Actor, Future)
+        The replica actors and the futures that hold them (to notice a dead worker).
+    n_portions : int
+        Portions per evaluation.
+    push_every : int
+        A replica pushes its accepted gradient every this many portions.
+    backups : bool
+        Duplicate outstanding portions onto idle replicas near the end of a batch.
+    in_flight : int
+        Work calls outstanding per replica, so a replica never idles for a round trip.
+    backup_after : float
+        A portion is overdue, and worth a backup copy, once it has taken this many times the typical
+        time per portion (the fastest replicas' recent pace) times the work queued ahead of it.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        replicas: list[tuple[Any, Future]],
+        n_portions: int,
+        *,
+        push_every: int = 4,
+        backups: bool = True,
+        in_flight: int = 2,
+        backup_after: float = 2.0,
+    ) -> None:
+        self.client = client
+        self.replicas = list(replicas)
+        self.alive = [True] * len(replicas)
+        self.n_portions = n_portions
+        self.push_every = push_every
+        self.backups = backups
+        self.in_flight = in_flight
+        self.backup_after = backup_after
+        #: Typical wall time per portion (a fast replica's pace), learned from reports.
+        self._portion_wall: float | None = None
+        # Data affinity: replica r starts with the r-th contiguous block of portions, then keeps the
+        # portions it computed (and so has in memory) for the next evaluation.
+        r_count = len(replicas)
+        self.home: list[list[int]] = [
+            list(range(r * n_portions // r_count, (r + 1) * n_portions // r_count)) for r in range(r_count)
+        ]
+        self.lost_replicas: list[int] = []
+
+    @staticmethod
+    def initial_blocks(n_portions: int, n_replicas: int) -> list[list[int]]:
+        """The contiguous block of portions each replica starts with (and preloads)."""
+        return [
+            list(range(r * n_portions // n_replicas, (r + 1) * n_portions // n_replicas))
+            for r in range(n_replicas)
+        ]
+
+    def evaluate(self, eval_id: int, x_name: str, acc_name: str) -> EvaluationStats:
+        """Run one evaluation at the parameters ``x_name``; gradients are summed into ``acc_name``."""
+        loop = self.client.loop
+        assert loop is not None
+        result: EvaluationStats = sync(loop, self._evaluate, eval_id, x_name, acc_name)
+        return result
+
+    async def _confirm_dead(self, r: int, exc: BaseException) -> bool:
+        """Whether replica ``r``'s worker died (a connection error may come before the scheduler knows)."""
+        if self._dead(r):
+            return True
+        if not isinstance(exc, OSError):
+            return False
+        deadline = time.perf_counter() + _LOSS_GRACE
+        while time.perf_counter() < deadline:
+            await asyncio.sleep(_POLL)
+            if self._dead(r):
+                return True
+        return False
+
+    def _dead(self, r: int) -> bool:
+        return self.replicas[r][1].status in _DEAD
+
+    async def _evaluate(self, eval_id: int, x_name: str, acc_name: str) -> EvaluationStats:
+        t_start = time.perf_counter()
+        stats = EvaluationStats()
+        live = [r for r in range(len(self.replicas)) if self.alive[r]]
+        if not live:
+            raise ClusterError("every Sandblaster replica was lost; restart workers and resume the run")
+        queues: dict[int, deque[int]] = {r: deque(self.home[r]) for r in live}
+        orphans = [p for r in range(len(self.replicas)) if not self.alive[r] for p in self.home[r]]
+        for k, p in enumerate(orphans):
+            queues[live[k % len(live)]].append(p)
+        solo_queue: deque[int] = deque()  # recomputations after a replica was lost: pushed solo
+        reported: set[int] = set()  # portions whose loss is counted
+        on_shards: set[int] = set()  # portions whose gradient every shard holds
+        copies: dict[int, set[int]] = {}  # portion -> replicas computing it now
+        work: dict[asyncio.Future[Any], tuple[int, list[int], bool]] = {}
+        computed_by: dict[int, list[int]] = {r: [] for r in live}
+
+        def outstanding(r: int) -> int:
+            return sum(1 for rr, _, _ in work.values() if rr == r)
+
+        def next_assignment(r: int) -> tuple[list[int], bool]:
+            if solo_queue:
+                return [solo_queue.popleft()], True
+            left = sum(len(q) for q in queues.values())
+            n_live = sum(self.alive)
+            # Guided self-scheduling: big chunks early (few round trips), small ones late (balance).
+            chunk = min(self.push_every, max(1, math.ceil(left / (2 * n_live))))
+            if queues[r]:
+                return [queues[r].popleft() for _ in range(min(chunk, len(queues[r])))], False
+            donors = sorted((q for x, q in queues.items() if x != r and self.alive[x]), key=len, reverse=True)
+            if donors and donors[0]:
+                return [donors[0].pop() for _ in range(min(chunk, len(donors[0])))][::-1], False
+            if self.backups and outstanding(r) == 0:
+                # Nothing left to hand out: back up a portion that is overdue on another replica (like
+                # MapReduce's backup tasks; a copy of a portion about to finish would only add load).
+                now = time.perf_counter()
+                candidates = [
+                    p
+                    for p, who in copies.items()
+                    if p not in on_shards and who and r not in who and due.get(p, math.inf) <= now
+                ]
+                if candidates:
+                    p = min(candidates, key=lambda q: (len(copies[q]), q))
+                    stats.backups_issued += 1
+                    backups.add((r, p))
+                    return [p], True
+            return [], False
+
+        backups: set[tuple[int, int]] = set()
+
+        due: dict[int, float] = {}  # portion -> when a backup copy of it becomes worth starting
+        sent_at: dict[asyncio.Future[Any], float] = {}
+
+        def send(r: int, portions: list[int], solo: bool) -> None:
+            call = self.replicas[r][0].work(eval_id, x_name, acc_name, portions, solo)
+            fut = asyncio.ensure_future(call._result())
+            work[fut] = (r, portions, solo)
+            now = time.perf_counter()
+            sent_at[fut] = now
+            # Calls queue on a replica: count the work already in flight there.
+            ahead = sum(len(pp) for rr, pp, _ in work.values() if rr == r)
+            expected = (self._portion_wall or math.inf) * ahead
+            for p in portions:
+                copies.setdefault(p, set()).add(r)
+                due.setdefault(p, now + self.backup_after * expected)
+            stats.work_calls += 1
+
+        def lose(r: int) -> None:
+            """Replica ``r`` died: what it computed but had not reported is recomputed, solo."""
+            if not self.alive[r]:
+                return
+            self.alive[r] = False
+            self.lost_replicas.append(r)
+            if not any(self.alive[x] for x in live):
+                raise ClusterError("every Sandblaster replica was lost; restart workers and resume the run")
+            for fut, (rr, _, _) in list(work.items()):
+                if rr == r:
+                    fut.cancel()
+                    work.pop(fut)
+            survivors = [x for x in live if self.alive[x]]
+            for k, p in enumerate(queues.pop(r, deque())):
+                queues[survivors[k % len(survivors)]].append(p)
+            for p, who in copies.items():
+                who.discard(r)
+                if not who and p not in on_shards and p not in solo_queue:
+                    # It may have reached some shards before the worker died: re-send it solo.
+                    solo_queue.append(p)
+                    stats.recomputed += 1
+
+        while len(on_shards) < self.n_portions:
+            for r in live:
+                if self.alive[r] and self._dead(r):
+                    lose(r)
+            for r in live:
+                while self.alive[r] and outstanding(r) < self.in_flight:
+                    portions, solo = next_assignment(r)
+                    if not portions:
+                        break
+                    send(r, portions, solo)
+            if not work:
+                raise ClusterError("no replica could take work; check that the replicas' workers are alive")
+            timeout = _POLL
+            if self.backups and any(outstanding(r) == 0 for r in live if self.alive[r]):
+                waiting = [due[p] for p in copies if p not in on_shards and p in due]
+                if waiting:
+                    timeout = min(_POLL, max(1e-3, min(waiting) - time.perf_counter()))
+            done, _ = await asyncio.wait(list(work), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                if fut not in work:
+                    continue  # cancelled by lose() while we waited
+                r, portions, solo = work.pop(fut)
+                exc = fut.exception()
+                if exc is not None:
+                    if await self._confirm_dead(r, exc):
+                        lose(r)
+                        continue
+                    raise ClusterError(
+                        f"replica {r} failed while computing portions {portions}: {exc!r}"
+                    ) from exc
+                report = fut.result()
+                elapsed = (time.perf_counter() - sent_at.pop(fut, time.perf_counter())) / max(
+                    1, len(portions)
+                )
+                if not solo:
+                    self._portion_wall = (
+                        elapsed
+                        if self._portion_wall is None
+                        else min(elapsed, 0.5 * (self._portion_wall + elapsed))
+                    )
+                stats.compute_s += report["compute_s"]
+                stats.fetches += int(report["fetched"])
+                for p, loss, rows in report["results"]:
+                    copies.get(p, set()).discard(r)
+                    if p not in reported:
+                        # First result wins: the loss is counted once; the shards dedupe the gradient.
+                        reported.add(p)
+                        stats.loss_sum += loss
+                        stats.rows += rows
+                        computed_by[r].append(p)
+                        stats.backups_won += int((r, p) in backups)
+                    on_shards.add(p)
+        # Work still running (backup copies on stragglers) is not waited for: the shards refuse its pushes
+        # once the next evaluation opens.
+        for fut in work:
+            fut.cancel()
+        for r in live:
+            if self.alive[r]:
+                self.home[r] = sorted(computed_by[r])
+                stats.per_replica[r] = len(computed_by[r])
+            else:
+                self.home[r] = []
+        stats.portions = self.n_portions
+        stats.wall_s = time.perf_counter() - t_start
+        return stats

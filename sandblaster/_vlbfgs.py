@@ -1,0 +1,544 @@
+"""Vector-free L-BFGS: the two-loop recursion run on a small matrix of dot products (DistBelief, section 4.2).
+
+Sandblaster's coordinator cannot touch vectors (DistBelief, section 4.2 and appendix: "a sequence of
+scalar-vector products and vector-vector inner products" done by the parameter-server shards). VL-BFGS
+(Chen, Wang & Zhou, "Large-scale L-BFGS using MapReduce", NIPS 2014, Algorithm 3) makes the L-BFGS direction
+fit that model: with base vectors ``b = [s_1..s_k, y_1..y_k, g]`` (oldest to newest) the direction is
+``d = sum_j delta_j b_j``, and the coefficients ``delta`` follow from the Gram matrix ``B_ij = b_i . b_j``
+alone. Only the entries that involve the newest pair and the new gradient change from one iteration to
+the next, so each iteration costs one batched ``dots`` round trip (``6k`` scalars for ``k`` pairs) and one
+``lincomb`` on the shards, whatever ``k``.
+
+:class:`VLBFGSHistory` is the coordinator-side state: slot names, the cached Gram entries, the curvature
+check and the recursion. :func:`minimize_lbfgs_reference` drives it with in-memory numpy vectors through the
+same protocol, and reproduces SciPy's ``L-BFGS-B`` on unconstrained problems (same line search, initial
+step, stopping rules, and restart after a failed line search; Byrd, Lu, Nocedal & Zhu 1995).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from errors import DatasetError, InvalidOptionError, ProtocolError
+from sandblaster._linesearch import (
+    LBFGSB_C1,
+    LBFGSB_C2,
+    LBFGSB_FTOL,
+    LBFGSB_STPMAX,
+    LBFGSB_XTOL,
+    ReferenceResult,
+    StrongWolfeLineSearch,
+    lbfgsb_initial_step,
+    relative_reduction_converged,
+)
+
+__all__ = [
+    "CURVATURE_EPS",
+    "VLBFGSHistory",
+    "minimize_lbfgs_reference",
+    "two_loop_reference",
+    "vlbfgs_coefficients",
+]
+
+#: Default relative threshold of the curvature check ``s.y > eps * y.y``.
+CURVATURE_EPS = float(np.finfo(np.float64).eps)
+
+DotKey = tuple[str, str]
+
+
+def _key(a: str, b: str) -> DotKey:
+    # Dot products are symmetric: store each unordered pair once.
+    return (a, b) if a <= b else (b, a)
+
+
+def vlbfgs_coefficients(gram: np.ndarray) -> np.ndarray:
+    """The VL-BFGS recursion: coefficients ``delta`` with ``d = sum_j delta_j b_j = -H g``.
+
+    Chen, Wang & Zhou (NIPS 2014), Algorithm 3, i.e. the L-BFGS two-loop recursion (Nocedal & Wright,
+    Algorithm 7.4) with every inner product read from the Gram matrix of the base vectors
+    ``[s_1..s_k, y_1..y_k, g]`` (oldest to newest). The initial Hessian is ``gamma * I`` with
+    ``gamma = s_k.y_k / y_k.y_k`` of the newest pair.
+
+    Parameters
+    ----------
+    gram : numpy.ndarray
+        Symmetric ``(2k+1, 2k+1)`` matrix of dot products, ``k >= 0``.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``delta`` of length ``2k+1``; with ``k = 0`` it is ``[-1]`` (steepest descent).
+
+    Examples
+    --------
+    >>> s, y, g = np.array([1.0, 0.0]), np.array([2.0, 0.0]), np.array([4.0, 2.0])
+    >>> base = np.stack([s, y, g])
+    >>> delta = vlbfgs_coefficients(base @ base.T)
+    >>> delta @ base       # Newton step along s (curvature 2), gamma = 0.5 scaling across it
+    array([-2., -1.])
+    """
+    n = gram.shape[0]
+    if gram.ndim != 2 or gram.shape[1] != n or n % 2 != 1:
+        raise InvalidOptionError(f"gram must be a square (2k+1)x(2k+1) matrix, got shape {gram.shape}")
+    k = (n - 1) // 2
+    delta = np.zeros(n)
+    delta[2 * k] = -1.0
+    if k == 0:
+        return delta
+    alpha = np.zeros(k)
+    for i in range(k - 1, -1, -1):
+        alpha[i] = (delta @ gram[:, i]) / gram[i, k + i]
+        delta[k + i] -= alpha[i]
+    delta *= gram[k - 1, 2 * k - 1] / gram[2 * k - 1, 2 * k - 1]
+    for i in range(k):
+        beta = (delta @ gram[k + i, :]) / gram[i, k + i]
+        delta[i] += alpha[i] - beta
+    return delta
+
+
+def two_loop_reference(
+    g: np.ndarray, s_list: Sequence[np.ndarray], y_list: Sequence[np.ndarray]
+) -> np.ndarray:
+    """Classic L-BFGS two-loop recursion on vectors: ``d = -H g`` (Nocedal & Wright, Algorithm 7.4).
+
+    The oracle for :class:`VLBFGSHistory`. Pairs are ordered oldest to newest; ``H_0 = gamma * I`` with
+    ``gamma = s.y / y.y`` of the newest pair, and ``d = -g`` without pairs.
+
+    Examples
+    --------
+    >>> two_loop_reference(np.array([4.0, 2.0]), [np.array([1.0, 0.0])], [np.array([2.0, 0.0])])
+    array([-2., -1.])
+    """
+    if len(s_list) != len(y_list):
+        raise InvalidOptionError(f"need as many s as y vectors, got {len(s_list)} and {len(y_list)}")
+    q = np.array(g, dtype=np.float64, copy=True)
+    k = len(s_list)
+    rho = [1.0 / float(s_list[i] @ y_list[i]) for i in range(k)]
+    alpha = [0.0] * k
+    for i in range(k - 1, -1, -1):
+        alpha[i] = rho[i] * float(s_list[i] @ q)
+        q -= alpha[i] * y_list[i]
+    if k:
+        q *= float(s_list[-1] @ y_list[-1]) / float(y_list[-1] @ y_list[-1])
+    for i in range(k):
+        beta = rho[i] * float(y_list[i] @ q)
+        q += (alpha[i] - beta) * s_list[i]
+    return -q
+
+
+class VLBFGSHistory:
+    """Coordinator-side L-BFGS memory that only ever sees names and dot products.
+
+    The shards hold the vectors; this object decides which named slot receives the next ``(s, y)`` pair,
+    which dot products the shards must return, whether a pair passes the curvature check, and the
+    coefficients of the new direction.
+
+    Parameters
+    ----------
+    m : int
+        Number of pairs kept (SciPy's ``maxcor``).
+    curvature_eps : float
+        A pair is kept only if ``s.y > curvature_eps * y.y`` (which guarantees a positive definite
+        update); otherwise it is skipped and the memory is unchanged.
+    prefix : str
+        Prefix of the slot names: ``"{prefix}s0"``, ``"{prefix}y0"``, ...
+
+    Notes
+    -----
+    There are ``m + 1`` slots: ``s0..s{m}`` and ``y0..y{m}``. A new pair always goes into a free slot, so
+    a pair that then fails the curvature check (known only once its dot products are back) never
+    destroys a kept pair; when an accepted pair makes ``m + 1``, the oldest one is dropped and its slot
+    becomes the free one. The price is two extra vectors on the shards.
+
+    One iteration of the protocol (after the line search accepted ``x + t*d`` with gradient ``g_new``)::
+
+        s_name, y_name = hist.push_pair()          # shards: s_name = t*d ; y_name = g_new - g
+        pairs = hist.dot_requests("g")             # after the shards renamed g_new to "g"
+        hist.update_dots(shards.dots(pairs))       # one round trip; runs the curvature check
+        shards.lincomb("d", hist.direction_coefficients())
+
+    On the first iteration skip ``push_pair``. Per iteration the requests are exactly:
+
+    * no new pair, ``k`` pairs kept: ``2k + 1`` (the new gradient against every base vector);
+    * with a new pair and ``k < m`` pairs kept before it: ``6(k+1)``, all the new entries of the
+      ``(2k+3)``-square Gram matrix, each symmetric entry once;
+    * with a new pair and a full memory (``k = m``): ``6m + 2``; the new pair is not dotted with the
+      oldest pair, which it evicts, but ``g`` is, in case the new pair is skipped.
+
+    Examples
+    --------
+    >>> hist = VLBFGSHistory(3)
+    >>> vec = {"g": np.array([4.0, 2.0])}
+    >>> hist.update_dots([float(vec[a] @ vec[b]) for a, b in hist.dot_requests("g")])
+    >>> hist.direction_coefficients()                   # no pairs: steepest descent
+    [(-1.0, 'g')]
+    >>> s, y = hist.push_pair()                         # the shards would write s = t*d, y = g_new - g
+    >>> vec[s], vec[y], vec["g"] = np.array([1.0, 0.0]), np.array([2.0, 0.0]), np.array([2.0, 2.0])
+    >>> req = hist.dot_requests("g")
+    >>> len(req)
+    6
+    >>> hist.update_dots([float(vec[a] @ vec[b]) for a, b in req])
+    True
+    >>> sum(c * vec[name] for c, name in hist.direction_coefficients())
+    array([-1., -1.])
+    """
+
+    def __init__(self, m: int, *, curvature_eps: float = CURVATURE_EPS, prefix: str = "") -> None:
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise InvalidOptionError(f"m (the number of stored pairs) must be an int >= 1, got {m!r}; try 10")
+        if not (math.isfinite(curvature_eps) and curvature_eps >= 0.0):
+            raise InvalidOptionError(f"curvature_eps must be a finite number >= 0, got {curvature_eps!r}")
+        self._m = m
+        self._eps = float(curvature_eps)
+        self._s_names = tuple(f"{prefix}s{i}" for i in range(m + 1))
+        self._y_names = tuple(f"{prefix}y{i}" for i in range(m + 1))
+        self._live: list[int] = []  # slot indices of the kept pairs, oldest first
+        self._pending: int | None = None
+        self._dots: dict[DotKey, float] = {}
+        self._requested: list[DotKey] | None = None
+        self._request_grad: str | None = None
+        self._grad: str | None = None  # gradient name whose dots are in the cache
+        self._grad_fresh = False  # False from push_pair() until the new gradient's dots arrive
+        self._last_accepted: bool | None = None
+
+    # -- introspection -------------------------------------------------------------------------------
+    @property
+    def m(self) -> int:
+        """Maximum number of kept pairs."""
+        return self._m
+
+    @property
+    def n_pairs(self) -> int:
+        """Number of kept pairs (the pending one excluded)."""
+        return len(self._live)
+
+    @property
+    def slot_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """All ``s`` and all ``y`` slot names the shards may be asked to hold (``m + 1`` each)."""
+        return self._s_names, self._y_names
+
+    @property
+    def pair_names(self) -> list[tuple[str, str]]:
+        """``(s_name, y_name)`` of the kept pairs, oldest first."""
+        return [(self._s_names[i], self._y_names[i]) for i in self._live]
+
+    @property
+    def last_pair_accepted(self) -> bool | None:
+        """Whether the last pushed pair passed the curvature check (``None`` before any decision)."""
+        return self._last_accepted
+
+    def base_names(self) -> list[str]:
+        """Names of the base vectors ``[s_1..s_k, y_1..y_k, g]``, in the order of the Gram matrix."""
+        if self._grad is None:
+            raise ProtocolError("no gradient dots yet: call dot_requests() and update_dots() first")
+        return [self._s_names[i] for i in self._live] + [self._y_names[i] for i in self._live] + [self._grad]
+
+    def dot_matrix(self) -> np.ndarray:
+        """The ``(2k+1)``-square Gram matrix of :meth:`base_names`, from the cached dot products."""
+        names = self.base_names()
+        n = len(names)
+        gram = np.empty((n, n))
+        for i in range(n):
+            for j in range(i, n):
+                gram[i, j] = gram[j, i] = self._dots[_key(names[i], names[j])]
+        return gram
+
+    # -- protocol ------------------------------------------------------------------------------------
+    def push_pair(self) -> tuple[str, str]:
+        """Reserve the slot for a new ``(s, y)`` pair and return its ``(s_name, y_name)``.
+
+        The caller stores ``s = x_new - x`` (``t*d``) and ``y = g_new - g`` under these names, then calls
+        :meth:`dot_requests` and :meth:`update_dots`, which keep or skip the pair.
+        """
+        if self._requested is not None:
+            raise ProtocolError("dot products were requested but not delivered: call update_dots() first")
+        if self._pending is not None:
+            raise ProtocolError("a pair is already pending: call dot_requests() and update_dots() first")
+        used = set(self._live)
+        slot = next(i for i in range(self._m + 1) if i not in used)
+        self._pending = slot
+        self._drop_slot_dots(slot)
+        self._grad_fresh = False  # the gradient changed along with the new pair
+        return self._s_names[slot], self._y_names[slot]
+
+    def dot_requests(self, grad_name: str) -> list[tuple[str, str]]:
+        """The pairs of vector names whose dot products the shards must return now (new entries only).
+
+        Parameters
+        ----------
+        grad_name : str
+            Name of the current gradient on the shards.
+
+        Returns
+        -------
+        list of (str, str)
+            Each unordered pair once; deliver the values in this order to :meth:`update_dots`.
+        """
+        if not isinstance(grad_name, str) or not grad_name:
+            raise InvalidOptionError(f"grad_name must be a non-empty string, got {grad_name!r}")
+        if grad_name in self._s_names or grad_name in self._y_names:
+            raise InvalidOptionError(
+                f"grad_name {grad_name!r} collides with a history slot name; use another name or a prefix"
+            )
+        requests: list[DotKey] = []
+        p = self._pending
+        if p is not None:
+            sp, yp = self._s_names[p], self._y_names[p]
+            # The oldest pair is about to be evicted if the new one is accepted into a full memory.
+            survivors = self._live[1:] if len(self._live) == self._m else self._live
+            for j in survivors:
+                sj, yj = self._s_names[j], self._y_names[j]
+                requests += [(sp, sj), (sp, yj), (yp, sj), (yp, yj)]
+            requests += [(sp, sp), (sp, yp), (yp, yp)]
+        # The gradient is new every iteration: dot it with everything that may be a base vector.
+        slots = [*self._live, p] if p is not None else list(self._live)
+        for j in slots:
+            requests += [(grad_name, self._s_names[j]), (grad_name, self._y_names[j])]
+        requests.append((grad_name, grad_name))
+        self._requested = requests
+        self._request_grad = grad_name
+        return list(requests)
+
+    def update_dots(self, values: Sequence[float] | Mapping[tuple[str, str], float]) -> bool | None:
+        """Store the dot products asked for by :meth:`dot_requests`; decide on a pending pair.
+
+        Parameters
+        ----------
+        values : sequence of float or mapping
+            The values in request order, or a mapping from name pairs (either order) to values.
+
+        Returns
+        -------
+        bool or None
+            For a pending pair: True if kept, False if skipped by the curvature check; None otherwise.
+        """
+        requests, grad = self._requested, self._request_grad
+        if requests is None or grad is None:
+            raise ProtocolError("update_dots() without a matching dot_requests(): ask for the pairs first")
+        if isinstance(values, Mapping):
+            got: list[float] = []
+            for a, b in requests:
+                if (a, b) in values:
+                    got.append(float(values[(a, b)]))
+                elif (b, a) in values:
+                    got.append(float(values[(b, a)]))
+                else:
+                    raise ProtocolError(f"the dot product {(a, b)} was requested but not delivered")
+        else:
+            got = [float(v) for v in values]
+            if len(got) != len(requests):
+                raise ProtocolError(f"expected {len(requests)} dot products (as requested), got {len(got)}")
+        bad = [pair for pair, v in zip(requests, got, strict=True) if not math.isfinite(v)]
+        if bad:
+            raise DatasetError(
+                f"non-finite dot products for {bad[:3]}: the gradient (or a stored pair) holds NaN/inf; "
+                "check the data for NaN/inf and lower the step or regularize the model"
+            )
+        # Dots with the previous gradient name(s) are stale once a new gradient arrives.
+        for key in [k for k in self._dots if grad in k or (self._grad is not None and self._grad in k)]:
+            del self._dots[key]
+        for (a, b), v in zip(requests, got, strict=True):
+            self._dots[_key(a, b)] = v
+        self._requested = None
+        self._request_grad = None
+        self._grad = grad
+        self._grad_fresh = True
+
+        p = self._pending
+        if p is None:
+            return None
+        self._pending = None
+        sp, yp = self._s_names[p], self._y_names[p]
+        sy, yy = self._dots[_key(sp, yp)], self._dots[_key(yp, yp)]
+        accepted = sy > self._eps * yy and yy > 0.0
+        if accepted:
+            if len(self._live) == self._m:
+                self._drop_slot_dots(self._live.pop(0))
+            self._live.append(p)
+        else:
+            self._drop_slot_dots(p)
+        self._last_accepted = accepted
+        return accepted
+
+    def direction_coefficients(self) -> list[tuple[float, str]]:
+        """``[(delta_j, name_j)]`` such that ``d = sum_j delta_j * name_j`` is the L-BFGS direction ``-H g``.
+
+        Without pairs this is ``[(-1.0, grad_name)]``, steepest descent (the line search scales the
+        first step, as L-BFGS-B does).
+        """
+        if self._requested is not None or self._pending is not None or not self._grad_fresh:
+            raise ProtocolError(
+                "the gradient's dot products are not up to date: call dot_requests() and update_dots() first"
+            )
+        delta = vlbfgs_coefficients(self.dot_matrix())
+        return [(float(c), name) for c, name in zip(delta, self.base_names(), strict=True)]
+
+    def reset(self) -> None:
+        """Forget every pair (L-BFGS-B's restart after a failed line search); gradient dots are kept."""
+        if self._requested is not None:
+            raise ProtocolError("dot products were requested but not delivered: call update_dots() first")
+        for slot in [*self._live, *([self._pending] if self._pending is not None else [])]:
+            self._drop_slot_dots(slot)
+        self._live = []
+        self._pending = None
+
+    def to_state(self) -> dict[str, Any]:
+        """A JSON-able snapshot (for checkpoints); :meth:`from_state` rebuilds an equal object.
+
+        Examples
+        --------
+        >>> h = VLBFGSHistory(3)
+        >>> VLBFGSHistory.from_state(h.to_state()).m
+        3
+        """
+        return {
+            "m": self._m,
+            "eps": self._eps,
+            "s_names": list(self._s_names),
+            "y_names": list(self._y_names),
+            "live": list(self._live),
+            "pending": self._pending,
+            "dots": [[a, b, v] for (a, b), v in self._dots.items()],
+            "requested": None if self._requested is None else [list(k) for k in self._requested],
+            "request_grad": self._request_grad,
+            "grad": self._grad,
+            "grad_fresh": self._grad_fresh,
+            "last_accepted": self._last_accepted,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> VLBFGSHistory:
+        """Inverse of :meth:`to_state`."""
+        hist = cls(int(state["m"]), curvature_eps=float(state["eps"]))
+        hist._s_names = tuple(state["s_names"])
+        hist._y_names = tuple(state["y_names"])
+        hist._live = [int(i) for i in state["live"]]
+        hist._pending = None if state["pending"] is None else int(state["pending"])
+        hist._dots = {_key(str(a), str(b)): float(v) for a, b, v in state["dots"]}
+        requested = state["requested"]
+        hist._requested = None if requested is None else [(str(a), str(b)) for a, b in requested]
+        hist._request_grad = state["request_grad"]
+        hist._grad = state["grad"]
+        hist._grad_fresh = bool(state["grad_fresh"])
+        hist._last_accepted = state["last_accepted"]
+        return hist
+
+    def _drop_slot_dots(self, slot: int) -> None:
+        names = (self._s_names[slot], self._y_names[slot])
+        for key in [k for k in self._dots if k[0] in names or k[1] in names]:
+            del self._dots[key]
+
+
+def _check_objective(f: float, g: np.ndarray, where: str) -> None:
+    if not (math.isfinite(f) and np.all(np.isfinite(g))):
+        raise DatasetError(f"the objective or its gradient is not finite at {where}; check the data and x0")
+
+
+def minimize_lbfgs_reference(
+    fun_and_grad: Callable[[np.ndarray], tuple[float, np.ndarray]],
+    x0: np.ndarray,
+    *,
+    m: int = 10,
+    gtol: float = 1e-5,
+    ftol: float = LBFGSB_FTOL,
+    maxiter: int = 15000,
+    maxls: int = 20,
+    c1: float = LBFGSB_C1,
+    c2: float = LBFGSB_C2,
+) -> ReferenceResult:
+    """In-memory L-BFGS through the same scalar protocol as the coordinator (oracle and test bed).
+
+    Vectors live in a dict standing in for the shards; the algorithm only touches them through
+    :class:`VLBFGSHistory` requests, dot products, ``lincomb`` and ``x + t*d``. Matches SciPy's
+    ``minimize(method="L-BFGS-B", options={"maxcor": m, "gtol": gtol, "ftol": ftol})`` without bounds:
+    Moré-Thuente search with L-BFGS-B's constants, first step ``1/||d||``, stop on
+    ``max|g_i| <= gtol`` or a relative decrease ``<= ftol``, and on a failed line search drop the memory
+    and retry with steepest descent (give up if the memory was already empty).
+
+    Parameters
+    ----------
+    fun_and_grad : callable
+        ``x -> (F(x), grad F(x))``.
+    x0 : numpy.ndarray
+        Starting point (copied, float64).
+    m, gtol, ftol, maxiter, maxls : int or float
+        Memory size, gradient and relative-decrease tolerances, iteration and line-search budgets.
+    c1, c2 : float
+        Strong Wolfe constants (L-BFGS-B's 1e-3 and 0.9 by default).
+
+    Returns
+    -------
+    ReferenceResult
+
+    Examples
+    --------
+    >>> fg = lambda x: (float(x @ x), 2 * x)
+    >>> r = minimize_lbfgs_reference(fg, np.array([3.0, -4.0]), m=5)
+    >>> r.success, round(r.fun, 12)
+    (True, 0.0)
+    """
+    if not (gtol >= 0.0 and ftol >= 0.0):
+        raise InvalidOptionError(f"gtol and ftol must be >= 0, got gtol={gtol!r}, ftol={ftol!r}")
+    if isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1:
+        raise InvalidOptionError(f"maxiter must be an int >= 1, got {maxiter!r}")
+    x = np.array(x0, dtype=np.float64, copy=True).ravel()
+    f, g = fun_and_grad(x)
+    f, g = float(f), np.asarray(g, dtype=np.float64)
+    nfev = 1
+    _check_objective(f, g, "x0")
+    if float(np.max(np.abs(g), initial=0.0)) <= gtol:
+        return ReferenceResult(x, f, 0, nfev, True, "gradient inf-norm <= gtol at x0")
+
+    hist = VLBFGSHistory(m)
+    vec: dict[str, np.ndarray] = {}  # stands in for the shards' named vectors
+    nit = 0
+    while True:
+        vec["g"] = g
+        requests = hist.dot_requests("g")
+        hist.update_dots([float(vec[a] @ vec[b]) for a, b in requests])
+        d = np.zeros_like(x)
+        for coef, name in hist.direction_coefficients():
+            d += coef * vec[name]
+        gd = float(g @ d)
+        if not gd < 0.0:
+            if hist.n_pairs:
+                hist.reset()
+                continue
+            return ReferenceResult(x, f, nit, nfev, False, "the search direction is not a descent direction")
+        step0 = lbfgsb_initial_step(nit, float(np.sqrt(d @ d)))
+        ls = StrongWolfeLineSearch(
+            f, gd, step=step0, c1=c1, c2=c2, xtol=LBFGSB_XTOL, stpmax=LBFGSB_STPMAX, max_evals=maxls
+        )
+        xt, ft, gt = x, f, g
+        while not ls.done:
+            t = ls.step
+            xt = x + t * d
+            ft, gt = fun_and_grad(xt)
+            ft, gt = float(ft), np.asarray(gt, dtype=np.float64)
+            nfev += 1
+            ls.tell(ft, float(gt @ d) if np.all(np.isfinite(gt)) else math.nan)
+        res = ls.result
+        assert res is not None
+        if not res.ok:
+            if hist.n_pairs:
+                hist.reset()  # L-BFGS-B: back to x, drop the memory, retry along -g
+                continue
+            return ReferenceResult(x, f, nit, nfev, False, f"line search failed: {res.message}")
+        # dcsrch only ends "ok" at the point it evaluated last, so xt/gt are the accepted point.
+        assert res.is_last_evaluated
+        nit += 1
+        s_name, y_name = hist.push_pair()
+        vec[s_name] = res.step * d
+        vec[y_name] = gt - g
+        f_old = f
+        x, f, g = xt, ft, gt
+        if float(np.max(np.abs(g))) <= gtol:
+            return ReferenceResult(x, f, nit, nfev, True, "gradient inf-norm <= gtol")
+        if relative_reduction_converged(f_old, f, ftol=ftol):
+            return ReferenceResult(x, f, nit, nfev, True, "relative reduction of f <= ftol")
+        if nit >= maxiter:
+            return ReferenceResult(x, f, nit, nfev, False, "maximum number of iterations reached")

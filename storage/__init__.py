@@ -1,0 +1,36 @@
+"""The parameter server (sharded vectors on Dask actors, kept in zarr) and datasets in zarr.
+
+Examples
+--------
+>>> import numpy as np
+>>> from distributed import Client, LocalCluster
+>>> from storage import ParameterServer
+>>> client = Client(LocalCluster(n_workers=2, processes=False))            # doctest: +SKIP
+>>> ps = ParameterServer.create(client, 1_000, shards=2, store="/tmp/ps")  # doctest: +SKIP
+>>> ps.scatter("x", np.ones(1_000)); ps.dot("x", "x")                      # doctest: +SKIP
+1000.0
+"""
+
+from storage._dataset import Dataset, resolve_name
+from storage._digits import digits_dataset, load_digits
+from storage._layout import Layout
+from storage._rules import RULES, adagrad_update, sgd_update
+from storage._server import Batch, ParameterServer, ServerStats, ShardMap
+from storage._shard import OPS, Shard
+
+__all__ = [
+    "OPS",
+    "RULES",
+    "Batch",
+    "Dataset",
+    "Layout",
+    "ParameterServer",
+    "ServerStats",
+    "Shard",
+    "ShardMap",
+    "adagrad_update",
+    "digits_dataset",
+    "load_digits",
+    "resolve_name",
+    "sgd_update",
+]

@@ -1,0 +1,143 @@
+"""The Dask actor around a :class:`~storage._shard.Shard`: it only forwards.
+
+Every method is ``async def`` so that it runs on the worker's event loop and never queues behind a gradient
+computation in the worker's actor thread (the deadlock and latency lessons in DESIGN.md). Tiny shards run
+their ops inline on the loop (~microseconds); large shards hand each op to a thread of their own, one op at a
+time and in arrival order, so BLAS (which releases the GIL) does not block the loop and no lock is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+
+from storage._shard import Shard
+from storage._store import open_group
+
+__all__ = ["INLINE_MAX_ELEMENTS", "ShardActor", "read_checkpoint", "write_checkpoint"]
+
+#: Shards up to this many elements run ops inline on the worker's event loop (an op on 64 Ki floats takes
+#: ~10-50 us, less than handing it to a thread would cost).
+INLINE_MAX_ELEMENTS = 1 << 16
+
+T = TypeVar("T")
+
+
+def write_checkpoint(url: str, slot: str, lo: int, hi: int, vectors: dict[str, np.ndarray]) -> None:
+    """Write one shard's slices into the arrays ``{slot}/{name}`` (already created by the server)."""
+    group = open_group(url, mode="r+")
+    for name, values in vectors.items():
+        group[f"{slot}/{name}"][lo:hi] = values
+
+
+def read_checkpoint(url: str, slot: str, lo: int, hi: int, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Read one shard's slices of ``names`` from checkpoint slot ``slot``."""
+    group = open_group(url, mode="r")
+    return {name: np.ascontiguousarray(group[f"{slot}/{name}"][lo:hi], dtype=np.float64) for name in names}
+
+
+class ShardActor:
+    """Dask actor holding one shard; restored from checkpoint ``slot`` of ``url`` when ``slot`` is given."""
+
+    def __init__(
+        self,
+        index: int,
+        lo: int,
+        hi: int,
+        url: str,
+        slot: str | None = None,
+        names: Sequence[str] = (),
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        self.core = Shard(index, lo, hi)
+        self.url = url
+        inline = hi - lo <= INLINE_MAX_ELEMENTS
+        self._executor = None if inline else ThreadPoolExecutor(1, thread_name_prefix=f"shard{index}")
+        if slot is not None:
+            self.core.vectors.update(read_checkpoint(url, slot, lo, hi, names))
+            self.core.load_state(state or {})
+
+    async def _do(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self._executor is None:
+            return fn(*args, **kwargs)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    async def ping(self) -> tuple[int, int, int]:
+        """``(index, lo, hi)``: a cheap liveness check."""
+        return self.core.index, self.core.lo, self.core.hi
+
+    async def run(self, ops: Sequence[Sequence[Any]]) -> list[Any]:
+        """Forward to :meth:`Shard.run`."""
+        return await self._do(self.core.run, ops)
+
+    async def get(self, name: str, lo: int | None = None, hi: int | None = None) -> np.ndarray:
+        """Forward to :meth:`Shard.get`."""
+        return await self._do(self.core.get, name, lo, hi)
+
+    async def fetch(self, names: Sequence[str]) -> tuple[int, list[np.ndarray]]:
+        """``(version, [slice of each name])`` for a replica's fetch, in one round trip."""
+
+        def _fetch() -> tuple[int, list[np.ndarray]]:
+            return self.core.version, [self.core.get(name) for name in names]
+
+        return await self._do(_fetch)
+
+    async def set(self, name: str, lo: int, hi: int, values: np.ndarray) -> None:
+        """Forward to :meth:`Shard.set`."""
+        await self._do(self.core.set, name, lo, hi, values)
+
+    async def push(self, grad: np.ndarray, **kwargs: Any) -> tuple[bool, int, int]:
+        """Forward to :meth:`Shard.push`."""
+        return await self._do(self.core.push, grad, **kwargs)
+
+    async def accumulate(
+        self, name: str, values: np.ndarray, portions: Sequence[int], epoch: int, solo: bool = False
+    ) -> bool:
+        """Forward to :meth:`Shard.accumulate`."""
+        return await self._do(self.core.accumulate, name, values, portions, epoch=epoch, solo=solo)
+
+    async def checkpoint(self, slot: str, names: Sequence[str]) -> dict[str, Any]:
+        """Write this shard's vectors ``names`` to ``slot``; return its scalar state."""
+
+        def _snapshot() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+            # Copies, so that ops arriving while the write is in flight cannot tear the checkpoint.
+            return {n: self.core.vector(n).copy() for n in names}, self.core.state()
+
+        if self._executor is None:
+            vectors, state = _snapshot()
+            await asyncio.to_thread(write_checkpoint, self.url, slot, self.core.lo, self.core.hi, vectors)
+            return state
+
+        def _write() -> dict[str, Any]:
+            # Large shard: ops are serialized on its one thread, so writing in place is consistent.
+            vectors = {n: self.core.vector(n) for n in names}
+            write_checkpoint(self.url, slot, self.core.lo, self.core.hi, vectors)
+            return self.core.state()
+
+        return await self._do(_write)
+
+    async def restore(self, slot: str, names: Sequence[str], state: dict[str, Any]) -> None:
+        """Replace every vector by the checkpoint in ``slot`` (a rollback)."""
+        vectors = await asyncio.to_thread(read_checkpoint, self.url, slot, self.core.lo, self.core.hi, names)
+
+        def _swap() -> None:
+            self.core.vectors = vectors
+            self.core.accumulators = {}
+            self.core.load_state(state)
+
+        await self._do(_swap)
+
+    async def names(self) -> list[str]:
+        """Names of the vectors this shard holds."""
+        return sorted(self.core.vectors)
+
+    async def close(self) -> None:
+        """Release the shard's thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)

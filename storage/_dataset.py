@@ -1,0 +1,1502 @@
+"""Datasets kept in zarr: rows ``X`` and labels ``y``, split along rows into *portions*.
+
+A dataset is a zarr v3 group with two arrays, ``X`` (float64, ``n_rows x n_features``) and ``y``
+(float64, ``n_rows``), and its metadata in the group attributes. Both arrays are chunked along rows only
+(a chunk spans the full width of ``X``), so a block of rows is a few contiguous byte ranges on disk.
+A *portion* is one or more whole chunks: the unit of work that Sandblaster hands to a model replica
+(DistBelief, Dean et al. 2012, section 4.2: a batch is split into many more portions than replicas so fast
+replicas can do more and stragglers can be backed up).
+
+Default layout (when ``portion_rows`` is not given)
+    A portion targets ``ceil(n_rows / 64)`` rows, so a large dataset has ~64 portions to schedule, but at
+    least 1024 rows (fewer portions for small data: every portion costs a round trip) and at most 8 MiB of
+    ``X`` (so one portion is quick to read and to send). Chunks are a quarter of a portion, so a scheduler
+    can later use portions 4x smaller (``with_portion_rows``) without rewriting the data. A 200,000 x 500
+    dataset gets 96 portions of 2,096 rows (8.4 MB); scikit-learn's digits (1,797 x 64) gets 2 portions.
+
+Writing is all-or-nothing: the input is validated first, the dataset is written to a hidden temporary
+sibling of the target, and only then renamed into place (for fsspec URLs the final move is not atomic on
+every filesystem, but a failed write never leaves anything behind).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import datetime as _dt
+import functools
+import io
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import IO, Any, Literal, cast
+
+import numpy as np
+import numpy.typing as npt
+import zarr
+from zarr.errors import BaseZarrError
+from zarr.storage import FsspecStore, LocalStore
+
+from errors import DatasetError, InvalidOptionError, StoreError
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "Dataset",
+    "LabelKind",
+    "list_datasets",
+    "resolve_name",
+]
+
+LabelKind = Literal["real", "binary", "classes"]
+FloatArray = npt.NDArray[np.float64]
+PathLike = str | os.PathLike[str]
+
+#: Value of the ``format`` group attribute that marks a zarr group as a distbelief dataset.
+FORMAT_NAME = "distbelief.dataset"
+#: Layout version written by this code; ``open`` refuses newer versions.
+FORMAT_VERSION = 1
+
+_TARGET_PORTIONS = 64
+_MIN_PORTION_ROWS = 1024
+_MAX_PORTION_BYTES = 8 * 2**20
+_CHUNKS_PER_PORTION = 4
+# Validation and writing walk X in blocks of about this size, so a dtype conversion never copies all of X.
+_BLOCK_BYTES = 64 * 2**20
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_LABEL_KINDS = ("real", "binary", "classes")
+
+
+# --------------------------------------------------------------------------------------------- locations
+
+
+def _is_url(path: str) -> bool:
+    # Same rule as zarr's own store handling (zarr.storage._common._is_fsspec_uri).
+    return "://" in path or ("::" in path and "local://" not in path)
+
+
+@dataclass(frozen=True)
+class _Location:
+    """Where a dataset lives: an absolute local directory, or an fsspec URL (plus its storage options)."""
+
+    url: str
+    local: bool
+    storage_options: dict[str, Any] | None = None
+
+    def store(self, *, read_only: bool) -> LocalStore | FsspecStore:
+        if self.local:
+            return LocalStore(self.url, read_only=read_only)
+        return FsspecStore.from_url(self.url, storage_options=self.storage_options, read_only=read_only)
+
+    def _fs(self) -> tuple[Any, str]:
+        from fsspec.core import url_to_fs
+
+        fs, path = url_to_fs(self.url, **(self.storage_options or {}))
+        return fs, cast(str, path)
+
+    def sibling(self, name: str) -> _Location:
+        if self.local:
+            return _Location(os.path.join(os.path.dirname(self.url), name), True)
+        head = self.url.rstrip("/").rpartition("/")[0]
+        return _Location(f"{head}/{name}", False, self.storage_options)
+
+    def child(self, name: str) -> _Location:
+        if self.local:
+            return _Location(os.path.join(self.url, name), True)
+        return _Location(f"{self.url.rstrip('/')}/{name}", False, self.storage_options)
+
+    @property
+    def basename(self) -> str:
+        return self.url.rstrip("/").rpartition("/")[2] or "dataset"
+
+    def probe(self) -> Literal["missing", "empty", "dataset", "other"]:
+        """Say what the location holds, without trusting it to be well formed."""
+        if self.local:
+            if not os.path.lexists(self.url):
+                return "missing"
+            if not os.path.isdir(self.url) or os.path.islink(self.url):
+                return "other"
+            if not os.listdir(self.url):
+                return "empty"
+            try:
+                with open(os.path.join(self.url, "zarr.json"), "rb") as f:
+                    raw = f.read()
+            except OSError:
+                return "other"
+        else:
+            fs, path = self._fs()
+            if not fs.exists(path):
+                return "missing"
+            if not fs.isdir(path):
+                return "other"
+            if not fs.ls(path, detail=False):
+                return "empty"
+            try:
+                raw = fs.cat_file(path.rstrip("/") + "/zarr.json")
+            except (OSError, KeyError):
+                return "other"
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return "other"
+        ok = isinstance(doc, dict) and (doc.get("attributes") or {}).get("format") == FORMAT_NAME
+        return "dataset" if ok else "other"
+
+    def make_parents(self) -> list[str]:
+        """Create missing parent directories (local only); return the ones created, deepest first."""
+        if not self.local:
+            return []
+        missing: list[str] = []
+        parent = os.path.dirname(self.url)
+        while parent and not os.path.exists(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        for d in reversed(missing):
+            os.mkdir(d)
+        return missing
+
+    def remove(self) -> None:
+        if self.local:
+            if os.path.lexists(self.url):
+                if os.path.isdir(self.url) and not os.path.islink(self.url):
+                    shutil.rmtree(self.url)
+                else:
+                    os.remove(self.url)
+        else:
+            fs, path = self._fs()
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+
+    def rename(self, target: _Location) -> None:
+        if self.local:
+            os.rename(self.url, target.url)
+        else:
+            fs, path = self._fs()
+            _, target_path = target._fs()
+            fs.mv(path, target_path, recursive=True)
+
+
+def _location(path: object, storage_options: dict[str, Any] | None) -> _Location:
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path.strip():
+        raise InvalidOptionError(
+            f"path must be a directory path or an fsspec URL (a non-empty string), got {path!r}"
+        )
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise InvalidOptionError(
+            f"storage_options must be a dict or None, got {type(storage_options).__name__}"
+        )
+    for prefix in ("file://", "local://"):
+        if path.startswith(prefix):
+            path = path[len(prefix) :]
+            break
+    else:
+        if _is_url(path):
+            return _Location(path.rstrip("/") or path, False, storage_options or None)
+    if storage_options:
+        raise InvalidOptionError(
+            "storage_options only apply to fsspec URLs (such as 's3://bucket/data'); "
+            f"{path!r} is a local path, so drop storage_options"
+        )
+    return _Location(os.path.abspath(os.path.expanduser(path)), True)
+
+
+def resolve_name(root: PathLike, name: str) -> str:
+    """Map a dataset *name* to its location directly under the directory (or URL) ``root``.
+
+    This is how untrusted names (from the REST service) become paths: the name must be one plain path
+    component, so it can never point outside ``root``.
+
+    Parameters
+    ----------
+    root : str or os.PathLike
+        Directory (or fsspec URL) that holds datasets, for example ``<store>/datasets``.
+    name : str
+        Dataset name: 1 to 128 characters from ``A-Z a-z 0-9 . _ -``, starting with a letter or digit.
+
+    Returns
+    -------
+    str
+        The absolute local path (or the URL) of the dataset.
+
+    Raises
+    ------
+    DatasetError
+        If the name is empty, contains a path separator, is ``.``/``..`` or otherwise does not match
+        ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``.
+
+    Examples
+    --------
+    >>> resolve_name("/srv/store/datasets", "digits-train")
+    '/srv/store/datasets/digits-train'
+    >>> resolve_name("/srv/store/datasets", "../etc")
+    Traceback (most recent call last):
+    ...
+    errors.DatasetError: dataset name '../etc' contains a path separator; ...
+    """
+    if not isinstance(name, str):
+        raise DatasetError(f"dataset name must be a string, got {type(name).__name__}")
+    rule = "use 1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+    if not name:
+        raise DatasetError(f"dataset name is empty; {rule}")
+    if "/" in name or "\\" in name or os.sep in name or (os.altsep and os.altsep in name):
+        raise DatasetError(f"dataset name {name!r} contains a path separator; {rule}")
+    if name in (".", ".."):
+        raise DatasetError(f"dataset name {name!r} would leave the dataset directory; {rule}")
+    if not _NAME_RE.fullmatch(name):
+        raise DatasetError(f"dataset name {name!r} is not allowed; {rule}")
+    return _location(root, None).child(name).url
+
+
+def list_datasets(root: PathLike, *, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Names of the datasets directly under ``root`` (sorted); temporary and foreign entries are skipped.
+
+    Parameters
+    ----------
+    root : str or os.PathLike
+        Directory (or fsspec URL) that holds datasets. A missing directory holds none.
+    storage_options : dict, optional
+        fsspec options when ``root`` is a URL.
+
+    Returns
+    -------
+    list of str
+        Names that :func:`resolve_name` maps back to the datasets.
+
+    Examples
+    --------
+    >>> import numpy as np, tempfile
+    >>> root = tempfile.mkdtemp()
+    >>> _ = Dataset.from_arrays(np.ones((3, 2)), np.zeros(3), path=resolve_name(root, "ones"))
+    >>> list_datasets(root)
+    ['ones']
+    """
+    loc = _location(root, storage_options)
+    if loc.local:
+        names = os.listdir(loc.url) if os.path.isdir(loc.url) else []
+    else:
+        fs, path = loc._fs()
+        names = (
+            [p.rstrip("/").rpartition("/")[2] for p in fs.ls(path, detail=False)] if fs.isdir(path) else []
+        )
+    return sorted(n for n in names if _NAME_RE.fullmatch(n) and loc.child(n).probe() == "dataset")
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def _check_int(value: object, what: str, *, minimum: int = 1, allow_none: bool = True) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or int(value) < minimum:
+        raise InvalidOptionError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _as_matrix(X: object) -> np.ndarray[Any, Any]:
+    """``X`` as a 2-D numeric ndarray (any real dtype; converted to float64 block by block later)."""
+    try:
+        arr = np.asarray(X)
+    except (TypeError, ValueError) as exc:
+        raise DatasetError(
+            f"X cannot be read as a numeric array ({exc}); pass a 2-D array of numbers"
+        ) from exc
+    if arr.ndim != 2:
+        hint = " (for a single feature use X.reshape(-1, 1))" if arr.ndim == 1 else ""
+        raise DatasetError(f"X must be 2-D (rows x features); got shape {arr.shape}{hint}")
+    arr = _numeric(arr, "X", "values")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise DatasetError(
+            f"X is empty (shape {arr.shape}); a dataset needs at least one row and one feature"
+        )
+    return arr
+
+
+def _numeric(arr: np.ndarray[Any, Any], what: str, noun: str) -> np.ndarray[Any, Any]:
+    if arr.dtype.kind in "biuf":
+        return arr
+    if arr.dtype.kind == "c":
+        raise DatasetError(f"{what} holds complex numbers; {noun} must be real numbers")
+    if arr.dtype.kind == "O":
+        try:
+            return arr.astype(np.float64)
+        except (TypeError, ValueError) as exc:
+            raise DatasetError(
+                f"{what} holds {noun} that are not numbers ({exc}); convert them first"
+            ) from exc
+    hint = (
+        "; encode class labels as integers 0..K-1 first, e.g. with numpy.unique(y, return_inverse=True)"
+        if what == "y"
+        else "; convert them to numbers first"
+    )
+    raise DatasetError(f"{what} must hold numbers, got dtype {arr.dtype}{hint}")
+
+
+def _as_labels(y: object, n_rows: int) -> FloatArray:
+    try:
+        arr = np.asarray(y)
+    except (TypeError, ValueError) as exc:
+        raise DatasetError(f"y cannot be read as an array of labels ({exc})") from exc
+    if arr.ndim == 2 and arr.shape[1] == 1:
+        arr = arr[:, 0]
+    if arr.ndim != 1:
+        raise DatasetError(f"y must be 1-D (one label per row); got shape {arr.shape}")
+    arr = _numeric(arr, "y", "labels")
+    if arr.shape[0] != n_rows:
+        raise DatasetError(
+            f"X has {n_rows} rows but y has {arr.shape[0]} labels; give exactly one label per row"
+        )
+    out = np.ascontiguousarray(arr, dtype=np.float64)
+    bad = ~np.isfinite(out)
+    if bad.any():
+        idx = np.flatnonzero(bad)
+        raise DatasetError(
+            f"y has {idx.size} non-finite labels (NaN or inf), the first at row {idx[0]}; "
+            "every label must be a finite number: drop or fix those rows"
+        )
+    return out
+
+
+def _block_rows(n_features: int, chunk_rows: int) -> int:
+    rows = max(1, _BLOCK_BYTES // (8 * n_features))
+    return max(chunk_rows, rows - rows % chunk_rows)
+
+
+def _check_finite(X: np.ndarray[Any, Any], block: int) -> None:
+    if X.dtype.kind in "biu":
+        return
+    n = X.shape[0]
+    for r0 in range(0, n, block):
+        part = X[r0 : r0 + block]
+        # A sum is finite exactly when no value is NaN/inf, unless finite values overflow: then look closer.
+        # Summing needs no temporary, unlike isfinite, so the common (clean) case costs one pass.
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = np.sum(part, dtype=np.float64)
+        if np.isfinite(total):
+            continue
+        bad = ~np.isfinite(np.asarray(part, dtype=np.float64))
+        if not bad.any():
+            continue
+        first = np.argwhere(bad)[0]
+        count = int(bad.sum())
+        for r1 in range(r0 + block, n, block):
+            count += int((~np.isfinite(np.asarray(X[r1 : r1 + block], dtype=np.float64))).sum())
+        raise DatasetError(
+            f"X has {count} non-finite values (NaN or inf), the first at row {r0 + first[0]}, column "
+            f"{first[1]}; remove or impute them before building a dataset"
+        )
+
+
+def _detect_labels(y: FloatArray, label_kind: object, n_classes: object) -> tuple[LabelKind, int | None]:
+    if label_kind is not None and label_kind not in _LABEL_KINDS:
+        raise InvalidOptionError(f"label_kind must be one of {_LABEL_KINDS} or None, got {label_kind!r}")
+    k_opt = _check_int(n_classes, "n_classes", minimum=2)
+    if k_opt is not None:
+        if label_kind is None:
+            label_kind = "classes"
+        elif label_kind == "real":
+            raise InvalidOptionError("n_classes does not apply to label_kind='real'; drop it")
+        elif label_kind == "binary" and k_opt != 2:
+            raise InvalidOptionError(f"label_kind='binary' means n_classes=2, got n_classes={k_opt}")
+    is01 = (y == 0.0) | (y == 1.0)
+    isint = y == np.floor(y)
+    if label_kind is None:
+        if is01.all():
+            return "binary", 2
+        if isint.all() and y.min() >= 0:
+            k = int(y.max()) + 1
+            # Integers are classes only when every class 0..K-1 occurs: integer-valued regression targets
+            # (counts, ratings starting at 1) stay real. Pass label_kind="classes" to override.
+            if k > 2 and np.unique(y).size == k:
+                return "classes", k
+        return "real", None
+    if label_kind == "real":
+        return "real", None
+    if label_kind == "binary":
+        if not is01.all():
+            i = int(np.flatnonzero(~is01)[0])
+            raise DatasetError(
+                f"label_kind='binary' needs every label to be 0 or 1, but row {i} has {y[i]!r}; "
+                "map the labels first (for -1/+1 labels use (y + 1) / 2)"
+            )
+        return "binary", 2
+    ok = isint & (y >= 0)
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise DatasetError(
+            f"label_kind='classes' needs integer labels 0..K-1, but row {i} has {y[i]!r}; "
+            "encode the classes first, e.g. with numpy.unique(y, return_inverse=True)"
+        )
+    k = max(2, int(y.max()) + 1)
+    if k_opt is not None:
+        if k > k_opt:
+            raise DatasetError(
+                f"labels go up to {k - 1} ({k} classes) but n_classes={k_opt}; pass n_classes>={k}"
+            )
+        k = k_opt
+    return "classes", k
+
+
+def _layout(n_rows: int, n_features: int, portion_rows: object, chunk_rows: object) -> tuple[int, int]:
+    """Return ``(chunk_rows, portion_rows)``; see the module docstring for the defaults."""
+    p = _check_int(portion_rows, "portion_rows")
+    c = _check_int(chunk_rows, "chunk_rows")
+    if p is None:
+        auto = max(_MIN_PORTION_ROWS, math.ceil(n_rows / _TARGET_PORTIONS))
+        auto = max(1, min(auto, _MAX_PORTION_BYTES // (8 * n_features)))
+        if c is None:
+            c = max(1, auto // _CHUNKS_PER_PORTION)
+        # Round down to whole chunks, so the byte cap holds (unless a single chunk already exceeds it).
+        p = c * max(1, auto // c)
+    elif c is None:
+        c = p
+    c = min(c, n_rows)
+    p = min(p, n_rows)
+    _check_portion_rows(p, c, n_rows)
+    return c, p
+
+
+def _check_portion_rows(p: int, c: int, n_rows: int) -> None:
+    if p % c != 0 and p != n_rows:
+        raise InvalidOptionError(
+            f"portion_rows={p} is not a multiple of the dataset's chunk_rows={c}; a portion must be whole "
+            f"chunks: use a multiple of {c}"
+        )
+
+
+# ------------------------------------------------------------------------------------------- metadata
+
+
+@dataclass(frozen=True)
+class _Meta:
+    dataset_id: str
+    n_rows: int
+    n_features: int
+    chunk_rows: int
+    portion_rows: int
+    label_kind: LabelKind
+    n_classes: int | None
+    created_at: str
+    format_version: int = FORMAT_VERSION
+
+    def to_attrs(self) -> dict[str, Any]:
+        return {"format": FORMAT_NAME, **asdict(self)}
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any], where: str) -> _Meta:
+        fmt = attrs.get("format")
+        if fmt != FORMAT_NAME:
+            raise StoreError(
+                f"{where} holds a zarr group that is not a distbelief dataset (format attribute {fmt!r}); "
+                "build a dataset there with Dataset.from_arrays / from_npz / from_csv, or open another path"
+            )
+        version = attrs.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+            raise StoreError(
+                f"{where} holds dataset format version {version!r}, but this distbelief reads version "
+                f"{FORMAT_VERSION}; upgrade distbelief or rebuild the dataset"
+            )
+        try:
+            meta = cls(
+                dataset_id=str(attrs["dataset_id"]),
+                n_rows=int(attrs["n_rows"]),
+                n_features=int(attrs["n_features"]),
+                chunk_rows=int(attrs["chunk_rows"]),
+                portion_rows=int(attrs["portion_rows"]),
+                label_kind=attrs["label_kind"],
+                n_classes=None if attrs["n_classes"] is None else int(attrs["n_classes"]),
+                created_at=str(attrs["created_at"]),
+                format_version=version,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"{where}: dataset metadata is damaged ({exc!r}); rebuild the dataset") from exc
+        if meta.label_kind not in _LABEL_KINDS or min(meta.n_rows, meta.n_features, meta.chunk_rows) < 1:
+            raise StoreError(f"{where}: dataset metadata is damaged ({meta}); rebuild the dataset")
+        return meta
+
+
+def _plain_layout(arr: zarr.Array, chunk_shape: tuple[int, ...]) -> bool:
+    """True when chunks are raw little-endian float64 at the standard keys, so they can be read directly."""
+    try:
+        # zarr's internals may move between versions: on any surprise, use zarr's own reader instead.
+        from zarr.codecs import BytesCodec
+        from zarr.core.chunk_key_encodings import DefaultChunkKeyEncoding
+        from zarr.core.metadata import ArrayV3Metadata
+
+        meta = arr.metadata
+        if not isinstance(meta, ArrayV3Metadata):
+            return False
+        codecs = meta.codecs
+        return (
+            sys.byteorder == "little"
+            and arr.dtype == np.dtype("<f8")
+            and tuple(arr.chunks) == chunk_shape
+            and len(codecs) == 1
+            and isinstance(codecs[0], BytesCodec)
+            and codecs[0].endian is not None
+            and codecs[0].endian.value == "little"
+            and isinstance(meta.chunk_key_encoding, DefaultChunkKeyEncoding)
+            and meta.chunk_key_encoding.separator == "/"
+        )
+    except (AttributeError, ImportError, TypeError):
+        return False
+
+
+class _ShortReadError(Exception):
+    """A chunk file is missing or shorter than the metadata says: fall back to zarr."""
+
+
+def _read_exact(path: str, offset: int, buf: memoryview) -> None:
+    try:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            done = 0
+            while done < len(buf):
+                got = f.readinto(buf[done:])
+                if not got:
+                    raise _ShortReadError(path)
+                done += got
+    except FileNotFoundError as exc:
+        raise _ShortReadError(path) from exc
+
+
+# -------------------------------------------------------------------------------------------- Dataset
+
+
+class Dataset:
+    """Rows ``X`` and labels ``y`` kept in zarr and split along rows into portions.
+
+    Build one with :meth:`from_arrays`, :meth:`from_npz`, :meth:`from_npy` or :meth:`from_csv`; open an
+    existing one with :meth:`open` or :meth:`in_store`. Do not call the constructor directly.
+    A ``Dataset`` pickles to its location and metadata only (a few hundred bytes) and reopens the store
+    lazily, so it is cheap to send to Dask workers; a worker needs access to the same path or URL.
+
+    Attributes
+    ----------
+    n_rows, n_features : int
+        Shape of ``X``.
+    portion_rows : int
+        Rows per portion (the last portion may be shorter).
+    n_portions : int
+        Number of portions.
+    chunk_rows : int
+        Rows per zarr chunk; ``portion_rows`` is a multiple of it (or covers all rows).
+    label_kind : {"real", "binary", "classes"}
+        ``"binary"``: every label is 0 or 1. ``"classes"``: integer labels ``0..n_classes-1``.
+        ``"real"``: anything else (regression targets).
+    n_classes : int or None
+        2 for binary labels, K for classes, None for real labels.
+    url : str
+        Absolute local path or fsspec URL (``path`` is the same).
+
+    Examples
+    --------
+    >>> import numpy as np, tempfile, os
+    >>> X = np.arange(12.0).reshape(6, 2); y = np.array([0, 1, 0, 1, 1, 0])
+    >>> ds = Dataset.from_arrays(X, y, path=os.path.join(tempfile.mkdtemp(), "tiny"), portion_rows=4)
+    >>> ds.n_portions, ds.portion_bounds(1), ds.label_kind
+    (2, (4, 6), 'binary')
+    >>> Xp, yp = ds.read_portion(1)
+    >>> Xp.tolist(), yp.tolist()
+    ([[8.0, 9.0], [10.0, 11.0]], [1.0, 0.0])
+    """
+
+    def __init__(self, location: _Location, meta: _Meta, portion_rows: int) -> None:
+        self._setup(location, meta, portion_rows)
+
+    def _setup(self, location: _Location, meta: _Meta, portion_rows: int) -> None:
+        self._loc = location
+        self._meta = meta
+        self._portion_rows = portion_rows
+        self._lock = threading.Lock()
+        self._arrays: tuple[zarr.Array, zarr.Array] | None = None
+        self._direct = False
+
+    # ---------------------------------------------------------------------------------- building
+
+    @classmethod
+    def from_arrays(
+        cls,
+        X: npt.ArrayLike,
+        y: npt.ArrayLike,
+        *,
+        path: PathLike,
+        portion_rows: int | None = None,
+        chunk_rows: int | None = None,
+        label_kind: LabelKind | None = None,
+        n_classes: int | None = None,
+        overwrite: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> Dataset:
+        """Validate ``X`` and ``y`` and write them as a new dataset at ``path``.
+
+        Parameters
+        ----------
+        X : array_like, shape (n_rows, n_features)
+            Real numbers (any real dtype; stored as float64). No NaN or inf.
+        y : array_like, shape (n_rows,)
+            One finite real label per row.
+        path : str or os.PathLike
+            Target directory, or an fsspec URL (``memory://...``, ``s3://...``).
+        portion_rows : int, optional
+            Rows per portion. Default: see the module docstring (~64 portions, 1024 to 8 MiB per portion).
+        chunk_rows : int, optional
+            Rows per zarr chunk; ``portion_rows`` must be a multiple. Default: ``portion_rows`` if that is
+            given, else a quarter of the default portion.
+        label_kind : {"real", "binary", "classes"}, optional
+            Default: detected. ``"binary"`` if every label is 0 or 1; ``"classes"`` if the labels are exactly
+            the integers ``0..K-1`` with K > 2; ``"real"`` otherwise. Pass it to force a kind (e.g.
+            ``"classes"`` for 0/1 labels meant for a softmax model); the labels are then checked against it.
+        n_classes : int, optional
+            Number of classes when some classes do not occur in ``y`` (implies ``label_kind="classes"``).
+        overwrite : bool, default False
+            Replace an existing dataset at ``path``. Never replaces anything that is not a dataset.
+        storage_options : dict, optional
+            fsspec options for a URL ``path``.
+
+        Returns
+        -------
+        Dataset
+
+        Raises
+        ------
+        DatasetError
+            Bad data (NaN/inf, mismatched lengths, empty, not 2-D, labels not numbers or not of
+            ``label_kind``), or ``path`` already exists. Nothing is written in that case.
+        InvalidOptionError
+            A bad option value.
+        StoreError
+            The store could not be written (nothing is left behind).
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> rng = np.random.default_rng(0)
+        >>> ds = Dataset.from_arrays(rng.normal(size=(5000, 3)), rng.normal(size=5000),
+        ...                          path=os.path.join(tempfile.mkdtemp(), "reg"))
+        >>> ds.n_rows, ds.n_portions, ds.label_kind, ds.n_classes
+        (5000, 5, 'real', None)
+        """
+        loc = _location(path, storage_options)
+        _precheck(loc, overwrite)
+        Xa = _as_matrix(X)
+        n, d = Xa.shape
+        c, p = _layout(n, d, portion_rows, chunk_rows)
+        ya = _as_labels(y, n)
+        kind, k = _detect_labels(ya, label_kind, n_classes)
+        block = _block_rows(d, c)
+        _check_finite(Xa, block)
+        meta = _Meta(
+            dataset_id=uuid.uuid4().hex,
+            n_rows=n,
+            n_features=d,
+            chunk_rows=c,
+            portion_rows=p,
+            label_kind=kind,
+            n_classes=k,
+            created_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        )
+        _commit(loc, meta, lambda group: _write_arrays(group, Xa, ya, meta, block), overwrite=overwrite)
+        return cls(loc, meta, p)
+
+    @classmethod
+    def from_npz(
+        cls,
+        file: PathLike | IO[bytes],
+        *,
+        path: PathLike,
+        x_key: str = "X",
+        y_key: str = "y",
+        portion_rows: int | None = None,
+        chunk_rows: int | None = None,
+        label_kind: LabelKind | None = None,
+        n_classes: int | None = None,
+        overwrite: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> Dataset:
+        """Build a dataset from a ``.npz`` file holding arrays ``X`` and ``y``.
+
+        The file is read with ``allow_pickle=False``, so an untrusted upload cannot run code.
+        Other parameters are those of :meth:`from_arrays`.
+
+        Parameters
+        ----------
+        file : str, os.PathLike or binary file object
+            The ``.npz`` file (``numpy.savez`` / ``savez_compressed``).
+        path : str or os.PathLike
+            Target directory or fsspec URL.
+        x_key, y_key : str
+            Names of the arrays in the file.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> d = tempfile.mkdtemp(); np.savez(os.path.join(d, "a.npz"), X=np.eye(3), y=[0, 1, 2])
+        >>> Dataset.from_npz(os.path.join(d, "a.npz"), path=os.path.join(d, "ds")).label_kind
+        'classes'
+        """
+        _precheck(_location(path, storage_options), overwrite)
+        name = _describe(file)
+        try:
+            loaded = np.load(file, allow_pickle=False)
+            if isinstance(loaded, np.ndarray):
+                raise DatasetError(f"{name} is a single .npy array, not an .npz archive; use from_npy")
+            with loaded as npz:
+                missing = [k for k in (x_key, y_key) if k not in npz.files]
+                if missing:
+                    raise DatasetError(
+                        f"{name} has no array named {missing[0]!r} (it holds {sorted(npz.files)}); "
+                        "save X and y under those names or pass x_key= / y_key="
+                    )
+                X, y = npz[x_key], npz[y_key]
+        except DatasetError:
+            raise
+        except (OSError, ValueError, EOFError) as exc:
+            raise DatasetError(f"cannot read {name} as an .npz file: {exc}") from exc
+        return _with_context(
+            name,
+            lambda: cls.from_arrays(
+                X,
+                y,
+                path=path,
+                portion_rows=portion_rows,
+                chunk_rows=chunk_rows,
+                label_kind=label_kind,
+                n_classes=n_classes,
+                overwrite=overwrite,
+                storage_options=storage_options,
+            ),
+        )
+
+    @classmethod
+    def from_npy(
+        cls,
+        X_file: PathLike | IO[bytes],
+        y_file: PathLike | IO[bytes],
+        *,
+        path: PathLike,
+        portion_rows: int | None = None,
+        chunk_rows: int | None = None,
+        label_kind: LabelKind | None = None,
+        n_classes: int | None = None,
+        overwrite: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> Dataset:
+        """Build a dataset from two ``.npy`` files (``X`` and ``y``).
+
+        Local files are memory-mapped, so ``X`` may be larger than memory. Files are read with
+        ``allow_pickle=False``. Other parameters are those of :meth:`from_arrays`.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> xf, yf = os.path.join(d, "X.npy"), os.path.join(d, "y.npy")
+        >>> np.save(xf, np.ones((4, 2))); np.save(yf, [0, 1, 1, 0])
+        >>> ds = Dataset.from_npy(xf, yf, path=os.path.join(d, "ds"))
+        >>> ds.n_rows, ds.n_features
+        (4, 2)
+        """
+        _precheck(_location(path, storage_options), overwrite)
+        arrays = []
+        for f in (X_file, y_file):
+            name = _describe(f)
+            try:
+                mmap: Literal["r"] | None = "r" if isinstance(f, str | os.PathLike) else None
+                arr = np.load(f, allow_pickle=False, mmap_mode=mmap)
+            except (OSError, ValueError, EOFError) as exc:
+                raise DatasetError(f"cannot read {name} as a .npy file: {exc}") from exc
+            if not isinstance(arr, np.ndarray):
+                if hasattr(arr, "close"):
+                    arr.close()
+                raise DatasetError(f"{name} is an .npz archive, not a single .npy array; use from_npz")
+            arrays.append(arr)
+        return cls.from_arrays(
+            arrays[0],
+            arrays[1],
+            path=path,
+            portion_rows=portion_rows,
+            chunk_rows=chunk_rows,
+            label_kind=label_kind,
+            n_classes=n_classes,
+            overwrite=overwrite,
+            storage_options=storage_options,
+        )
+
+    @classmethod
+    def from_csv(
+        cls,
+        file: PathLike | IO[bytes] | IO[str],
+        *,
+        path: PathLike,
+        label_column: int | str = -1,
+        header: bool | Literal["auto"] = "auto",
+        delimiter: str = ",",
+        portion_rows: int | None = None,
+        chunk_rows: int | None = None,
+        label_kind: LabelKind | None = None,
+        n_classes: int | None = None,
+        overwrite: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> Dataset:
+        """Build a dataset from a CSV file of numbers: one row per example, one column holds the label.
+
+        Parameters
+        ----------
+        file : str, os.PathLike or file object
+            The CSV file (text or binary file objects are read whole).
+        path : str or os.PathLike
+            Target directory or fsspec URL.
+        label_column : int or str, default -1
+            Column holding the labels: an index (negative counts from the end) or a header name.
+        header : bool or "auto", default "auto"
+            Whether the first line holds column names. ``"auto"``: it does if any of its fields is not a
+            number.
+        delimiter : str, default ","
+            Field separator.
+
+        Other parameters are those of :meth:`from_arrays`.
+
+        Examples
+        --------
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp(); f = os.path.join(d, "a.csv")
+        >>> _ = open(f, "w").write("a,b,target\\n1,2,0\\n3,4,1\\n")
+        >>> ds = Dataset.from_csv(f, path=os.path.join(d, "ds"), label_column="target")
+        >>> ds.read_all()[1].tolist()
+        [0.0, 1.0]
+        """
+        import pandas as pd
+
+        _precheck(_location(path, storage_options), overwrite)
+        name = _describe(file)
+        if header not in (True, False, "auto"):
+            raise InvalidOptionError(f"header must be True, False or 'auto', got {header!r}")
+        if isinstance(label_column, bool) or not isinstance(label_column, int | str):
+            raise InvalidOptionError(
+                f"label_column must be a column index or a header name, got {label_column!r}"
+            )
+        if not isinstance(delimiter, str) or len(delimiter) != 1:
+            raise InvalidOptionError(f"delimiter must be a single character, got {delimiter!r}")
+        try:
+            if isinstance(file, str | os.PathLike):
+                with open(file, "rb") as fh:
+                    data = fh.read()
+            else:
+                raw = file.read()
+                data = raw.encode() if isinstance(raw, str) else raw
+        except OSError as exc:
+            raise DatasetError(f"cannot read {name}: {exc}") from exc
+        text_head = data[:65536].decode("utf-8-sig", errors="replace")
+        first = next((line for line in text_head.splitlines() if line.strip()), None)
+        if first is None:
+            raise DatasetError(f"{name} is empty; a dataset needs at least one row and one feature")
+        fields = next(csv.reader([first], delimiter=delimiter))
+        # "auto": a first line with a field that is not a number must be column names (an empty field is a
+        # missing value, reported later as NaN, not a name).
+        is_names = any(f.strip() and not _is_number(f) for f in fields)
+        has_header = is_names if header == "auto" else bool(header)
+        if isinstance(label_column, str) and not has_header:
+            raise DatasetError(
+                f"label_column={label_column!r} names a column, but {name} has no header row; "
+                "pass the column index instead"
+            )
+        try:
+            frame = pd.read_csv(
+                io.BytesIO(data),
+                sep=delimiter,
+                header=0 if has_header else None,
+                dtype=np.float64,
+                skipinitialspace=True,
+                skip_blank_lines=True,
+                encoding="utf-8-sig",
+            )
+        except (ValueError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+            raise DatasetError(
+                f"cannot read {name} as a CSV file of numbers: {exc}. Every field after the header must be a "
+                "number, and every row must have the same number of fields"
+            ) from exc
+        columns = [str(c) for c in frame.columns]
+        if isinstance(label_column, str):
+            if label_column not in columns:
+                raise DatasetError(f"{name} has no column named {label_column!r}; its columns are {columns}")
+            j = columns.index(label_column)
+        else:
+            j = label_column + len(columns) if label_column < 0 else label_column
+            if not 0 <= j < len(columns):
+                raise DatasetError(
+                    f"label_column={label_column} is out of range: {name} has {len(columns)} columns"
+                )
+        values = frame.to_numpy(dtype=np.float64)
+        y = values[:, j].copy()
+        X = np.ascontiguousarray(np.delete(values, j, axis=1))
+        return _with_context(
+            name,
+            lambda: cls.from_arrays(
+                X,
+                y,
+                path=path,
+                portion_rows=portion_rows,
+                chunk_rows=chunk_rows,
+                label_kind=label_kind,
+                n_classes=n_classes,
+                overwrite=overwrite,
+                storage_options=storage_options,
+            ),
+        )
+
+    # ---------------------------------------------------------------------------------- opening
+
+    @classmethod
+    def open(
+        cls,
+        path_or_url: PathLike,
+        *,
+        portion_rows: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> Dataset:
+        """Open an existing dataset.
+
+        Parameters
+        ----------
+        path_or_url : str or os.PathLike
+            Directory or fsspec URL of the dataset.
+        portion_rows : int, optional
+            Use portions of this many rows instead of the stored default (a multiple of ``chunk_rows``).
+        storage_options : dict, optional
+            fsspec options for a URL.
+
+        Returns
+        -------
+        Dataset
+
+        Raises
+        ------
+        StoreError
+            Nothing is there, it is not a dataset, or it was written by a newer format version.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "ds")
+        >>> _ = Dataset.from_arrays(np.ones((10, 2)), np.zeros(10), path=p)
+        >>> Dataset.open(p).n_rows
+        10
+        """
+        loc = _location(path_or_url, storage_options)
+        meta, arrays = _open_checked(loc, expected_id=None)
+        p = meta.portion_rows
+        if portion_rows is not None:
+            p = min(cast(int, _check_int(portion_rows, "portion_rows")), meta.n_rows)
+            _check_portion_rows(p, meta.chunk_rows, meta.n_rows)
+        ds = cls(loc, meta, p)
+        ds._set_arrays(arrays)
+        return ds
+
+    @classmethod
+    def in_store(cls, root: PathLike, name: str, *, storage_options: dict[str, Any] | None = None) -> Dataset:
+        """Open the dataset called ``name`` under the directory (or URL) ``root``.
+
+        The name is checked by :func:`resolve_name`, so it cannot point outside ``root``.
+
+        Raises
+        ------
+        DatasetError
+            The name is not allowed.
+        StoreError
+            No dataset of that name.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> _ = Dataset.from_arrays(np.ones((3, 1)), np.ones(3), path=resolve_name(root, "ones"))
+        >>> Dataset.in_store(root, "ones").n_rows
+        3
+        """
+        return cls.open(resolve_name(root, name), storage_options=storage_options)
+
+    @staticmethod
+    def exists(path_or_url: PathLike, *, storage_options: dict[str, Any] | None = None) -> bool:
+        """Whether ``path_or_url`` holds a dataset (a quick check of its metadata only).
+
+        Examples
+        --------
+        >>> import tempfile
+        >>> Dataset.exists(tempfile.mkdtemp())
+        False
+        """
+        return _location(path_or_url, storage_options).probe() == "dataset"
+
+    def with_portion_rows(self, portion_rows: int) -> Dataset:
+        """The same data split into portions of ``portion_rows`` rows (a multiple of ``chunk_rows``).
+
+        Nothing is rewritten; only the portion boundaries change.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "d")
+        >>> ds = Dataset.from_arrays(np.ones((10, 2)), np.zeros(10), path=p, portion_rows=4, chunk_rows=2)
+        >>> ds.with_portion_rows(2).n_portions
+        5
+        """
+        p = min(cast(int, _check_int(portion_rows, "portion_rows")), self.n_rows)
+        _check_portion_rows(p, self.chunk_rows, self.n_rows)
+        other = Dataset(self._loc, self._meta, p)
+        if self._arrays is not None:
+            other._set_arrays(self._arrays)
+        return other
+
+    # ---------------------------------------------------------------------------------- properties
+
+    @property
+    def url(self) -> str:
+        """Absolute local path or fsspec URL of the dataset."""
+        return self._loc.url
+
+    @property
+    def path(self) -> str:
+        """Same as :attr:`url`."""
+        return self._loc.url
+
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        """fsspec options used for a URL (None for local paths)."""
+        return self._loc.storage_options
+
+    @property
+    def n_rows(self) -> int:
+        """Number of rows (examples)."""
+        return self._meta.n_rows
+
+    @property
+    def n_features(self) -> int:
+        """Number of columns of ``X``."""
+        return self._meta.n_features
+
+    @property
+    def portion_rows(self) -> int:
+        """Rows per portion; the last portion may be shorter."""
+        return self._portion_rows
+
+    @property
+    def n_portions(self) -> int:
+        """Number of portions."""
+        return -(-self.n_rows // self._portion_rows)
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per zarr chunk."""
+        return self._meta.chunk_rows
+
+    @property
+    def label_kind(self) -> LabelKind:
+        """``"real"``, ``"binary"`` (labels 0/1) or ``"classes"`` (labels 0..n_classes-1)."""
+        return self._meta.label_kind
+
+    @property
+    def n_classes(self) -> int | None:
+        """2 for binary labels, K for classes, None for real labels."""
+        return self._meta.n_classes
+
+    @property
+    def created_at(self) -> str:
+        """Creation time, ISO 8601 in UTC."""
+        return self._meta.created_at
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The group attributes (a copy), e.g. for an API response."""
+        return self._meta.to_attrs()
+
+    def __repr__(self) -> str:
+        k = f", n_classes={self.n_classes}" if self.n_classes is not None else ""
+        return (
+            f"Dataset({self.url!r}, n_rows={self.n_rows}, n_features={self.n_features}, "
+            f"n_portions={self.n_portions}, portion_rows={self.portion_rows}, "
+            f"label_kind={self.label_kind!r}{k})"
+        )
+
+    # ---------------------------------------------------------------------------------- portions
+
+    def portion_bounds(self, i: int) -> tuple[int, int]:
+        """Rows ``[start, stop)`` of portion ``i``.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "d")
+        >>> ds = Dataset.from_arrays(np.ones((10, 2)), np.zeros(10), path=p, portion_rows=4)
+        >>> [ds.portion_bounds(i) for i in range(ds.n_portions)]
+        [(0, 4), (4, 8), (8, 10)]
+        """
+        if isinstance(i, bool) or not isinstance(i, int | np.integer) or not 0 <= i < self.n_portions:
+            raise InvalidOptionError(f"portion index must be an integer in [0, {self.n_portions}), got {i!r}")
+        start = int(i) * self._portion_rows
+        return start, min(self.n_rows, start + self._portion_rows)
+
+    def portions_of_rows(self, start: int, stop: int) -> range:
+        """Indices of the portions that overlap rows ``[start, stop)``.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "d")
+        >>> ds = Dataset.from_arrays(np.ones((10, 2)), np.zeros(10), path=p, portion_rows=4)
+        >>> list(ds.portions_of_rows(3, 9))
+        [0, 1, 2]
+        """
+        start, stop = self._check_rows(start, stop)
+        if start == stop:
+            return range(0)
+        return range(start // self._portion_rows, -(-stop // self._portion_rows))
+
+    def read_portion(self, i: int) -> tuple[FloatArray, FloatArray]:
+        """``(X, y)`` of portion ``i`` as fresh C-contiguous float64 arrays, reading only its chunks.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> ds = Dataset.from_arrays(np.eye(3), [0, 1, 2], path=os.path.join(tempfile.mkdtemp(), "d"),
+        ...                          portion_rows=2)
+        >>> ds.read_portion(1)[0].tolist()
+        [[0.0, 0.0, 1.0]]
+        """
+        return self.read_rows(*self.portion_bounds(i))
+
+    def read_rows(self, start: int, stop: int) -> tuple[FloatArray, FloatArray]:
+        """``(X[start:stop], y[start:stop])`` as fresh C-contiguous float64 arrays.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> ds = Dataset.from_arrays(np.eye(3), [0, 1, 2], path=os.path.join(tempfile.mkdtemp(), "d"))
+        >>> ds.read_rows(1, 3)[1].tolist()
+        [1.0, 2.0]
+        """
+        start, stop = self._check_rows(start, stop)
+        return self._read("X", start, stop), self._read("y", start, stop)
+
+    def read_all(self) -> tuple[FloatArray, FloatArray]:
+        """All of ``X`` and ``y`` in memory.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> ds = Dataset.from_arrays(np.eye(2), [0, 1], path=os.path.join(tempfile.mkdtemp(), "d"))
+        >>> ds.read_all()[0].shape
+        (2, 2)
+        """
+        return self.read_rows(0, self.n_rows)
+
+    def read_labels(self) -> FloatArray:
+        """All labels ``y`` (without reading ``X``).
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> Dataset.from_arrays(np.eye(2), [1, 0], path=os.path.join(tempfile.mkdtemp(), "d")).read_labels()
+        array([1., 0.])
+        """
+        return self._read("y", 0, self.n_rows)
+
+    def iter_portions(self) -> Iterator[tuple[int, FloatArray, FloatArray]]:
+        """Yield ``(i, X, y)`` for every portion in order.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> ds = Dataset.from_arrays(np.eye(3), [0, 1, 2], path=os.path.join(tempfile.mkdtemp(), "d"),
+        ...                          portion_rows=2)
+        >>> [len(y) for _, _, y in ds.iter_portions()]
+        [2, 1]
+        """
+        for i in range(self.n_portions):
+            yield (i, *self.read_portion(i))
+
+    # ---------------------------------------------------------------------------------- models
+
+    def check_model(self, model: object) -> None:
+        """Check that ``model`` can train on this dataset; raise :class:`DatasetError` saying what to fix.
+
+        Duck-typed: if ``model`` has ``n_features`` it must equal :attr:`n_features`. If it has
+        ``check_labels(y)``, that is called with all labels; otherwise its ``label_kind`` and ``n_classes``
+        attributes (when present) are compared with the dataset's: a ``"real"`` model takes any labels, a
+        ``"binary"`` model needs labels 0/1, a ``"classes"`` model needs class labels below its
+        ``n_classes``.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> from types import SimpleNamespace
+        >>> ds = Dataset.from_arrays(np.eye(3), [0, 1, 2], path=os.path.join(tempfile.mkdtemp(), "d"))
+        >>> ds.check_model(SimpleNamespace(n_features=3, label_kind="classes", n_classes=3))
+        >>> ds.check_model(SimpleNamespace(n_features=4))
+        Traceback (most recent call last):
+        ...
+        errors.DatasetError: the model expects 4 features but the dataset has 3; ...
+        """
+        m_features = getattr(model, "n_features", None)
+        if m_features is not None and int(m_features) != self.n_features:
+            raise DatasetError(
+                f"the model expects {int(m_features)} features but the dataset has {self.n_features}; "
+                f"build the model with n_features={self.n_features} or use a dataset with "
+                f"{int(m_features)} columns"
+            )
+        check = getattr(model, "check_labels", None)
+        if callable(check):
+            try:
+                check(self.read_labels())
+            except DatasetError:
+                raise
+            except (ValueError, TypeError) as exc:
+                raise DatasetError(f"the dataset's labels do not fit the model: {exc}") from exc
+            return
+        m_kind = getattr(model, "label_kind", None)
+        if m_kind is None or m_kind == "real":
+            return
+        kind, k = self.label_kind, self.n_classes
+        if m_kind == "binary":
+            if kind == "binary" or (kind == "classes" and k == 2):
+                return
+            what = f"{k} classes" if kind == "classes" else "real-valued labels"
+            use = "classes" if kind == "classes" else "real labels"
+            raise DatasetError(
+                f"the model takes binary labels (0/1) but the dataset has {what}; use a model for {use}, "
+                "or rebuild the dataset with 0/1 labels (e.g. one class against the rest)"
+            )
+        if m_kind == "classes":
+            m_k = getattr(model, "n_classes", None)
+            if kind == "real":
+                raise DatasetError(
+                    "the model takes class labels 0..K-1 but the dataset's labels are real numbers; use a "
+                    "regression model, or rebuild the dataset with integer labels (label_kind='classes')"
+                )
+            if m_k is not None and k is not None and k > int(m_k):
+                raise DatasetError(
+                    f"the dataset has {k} classes (labels up to {k - 1}) but the model has "
+                    f"n_classes={int(m_k)}; build the model with n_classes={k}"
+                )
+            return
+        raise InvalidOptionError(
+            f"model.label_kind must be one of {_LABEL_KINDS}, got {m_kind!r}; fix the model class"
+        )
+
+    # ---------------------------------------------------------------------------------- internals
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only the location and metadata travel: workers reopen the store themselves.
+        return {
+            "url": self._loc.url,
+            "local": self._loc.local,
+            "storage_options": self._loc.storage_options,
+            "meta": asdict(self._meta),
+            "portion_rows": self._portion_rows,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._setup(
+            _Location(state["url"], state["local"], state["storage_options"]),
+            _Meta(**state["meta"]),
+            state["portion_rows"],
+        )
+
+    def _set_arrays(self, arrays: tuple[zarr.Array, zarr.Array]) -> None:
+        self._arrays = arrays
+        c, d = self.chunk_rows, self.n_features
+        self._direct = self._loc.local and _plain_layout(arrays[0], (c, d)) and _plain_layout(arrays[1], (c,))
+
+    def _get_arrays(self) -> tuple[zarr.Array, zarr.Array]:
+        arrays = self._arrays
+        if arrays is None:
+            with self._lock:
+                if self._arrays is None:
+                    _, arrays = _open_checked(self._loc, expected_id=self._meta.dataset_id)
+                    self._set_arrays(arrays)
+                arrays = cast(tuple[zarr.Array, zarr.Array], self._arrays)
+        return arrays
+
+    def _check_rows(self, start: int, stop: int) -> tuple[int, int]:
+        for v in (start, stop):
+            if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                raise InvalidOptionError(f"row bounds must be integers, got {v!r}")
+        if not 0 <= start <= stop <= self.n_rows:
+            raise InvalidOptionError(
+                f"rows [{start}, {stop}) are out of range: need 0 <= start <= stop <= n_rows={self.n_rows}"
+            )
+        return int(start), int(stop)
+
+    def _read(self, name: Literal["X", "y"], start: int, stop: int) -> FloatArray:
+        arrays = self._get_arrays()
+        width = self.n_features if name == "X" else 1
+        shape = (stop - start, self.n_features) if name == "X" else (stop - start,)
+        if start == stop:
+            return np.empty(shape, dtype=np.float64)
+        if self._direct:
+            # Read the raw chunk bytes straight into the result: ~3x faster than zarr's generic path
+            # (measured 6-7 GB/s against ~2.2 GB/s from the page cache), which matters because replicas read
+            # every portion each batch. Only used when the layout is plain (checked on open).
+            out = np.empty(shape, dtype=np.float64)
+            buf = memoryview(out.data).cast("B")
+            c, row_bytes = self.chunk_rows, 8 * width
+            suffix = ("0",) if name == "X" else ()
+            try:
+                for ci in range(start // c, (stop - 1) // c + 1):
+                    r0, r1 = max(start, ci * c), min(stop, (ci + 1) * c)
+                    chunk = os.path.join(self._loc.url, name, "c", str(ci), *suffix)
+                    _read_exact(
+                        chunk,
+                        (r0 - ci * c) * row_bytes,
+                        buf[(r0 - start) * row_bytes : (r1 - start) * row_bytes],
+                    )
+                return out
+            except _ShortReadError:
+                pass  # e.g. a chunk that zarr skipped as empty: let zarr fill it in
+            except OSError as exc:
+                raise StoreError(f"cannot read rows {start}..{stop} of {self.url}: {exc}") from exc
+        arr = arrays[0] if name == "X" else arrays[1]
+        try:
+            data = arr[start:stop]
+        except (OSError, ValueError, KeyError) as exc:
+            raise StoreError(f"cannot read rows {start}..{stop} of {self.url}: {exc}") from exc
+        return np.ascontiguousarray(data, dtype=np.float64)
+
+
+# ------------------------------------------------------------------------------------- store helpers
+
+
+def _open_checked(loc: _Location, *, expected_id: str | None) -> tuple[_Meta, tuple[zarr.Array, zarr.Array]]:
+    where = loc.url
+    hint = "build one with Dataset.from_arrays / from_npz / from_csv, or check the path"
+    try:
+        group = zarr.open_group(loc.store(read_only=True), mode="r")
+    except FileNotFoundError as exc:
+        raise StoreError(f"no dataset at {where}: {hint}") from exc
+    except (BaseZarrError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"cannot open {where} as a dataset ({exc}); {hint}") from exc
+    meta = _Meta.from_attrs(dict(group.attrs), where)
+    if expected_id is not None and meta.dataset_id != expected_id:
+        raise StoreError(
+            f"the dataset at {where} was replaced after this Dataset object was made; open it again"
+        )
+    try:
+        X, y = group["X"], group["y"]
+    except KeyError as exc:
+        raise StoreError(f"{where}: the dataset is damaged (missing array {exc}); rebuild it") from exc
+    n, d = meta.n_rows, meta.n_features
+    if not isinstance(X, zarr.Array) or not isinstance(y, zarr.Array):
+        raise StoreError(f"{where}: the dataset is damaged (X or y is not an array); rebuild it")
+    if X.shape != (n, d) or y.shape != (n,) or X.dtype != np.float64 or y.dtype != np.float64:
+        raise StoreError(
+            f"{where}: the dataset is damaged (X {X.shape} {X.dtype}, y {y.shape} {y.dtype} do not match "
+            f"the metadata n_rows={n}, n_features={d}, float64); rebuild it"
+        )
+    if X.chunks != (meta.chunk_rows, d) or y.chunks != (meta.chunk_rows,):
+        raise StoreError(f"{where}: the dataset is damaged (chunks do not match chunk_rows); rebuild it")
+    return meta, (X, y)
+
+
+def _write_arrays(group: zarr.Group, X: np.ndarray[Any, Any], y: FloatArray, meta: _Meta, block: int) -> None:
+    n, d, c = meta.n_rows, meta.n_features, meta.chunk_rows
+    # No compressor: random floats barely compress, and raw chunks read at disk speed. write_empty_chunks
+    # skips zarr's scan of every chunk for "all fill value", which otherwise costs as much as the write.
+    common: dict[str, Any] = {
+        "dtype": "float64",
+        "compressors": None,
+        "filters": None,
+        "fill_value": 0.0,
+        "config": {"write_empty_chunks": True},
+    }
+    xa = group.create_array("X", shape=(n, d), chunks=(c, d), dimension_names=("row", "feature"), **common)
+    ya = group.create_array("y", shape=(n,), chunks=(c,), dimension_names=("row",), **common)
+    if X.dtype == np.float64 and X.flags.c_contiguous:
+        xa[:] = X  # one call lets zarr write all chunks concurrently
+    else:
+        for r0 in range(0, n, block):
+            xa[r0 : r0 + block] = np.ascontiguousarray(X[r0 : r0 + block], dtype=np.float64)
+    ya[:] = y
+
+
+def _precheck(loc: _Location, overwrite: object) -> Literal["missing", "empty", "dataset"]:
+    """Refuse early (before reading or validating big inputs) to write where we must not."""
+    if not isinstance(overwrite, bool):
+        raise InvalidOptionError(f"overwrite must be True or False, got {overwrite!r}")
+    state = loc.probe()
+    if state == "other":
+        raise DatasetError(
+            f"{loc.url} already exists and is not a distbelief dataset; refusing to write there "
+            "(even with overwrite=True). Choose another path or remove it yourself"
+        )
+    if state != "missing" and not overwrite:
+        raise DatasetError(
+            f"{loc.url} already exists; pass overwrite=True to replace it, or choose another path"
+        )
+    return state
+
+
+def _commit(loc: _Location, meta: _Meta, write: Callable[[zarr.Group], None], *, overwrite: bool) -> None:
+    """Write via ``write(group)`` into a hidden sibling of ``loc``, then move it into place."""
+    state = _precheck(loc, overwrite)
+    token = uuid.uuid4().hex[:12]
+    # Hidden names never match a dataset name (they start with '.'), so list_datasets skips leftovers.
+    tmp = loc.sibling(f".{loc.basename}.tmp-{token}")
+    old = loc.sibling(f".{loc.basename}.old-{token}")
+    created: list[str] = []
+    try:
+        created = loc.make_parents()
+        group = zarr.create_group(tmp.store(read_only=False), zarr_format=3, attributes=meta.to_attrs())
+        write(group)
+        if state != "missing":
+            loc.rename(old)
+        try:
+            tmp.rename(loc)
+        except BaseException:
+            if state != "missing":
+                old.rename(loc)
+            raise
+    except BaseException as exc:
+        _quietly(tmp.remove)
+        for d in created:
+            _quietly(functools.partial(os.rmdir, d))
+        if isinstance(exc, OSError):
+            raise StoreError(f"could not write the dataset to {loc.url}: {exc}") from exc
+        raise
+    if state != "missing":
+        # The new dataset is in place; failing to delete the old copy must not report the write as failed.
+        _quietly(old.remove)
+
+
+def _quietly(fn: Callable[[], object]) -> None:
+    with contextlib.suppress(OSError):
+        fn()
+
+
+def _describe(file: object) -> str:
+    if isinstance(file, str | os.PathLike):
+        return repr(os.fspath(file))
+    name = getattr(file, "name", None)
+    return repr(name) if isinstance(name, str) else "the uploaded file"
+
+
+def _with_context(name: str, build: Callable[[], Dataset]) -> Dataset:
+    try:
+        return build()
+    except DatasetError as exc:
+        raise DatasetError(f"{name}: {exc}") from exc
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,46 @@
+"""Update rules that a shard applies to a pushed gradient slice (DistBelief paper, section 4.1).
+
+Plain numpy functions on one shard's slice, with no Dask or zarr inside, so they are tested on their own and
+reused by single-process references. They update ``w`` (and the Adagrad accumulator) in place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.linalg import blas
+
+__all__ = ["ADAGRAD_EPS", "RULES", "adagrad_update", "sgd_update"]
+
+#: Added under the square root so the very first Adagrad step is finite; the paper's rule has no epsilon
+#: because its accumulators start after at least one gradient. 1e-8 keeps the first step ~= lr * sign(g).
+ADAGRAD_EPS = 1e-8
+
+
+def sgd_update(w: np.ndarray, g: np.ndarray, *, lr: float) -> None:
+    """Plain SGD, ``w -= lr * g``, in place (BLAS axpy: no temporary).
+
+    Examples
+    --------
+    >>> w = np.ones(3); sgd_update(w, np.ones(3), lr=0.5); w
+    array([0.5, 0.5, 0.5])
+    """
+    blas.daxpy(g, w, a=-lr)
+
+
+def adagrad_update(w: np.ndarray, g: np.ndarray, accumulator: np.ndarray, *, lr: float) -> None:
+    """Adagrad as in the paper: ``acc += g**2; w -= lr * g / sqrt(acc)``, per parameter, in place.
+
+    The learning rate of parameter ``i`` at its K-th update is ``lr / sqrt(sum_{j<=K} g_ij**2)``.
+
+    Examples
+    --------
+    >>> w = np.zeros(2); acc = np.zeros(2)
+    >>> adagrad_update(w, np.array([2.0, -4.0]), acc, lr=0.1); np.round(w, 6)
+    array([-0.1,  0.1])
+    """
+    accumulator += g * g
+    step = g / (np.sqrt(accumulator) + ADAGRAD_EPS)
+    blas.daxpy(step, w, a=-lr)
+
+
+RULES = ("sgd", "adagrad")

@@ -1,0 +1,752 @@
+"""The sharded parameter server: one Dask actor per chunk-aligned slice, persisted to zarr.
+
+The server handle lives in the caller's process (the Sandblaster coordinator, a test, the service) and
+sends every op to all shards at once, so one op costs one actor round trip whatever the number of shards;
+only scalars come back (DistBelief paper, section 4.2 and the Sandblaster appendix).
+
+Store layout (zarr v3, no compressor: random floats barely compress and compression costs 3x)::
+
+    <store>/                 group; attrs["distbelief_ps"] = layout, current slot, names, shard states, meta
+    <store>/slot0/<name>     float64 (n,), chunked on the layout's chunk grid
+    <store>/slot1/<name>     the other half of a double buffer: a checkpoint writes the slot that is *not*
+                             current and flips ``current`` only when every shard has written, so a crash in
+                             the middle of a checkpoint leaves the previous one intact.
+
+Dask actors are not resilient: when a worker dies its actors are gone for good. Each op notices a lost
+shard, rebuilds it on a live worker from the last checkpoint and raises :class:`errors.ShardLostError`
+naming the shard, so the caller can decide how to go on (Sandblaster rolls every shard back; Downpour just
+continues with the restored shard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zarr
+from distributed import Client, Future
+from distributed.utils import sync
+
+from errors import ClusterError, InvalidOptionError, ShardLostError, StoreError
+from storage._actor import ShardActor
+from storage._layout import DEFAULT_TARGET_CHUNK, Layout
+from storage._shard import OPS
+from storage._store import normalize_url, open_group
+
+__all__ = ["Batch", "ParameterServer", "ServerStats", "ShardMap"]
+
+ATTR = "distbelief_ps"
+FORMAT_VERSION = 1
+#: How often a wait re-checks whether the worker of a shard is still alive (seconds).
+_POLL = 0.25
+#: How long a connection error may take to be confirmed as a dead worker by the scheduler (seconds).
+_LOSS_GRACE = 10.0
+
+
+@dataclass
+class ServerStats:
+    """What the handle has sent and received, to count round trips and prove what the caller sees.
+
+    ``max_received`` is the largest number of float values any single call returned: a coordinator that
+    never holds a vector keeps it at O(m^2) scalars.
+    """
+
+    round_trips: int = 0
+    shard_calls: int = 0
+    values_received: int = 0
+    max_received: int = 0
+    by_method: dict[str, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.round_trips = self.shard_calls = self.values_received = self.max_received = 0
+        self.by_method = {}
+
+
+def _count_values(obj: Any) -> int:
+    if obj is None or isinstance(obj, bool | str):
+        return 0
+    if isinstance(obj, int | float | np.floating | np.integer):
+        return 1
+    if isinstance(obj, np.ndarray):
+        return int(obj.size)
+    if isinstance(obj, list | tuple):
+        return sum(_count_values(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_count_values(v) for v in obj.values())
+    return 1
+
+
+def _reduce(kind: str | None, partials: Sequence[Any]) -> Any:
+    if kind is None:
+        return None
+    if kind == "max":
+        return float(max(partials))
+    if kind == "min":
+        return min(partials)
+    if isinstance(partials[0], list):
+        return [math.fsum(col) for col in zip(*partials, strict=True)]
+    total = math.fsum(partials)
+    return math.sqrt(total) if kind == "sqrt_sum" else total
+
+
+class Batch:
+    """Ops collected to be sent to every shard in one call (one round trip for the lot).
+
+    Each method appends one op and returns its index into the list that :meth:`run` returns.
+
+    Examples
+    --------
+    >>> b = ps.batch()                                   # doctest: +SKIP
+    >>> b.axpy(0.5, "d", "x"); i = b.dot("x", "x")        # doctest: +SKIP
+    >>> b.run()[i]                                       # doctest: +SKIP
+    """
+
+    def __init__(self, server: ParameterServer) -> None:
+        self._server = server
+        self.ops: list[tuple[Any, ...]] = []
+
+    def _add(self, *op: Any) -> int:
+        self.ops.append(op)
+        return len(self.ops) - 1
+
+    def fill(self, name: str, value: float) -> int:
+        """``name[:] = value`` (creates ``name``)."""
+        return self._add("fill", name, float(value))
+
+    def copy(self, src: str, dst: str) -> int:
+        """``dst = src`` (creates ``dst``)."""
+        return self._add("copy", src, dst)
+
+    def scale(self, alpha: float, name: str) -> int:
+        """``name *= alpha``."""
+        return self._add("scale", float(alpha), name)
+
+    def axpy(self, alpha: float, x: str, y: str) -> int:
+        """``y += alpha * x``."""
+        return self._add("axpy", float(alpha), x, y)
+
+    def lincomb(self, dst: str, coeffs: Sequence[float], names: Sequence[str]) -> int:
+        """``dst = sum_i coeffs[i] * names[i]`` (``dst`` may be among ``names``)."""
+        return self._add("lincomb", dst, [float(c) for c in coeffs], list(names))
+
+    def mul(self, x: str, y: str, dst: str) -> int:
+        """``dst = x * y`` elementwise."""
+        return self._add("mul", x, y, dst)
+
+    def delete(self, name: str) -> int:
+        """Drop vector ``name`` from every shard."""
+        return self._add("delete", name)
+
+    def dot(self, a: str, b: str) -> int:
+        """``a . b``."""
+        return self._add("dot", a, b)
+
+    def dots(self, pairs: Sequence[tuple[str, str]]) -> int:
+        """``[a . b for a, b in pairs]``."""
+        return self._add("dots", [(a, b) for a, b in pairs])
+
+    def norm2(self, name: str) -> int:
+        """Euclidean norm of ``name``."""
+        return self._add("norm2", name)
+
+    def norm_inf(self, name: str) -> int:
+        """Max-abs norm of ``name``."""
+        return self._add("norm_inf", name)
+
+    def sum(self, name: str) -> int:
+        """Sum of the elements of ``name``."""
+        return self._add("sum", name)
+
+    def run(self) -> list[Any]:
+        """Send the ops to every shard in one call each; return the reduced result of every op."""
+        return self._server.run(self.ops)
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    """A picklable map of the shards, for code running *on workers* (replicas) to fetch and push.
+
+    Calls from a synchronous actor method to a shard on the same worker would otherwise return a bare
+    coroutine; :meth:`call` hands it to the worker's event loop instead, and goes over RPC for the others.
+    """
+
+    layout: Layout
+    actors: tuple[Any, ...]
+
+    def call(self, shard: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Start ``method`` on shard ``shard``.
+
+        Returns an awaitable when called on a worker's event loop, and an object with ``.result(timeout)``
+        from any thread. A shard on the caller's own worker is called directly (no RPC to itself).
+        """
+        actor = self.actors[shard]
+        worker = _current_worker()
+        if worker is not None and getattr(actor, "_address", None) == worker.address:
+            local = worker.state.actors.get(actor.key)
+            if local is not None:
+                coro = getattr(local, method)(*args, **kwargs)
+                if threading.get_ident() == worker.thread_id:
+                    return asyncio.ensure_future(coro)
+                return asyncio.run_coroutine_threadsafe(coro, worker.loop.asyncio_loop)
+        return getattr(actor, method)(*args, **kwargs)
+
+    def fetch(
+        self, names: Sequence[str], *, timeout: float | None = 60.0
+    ) -> tuple[list[int], list[np.ndarray]]:
+        """Every shard's version and the full vectors ``names`` (one round trip per shard, in parallel)."""
+        futures = [self.call(i, "fetch", list(names)) for i in range(self.layout.shards)]
+        parts = [f.result(timeout=timeout) for f in futures]
+        versions = [int(v) for v, _ in parts]
+        vectors = [np.concatenate([p[1][k] for p in parts]) for k in range(len(names))]
+        return versions, vectors
+
+    def slices(self, vector: np.ndarray) -> list[np.ndarray]:
+        """``vector`` cut into the shards' ranges (views, no copy)."""
+        return [vector[lo:hi] for lo, hi in self.layout.ranges()]
+
+
+class ParameterServer:
+    """A vector space of ``n`` float64 parameters sharded over Dask actors and checkpointed to zarr.
+
+    Create with :meth:`create` or reopen with :meth:`open`; do not call the constructor directly.
+
+    Examples
+    --------
+    >>> ps = ParameterServer.create(client, 10, shards=2, store="/tmp/ps")   # doctest: +SKIP
+    >>> ps.scatter("a", np.arange(10.0)); ps.dot("a", "a")                   # doctest: +SKIP
+    285.0
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        url: str,
+        layout: Layout,
+        futures: list[Future],
+        *,
+        timeout: float,
+    ) -> None:
+        self.client = client
+        self.url = url
+        self.layout = layout
+        self._futures = futures
+        self._actors = [f.result() for f in futures]
+        self.timeout = timeout
+        self.stats = ServerStats()
+        self._meta = self._read_meta()
+
+    # -- construction ----------------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        client: Client,
+        n: int,
+        *,
+        shards: int = 1,
+        store: str,
+        workers: Sequence[str] | None = None,
+        target_chunk: int = DEFAULT_TARGET_CHUNK,
+        overwrite: bool = False,
+        timeout: float = 120.0,
+    ) -> ParameterServer:
+        """Create a new server for ``n`` parameters in ``shards`` shards, persisted at ``store``.
+
+        Parameters
+        ----------
+        client : distributed.Client
+            The cluster to put the shard actors on.
+        n : int
+            Number of parameters (>= 1).
+        shards : int
+            Number of shards (1 <= shards <= n). Shard ``i`` goes to ``workers[i % len(workers)]``.
+        store : str
+            Directory or fsspec URL of the zarr store (it must be reachable from every worker).
+        workers : list of str, optional
+            Worker addresses to place shards on (default: every worker, sorted).
+        target_chunk : int
+            Elements per zarr chunk to aim for.
+        overwrite : bool
+            Replace a parameter server already stored at ``store``.
+        timeout : float
+            Seconds a single shard call may take before it is reported as failed.
+        """
+        layout = Layout.split(n, shards, target_chunk=target_chunk)
+        url = normalize_url(store)
+        group = zarr.open_group(store=_store_for(url), mode="a")
+        if ATTR in group.attrs and not overwrite:
+            raise StoreError(
+                f"{url!r} already holds a parameter server; open it with ParameterServer.open, "
+                "or pass overwrite=True to replace it"
+            )
+        for slot in ("slot0", "slot1"):
+            if slot in group:
+                del group[slot]
+        group.attrs[ATTR] = {
+            "format": FORMAT_VERSION,
+            "layout": layout.to_dict(),  # type: ignore[dict-item]
+            "current": None,
+            "checkpoint_id": 0,
+            "names": [],
+            "states": [],
+            "meta": {},
+        }
+        placement = _placement(client, layout.shards, workers)
+        futures = [
+            client.submit(
+                ShardActor,
+                i,
+                lo,
+                hi,
+                url,
+                actor=True,
+                workers=[placement[i]],
+                allow_other_workers=False,
+                key=f"shard-{i}-{uuid.uuid4().hex[:12]}",
+                pure=False,
+            )
+            for i, (lo, hi) in enumerate(layout.ranges())
+        ]
+        return cls(client, url, layout, futures, timeout=timeout)
+
+    @classmethod
+    def open(
+        cls,
+        client: Client,
+        *,
+        store: str,
+        workers: Sequence[str] | None = None,
+        timeout: float = 120.0,
+    ) -> ParameterServer:
+        """Reopen the server at ``store``: new actors, every vector restored from the last checkpoint."""
+        url = normalize_url(store)
+        meta = _read_attrs(url)
+        layout = Layout.from_dict(meta["layout"])
+        placement = _placement(client, layout.shards, workers)
+        slot = meta["current"]
+        futures = [
+            client.submit(
+                ShardActor,
+                i,
+                lo,
+                hi,
+                url,
+                None if slot is None else f"slot{slot}",
+                meta["names"],
+                meta["states"][i] if slot is not None else None,
+                actor=True,
+                workers=[placement[i]],
+                allow_other_workers=False,
+                key=f"shard-{i}-{uuid.uuid4().hex[:12]}",
+                pure=False,
+            )
+            for i, (lo, hi) in enumerate(layout.ranges())
+        ]
+        return cls(client, url, layout, futures, timeout=timeout)
+
+    # -- introspection ---------------------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        """Number of parameters."""
+        return self.layout.n
+
+    @property
+    def shards(self) -> int:
+        """Number of shards."""
+        return self.layout.shards
+
+    @property
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """The ``meta`` dict saved with the last checkpoint (empty if none)."""
+        return dict(self._meta.get("meta") or {})
+
+    @property
+    def checkpoint_id(self) -> int:
+        """How many checkpoints this store has taken (0: none)."""
+        return int(self._meta.get("checkpoint_id") or 0)
+
+    @property
+    def checkpointed_names(self) -> list[str]:
+        """Vector names held by the last checkpoint."""
+        return list(self._meta.get("names") or [])
+
+    def workers(self) -> list[str]:
+        """The worker address of each shard."""
+        who = self.client.who_has(self._futures)
+        return [next(iter(who.get(f.key, ())), "?") for f in self._futures]
+
+    def shard_map(self) -> ShardMap:
+        """A picklable handle for code on workers (replicas) to fetch from and push to the shards."""
+        return ShardMap(self.layout, tuple(self._actors))
+
+    def names(self) -> list[str]:
+        """Names of the vectors on the shards."""
+        names: list[str] = self._call_all("names", [()] * self.shards)[0]
+        return names
+
+    # -- calls -----------------------------------------------------------------------------------------
+    def _call_all(self, method: str, args: Sequence[tuple[Any, ...]], **kwargs: Any) -> list[Any]:
+        """Call ``method`` on every shard at once (one round trip) and return the per-shard results."""
+        results = self._call(list(range(self.shards)), method, args, **kwargs)
+        self.stats.round_trips += 1
+        return results
+
+    def _call(
+        self, which: list[int], method: str, args: Sequence[tuple[Any, ...]], **kwargs: Any
+    ) -> list[Any]:
+        self.stats.shard_calls += len(which)
+        self.stats.by_method[method] = self.stats.by_method.get(method, 0) + 1
+        lost: list[int] = []
+        futures: list[Any] = []
+        for i, a in zip(which, args, strict=True):
+            try:
+                futures.append(getattr(self._actors[i], method)(*a, **kwargs))
+            except RuntimeError:  # "Worker holding Actor was lost"
+                lost.append(i)
+                futures.append(None)
+        results: list[Any] = [None] * len(which)
+        if not lost:
+            loop = self.client.loop
+            assert loop is not None
+            outcome = sync(loop, self._gather, which, futures)
+            for k, (ok, value) in enumerate(outcome):
+                if ok:
+                    results[k] = value
+                elif self._is_lost(which[k], value):
+                    lost.append(which[k])
+                else:
+                    raise value
+        if lost:
+            self._recover(sorted(set(lost)), method)
+        for r in results:
+            n_values = _count_values(r)
+            self.stats.values_received += n_values
+            self.stats.max_received = max(self.stats.max_received, n_values)
+        return results
+
+    async def _gather(self, which: list[int], futures: list[Any]) -> list[tuple[bool, Any]]:
+        """Await every call; stop waiting for a call whose shard's worker has died."""
+        pending = {asyncio.ensure_future(f._result()): k for k, f in enumerate(futures)}
+        out: list[tuple[bool, Any]] = [(False, None)] * len(futures)
+        deadline = time.monotonic() + self.timeout
+        while pending:
+            done, _ = await asyncio.wait(list(pending), timeout=_POLL, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                k = pending.pop(task)
+                exc = task.exception()
+                out[k] = (False, exc) if exc is not None else (True, task.result())
+            if not done:
+                for task, k in list(pending.items()):
+                    if self._futures[which[k]].status in ("error", "lost", "cancelled"):
+                        task.cancel()
+                        pending.pop(task)
+                        out[k] = (False, ClusterError(f"the worker of shard {which[k]} is gone"))
+                if time.monotonic() > deadline:
+                    for task, k in pending.items():
+                        task.cancel()
+                        out[k] = (False, self._timeout_error(which[k]))
+                    pending = {}
+        return out
+
+    def _timeout_error(self, shard: int) -> ClusterError:
+        return ClusterError(
+            f"shard {shard} did not answer within {self.timeout:.0f} s; its worker may be overloaded or "
+            "hung: check the Dask dashboard, or pass a larger timeout= to ParameterServer.create/open"
+        )
+
+    def _is_lost(self, shard: int, error: BaseException | None = None) -> bool:
+        """Whether ``shard``'s worker is gone (as opposed to the op itself having failed)."""
+        if self._futures[shard].status in ("error", "lost", "cancelled"):
+            return True
+        if not isinstance(error, OSError | ClusterError):
+            return False
+        # A connection error can arrive before the scheduler has noticed the death: give it a moment.
+        address = getattr(self._actors[shard], "_address", None)
+        deadline = time.monotonic() + _LOSS_GRACE
+        while time.monotonic() < deadline:
+            if self._futures[shard].status in ("error", "lost", "cancelled"):
+                return True
+            if address not in self.client.scheduler_info(n_workers=-1)["workers"]:
+                return True
+            time.sleep(_POLL)
+        return False
+
+    def _recover(self, lost: list[int], method: str) -> None:
+        """Rebuild the lost shards from the last checkpoint on live workers, then raise ShardLostError."""
+        self._meta = self._read_meta()
+        slot = self._meta.get("current")
+        restored = slot is not None
+        placement = _placement(self.client, len(lost), None)
+        for k, i in enumerate(lost):
+            lo, hi = self.layout.ranges()[i]
+            fut = self.client.submit(
+                ShardActor,
+                i,
+                lo,
+                hi,
+                self.url,
+                None if slot is None else f"slot{slot}",
+                self._meta.get("names", []),
+                self._meta["states"][i] if restored else None,
+                actor=True,
+                workers=[placement[k]],
+                allow_other_workers=False,
+                key=f"shard-{i}-{uuid.uuid4().hex[:12]}",
+                pure=False,
+            )
+            self._actors[i] = fut.result(timeout=self.timeout)
+            self._futures[i] = fut
+        names = ", ".join(f"{i} [{self.layout.bounds[i]}, {self.layout.bounds[i + 1]})" for i in lost)
+        if restored:
+            msg = (
+                f"parameter-server shard {names} was lost with its worker during {method!r}; it was rebuilt "
+                f"on a live worker from checkpoint #{self._meta.get('checkpoint_id')} — its vectors are as "
+                "they "
+                "were at that checkpoint. Call ps.rollback() to bring every shard back to that checkpoint, "
+                "then repeat the work since."
+            )
+        else:
+            msg = (
+                f"parameter-server shard {names} was lost with its worker during {method!r} and there is no "
+                "checkpoint to rebuild it from; it was recreated empty. Call ps.checkpoint() regularly to be "
+                "able to recover; re-scatter the vectors to go on."
+            )
+        raise ShardLostError(msg, shard=lost[0], restored=restored)
+
+    # -- ops -------------------------------------------------------------------------------------------
+    def batch(self) -> Batch:
+        """A :class:`Batch` that sends many ops in one call per shard."""
+        return Batch(self)
+
+    def run(self, ops: Sequence[Sequence[Any]]) -> list[Any]:
+        """Apply ``ops`` (tuples ``(name, *args)``) on every shard in one round trip; reduced results."""
+        for op in ops:
+            if op[0] not in OPS:
+                raise InvalidOptionError(f"unknown op {op[0]!r}; known ops: {sorted(OPS)}")
+        partials = self._call_all("run", [(list(ops),)] * self.shards)
+        return [_reduce(OPS[op[0]], [p[k] for p in partials]) for k, op in enumerate(ops)]
+
+    def _one(self, op: tuple[Any, ...]) -> Any:
+        return self.run([op])[0]
+
+    def fill(self, name: str, value: float) -> None:
+        """``name[:] = value`` on every shard (creates ``name``)."""
+        self._one(("fill", name, float(value)))
+
+    def copy(self, src: str, dst: str) -> None:
+        """``dst = src``."""
+        self._one(("copy", src, dst))
+
+    def scale(self, alpha: float, name: str) -> None:
+        """``name *= alpha``."""
+        self._one(("scale", float(alpha), name))
+
+    def axpy(self, alpha: float, x: str, y: str) -> None:
+        """``y += alpha * x`` on every shard."""
+        self._one(("axpy", float(alpha), x, y))
+
+    def lincomb(self, dst: str, coeffs: Sequence[float], names: Sequence[str]) -> None:
+        """``dst = sum_i coeffs[i] * names[i]``."""
+        self._one(("lincomb", dst, [float(c) for c in coeffs], list(names)))
+
+    def mul(self, x: str, y: str, dst: str) -> None:
+        """``dst = x * y`` elementwise."""
+        self._one(("mul", x, y, dst))
+
+    def delete(self, name: str) -> None:
+        """Drop vector ``name``."""
+        self._one(("delete", name))
+
+    def dot(self, a: str, b: str) -> float:
+        """``a . b``."""
+        return float(self._one(("dot", a, b)))
+
+    def dots(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
+        """Many dot products in one round trip."""
+        return list(self._one(("dots", [(a, b) for a, b in pairs])))
+
+    def norm2(self, name: str) -> float:
+        """Euclidean norm."""
+        return float(self._one(("norm2", name)))
+
+    def norm_inf(self, name: str) -> float:
+        """Max-abs norm."""
+        return float(self._one(("norm_inf", name)))
+
+    def sum(self, name: str) -> float:
+        """Sum of elements."""
+        return float(self._one(("sum", name)))
+
+    # -- slices ----------------------------------------------------------------------------------------
+    def _shards_of(self, lo: int, hi: int) -> list[int]:
+        if not 0 <= lo <= hi <= self.n:
+            raise InvalidOptionError(f"range [{lo}, {hi}) is outside the vector of {self.n} parameters")
+        return [i for i, (a, b) in enumerate(self.layout.ranges()) if a < hi and b > lo]
+
+    def get(self, name: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """The values ``name[lo:hi]`` (only the shards holding that range are asked)."""
+        hi = self.n if hi is None else hi
+        which = self._shards_of(lo, hi)
+        parts = self._call(which, "get", [(name, lo, hi)] * len(which))
+        self.stats.round_trips += 1
+        return np.concatenate(parts) if parts else np.empty(0)
+
+    def set(self, name: str, lo: int, values: np.ndarray) -> None:
+        """Write ``values`` to ``name[lo:lo+len(values)]``; ``name`` must exist unless the range is whole."""
+        values = _as_vector(values)
+        hi = lo + values.shape[0]
+        which = self._shards_of(lo, hi)
+        args = []
+        for i in which:
+            a, b = max(lo, self.layout.bounds[i]), min(hi, self.layout.bounds[i + 1])
+            args.append((name, a, b, values[a - lo : b - lo]))
+        self._call(which, "set", args)
+        self.stats.round_trips += 1
+
+    def scatter(self, name: str, array: np.ndarray) -> None:
+        """Store the whole vector ``array`` (length ``n``) as ``name``, each shard getting its slice."""
+        array = _as_vector(array)
+        if array.shape[0] != self.n:
+            raise InvalidOptionError(f"scatter {name!r}: expected {self.n} values, got {array.shape[0]}")
+        self.set(name, 0, array)
+
+    def gather(self, name: str) -> np.ndarray:
+        """The whole vector ``name`` as one numpy array (for tests and results: it moves n floats)."""
+        return self.get(name, 0, self.n)
+
+    # -- persistence -----------------------------------------------------------------------------------
+    def checkpoint(self, names: Sequence[str] | None = None, *, meta: dict[str, Any] | None = None) -> int:
+        """Write ``names`` (default: every vector) of every shard to zarr; returns the checkpoint number.
+
+        Shards write the slot that is not current, each only its own chunks; the slot becomes current only
+        after every shard has written, so an interrupted checkpoint leaves the previous one intact.
+        ``meta`` (JSON-able) is saved with it and read back by :attr:`checkpoint_meta`.
+        """
+        names = sorted(self.names()) if names is None else sorted(set(names))
+        self._meta = self._read_meta()
+        current = self._meta.get("current")
+        target = 0 if current != 0 else 1
+        group = open_group(self.url, mode="r+")
+        slot = f"slot{target}"
+        if slot in group:
+            del group[slot]
+        sub = group.create_group(slot)
+        for name in names:
+            sub.create_array(
+                name,
+                shape=(self.n,),
+                chunks=(self.layout.chunk,),
+                dtype="float64",
+                compressors=None,
+                fill_value=0.0,
+            )
+        states = self._call_all("checkpoint", [(slot, names)] * self.shards)
+        checkpoint_id = int(self._meta.get("checkpoint_id") or 0) + 1
+        new = dict(self._meta)
+        new.update(
+            current=target,
+            checkpoint_id=checkpoint_id,
+            names=names,
+            states=states,
+            meta=dict(meta or {}),
+            time=time.time(),
+        )
+        group.attrs[ATTR] = new
+        self._meta = new
+        return checkpoint_id
+
+    def rollback(self) -> None:
+        """Bring every shard back to the last checkpoint (vectors created since are dropped)."""
+        self._meta = self._read_meta()
+        slot = self._meta.get("current")
+        if slot is None:
+            raise StoreError(f"{self.url!r} has no checkpoint to roll back to; call checkpoint() first")
+        states = self._meta["states"]
+        self._call(
+            list(range(self.shards)),
+            "restore",
+            [(f"slot{slot}", self._meta["names"], states[i]) for i in range(self.shards)],
+        )
+        self.stats.round_trips += 1
+
+    def ping(self) -> None:
+        """Check every shard answers (restoring lost ones, which raises :class:`errors.ShardLostError`)."""
+        self._call_all("ping", [()] * self.shards)
+
+    def close(self) -> None:
+        """Release the actors (the store stays; :meth:`open` brings the server back)."""
+        with contextlib.suppress(Exception):
+            self._call_all("close", [()] * self.shards)
+        for f in self._futures:
+            with contextlib.suppress(Exception):
+                f.release()
+        self._actors = []
+
+    def __enter__(self) -> ParameterServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _read_meta(self) -> dict[str, Any]:
+        return _read_attrs(self.url)
+
+    def __repr__(self) -> str:
+        return f"ParameterServer(n={self.n}, shards={self.shards}, store={self.url!r})"
+
+
+def _current_worker() -> Any:
+    try:
+        from distributed import get_worker
+
+        return get_worker()
+    except ValueError:
+        return None
+
+
+def _as_vector(values: Any) -> np.ndarray:
+    array = np.ascontiguousarray(values, dtype=np.float64)
+    if array.ndim != 1:
+        raise InvalidOptionError(f"expected a 1-D vector, got shape {array.shape}")
+    return array
+
+
+def _store_for(url: str) -> Any:
+    from storage._store import open_store
+
+    return open_store(url)
+
+
+def _read_attrs(url: str) -> dict[str, Any]:
+    try:
+        group = open_group(url, mode="r")
+    except StoreError:
+        raise
+    except Exception as exc:
+        raise StoreError(f"cannot read the parameter-server store {url!r}: {exc}") from exc
+    meta = group.attrs.get(ATTR)
+    if not isinstance(meta, dict):
+        raise StoreError(
+            f"{url!r} holds no parameter server; create one with ParameterServer.create(client, n, store=...)"
+        )
+    if meta.get("format") != FORMAT_VERSION:
+        raise StoreError(f"{url!r} was written by format {meta.get('format')}, this is {FORMAT_VERSION}")
+    return dict(meta)
+
+
+def _placement(client: Client, count: int, workers: Sequence[str] | None) -> list[str]:
+    """``count`` worker addresses, round robin over ``workers`` (default: all live workers, sorted)."""
+    if workers is None:
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = list(workers)
+    if not workers:
+        raise ClusterError("the Dask cluster has no workers; start some (or wait for them) and try again")
+    return [workers[i % len(workers)] for i in range(count)]

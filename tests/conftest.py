@@ -1,0 +1,22 @@
+"""Shared fixtures: one real multi-process LocalCluster for the whole session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from distributed import Client, LocalCluster
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
+    ) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def client(cluster: LocalCluster) -> Iterator[Client]:
+    with Client(cluster, direct_to_workers=True) as client:
+        yield client

@@ -1,0 +1,192 @@
+"""``sandblaster.minimize`` on a real LocalCluster, against SciPy's L-BFGS-B as the oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cloudpickle
+import numpy as np
+import pytest
+from distributed import Client
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import models
+import sandblaster
+from errors import InvalidOptionError
+from sandblaster._minimize import SandblasterOptions, open_session
+from storage import Dataset
+from tests.sandblaster import conftest
+from tests.sandblaster.conftest import Problem
+
+# The user model lives in this test package, which the workers cannot import: ship it by value.
+cloudpickle.register_pickle_by_value(conftest)
+
+
+def dataset(problem: Problem, path: Path, portion_rows: int | None = None) -> Dataset:
+    return Dataset.from_arrays(
+        problem.X, problem.y, path=str(path), portion_rows=portion_rows, overwrite=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "tolerances"),
+    [
+        ("logistic_digits", {}),
+        ("softmax_digits", {}),
+        # SciPy's default ftol stops these two ~1e-7 above the optimum at a rounding-dependent point.
+        ("ill_conditioned_least_squares", {"gtol": 1e-10, "ftol": 1e-15}),
+        ("rosenbrock", {"gtol": 1e-8, "ftol": 1e-13}),
+    ],
+)
+def test_lbfgs_matches_scipy(
+    request: pytest.FixtureRequest, client: Client, tmp_path: Path, name: str, tolerances: dict[str, float]
+) -> None:
+    problem: Problem = request.getfixturevalue(name)
+    ref = problem.scipy(m=10, **tolerances)
+    res = sandblaster.minimize(
+        problem.model, dataset(problem, tmp_path / "data", portion_rows=64), x0=problem.x0, l2=problem.l2,
+        history=10, client=client, store=tmp_path / "run", **tolerances,
+    )  # fmt: skip
+    assert res.success, res.message
+    assert res.fun == pytest.approx(ref.fun, rel=1e-8, abs=1e-12)
+    assert abs(res.nit - ref.nit) <= max(1, 0.2 * ref.nit), (res.nit, ref.nit)
+    # The history has one row per iteration plus the start.
+    assert res.history.sizes["iteration"] == res.nit + 1
+    assert float(res.history.objective[-1]) == res.fun
+    np.testing.assert_allclose(problem.fun_and_grad(res.x)[0], res.fun, rtol=1e-12)
+
+
+def test_coordinator_only_receives_scalars_and_round_trips_do_not_grow_with_history(
+    client: Client, tmp_path: Path, softmax_digits: Problem
+) -> None:
+    per_iteration = {}
+    for m in (5, 10, 20):
+        res = sandblaster.minimize(
+            softmax_digits.model, dataset(softmax_digits, tmp_path / f"d{m}", 256), x0=softmax_digits.x0,
+            l2=1e-3, history=m, client=client, store=tmp_path / f"run{m}", maxiter=30,
+        )  # fmt: skip
+        n = softmax_digits.model.n_params
+        # The largest message the coordinator got from a shard: the new Gram entries (<= 6m + 2 scalars)
+        # beside the three scalars of the gradient's round trip, never a vector.
+        assert res.stats["max_values_received"] <= 6 * m + 5 < n
+        rt = res.history.round_trips.values[1:]
+        per_iteration[m] = float(np.median(rt))
+        # Fetches: each replica fetches the parameters once per evaluation, no more.
+        evals = np.diff(res.history.nfev.values)
+        assert np.all(res.history.fetches.values[1:] <= evals * res.stats["replicas"])
+    assert per_iteration[5] == per_iteration[10] == per_iteration[20] == 2.0
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shards=st.integers(1, 3),
+    replicas=st.integers(1, 3),
+    portion_rows=st.sampled_from([64, 128, 512, 2048]),
+    slow=st.sampled_from([1.0, 5.0]),
+    backups=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_sharded_gradient_equals_single_process_gradient(
+    client: Client,
+    tmp_path_factory: pytest.TempPathFactory,
+    softmax_digits: Problem,
+    shards: int,
+    replicas: int,
+    portion_rows: int,
+    slow: float,
+    backups: bool,
+    seed: int,
+) -> None:
+    tmp = tmp_path_factory.mktemp("grad")
+    problem = softmax_digits
+    ds = dataset(problem, tmp / "data", portion_rows=portion_rows)
+    opts = SandblasterOptions(
+        shards=shards, replicas=replicas, portions=ds.n_portions, backups=backups, slowdown={0: slow}, l2=0.01
+    )
+    x = np.random.default_rng(seed).standard_normal(problem.model.n_params)
+    with open_session(problem.model, ds, client, str(tmp / "run"), opts, n=x.size) as coord:
+        coord.ps.scatter(coord.state.x, x)
+        coord.start()
+        g = coord.ps.gather(coord.state.g)
+        f = coord.state.f
+    f_ref, g_ref = models.objective(problem.model, x, problem.X, problem.y, l2=0.01)
+    assert f == pytest.approx(f_ref, rel=1e-12)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["cg", "gd"])
+def test_cg_and_gd_run_through_the_same_framework(
+    client: Client,
+    tmp_path: Path,
+    method: str,
+    well_conditioned_least_squares: Problem,
+    logistic_digits: Problem,
+) -> None:
+    problem = logistic_digits if method == "cg" else well_conditioned_least_squares
+    ref = problem.scipy(gtol=1e-9, ftol=1e-15)
+    res = sandblaster.minimize(
+        problem.model, dataset(problem, tmp_path / "data", 256), x0=problem.x0, l2=problem.l2, method=method,
+        client=client, store=tmp_path / "run", maxiter=3000, gtol=1e-6, ftol=1e-13,
+    )  # fmt: skip
+    assert res.success, res.message
+    assert res.fun == pytest.approx(ref.fun, rel=1e-6)
+    objective = res.history.objective.values
+    assert np.all(np.diff(objective) <= 1e-15), "a monotone descent method"
+
+
+def test_not_converging_and_stopping_are_results_not_errors(
+    client: Client, tmp_path: Path, logistic_digits: Problem
+) -> None:
+    problem = logistic_digits
+    ds = dataset(problem, tmp_path / "data", 512)
+    res = sandblaster.minimize(problem.model, ds, x0=problem.x0, l2=1e-3, client=client, maxiter=3)
+    assert not res.success and res.status == 1 and res.nit == 3 and "maximum" in res.message
+
+    seen = []
+
+    def stop_after_two(record: sandblaster.IterationRecord) -> None:
+        seen.append(record.iteration)
+        if record.iteration == 2:
+            raise StopIteration
+
+    res = sandblaster.minimize(
+        problem.model, ds, x0=problem.x0, l2=1e-3, client=client, callback=stop_after_two
+    )
+    assert res.status == 3 and res.nit == 2 and seen == [1, 2]
+
+
+def test_bad_options_are_refused_with_a_message(
+    client: Client, tmp_path: Path, logistic_digits: Problem
+) -> None:
+    problem = logistic_digits
+    ds = dataset(problem, tmp_path / "data", 512)
+    for bad in [{"method": "newton"}, {"l2": -1.0}, {"history": 0}, {"maxiter": 0}, {"slowdown": {0: 0.5}}]:
+        with pytest.raises(InvalidOptionError, match="method|l2|history|maxiter|slowdown"):
+            sandblaster.minimize(problem.model, ds, client=client, **bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        sandblaster.minimize(problem.model, ds, client=client, learning_rate=0.1)  # type: ignore[call-arg]
+    with pytest.raises(InvalidOptionError, match=r"x0 has 3 values"):
+        sandblaster.minimize(problem.model, ds, client=client, x0=np.zeros(3))
+    with pytest.raises(InvalidOptionError, match="store"):
+        sandblaster.minimize(problem.model, ds, client=client, resume=True)
+
+
+def test_resume_continues_a_checkpointed_run_exactly(
+    client: Client, tmp_path: Path, softmax_digits: Problem
+) -> None:
+    problem = softmax_digits
+    ds = dataset(problem, tmp_path / "data", 512)
+    common = {"x0": problem.x0, "l2": 1e-3, "client": client}
+    full = sandblaster.minimize(problem.model, ds, store=tmp_path / "full", maxiter=20, **common)
+    first = sandblaster.minimize(
+        problem.model, ds, store=tmp_path / "run", maxiter=8, checkpoint_every=4, **common
+    )
+    assert first.nit == 8 and not first.success
+    resumed = sandblaster.minimize(
+        problem.model, ds, store=tmp_path / "run", maxiter=20, checkpoint_every=4, resume=True, **common
+    )
+    assert resumed.nit == full.nit == 20
+    assert resumed.fun == pytest.approx(full.fun, rel=1e-12)
+    np.testing.assert_allclose(resumed.x, full.x, rtol=1e-9, atol=1e-12)
+    np.testing.assert_array_equal(resumed.history.iteration.values, np.arange(21))

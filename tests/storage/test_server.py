@@ -1,0 +1,153 @@
+"""The parameter server on a real multi-process LocalCluster, against numpy as the oracle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from errors import InvalidOptionError, ShardLostError, StoreError
+from storage import ParameterServer
+
+slow_settings = settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@slow_settings
+@given(n=st.integers(1, 3000), shards=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_ops_match_numpy_for_any_size_and_shard_count(
+    client: Client, tmp_path: Path, n: int, shards: int, seed: int
+) -> None:
+    shards = min(shards, n)
+    rng = np.random.default_rng(seed)
+    a, b = rng.standard_normal(n), rng.standard_normal(n)
+    ps = ParameterServer.create(client, n, shards=shards, store=str(tmp_path / f"ps{seed}"), overwrite=True)
+    try:
+        ps.scatter("a", a)
+        ps.scatter("b", b)
+        np.testing.assert_array_equal(ps.gather("a"), a)
+        assert ps.dot("a", "b") == pytest.approx(a @ b, rel=1e-12, abs=1e-12)
+        ps.axpy(-0.5, "a", "b")
+        b = b - 0.5 * a
+        np.testing.assert_allclose(ps.gather("b"), b, rtol=1e-14, atol=1e-15)
+        ps.lincomb("c", [2.0, 3.0], ["a", "b"])
+        np.testing.assert_allclose(ps.gather("c"), 2 * a + 3 * b, rtol=1e-13, atol=1e-14)
+        c = ps.gather("c")
+        assert ps.norm2("c") == pytest.approx(np.linalg.norm(c), rel=1e-12)
+        assert ps.norm_inf("c") == np.max(np.abs(c))
+        assert ps.dots([("a", "c"), ("b", "b")]) == pytest.approx([a @ c, b @ b], rel=1e-12, abs=1e-12)
+        lo, hi = n // 3, n - n // 4
+        np.testing.assert_array_equal(ps.get("c", lo, hi), ps.gather("c")[lo:hi])
+        ps.set("a", lo, np.full(hi - lo, 7.0))
+        a[lo:hi] = 7.0
+        np.testing.assert_array_equal(ps.gather("a"), a)
+        assert sorted(ps.names()) == ["a", "b", "c"]
+    finally:
+        ps.close()
+
+
+def test_a_batch_costs_one_round_trip_and_returns_only_scalars(client: Client, tmp_path: Path) -> None:
+    n = 10_000
+    ps = ParameterServer.create(client, n, shards=3, store=str(tmp_path / "ps"))
+    try:
+        ps.scatter("x", np.ones(n))
+        ps.stats.reset()
+        batch = ps.batch()
+        batch.fill("g", 2.0)
+        batch.axpy(0.5, "g", "x")
+        batch.lincomb("d", [-1.0], ["g"])
+        i = batch.dots([("x", "x"), ("g", "d")])
+        j = batch.norm_inf("d")
+        out = batch.run()
+        assert out[i] == pytest.approx([4.0 * n, -4.0 * n])
+        assert out[j] == 2.0
+        assert ps.stats.round_trips == 1
+        assert ps.stats.shard_calls == 3
+        assert ps.stats.max_received == 3  # two dots and one norm from a shard: scalars only
+    finally:
+        ps.close()
+
+
+def test_checkpoint_reopen_is_bit_for_bit_and_rollback_restores(client: Client, tmp_path: Path) -> None:
+    n = 100_003  # large shards: ops go through each shard's own thread
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(n)
+    store = str(tmp_path / "ps")
+    ps = ParameterServer.create(client, n, shards=2, store=store, target_chunk=4096)
+    ps.scatter("x", x)
+    ps.scatter("y", -x)
+    assert ps.checkpoint(meta={"iteration": 7}) == 1
+    ps.scale(3.0, "x")
+    ps.checkpoint(["x"])  # second checkpoint goes to the other slot
+    ps.rollback()
+    np.testing.assert_array_equal(ps.gather("x"), 3.0 * x)
+    with pytest.raises(InvalidOptionError):
+        ps.gather("y")  # not in the last checkpoint: gone after a rollback
+    ps.close()
+    ps2 = ParameterServer.open(client, store=store)
+    try:
+        np.testing.assert_array_equal(ps2.gather("x"), 3.0 * x)
+        assert ps2.checkpoint_id == 2
+        assert ps2.checkpoint_meta == {}
+    finally:
+        ps2.close()
+
+
+def test_store_errors_say_what_to_do(client: Client, tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match=r"no zarr store|holds no parameter server"):
+        ParameterServer.open(client, store=str(tmp_path / "missing"))
+    ps = ParameterServer.create(client, 10, shards=2, store=str(tmp_path / "ps"))
+    ps.close()
+    with pytest.raises(StoreError, match="overwrite=True"):
+        ParameterServer.create(client, 10, shards=2, store=str(tmp_path / "ps"))
+    ps = ParameterServer.create(client, 10, shards=2, store=str(tmp_path / "ps"), overwrite=True)
+    try:
+        with pytest.raises(StoreError, match="no checkpoint"):
+            ps.rollback()
+        with pytest.raises(InvalidOptionError, match="expected 10 values"):
+            ps.scatter("x", np.ones(9))
+        with pytest.raises(InvalidOptionError, match="unknown op"):
+            ps.run([("explode",)])
+    finally:
+        ps.close()
+
+
+def test_a_lost_shard_is_named_and_rebuilt_from_the_checkpoint(tmp_path: Path) -> None:
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+        Client(cluster, direct_to_workers=True) as client,
+    ):
+        workers = sorted(client.scheduler_info()["workers"])
+        n = 1000
+        x = np.arange(n, dtype=float)
+        ps = ParameterServer.create(client, n, shards=2, store=str(tmp_path / "ps"), workers=workers)
+        ps.scatter("x", x)
+        ps.checkpoint()
+        ps.scale(2.0, "x")  # after the checkpoint: shard 1's share of this is lost with its worker
+        victim = next(w for w in cluster.workers.values() if w.worker_address == workers[1])
+        pid = victim.process.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        with pytest.raises(ShardLostError) as info:
+            while time.monotonic() < deadline:
+                ps.dot("x", "x")
+                time.sleep(0.05)
+        err = info.value
+        assert err.shard == 1 and err.restored
+        assert "shard 1 [" in str(err) and "checkpoint #1" in str(err)
+        # Shard 0 kept its doubled values; shard 1 is back at the checkpoint.
+        lo = ps.layout.bounds[1]
+        expected = np.concatenate([2 * x[:lo], x[lo:]])
+        np.testing.assert_array_equal(ps.gather("x"), expected)
+        ps.rollback()
+        np.testing.assert_array_equal(ps.gather("x"), x)
+        ps.close()

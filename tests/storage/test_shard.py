@@ -1,0 +1,167 @@
+"""The pure shard against numpy as the oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from errors import InvalidOptionError, ProtocolError
+from storage import Shard, adagrad_update, sgd_update
+
+
+def make(size: int, seed: int = 0) -> tuple[Shard, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    shard = Shard(0, 10, 10 + size)
+    ref = {name: rng.standard_normal(size) for name in "abc"}
+    for name, values in ref.items():
+        shard.set(name, 10, 10 + size, values)
+    return shard, ref
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 300), alpha=st.floats(-5, 5), beta=st.floats(-5, 5), seed=st.integers(0, 99))
+def test_ops_match_numpy(size: int, alpha: float, beta: float, seed: int) -> None:
+    shard, ref = make(size, seed)
+    a, b, c = ref["a"], ref["b"], ref["c"]
+    out = shard.run(
+        [
+            ("axpy", alpha, "a", "b"),
+            ("dot", "a", "b"),
+            ("lincomb", "d", [alpha, beta, 1.0], ["a", "b", "c"]),
+            ("lincomb", "c", [beta, alpha], ["c", "a"]),
+            ("scale", beta, "a"),
+            ("dots", [("a", "d"), ("c", "c")]),
+            ("norm2", "d"),
+            ("norm_inf", "d"),
+            ("copy", "d", "e"),
+            ("mul", "a", "e", "f"),
+            ("fill", "g", 3.0),
+            ("sum", "g"),
+        ]
+    )
+    b2 = b + alpha * a
+    d = alpha * a + beta * b2 + c
+    c2 = beta * c + alpha * a
+    a2 = beta * a
+    assert out[0] is None
+    np.testing.assert_allclose(out[1], a @ b2, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(shard.get("b"), b2, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(shard.get("d"), d, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(shard.get("c"), c2, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out[5], [a2 @ d, c2 @ c2], rtol=1e-12, atol=1e-11)
+    np.testing.assert_allclose(out[6], d @ d, rtol=1e-12, atol=1e-12)
+    assert out[7] == np.max(np.abs(shard.get("d")))
+    assert out[7] == pytest.approx(np.max(np.abs(d)), rel=1e-12)
+    np.testing.assert_array_equal(shard.get("e"), shard.get("d"))
+    np.testing.assert_array_equal(shard.get("f"), shard.get("a") * shard.get("e"))
+    assert out[11] == 3.0 * size
+
+
+def test_get_and_set_use_global_indices() -> None:
+    shard, ref = make(8)
+    np.testing.assert_array_equal(shard.get("a", 12, 15), ref["a"][2:5])
+    np.testing.assert_array_equal(shard.get("a", 0, 100), ref["a"])
+    shard.set("a", 12, 14, np.array([7.0, 8.0]))
+    assert list(shard.get("a", 12, 14)) == [7.0, 8.0]
+    with pytest.raises(InvalidOptionError, match="owns"):
+        shard.set("a", 5, 12, np.zeros(7))
+
+
+def test_unknown_vector_and_op_are_refused_with_advice() -> None:
+    shard, _ = make(3)
+    with pytest.raises(InvalidOptionError, match="no vector 'zz'"):
+        shard.run([("dot", "a", "zz")])
+    with pytest.raises(ProtocolError, match="unknown shard op"):
+        shard.run([("explode", "a")])
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
+def test_push_applies_rule_once_per_token(rule: str) -> None:
+    shard, ref = make(5)
+    g = np.arange(5.0) - 2
+    expected = ref["a"].copy()
+    acc = np.zeros(5)
+    for seq in range(3):
+        applied, version, _ = shard.push(g, source="r0", seq=seq, rule=rule, lr=0.1, param="a")
+        assert applied and version == seq + 1
+        if rule == "sgd":
+            sgd_update(expected, g, lr=0.1)
+        else:
+            adagrad_update(expected, g, acc, lr=0.1)
+        # The same token again is a retry: nothing changes.
+        applied, version, _ = shard.push(g, source="r0", seq=seq, rule=rule, lr=0.1, param="a")
+        assert not applied and version == seq + 1
+        np.testing.assert_allclose(shard.get("a"), expected, rtol=1e-14)
+
+
+def test_adagrad_matches_the_paper_formula() -> None:
+    w, acc = np.zeros(3), np.zeros(3)
+    grads = [np.array([1.0, -2.0, 0.5]), np.array([3.0, 1.0, -0.5])]
+    for g in grads:
+        adagrad_update(w, g, acc, lr=0.5)
+    sq = grads[0] ** 2
+    w_ref = -0.5 * grads[0] / np.sqrt(sq)
+    sq = sq + grads[1] ** 2
+    w_ref = w_ref - 0.5 * grads[1] / np.sqrt(sq)
+    np.testing.assert_allclose(w, w_ref, rtol=1e-7)
+
+
+def test_push_reports_staleness_and_can_scale_by_it() -> None:
+    shard, _ = make(2)
+    g = np.ones(2)
+    for seq in range(3):
+        shard.push(g, source="a", seq=seq, rule="sgd", lr=1.0, param="a", fetched_version=0)
+    before = shard.get("a")
+    applied, version, staleness = shard.push(
+        g, source="b", seq=0, rule="sgd", lr=1.0, param="a", fetched_version=1, staleness_scale=True
+    )
+    assert applied and version == 4 and staleness == 2
+    np.testing.assert_allclose(shard.get("a"), before - 1.0 / 3.0)
+
+
+def test_summed_and_solo_pushes_count_each_portion_exactly_once() -> None:
+    shard = Shard(0, 0, 4)
+    shard.reset_accumulator("acc", epoch=1)
+    g = {p: np.full(4, float(p + 1)) for p in range(6)}
+    assert shard.accumulate("acc", g[0] + g[1], [0, 1], epoch=1)
+    assert not shard.accumulate("acc", g[0] + g[1], [0, 1], epoch=1)  # a retried push
+    assert not shard.accumulate("acc", g[1], [1], epoch=1, solo=True)  # a backup copy, already summed
+    assert shard.accumulate("acc", g[2], [2], epoch=1, solo=True)  # a backup copy that arrived first ...
+    assert shard.accumulate("acc", g[2] + g[3], [2, 3], epoch=1)  # ... then the summed push: counted once
+    assert shard.accumulate("acc", g[4], [4], epoch=1, solo=True)  # a recomputation nobody else pushed
+    assert not shard.accumulate("acc", g[4], [4], epoch=1, solo=True)
+    assert not shard.accumulate("acc", g[5], [5], epoch=0)  # a straggler from an earlier evaluation
+    assert shard.settle("acc") == [0, 1, 2, 3, 4]
+    np.testing.assert_array_equal(shard.get("acc"), g[0] + g[1] + g[2] + g[3] + g[4])
+    with pytest.raises(ProtocolError, match="overlaps"):
+        shard.accumulate("acc", g[3] + g[5], [3, 5], epoch=1)
+    with pytest.raises(ProtocolError, match="one portion"):
+        shard.accumulate("acc", g[5], [5, 6], epoch=1, solo=True)
+    shard.reset_accumulator("acc", epoch=2)
+    assert shard.settle("acc") == []
+    np.testing.assert_array_equal(shard.get("acc"), np.zeros(4))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    n_portions=st.integers(1, 12),
+    seed=st.integers(0, 10_000),
+)
+def test_any_order_of_pushes_and_copies_sums_every_portion_once(n_portions: int, seed: int) -> None:
+    """Random splits into summed pushes plus random solo copies, in random order: the sum is exact."""
+    rng = np.random.default_rng(seed)
+    grads = rng.standard_normal((n_portions, 5))
+    order = rng.permutation(n_portions)
+    cuts = sorted(rng.choice(np.arange(1, n_portions), size=min(2, n_portions - 1), replace=False))
+    groups = [list(map(int, g)) for g in np.split(order, cuts) if len(g)]
+    pushes: list[tuple[list[int], bool]] = [(grp, False) for grp in groups]
+    pushes += [([int(p)], True) for p in rng.choice(n_portions, size=n_portions, replace=True)]
+    rng.shuffle(pushes)  # type: ignore[arg-type]
+    shard = Shard(0, 0, 5)
+    shard.reset_accumulator("acc", epoch=7)
+    for portions, solo in pushes:
+        shard.accumulate("acc", grads[portions].sum(axis=0), portions, epoch=7, solo=solo)
+    assert shard.settle("acc") == list(range(n_portions))
+    np.testing.assert_allclose(shard.get("acc"), grads.sum(axis=0), rtol=1e-12, atol=1e-12)
