@@ -162,7 +162,7 @@ def test_bad_options_are_refused_with_a_message(
     problem = logistic_digits
     ds = dataset(problem, tmp_path / "data", 512)
     for bad in [{"method": "newton"}, {"l2": -1.0}, {"history": 0}, {"maxiter": 0}, {"slowdown": {0: 0.5}}]:
-        with pytest.raises(InvalidOptionError, match="method|l2|history|maxiter|slowdown"):
+        with pytest.raises(InvalidOptionError, match=r"method|l2|history|maxiter|slowdown"):
             sandblaster.minimize(problem.model, ds, client=client, **bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         sandblaster.minimize(problem.model, ds, client=client, learning_rate=0.1)  # type: ignore[call-arg]
