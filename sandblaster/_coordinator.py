@@ -1,17 +1,18 @@
 """The Sandblaster coordinator: runs a batch method while every vector lives on the shards (section 4.2).
 
-The coordinator holds names and scalars only. Per L-BFGS iteration it costs three shard round trips, whatever
-the history size ``m``:
+The coordinator holds names and scalars only. Per L-BFGS iteration (when the line search takes its first
+trial, as it almost always does) it costs ONE round trip to the shards, whatever the history size ``m``:
 
-1. *new pair*: ``s = t*d``, ``y = g_new - g`` formed on the shards, and the new Gram entries of the
-   vector-free recursion (``dots``) returned;
-2. *direction and trial point*: ``d = sum_j delta_j b_j``, ``x_t = x + t*d``, ``x_t.x_t``, ``g.d``, and the
-   gradient accumulator zeroed;
-3. *gradient*: ``g_t = acc/N + l2*x_t`` with ``g_t.d`` and ``max|g_t|`` returned;
+* the evaluation's setup ops (``d = sum_j delta_j b_j``, ``x_t = x + t*d``, ``x_t.x_t``, ``g.d``, zero the
+  gradient accumulator) ride on the replicas' parameter fetch: the first replica to fetch from a shard runs
+  them there (``Shard.prepare``), so they cost the coordinator nothing;
+* the replicas compute the data term portion by portion and push it (:mod:`sandblaster._scheduler`);
+* one round trip forms ``g_t = acc/N + l2*x_t``, returns ``g_t.d`` and ``max|g_t|``, and, speculatively
+  (assuming the line search accepts ``t``), stores the next pair ``s = t*d``, ``y = g_t - g`` in a free
+  slot and returns the new Gram entries of the vector-free recursion (VL-BFGS).
 
-plus the replicas' portion work in between (:mod:`sandblaster._scheduler`). A line search that needs more
-than one trial repeats 2 (without the direction) and 3. CG and gradient descent go through the same
-evaluation and ops, only the direction update differs.
+A line search needing more trials repeats the last two steps. CG and gradient descent go through the same
+evaluation and shard ops; only their direction updates differ.
 """
 
 from __future__ import annotations
@@ -167,12 +168,18 @@ class Coordinator:
                 ops.append(("lincomb", out_x, [1.0, step], [base, direction]))
         self.state.eval_id += 1
         ops += [("dot", out_x, out_x), ("reset_acc", ACC, self.state.eval_id)]
-        out = self._shard_ops(ops)
-        xx = out[-2]
-        prefix = out[: len(prefix_ops or [])]
+        # These ops ride on the replicas' parameter fetch (run once per shard by the first fetch): no
+        # round trip of the coordinator's own.
         t = time.perf_counter()
-        stats = self.scheduler.evaluate(self.state.eval_id, out_x, ACC)
+        stats = self.scheduler.evaluate(self.state.eval_id, out_x, ACC, prep=ops)
         self._t_grad += time.perf_counter() - t
+        if len(stats.prep) != len(ops):
+            raise ProtocolError(
+                f"evaluation {self.state.eval_id}: the shards' prep results did not come back"
+            )
+        self._count_received(stats.prep)
+        xx = stats.prep[-2]
+        prefix = stats.prep[: len(prefix_ops or [])]
         self._eval_stats.append(stats)
         final: list[tuple[Any, ...]] = [
             ("settle", ACC),
@@ -193,6 +200,12 @@ class Coordinator:
         gd = res[3] if direction is not None else math.nan
         self.state.nfev += 1
         return f, gd, g_inf, prefix + res[n_final:]
+
+    def _count_received(self, values: list[Any]) -> None:
+        """Count scalars that reached the coordinator through the replicas, as the server counts its own."""
+        n = sum(len(v) if isinstance(v, list) else int(v is not None) for v in values)
+        self.ps.stats.values_received += n
+        self.ps.stats.max_received = max(self.ps.stats.max_received, n)
 
     def _other(self, name: str) -> str:
         return {"xa": "xb", "xb": "xa", "ga": "gb", "gb": "ga"}[name]

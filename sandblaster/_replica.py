@@ -80,19 +80,28 @@ class Replica:
         ]
 
     def work(
-        self, eval_id: int, x_name: str, acc_name: str, assign: Sequence[int], solo: bool = False
+        self,
+        eval_id: int,
+        x_name: str,
+        acc_name: str,
+        assign: Sequence[int],
+        solo: bool = False,
+        prep: Sequence[Sequence[Any]] = (),
     ) -> dict[str, Any]:
         """Compute the portions ``assign`` at the parameters ``x_name`` and push their gradient.
 
-        The first call of an evaluation fetches ``x_name`` from the shards (once per evaluation). With
-        ``solo`` every portion is pushed alone (backup copies, recomputations); otherwise their sum is
-        pushed in one message to each shard. Returns ``{"results": [(portion, loss, rows), ...], ...}``
-        once every shard has the gradient.
+        The first call of an evaluation fetches ``x_name`` from the shards (once per evaluation); the
+        coordinator's ``prep`` ops for this evaluation (forming ``x_name``, zeroing the accumulator) ride on
+        that fetch and run once on each shard, whichever replica comes first. With ``solo`` every portion
+        is pushed alone (backup copies, recomputations); otherwise their sum is pushed in one message to
+        each shard. Returns ``{"results": [(portion, loss, rows), ...], "prep": [...], ...}`` once every
+        shard has the gradient.
         """
         t0 = time.perf_counter()
         fetched = self._eval_id != eval_id
+        prep_results: list[Any] = []
         if fetched:
-            _, (self._w,) = self.shards.fetch([x_name])
+            (self._w,), prep_results = self.shards.prepare_and_fetch(eval_id, prep, [x_name])
             self._eval_id = eval_id
             self.fetches += 1
         w = self._w
@@ -122,6 +131,7 @@ class Replica:
             call.result()
         return {
             "results": results,
+            "prep": prep_results,
             "fetched": fetched,
             "fetch_s": t1 - t0,
             "compute_s": t2 - t1,

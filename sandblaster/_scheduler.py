@@ -21,6 +21,7 @@ import asyncio
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ class EvaluationStats:
     compute_s: float = 0.0
     wall_s: float = 0.0
     per_replica: dict[int, int] = field(default_factory=dict)
+    prep: list[Any] = field(default_factory=list)
 
 
 class PortionScheduler:
@@ -112,11 +114,17 @@ class PortionScheduler:
             for r in range(n_replicas)
         ]
 
-    def evaluate(self, eval_id: int, x_name: str, acc_name: str) -> EvaluationStats:
-        """Run one evaluation at the parameters ``x_name``; gradients are summed into ``acc_name``."""
+    def evaluate(
+        self, eval_id: int, x_name: str, acc_name: str, prep: Sequence[Sequence[Any]] = ()
+    ) -> EvaluationStats:
+        """Run one evaluation at the parameters ``x_name``; gradients are summed into ``acc_name``.
+
+        ``prep`` are shard ops to run first, once, fused into the replicas' parameter fetch; their reduced
+        results come back in ``EvaluationStats.prep``.
+        """
         loop = self.client.loop
         assert loop is not None
-        result: EvaluationStats = sync(loop, self._evaluate, eval_id, x_name, acc_name)
+        result: EvaluationStats = sync(loop, self._evaluate, eval_id, x_name, acc_name, list(prep))
         return result
 
     async def _confirm_dead(self, r: int, exc: BaseException) -> bool:
@@ -135,7 +143,9 @@ class PortionScheduler:
     def _dead(self, r: int) -> bool:
         return self.replicas[r][1].status in _DEAD
 
-    async def _evaluate(self, eval_id: int, x_name: str, acc_name: str) -> EvaluationStats:
+    async def _evaluate(
+        self, eval_id: int, x_name: str, acc_name: str, prep: list[Sequence[Any]]
+    ) -> EvaluationStats:
         t_start = time.perf_counter()
         stats = EvaluationStats()
         live = [r for r in range(len(self.replicas)) if self.alive[r]]
@@ -189,7 +199,9 @@ class PortionScheduler:
         sent_at: dict[asyncio.Future[Any], float] = {}
 
         def send(r: int, portions: list[int], solo: bool) -> None:
-            call = self.replicas[r][0].work(eval_id, x_name, acc_name, portions, solo)
+            # Every call carries the prep ops: calls to one replica may arrive in any order (separate
+            # connections), and whichever runs first fetches; the shards run the ops once per evaluation.
+            call = self.replicas[r][0].work(eval_id, x_name, acc_name, portions, solo, prep)
             fut = asyncio.ensure_future(call._result())
             work[fut] = (r, portions, solo)
             now = time.perf_counter()
@@ -266,6 +278,8 @@ class PortionScheduler:
                     )
                 stats.compute_s += report["compute_s"]
                 stats.fetches += int(report["fetched"])
+                if report["prep"] and not stats.prep:
+                    stats.prep = report["prep"]
                 for p, loss, rows in report["results"]:
                     copies.get(p, set()).discard(r)
                     if p not in reported:

@@ -88,6 +88,17 @@ class ShardActor:
 
         return await self._do(_fetch)
 
+    async def prepare_and_fetch(
+        self, epoch: int, ops: Sequence[Sequence[Any]], names: Sequence[str]
+    ) -> tuple[int, list[np.ndarray], list[Any]]:
+        """:meth:`Shard.prepare` then a fetch, in one round trip: ``(version, slices, op results)``."""
+
+        def _both() -> tuple[int, list[np.ndarray], list[Any]]:
+            results = self.core.prepare(epoch, ops)
+            return self.core.version, [self.core.get(name) for name in names], results
+
+        return await self._do(_both)
+
     async def set(self, name: str, lo: int, hi: int, values: np.ndarray) -> None:
         """Forward to :meth:`Shard.set`."""
         await self._do(self.core.set, name, lo, hi, values)

@@ -41,7 +41,7 @@ from storage._layout import DEFAULT_TARGET_CHUNK, Layout
 from storage._shard import OPS
 from storage._store import normalize_url, open_group
 
-__all__ = ["Batch", "ParameterServer", "ServerStats", "ShardMap"]
+__all__ = ["Batch", "ParameterServer", "ServerStats", "ShardMap", "reduce_results"]
 
 ATTR = "distbelief_ps"
 FORMAT_VERSION = 1
@@ -96,6 +96,13 @@ def _reduce(kind: str | None, partials: Sequence[Any]) -> Any:
         return [math.fsum(col) for col in zip(*partials, strict=True)]
     total = math.fsum(partials)
     return math.sqrt(total) if kind == "sqrt_sum" else total
+
+
+def reduce_results(ops: Sequence[Sequence[Any]], partials: Sequence[Sequence[Any]]) -> list[Any]:
+    """Combine every shard's partial results of ``ops`` (sums of dots, max of norms, ...)."""
+    if any(len(p) != len(ops) for p in partials):
+        return [None] * len(ops)  # a shard ran nothing (an old epoch): no results
+    return [_reduce(OPS[op[0]], [p[k] for p in partials]) for k, op in enumerate(ops)]
 
 
 class Batch:
@@ -208,6 +215,21 @@ class ShardMap:
         versions = [int(v) for v, _ in parts]
         vectors = [np.concatenate([p[1][k] for p in parts]) for k in range(len(names))]
         return versions, vectors
+
+    def prepare_and_fetch(
+        self, epoch: int, ops: Sequence[Sequence[Any]], names: Sequence[str], *, timeout: float | None = 60.0
+    ) -> tuple[list[np.ndarray], list[Any]]:
+        """Run ``ops`` once per ``epoch`` on every shard (first caller wins), then fetch ``names``.
+
+        Returns the full vectors and the ops' results reduced over shards (as :meth:`ParameterServer.run`).
+        """
+        futures = [
+            self.call(i, "prepare_and_fetch", epoch, list(ops), list(names))
+            for i in range(self.layout.shards)
+        ]
+        parts = [f.result(timeout=timeout) for f in futures]
+        vectors = [np.concatenate([p[1][k] for p in parts]) for k in range(len(names))]
+        return vectors, reduce_results(ops, [p[2] for p in parts])
 
     def slices(self, vector: np.ndarray) -> list[np.ndarray]:
         """``vector`` cut into the shards' ranges (views, no copy)."""
@@ -532,7 +554,7 @@ class ParameterServer:
             if op[0] not in OPS:
                 raise InvalidOptionError(f"unknown op {op[0]!r}; known ops: {sorted(OPS)}")
         partials = self._call_all("run", [(list(ops),)] * self.shards)
-        return [_reduce(OPS[op[0]], [p[k] for p in partials]) for k, op in enumerate(ops)]
+        return reduce_results(ops, partials)
 
     def _one(self, op: tuple[Any, ...]) -> Any:
         return self.run([op])[0]

@@ -79,6 +79,9 @@ class Shard:
         self.version = 0
         #: Highest sequence number applied per push source: a retried push is applied once.
         self.last_seq: dict[str, int] = {}
+        #: Last epoch whose :meth:`prepare` ops ran, and their results.
+        self.prepared_epoch = -1
+        self.prepared: list[Any] = []
         #: Sandblaster gradient accumulators: which portions each holds, for exactly-once counting.
         self.accumulators: dict[str, _Accumulator] = {}
 
@@ -215,6 +218,18 @@ class Shard:
 
     def _op_sum(self, name: str) -> float:
         return float(self.vector(name).sum())
+
+    def prepare(self, epoch: int, ops: Sequence[Sequence[Any]]) -> list[Any]:
+        """Run ``ops`` once for ``epoch``: the first caller runs them, later callers get the same results.
+
+        Sandblaster fuses the coordinator's per-evaluation ops (form the trial point, zero the gradient
+        accumulator) into the replicas' parameter fetch: whichever replica fetches first triggers them, so
+        the coordinator saves a round trip per evaluation. An older epoch runs nothing.
+        """
+        if epoch > self.prepared_epoch:
+            self.prepared = self.run(ops)
+            self.prepared_epoch = epoch
+        return self.prepared if epoch == self.prepared_epoch else []
 
     # -- updates from replicas -------------------------------------------------------------------------
     def push(

@@ -75,7 +75,9 @@ def test_coordinator_only_receives_scalars_and_round_trips_do_not_grow_with_hist
         # Fetches: each replica fetches the parameters once per evaluation, no more.
         evals = np.diff(res.history.nfev.values)
         assert np.all(res.history.fetches.values[1:] <= evals * res.stats["replicas"])
-    assert per_iteration[5] == per_iteration[10] == per_iteration[20] == 2.0
+    # One round trip of the coordinator per iteration: the trial point rides on the replicas' fetch, the
+    # next Gram entries come back speculatively with the gradient.
+    assert per_iteration[5] == per_iteration[10] == per_iteration[20] == 1.0
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
