@@ -251,7 +251,10 @@ class Coordinator:
             raise InvalidOptionError(
                 f"the store holds a {meta.get('method')!r} run; resume it with method={meta.get('method')!r}"
             )
+        # Evaluation ids only grow: shards refuse pushes and setup ops of epochs they have passed.
+        eval_id = self.state.eval_id
         self.state = RunState.from_meta(meta["state"])
+        self.state.eval_id = max(eval_id, self.state.eval_id)
         return meta
 
     # -- the methods -----------------------------------------------------------------------------------

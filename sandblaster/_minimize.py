@@ -440,6 +440,7 @@ def _run(
                 # A shard came back from the last checkpoint: bring the others back to it too, go on.
                 recoveries += 1
                 ps.rollback()
+                scheduler.refresh_shards(ps.shard_map())
                 resume_meta = coord.resume_from(ps.checkpoint_meta)
         # Counted before the final gather: during the run the coordinator only ever received scalars.
         stats = {
@@ -451,6 +452,7 @@ def _run(
             "replicas": len(scheduler.replicas),
             "portions": scheduler.n_portions,
             "recoveries": recoveries,
+            "portions_per_replica": list(scheduler.portions_done),
         }
         x = ps.gather(coord.state.x)
         stats["wall_s"] = time.perf_counter() - t_start

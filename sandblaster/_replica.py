@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from scipy.linalg import blas
 
+from errors import ClusterError
 from storage import Dataset, ShardMap
 
 __all__ = ["Replica"]
@@ -73,9 +74,9 @@ class Replica:
 
     def _push(
         self, acc_name: str, values: np.ndarray, portions: list[int], epoch: int, solo: bool
-    ) -> list[Any]:
+    ) -> list[tuple[int, Any]]:
         return [
-            self.shards.call(i, "accumulate", acc_name, part, portions, epoch, solo)
+            (i, self.shards.call(i, "accumulate", acc_name, part, portions, epoch, solo))
             for i, part in enumerate(self.shards.slices(values))
         ]
 
@@ -101,7 +102,10 @@ class Replica:
         fetched = self._eval_id != eval_id
         prep_results: list[Any] = []
         if fetched:
-            (self._w,), prep_results = self.shards.prepare_and_fetch(eval_id, prep, [x_name])
+            try:
+                (self._w,), prep_results = self.shards.prepare_and_fetch(eval_id, prep, [x_name])
+            except Exception as exc:
+                raise ClusterError(f"replica {self.index} could not fetch from the shards: {exc!r}") from exc
             self._eval_id = eval_id
             self.fetches += 1
         w = self._w
@@ -109,7 +113,7 @@ class Replica:
         t1 = time.perf_counter()
         results = []
         total: np.ndarray | None = None
-        calls: list[Any] = []
+        calls: list[tuple[int, Any]] = []
         for p in assign:
             start = time.perf_counter()
             X, y = self._portion(p)
@@ -127,8 +131,11 @@ class Replica:
         t2 = time.perf_counter()
         if total is not None:
             calls += self._push(acc_name, total, [int(p) for p in assign], eval_id, False)
-        for call in calls:
-            call.result()
+        try:
+            for shard, call in calls:
+                self.shards.wait(shard, call)
+        except Exception as exc:
+            raise ClusterError(f"replica {self.index} could not push to the shards: {exc!r}") from exc
         return {
             "results": results,
             "prep": prep_results,
@@ -141,6 +148,11 @@ class Replica:
     async def stats(self) -> dict[str, Any]:
         """Counters for tests and benchmarks."""
         return {"fetches": self.fetches, "cached_portions": sorted(self.cache)}
+
+    async def set_shards(self, shard_map: ShardMap) -> None:
+        """Talk to these shards from now on (after lost shards were rebuilt on other workers)."""
+        self.shards = shard_map
+        self._eval_id = None
 
     async def set_slowdown(self, slowdown: float) -> None:
         """Change the injected slowdown (fault injection)."""

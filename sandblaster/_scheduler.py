@@ -96,8 +96,11 @@ class PortionScheduler:
         self.backups = backups
         self.in_flight = in_flight
         self.backup_after = backup_after
-        #: Typical wall time per portion (a fast replica's pace), learned from reports.
-        self._portion_wall: float | None = None
+        #: Round-trip cost of a call to a replica, added to its pace (~1.5 ms here).
+        self._call_overhead = 0.002
+        #: Seconds per portion of each replica (its own fetch + compute + push, without queueing), learned
+        #: from its reports; the fastest one sets when a portion elsewhere counts as overdue.
+        self._pace: dict[int, float] = {}
         # Data affinity: replica r starts with the r-th contiguous block of portions, then keeps the
         # portions it computed (and so has in memory) for the next evaluation.
         r_count = len(replicas)
@@ -105,6 +108,8 @@ class PortionScheduler:
             list(range(r * n_portions // r_count, (r + 1) * n_portions // r_count)) for r in range(r_count)
         ]
         self.lost_replicas: list[int] = []
+        #: Portions each replica computed (and won) over the run: fast replicas do more.
+        self.portions_done: list[int] = [0] * len(replicas)
 
     @staticmethod
     def initial_blocks(n_portions: int, n_replicas: int) -> list[list[int]]:
@@ -126,6 +131,12 @@ class PortionScheduler:
         assert loop is not None
         result: EvaluationStats = sync(loop, self._evaluate, eval_id, x_name, acc_name, list(prep))
         return result
+
+    def refresh_shards(self, shard_map: Any) -> None:
+        """Point every live replica at ``shard_map`` (after the parameter server rebuilt lost shards)."""
+        for r, (actor, _) in enumerate(self.replicas):
+            if self.alive[r] and not self._dead(r):
+                actor.set_shards(shard_map).result()
 
     async def _confirm_dead(self, r: int, exc: BaseException) -> bool:
         """Whether replica ``r``'s worker died (a connection error may come before the scheduler knows)."""
@@ -170,8 +181,9 @@ class PortionScheduler:
                 return [solo_queue.popleft()], True
             left = sum(len(q) for q in queues.values())
             n_live = sum(self.alive)
-            # Guided self-scheduling: big chunks early (few round trips), small ones late (balance).
-            chunk = min(self.push_every, max(1, math.ceil(left / (2 * n_live))))
+            # Guided self-scheduling: big chunks early (few round trips), small ones late (balance); with
+            # several calls in flight per replica, at most about half the work is handed out at once.
+            chunk = min(self.push_every, max(1, math.ceil(left / (2 * self.in_flight * n_live))))
             if queues[r]:
                 return [queues[r].popleft() for _ in range(min(chunk, len(queues[r])))], False
             donors = sorted((q for x, q in queues.items() if x != r and self.alive[x]), key=len, reverse=True)
@@ -196,7 +208,6 @@ class PortionScheduler:
         backups: set[tuple[int, int]] = set()
 
         due: dict[int, float] = {}  # portion -> when a backup copy of it becomes worth starting
-        sent_at: dict[asyncio.Future[Any], float] = {}
 
         def send(r: int, portions: list[int], solo: bool) -> None:
             # Every call carries the prep ops: calls to one replica may arrive in any order (separate
@@ -205,10 +216,10 @@ class PortionScheduler:
             fut = asyncio.ensure_future(call._result())
             work[fut] = (r, portions, solo)
             now = time.perf_counter()
-            sent_at[fut] = now
             # Calls queue on a replica: count the work already in flight there.
             ahead = sum(len(pp) for rr, pp, _ in work.values() if rr == r)
-            expected = (self._portion_wall or math.inf) * ahead
+            fastest = min((p for x, p in self._pace.items() if self.alive[x]), default=math.inf)
+            expected = fastest * ahead
             for p in portions:
                 copies.setdefault(p, set()).add(r)
                 due.setdefault(p, now + self.backup_after * expected)
@@ -267,15 +278,9 @@ class PortionScheduler:
                         f"replica {r} failed while computing portions {portions}: {exc!r}"
                     ) from exc
                 report = fut.result()
-                elapsed = (time.perf_counter() - sent_at.pop(fut, time.perf_counter())) / max(
-                    1, len(portions)
-                )
-                if not solo:
-                    self._portion_wall = (
-                        elapsed
-                        if self._portion_wall is None
-                        else min(elapsed, 0.5 * (self._portion_wall + elapsed))
-                    )
+                busy = report["fetch_s"] + report["compute_s"] + report["push_s"]
+                pace = busy / max(1, len(portions)) + self._call_overhead
+                self._pace[r] = pace if r not in self._pace else 0.5 * (self._pace[r] + pace)
                 stats.compute_s += report["compute_s"]
                 stats.fetches += int(report["fetched"])
                 if report["prep"] and not stats.prep:
@@ -298,6 +303,7 @@ class PortionScheduler:
             if self.alive[r]:
                 self.home[r] = sorted(computed_by[r])
                 stats.per_replica[r] = len(computed_by[r])
+                self.portions_done[r] += len(computed_by[r])
             else:
                 self.home[r] = []
         stats.portions = self.n_portions

@@ -21,6 +21,7 @@ continues with the restored shard).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import math
 import threading
@@ -206,12 +207,31 @@ class ShardMap:
                 return asyncio.run_coroutine_threadsafe(coro, worker.loop.asyncio_loop)
         return getattr(actor, method)(*args, **kwargs)
 
+    def wait(self, shard: int, call: Any, *, timeout: float | None = 60.0) -> Any:
+        """The result of ``call`` (from :meth:`call`) on ``shard``, from a thread that may block.
+
+        Fails fast with :class:`errors.ClusterError` when the shard's worker dies meanwhile (a call to a
+        dead worker can otherwise hang until the timeout).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        actor = self.actors[shard]
+        while True:
+            try:
+                return call.result(timeout=_POLL)
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                # A call to a dead worker can wait forever (distributed awaits the actor's future, which a
+                # worker-side client may never see fail): ask the scheduler whether the worker is there.
+                if not _worker_alive(getattr(actor, "_address", None)):
+                    raise ClusterError(f"shard {shard} was lost with its worker") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise ClusterError(f"shard {shard} did not answer within {timeout} s") from None
+
     def fetch(
         self, names: Sequence[str], *, timeout: float | None = 60.0
     ) -> tuple[list[int], list[np.ndarray]]:
         """Every shard's version and the full vectors ``names`` (one round trip per shard, in parallel)."""
         futures = [self.call(i, "fetch", list(names)) for i in range(self.layout.shards)]
-        parts = [f.result(timeout=timeout) for f in futures]
+        parts = [self.wait(i, f, timeout=timeout) for i, f in enumerate(futures)]
         versions = [int(v) for v, _ in parts]
         vectors = [np.concatenate([p[1][k] for p in parts]) for k in range(len(names))]
         return versions, vectors
@@ -227,7 +247,7 @@ class ShardMap:
             self.call(i, "prepare_and_fetch", epoch, list(ops), list(names))
             for i in range(self.layout.shards)
         ]
-        parts = [f.result(timeout=timeout) for f in futures]
+        parts = [self.wait(i, f, timeout=timeout) for i, f in enumerate(futures)]
         vectors = [np.concatenate([p[1][k] for p in parts]) for k in range(len(names))]
         return vectors, reduce_results(ops, [p[2] for p in parts])
 
@@ -723,6 +743,18 @@ class ParameterServer:
 
     def __repr__(self) -> str:
         return f"ParameterServer(n={self.n}, shards={self.shards}, store={self.url!r})"
+
+
+def _worker_alive(address: str | None) -> bool:
+    """Whether the scheduler still lists the worker at ``address`` (True when that cannot be told)."""
+    if address is None:
+        return True
+    try:
+        from distributed import get_client
+
+        return address in get_client().scheduler_info(n_workers=-1)["workers"]
+    except Exception:
+        return True
 
 
 def _current_worker() -> Any:

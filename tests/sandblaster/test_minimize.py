@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import cloudpickle
 import numpy as np
 import pytest
-from distributed import Client
+from distributed import Client, LocalCluster
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -192,3 +195,88 @@ def test_resume_continues_a_checkpointed_run_exactly(
     assert resumed.fun == pytest.approx(full.fun, rel=1e-12)
     np.testing.assert_allclose(resumed.x, full.x, rtol=1e-9, atol=1e-12)
     np.testing.assert_array_equal(resumed.history.iteration.values, np.arange(21))
+
+
+def _kill_worker(cluster: LocalCluster, address: str) -> None:
+    nanny = next(w for w in cluster.workers.values() if w.worker_address == address)
+    pid = nanny.process.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def three_workers() -> Iterator[tuple[LocalCluster, Client, list[str]]]:
+    with (
+        LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+        Client(cluster, direct_to_workers=True) as client,
+    ):
+        yield cluster, client, sorted(client.scheduler_info()["workers"])
+
+
+def test_a_replica_lost_mid_run_costs_only_its_unpushed_portions(
+    three_workers: tuple[LocalCluster, Client, list[str]], tmp_path: Path, softmax_digits: Problem
+) -> None:
+    cluster, client, workers = three_workers
+    problem = softmax_digits
+    ref = problem.scipy()
+
+    def kill_replica_1(record: sandblaster.IterationRecord) -> None:
+        if record.iteration == 3:
+            _kill_worker(cluster, workers[2])
+
+    res = sandblaster.minimize(
+        problem.model, dataset(problem, tmp_path / "data", 128), x0=problem.x0, l2=problem.l2, client=client,
+        store=tmp_path / "run", portions=8, shard_workers=workers[:1], replica_workers=workers[1:],
+        callback=kill_replica_1,
+    )  # fmt: skip
+    assert res.success, res.message
+    assert res.stats["lost_replicas"] == [1]
+    assert res.fun == pytest.approx(ref.fun, rel=1e-8)
+    assert abs(res.nit - ref.nit) <= max(1, 0.2 * ref.nit)
+    # Only what the lost replica had in hand was recomputed, at most its two calls in flight.
+    assert 0 <= int(res.history.recomputed.sum()) <= 2 * 4
+    after = res.history.sel(iteration=slice(5, None))
+    assert np.all(after.fetches.values <= np.diff(res.history.nfev.values)[4:]), "one replica left"
+
+
+def test_a_lost_shard_is_rebuilt_and_the_run_rolls_back_to_its_checkpoint(
+    three_workers: tuple[LocalCluster, Client, list[str]], tmp_path: Path, softmax_digits: Problem
+) -> None:
+    cluster, client, workers = three_workers
+    problem = softmax_digits
+    ref = problem.scipy()
+    killed = []
+
+    def kill_the_shard(record: sandblaster.IterationRecord) -> None:
+        if record.iteration == 7 and not killed:
+            killed.append(record.iteration)
+            _kill_worker(cluster, workers[0])
+
+    res = sandblaster.minimize(
+        problem.model, dataset(problem, tmp_path / "data", 256), x0=problem.x0, l2=problem.l2, client=client,
+        store=tmp_path / "run", shard_workers=workers[:1], replica_workers=workers[1:], checkpoint_every=5,
+        callback=kill_the_shard,
+    )  # fmt: skip
+    assert killed and res.stats["recoveries"] == 1
+    assert res.success, res.message
+    assert res.fun == pytest.approx(ref.fun, rel=1e-8)
+
+
+def test_a_ten_times_slower_replica_does_less_work(client: Client, tmp_path: Path) -> None:
+    # Compute-heavy portions (the injected delay scales the replica's compute, not its round trips).
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((24_000, 200))
+    y = (X @ rng.standard_normal(200) + rng.standard_normal(24_000) > 0).astype(float)
+    problem = Problem(models.Logistic(200), X, y, 1e-3, np.zeros(201))
+    ds = dataset(problem, tmp_path / "data", 2000)
+    common = {"x0": problem.x0, "l2": problem.l2, "client": client, "maxiter": 12, "portions": 12}
+    even = sandblaster.minimize(problem.model, ds, store=tmp_path / "even", **common)
+    res = sandblaster.minimize(problem.model, ds, store=tmp_path / "slow", slowdown={0: 10.0}, **common)
+    slow, fast = res.stats["portions_per_replica"]
+    # The fast replica steals queued portions and backs up overdue ones: it ends up doing most of the work
+    # (the first evaluations, before the scheduler knows each replica's pace, are split more evenly).
+    assert fast > 2 * slow, (slow, fast)
+    assert int(res.history.backups_won.sum()) > 0
+    # The same iterates, whoever computed which portion.
+    assert res.nit == even.nit == 12
+    assert res.fun == pytest.approx(even.fun, rel=1e-13)
