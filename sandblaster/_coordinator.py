@@ -1,18 +1,21 @@
 """The Sandblaster coordinator: runs a batch method while every vector lives on the shards (section 4.2).
 
-The coordinator holds names and scalars only. Per L-BFGS iteration (when the line search takes its first
-trial, as it almost always does) it costs ONE round trip to the shards, whatever the history size ``m``:
+The coordinator holds names and scalars only. A typical L-BFGS iteration (the line search takes its first
+trial) costs the coordinator NO round trip of its own to the shards, whatever the history size ``m``; it
+only hands out portions to the replicas:
 
-* the evaluation's setup ops (``d = sum_j delta_j b_j``, ``x_t = x + t*d``, ``x_t.x_t``, ``g.d``, zero the
-  gradient accumulator) ride on the replicas' parameter fetch: the first replica to fetch from a shard runs
-  them there (``Shard.prepare``), so they cost the coordinator nothing;
+* the evaluation's setup ops (``d = sum_j delta_j b_j``, ``x_t = x + t*d``, ``x_t.x_t``, ``g.d``, open the
+  gradient accumulator) ride on the replicas' parameter fetch: the first replica to fetch from a shard
+  runs them there (``Shard.prepare``);
 * the replicas compute the data term portion by portion and push it (:mod:`sandblaster._scheduler`);
-* one round trip forms ``g_t = acc/N + l2*x_t``, returns ``g_t.d`` and ``max|g_t|``, and, speculatively
-  (assuming the line search accepts ``t``), stores the next pair ``s = t*d``, ``y = g_t - g`` in a free
-  slot and returns the new Gram entries of the vector-free recursion (VL-BFGS).
+* the push that brings a shard its last portion runs the final ops there (``Shard.push_portions``):
+  ``g_t = acc/N + l2*x_t``, ``g_t.d``, ``max|g_t|`` and, speculatively (assuming the line search accepts
+  ``t``), the next pair ``s = t*d``, ``y = g_t - g`` in a free slot with the new Gram entries of the
+  vector-free recursion (VL-BFGS); their results travel back with the replica's report.
 
-A line search needing more trials repeats the last two steps. CG and gradient descent go through the same
-evaluation and shard ops; only their direction updates differ.
+This is the prototype's "one coordinator phase per evaluation" (DESIGN.md). A line search needing more
+trials repeats the evaluation. CG and gradient descent go through the same evaluation; only their direction
+updates differ (with one extra batch of dot products per iteration).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from sandblaster._linesearch import (
 )
 from sandblaster._scheduler import EvaluationStats, PortionScheduler
 from sandblaster._vlbfgs import VLBFGSHistory
-from storage import ParameterServer
+from storage import ParameterServer, reduce_results
 
 __all__ = ["Coordinator", "IterationRecord", "StopRun"]
 
@@ -167,20 +170,8 @@ class Coordinator:
             else:
                 ops.append(("lincomb", out_x, [1.0, step], [base, direction]))
         self.state.eval_id += 1
-        ops += [("dot", out_x, out_x), ("reset_acc", ACC, self.state.eval_id)]
-        # These ops ride on the replicas' parameter fetch (run once per shard by the first fetch): no
-        # round trip of the coordinator's own.
-        t = time.perf_counter()
-        stats = self.scheduler.evaluate(self.state.eval_id, out_x, ACC, prep=ops)
-        self._t_grad += time.perf_counter() - t
-        if len(stats.prep) != len(ops):
-            raise ProtocolError(
-                f"evaluation {self.state.eval_id}: the shards' prep results did not come back"
-            )
-        self._count_received(stats.prep)
-        xx = stats.prep[-2]
-        prefix = stats.prep[: len(prefix_ops or [])]
-        self._eval_stats.append(stats)
+        epoch = self.state.eval_id
+        n_portions = self.scheduler.n_portions
         final: list[tuple[Any, ...]] = [
             ("settle", ACC),
             ("lincomb", out_g, [1.0 / self.n_rows, self.l2], [ACC, out_x]),
@@ -189,11 +180,38 @@ class Coordinator:
         if direction is not None:
             final.append(("dot", out_g, direction))
         n_final = len(final)
-        res = self._shard_ops(final + list(suffix_ops or []))
-        if res[0] != self.scheduler.n_portions:
+        final += list(suffix_ops or [])
+        # The setup ops ride on the replicas' parameter fetch (the first fetch runs them on each shard);
+        # the final ops run on each shard when its last portion arrives, and their results ride back on
+        # that push. The coordinator itself talks to no shard during an evaluation.
+        ops += [("dot", out_x, out_x), ("reset_acc", ACC, epoch, n_portions, final)]
+        t = time.perf_counter()
+        stats = self.scheduler.evaluate(epoch, out_x, ACC, prep=ops)
+        self._t_grad += time.perf_counter() - t
+        if len(stats.prep) != len(ops):
+            raise ProtocolError(f"evaluation {epoch}: the shards' setup results did not come back")
+        self._count_received(stats.prep)
+        xx = stats.prep[-2]
+        prefix = stats.prep[: len(prefix_ops or [])]
+        self._eval_stats.append(stats)
+        missing = [i for i in range(self.ps.shards) if i not in stats.final]
+        if missing:
+            # The pushes that completed these shards were reported by no live replica: ask the shards.
+            t = time.perf_counter()
+            for i, results in zip(missing, self.ps.final_results(ACC, epoch, missing), strict=True):
+                if results is not None:
+                    stats.final[i] = results
+            self._t_shard += time.perf_counter() - t
+        if len(stats.final) != self.ps.shards:
+            raise ProtocolError(f"evaluation {epoch}: shards {missing} never received every portion")
+        per_shard = [stats.final[i] for i in range(self.ps.shards)]
+        for part in per_shard:
+            self._count_received(part)
+        res = reduce_results(final, per_shard)
+        if res[0] != n_portions:
             raise ProtocolError(
-                f"a shard holds the gradient of {res[0]} of {self.scheduler.n_portions} portions after "
-                f"evaluation {self.state.eval_id}; this is a bug in the portion scheduler"
+                f"a shard holds the gradient of {res[0]} of {n_portions} portions after "
+                f"evaluation {epoch}; this is a bug in the portion scheduler"
             )
         f = stats.loss_sum / self.n_rows + 0.5 * self.l2 * xx
         g_inf = res[2]

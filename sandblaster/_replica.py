@@ -131,14 +131,18 @@ class Replica:
         t2 = time.perf_counter()
         if total is not None:
             calls += self._push(acc_name, total, [int(p) for p in assign], eval_id, False)
+        final: dict[int, list[Any]] = {}
         try:
             for shard, call in calls:
-                self.shards.wait(shard, call)
+                _, finalized = self.shards.wait(shard, call)
+                if finalized is not None:
+                    final[shard] = finalized  # this push completed the shard's evaluation
         except Exception as exc:
             raise ClusterError(f"replica {self.index} could not push to the shards: {exc!r}") from exc
         return {
             "results": results,
             "prep": prep_results,
+            "final": final,
             "fetched": fetched,
             "fetch_s": t1 - t0,
             "compute_s": t2 - t1,

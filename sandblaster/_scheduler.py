@@ -53,6 +53,7 @@ class EvaluationStats:
     wall_s: float = 0.0
     per_replica: dict[int, int] = field(default_factory=dict)
     prep: list[Any] = field(default_factory=list)
+    final: dict[int, list[Any]] = field(default_factory=dict)
 
 
 class PortionScheduler:
@@ -285,6 +286,7 @@ class PortionScheduler:
                 stats.fetches += int(report["fetched"])
                 if report["prep"] and not stats.prep:
                     stats.prep = report["prep"]
+                stats.final.update(report["final"])
                 for p, loss, rows in report["results"]:
                     copies.get(p, set()).discard(r)
                     if p not in reported:

@@ -15,7 +15,7 @@ from storage._dataset import Dataset, resolve_name
 from storage._digits import digits_dataset, load_digits
 from storage._layout import Layout
 from storage._rules import RULES, adagrad_update, sgd_update
-from storage._server import Batch, ParameterServer, ServerStats, ShardMap
+from storage._server import Batch, ParameterServer, ServerStats, ShardMap, reduce_results
 from storage._shard import OPS, Shard
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "adagrad_update",
     "digits_dataset",
     "load_digits",
+    "reduce_results",
     "resolve_name",
     "sgd_update",
 ]

@@ -109,9 +109,13 @@ class ShardActor:
 
     async def accumulate(
         self, name: str, values: np.ndarray, portions: Sequence[int], epoch: int, solo: bool = False
-    ) -> bool:
-        """Forward to :meth:`Shard.accumulate`."""
-        return await self._do(self.core.accumulate, name, values, portions, epoch=epoch, solo=solo)
+    ) -> tuple[bool, list[Any] | None]:
+        """Forward to :meth:`Shard.push_portions`."""
+        return await self._do(self.core.push_portions, name, values, portions, epoch=epoch, solo=solo)
+
+    async def final_results(self, name: str, epoch: int) -> list[Any] | None:
+        """Forward to :meth:`Shard.final_results`."""
+        return await self._do(self.core.final_results, name, epoch)
 
     async def checkpoint(self, slot: str, names: Sequence[str]) -> dict[str, Any]:
         """Write this shard's vectors ``names`` to ``slot``; return its scalar state."""

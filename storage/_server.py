@@ -719,6 +719,12 @@ class ParameterServer:
         )
         self.stats.round_trips += 1
 
+    def final_results(self, name: str, epoch: int, shards: Sequence[int]) -> list[Any]:
+        """Each listed shard's stored finalize results of ``epoch`` (see ``Shard.push_portions``)."""
+        results = self._call(list(shards), "final_results", [(name, epoch)] * len(shards))
+        self.stats.round_trips += 1
+        return results
+
     def ping(self) -> None:
         """Check every shard answers (restoring lost ones, which raises :class:`errors.ShardLostError`)."""
         self._call_all("ping", [()] * self.shards)

@@ -32,6 +32,10 @@ class _Accumulator:
     values: np.ndarray
     covered: set[int] = field(default_factory=set)
     solos: dict[int, np.ndarray] = field(default_factory=dict)
+    #: When set: the number of portions of the evaluation, and ops to run once all of them are in.
+    expected: int | None = None
+    finalize: list[Any] = field(default_factory=list)
+    final: list[Any] | None = None
 
 
 #: op name -> how partial results combine across shards (None: the op returns nothing).
@@ -195,8 +199,10 @@ class Shard:
         self.vectors.pop(name, None)
         self.accumulators.pop(name, None)
 
-    def _op_reset_acc(self, name: str, epoch: int) -> None:
-        self.reset_accumulator(name, epoch)
+    def _op_reset_acc(
+        self, name: str, epoch: int, expected: int | None = None, finalize: Sequence[Sequence[Any]] = ()
+    ) -> None:
+        self.reset_accumulator(name, epoch, expected, finalize)
 
     def _op_settle(self, name: str) -> int:
         return len(self.settle(name))
@@ -320,6 +326,32 @@ class Shard:
         acc.covered |= new
         return True
 
+    def push_portions(
+        self, name: str, values: np.ndarray, portions: Sequence[int], *, epoch: int, solo: bool = False
+    ) -> tuple[bool, list[Any] | None]:
+        """:meth:`accumulate`, then, if that completed the evaluation, its finalize ops (see ``reset_acc``).
+
+        Returns ``(taken, results of the finalize ops or None)``: the push that brings in the last
+        portion runs them (the gradient formed from the accumulator, the dot products the coordinator
+        needs next) and carries their results back, which saves the coordinator a round trip.
+        """
+        taken = self.accumulate(name, values, portions, epoch=epoch, solo=solo)
+        acc = self.accumulators[name]
+        if (
+            taken
+            and acc.expected is not None
+            and acc.final is None
+            and len(acc.covered) + len(acc.solos) == acc.expected
+        ):
+            acc.final = self.run(acc.finalize)
+            return True, acc.final
+        return taken, None
+
+    def final_results(self, name: str, epoch: int) -> list[Any] | None:
+        """The finalize results of ``epoch`` if they ran (a fallback when the pusher's report was lost)."""
+        acc = self.accumulators.get(name)
+        return acc.final if acc is not None and acc.epoch == epoch else None
+
     def settle(self, name: str) -> list[int]:
         """Add the solo portions no summed push covered; return every portion the accumulator now holds."""
         acc = self._accumulator(name)
@@ -330,11 +362,19 @@ class Shard:
         acc.solos = {}
         return sorted(acc.covered)
 
-    def reset_accumulator(self, name: str, epoch: int) -> None:
-        """Zero accumulator ``name`` and open ``epoch`` (one evaluation): older pushes are refused."""
+    def reset_accumulator(
+        self, name: str, epoch: int, expected: int | None = None, finalize: Sequence[Sequence[Any]] = ()
+    ) -> None:
+        """Zero accumulator ``name`` and open ``epoch`` (one evaluation): older pushes are refused.
+
+        With ``expected`` (the number of portions), the push that completes the set runs ``finalize``
+        (ops as in :meth:`run`; the first is normally ``("settle", name)``) and returns their results.
+        """
         vec = self._target(name)
         vec.fill(0.0)
-        self.accumulators[name] = _Accumulator(epoch=epoch, values=vec)
+        self.accumulators[name] = _Accumulator(
+            epoch=epoch, values=vec, expected=expected, finalize=[tuple(op) for op in finalize]
+        )
 
     def _accumulator(self, name: str) -> _Accumulator:
         acc = self.accumulators.get(name)

@@ -78,9 +78,10 @@ def test_coordinator_only_receives_scalars_and_round_trips_do_not_grow_with_hist
         # Fetches: each replica fetches the parameters once per evaluation, no more.
         evals = np.diff(res.history.nfev.values)
         assert np.all(res.history.fetches.values[1:] <= evals * res.stats["replicas"])
-    # One round trip of the coordinator per iteration: the trial point rides on the replicas' fetch, the
-    # next Gram entries come back speculatively with the gradient.
-    assert per_iteration[5] == per_iteration[10] == per_iteration[20] == 1.0
+    # No round trip of the coordinator's own to the shards in a typical iteration, whatever m: the setup
+    # rides on the replicas' fetch and the results of the final ops (with the next Gram entries,
+    # computed speculatively) on their last push.
+    assert per_iteration[5] == per_iteration[10] == per_iteration[20] == 0.0
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -265,11 +266,11 @@ def test_a_lost_shard_is_rebuilt_and_the_run_rolls_back_to_its_checkpoint(
 def test_a_ten_times_slower_replica_does_less_work(client: Client, tmp_path: Path) -> None:
     # Compute-heavy portions (the injected delay scales the replica's compute, not its round trips).
     rng = np.random.default_rng(0)
-    X = rng.standard_normal((24_000, 200))
-    y = (X @ rng.standard_normal(200) + rng.standard_normal(24_000) > 0).astype(float)
-    problem = Problem(models.Logistic(200), X, y, 1e-3, np.zeros(201))
-    ds = dataset(problem, tmp_path / "data", 2000)
-    common = {"x0": problem.x0, "l2": problem.l2, "client": client, "maxiter": 12, "portions": 12}
+    X = rng.standard_normal((60_000, 300))
+    y = (X @ rng.standard_normal(300) + rng.standard_normal(60_000) > 0).astype(float)
+    problem = Problem(models.Logistic(300), X, y, 1e-3, np.zeros(301))
+    ds = dataset(problem, tmp_path / "data", 5000)
+    common = {"x0": problem.x0, "l2": problem.l2, "client": client, "maxiter": 8, "portions": 12}
     even = sandblaster.minimize(problem.model, ds, store=tmp_path / "even", **common)
     res = sandblaster.minimize(problem.model, ds, store=tmp_path / "slow", slowdown={0: 10.0}, **common)
     slow, fast = res.stats["portions_per_replica"]
@@ -278,5 +279,5 @@ def test_a_ten_times_slower_replica_does_less_work(client: Client, tmp_path: Pat
     assert fast > 2 * slow, (slow, fast)
     assert int(res.history.backups_won.sum()) > 0
     # The same iterates, whoever computed which portion.
-    assert res.nit == even.nit == 12
+    assert res.nit == even.nit == 8
     assert res.fun == pytest.approx(even.fun, rel=1e-13)
