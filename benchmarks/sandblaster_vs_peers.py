@@ -16,7 +16,8 @@ repeats), the final objective (evaluated by the same numpy code for every peer),
 ours a breakdown per iteration (gradient portions, shard ops, coordinator logic, round trips), round trips
 per iteration for m = 5, 10, 20, and batch times with a 10x straggler, backups on and off.
 
-Run: ``python benchmarks/sandblaster_vs_peers.py [--quick] [--out benchmarks/results/sandblaster_vs_peers.json]``
+Run: ``python benchmarks/sandblaster_vs_peers.py [--quick] [--out PATH]`` (default
+``benchmarks/results/sandblaster_vs_peers.json`` and a PNG beside it).
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def round_trips_by_history(client: Client, tmp: str) -> dict[str, Any]:
 
 
 def straggler(client: Client, tmp: str, quick: bool) -> dict[str, Any]:
-    X, y, l2 = make_problem("synthetic", True if quick else False)
+    X, y, l2 = make_problem("synthetic", quick)
     X, y = X[:60_000], y[:60_000]
     model = models.Logistic(X.shape[1])
     ds = Dataset.from_arrays(X, y, path=f"{tmp}/straggler", overwrite=True)
