@@ -28,11 +28,22 @@ INLINE_MAX_ELEMENTS = 1 << 16
 T = TypeVar("T")
 
 
-def write_checkpoint(url: str, slot: str, lo: int, hi: int, vectors: dict[str, np.ndarray]) -> None:
-    """Write one shard's slices into the arrays ``{slot}/{name}`` (already created by the server)."""
-    group = open_group(url, mode="r+")
+def write_checkpoint(
+    url: str, slot: str, lo: int, hi: int, vectors: dict[str, np.ndarray], cache: dict[str, Any] | None = None
+) -> None:
+    """Write one shard's slices into the arrays ``{slot}/{name}`` (already created by the server).
+
+    ``cache`` keeps the opened arrays between checkpoints: opening costs metadata reads per array.
+    """
+    cache = {} if cache is None else cache
+    group = None
     for name, values in vectors.items():
-        group[f"{slot}/{name}"][lo:hi] = values
+        key = f"{slot}/{name}"
+        array = cache.get(key)
+        if array is None:
+            group = open_group(url, mode="r+") if group is None else group
+            array = cache[key] = group[key]
+        array[lo:hi] = values
 
 
 def read_checkpoint(url: str, slot: str, lo: int, hi: int, names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -56,6 +67,7 @@ class ShardActor:
     ) -> None:
         self.core = Shard(index, lo, hi)
         self.url = url
+        self._arrays: dict[str, Any] = {}  # opened checkpoint arrays, by "slot/name"
         inline = hi - lo <= INLINE_MAX_ELEMENTS
         self._executor = None if inline else ThreadPoolExecutor(1, thread_name_prefix=f"shard{index}")
         if slot is not None:
@@ -126,13 +138,15 @@ class ShardActor:
 
         if self._executor is None:
             vectors, state = _snapshot()
-            await asyncio.to_thread(write_checkpoint, self.url, slot, self.core.lo, self.core.hi, vectors)
+            await asyncio.to_thread(
+                write_checkpoint, self.url, slot, self.core.lo, self.core.hi, vectors, self._arrays
+            )
             return state
 
         def _write() -> dict[str, Any]:
             # Large shard: ops are serialized on its one thread, so writing in place is consistent.
             vectors = {n: self.core.vector(n) for n in names}
-            write_checkpoint(self.url, slot, self.core.lo, self.core.hi, vectors)
+            write_checkpoint(self.url, slot, self.core.lo, self.core.hi, vectors, self._arrays)
             return self.core.state()
 
         return await self._do(_write)

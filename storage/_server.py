@@ -285,6 +285,8 @@ class ParameterServer:
         self.timeout = timeout
         self.stats = ServerStats()
         self._meta = self._read_meta()
+        self._slot_arrays: dict[str, set[str]] = {}
+        self._group: Any = None
 
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -673,15 +675,21 @@ class ParameterServer:
         ``meta`` (JSON-able) is saved with it and read back by :attr:`checkpoint_meta`.
         """
         names = sorted(self.names()) if names is None else sorted(set(names))
-        self._meta = self._read_meta()
+        # This handle is the store's only writer: its own copy of the attributes is current.
         current = self._meta.get("current")
         target = 0 if current != 0 else 1
-        group = open_group(self.url, mode="r+")
+        if self._group is None:
+            self._group = open_group(self.url, mode="r+")
+        group = self._group
         slot = f"slot{target}"
-        if slot in group:
-            del group[slot]
-        sub = group.create_group(slot)
-        for name in names:
+        # The slot's arrays are made once and then overwritten in place: creating zarr arrays costs far
+        # more than writing a small vector. Arrays of names not in this checkpoint are simply ignored.
+        sub = group.require_group(slot)
+        existing = self._slot_arrays.get(slot)
+        if existing is None:
+            existing = self._slot_arrays[slot] = set(sub.array_keys())
+        for name in (n for n in names if n not in existing):
+            existing.add(name)
             sub.create_array(
                 name,
                 shape=(self.n,),

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import dask
 import pytest
 from distributed import Client, LocalCluster
+
+# The scheduler runs in this process; its log of recent messages would keep actor handles (and so every
+# test's shards) alive on the workers until the session ends.
+dask.config.set({"distributed.admin.low-level-log-length": 0})
 
 
 @pytest.fixture(scope="session")
