@@ -1,1 +1,39 @@
-"""Placeholder: filled in by a later issue."""
+"""Downpour SGD: asynchronous model replicas against the sharded parameter server (DistBelief, section 4.1).
+
+Each replica trains on its own contiguous part of the rows, fetches the parameters every ``n_fetch`` steps,
+pushes its accrued gradient every ``n_push`` steps, and the parameter-server shards apply every push on their
+own, with plain SGD or Adagrad. :func:`train` is the front door; :class:`ReplicaCore` is the replica's logic
+with no Dask in it, and :func:`sequential_sgd` the single-process reference it reduces to.
+
+Examples
+--------
+>>> import downpour, models
+>>> from storage._digits import train_test_split_digits
+>>> X, y, Xt, yt = train_test_split_digits(seed=0)
+>>> res = downpour.train(models.Softmax(64, 10), (X, y), replicas=2, epochs=5,
+...                      eval_data=(Xt, yt))                                   # doctest: +SKIP
+>>> res.stop_reason                                                            # doctest: +SKIP
+'epochs'
+"""
+
+from downpour._batches import BatchPlan, split_rows
+from downpour._core import FetchRequest, PushMessage, ReplicaCore, ReplicaCounters
+from downpour._options import DEFAULT_LR, DownpourOptions
+from downpour._reference import ReferenceResult, sequential_sgd
+from downpour._train import Progress, TrainResult, train
+
+__all__ = [
+    "DEFAULT_LR",
+    "BatchPlan",
+    "DownpourOptions",
+    "FetchRequest",
+    "Progress",
+    "PushMessage",
+    "ReferenceResult",
+    "ReplicaCore",
+    "ReplicaCounters",
+    "TrainResult",
+    "sequential_sgd",
+    "split_rows",
+    "train",
+]

@@ -3,7 +3,9 @@
 Every method is ``async def`` so that it runs on the worker's event loop and never queues behind a gradient
 computation in the worker's actor thread (the deadlock and latency lessons in DESIGN.md). Tiny shards run
 their ops inline on the loop (~microseconds); large shards hand each op to a thread of their own, one op at a
-time and in arrival order, so BLAS (which releases the GIL) does not block the loop and no lock is needed.
+time and in arrival order, so no lock is needed. Only kernels that release the GIL (``np.dot``, ufuncs) leave
+the loop free meanwhile: ``scipy.linalg.blas`` (``daxpy``, ``dscal``) holds it for the whole call, so calls to
+this worker wait for the op (benchmarks/shard_ops.py measures both).
 """
 
 from __future__ import annotations
@@ -87,6 +89,23 @@ class ShardActor:
     async def run(self, ops: Sequence[Sequence[Any]]) -> list[Any]:
         """Forward to :meth:`Shard.run`."""
         return await self._do(self.core.run, ops)
+
+    async def run_with(self, keys: Sequence[str], ops: Sequence[Sequence[Any]]) -> list[list[Any]]:
+        """Run ``ops`` on this shard, then on the shards with actor keys ``keys`` (on this same worker).
+
+        Returns one list of partial results per shard, this one first. The server sends one call per
+        *worker* rather than per shard: each call costs ~0.3-0.5 ms of the caller's CPU, and a worker runs
+        its shards' ops one at a time anyway (one core per worker, and scipy's BLAS holds the GIL).
+        """
+        from distributed import get_worker
+
+        actors = get_worker().state.actors
+        out = [await self.run(ops)]
+        for key in keys:
+            sibling = actors[key]
+            assert isinstance(sibling, ShardActor)
+            out.append(await sibling.run(ops))
+        return out
 
     async def get(self, name: str, lo: int | None = None, hi: int | None = None) -> np.ndarray:
         """Forward to :meth:`Shard.get`."""

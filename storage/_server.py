@@ -444,9 +444,21 @@ class ParameterServer:
         return results
 
     def _call(
-        self, which: list[int], method: str, args: Sequence[tuple[Any, ...]], **kwargs: Any
+        self,
+        which: list[int],
+        method: str,
+        args: Sequence[tuple[Any, ...]],
+        *,
+        members: dict[int, list[int]] | None = None,
+        **kwargs: Any,
     ) -> list[Any]:
-        self.stats.shard_calls += len(which)
+        """Call ``method`` on the shards ``which`` at once and return their results.
+
+        ``members[i]`` lists the shards the call to shard ``i`` serves (itself first, all on its worker):
+        they are lost with it, and its result is a list with one entry per member.
+        """
+        group = members or {}
+        self.stats.shard_calls += sum(len(group.get(i, [i])) for i in which)
         self.stats.by_method[method] = self.stats.by_method.get(method, 0) + 1
         lost: list[int] = []
         futures: list[Any] = []
@@ -454,7 +466,7 @@ class ParameterServer:
             try:
                 futures.append(getattr(self._actors[i], method)(*a, **kwargs))
             except RuntimeError:  # "Worker holding Actor was lost"
-                lost.append(i)
+                lost.extend(group.get(i, [i]))
                 futures.append(None)
         results: list[Any] = [None] * len(which)
         if not lost:
@@ -465,16 +477,24 @@ class ParameterServer:
                 if ok:
                     results[k] = value
                 elif self._is_lost(which[k], value):
-                    lost.append(which[k])
+                    lost.extend(group.get(which[k], [which[k]]))
                 else:
                     raise value
         if lost:
             self._recover(sorted(set(lost)), method)
-        for r in results:
-            n_values = _count_values(r)
-            self.stats.values_received += n_values
-            self.stats.max_received = max(self.stats.max_received, n_values)
+        for i, r in zip(which, results, strict=True):
+            for part in r if i in group else [r]:
+                n_values = _count_values(part)
+                self.stats.values_received += n_values
+                self.stats.max_received = max(self.stats.max_received, n_values)
         return results
+
+    def _groups(self) -> list[list[int]]:
+        """The shards grouped by the worker that holds them (shard order within a group)."""
+        by_worker: dict[str, list[int]] = {}
+        for i, actor in enumerate(self._actors):
+            by_worker.setdefault(getattr(actor, "_address", None) or f"unknown-{i}", []).append(i)
+        return list(by_worker.values())
 
     async def _gather(self, which: list[int], futures: list[Any]) -> list[tuple[bool, Any]]:
         """Await every call; stop waiting for a call whose shard's worker has died."""
@@ -575,7 +595,21 @@ class ParameterServer:
         for op in ops:
             if op[0] not in OPS:
                 raise InvalidOptionError(f"unknown op {op[0]!r}; known ops: {sorted(OPS)}")
-        partials = self._call_all("run", [(list(ops),)] * self.shards)
+        groups = self._groups()
+        if all(len(g) == 1 for g in groups):
+            return reduce_results(ops, self._call_all("run", [(list(ops),)] * self.shards))
+        # A worker holding several shards gets one call for all of them: each call costs the caller
+        # ~0.3-0.5 ms of CPU, and the worker runs its shards' ops one at a time anyway.
+        leaders = [g[0] for g in groups]
+        keys = [[self._futures[i].key for i in g[1:]] for g in groups]
+        results = self._call(
+            leaders, "run_with", [(k, list(ops)) for k in keys], members={g[0]: g for g in groups}
+        )
+        self.stats.round_trips += 1
+        partials: list[Any] = [None] * self.shards
+        for g, per_shard in zip(groups, results, strict=True):
+            for i, part in zip(g, per_shard, strict=True):
+                partials[i] = part
         return reduce_results(ops, partials)
 
     def _one(self, op: tuple[Any, ...]) -> Any:

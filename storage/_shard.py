@@ -209,7 +209,9 @@ class Shard:
 
     def _op_dot(self, a: str, b: str) -> float:
         va, vb = self.vector(a), self.vector(b)
-        return float(blas.ddot(va, vb)) if va.size else 0.0
+        # np.dot runs the same OpenBLAS ddot but releases the GIL; scipy.linalg.blas's f2py wrappers hold it
+        # for the whole call, which blocks the worker's event loop (benchmarks/shard_ops.py, ping_during_op).
+        return float(np.dot(va, vb)) if va.size else 0.0
 
     def _op_dots(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         return [self._op_dot(a, b) for a, b in pairs]

@@ -1,0 +1,195 @@
+"""HTTP plumbing: domain errors as 4xx/5xx with their message, readable validation errors, body limits."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.runner import JobNotFoundError, JobStateError, QueueFullError
+from errors import (
+    ClusterError,
+    DatasetError,
+    DistbeliefError,
+    InvalidOptionError,
+    ModelSpecError,
+    ProtocolError,
+    ShardLostError,
+    StoreError,
+)
+
+__all__ = ["BodyLimitMiddleware", "install_error_handlers", "status_of"]
+
+log = logging.getLogger("api")
+
+# Most specific first: the first class an error is an instance of decides its status.
+_STATUS: list[tuple[type[DistbeliefError], int]] = [
+    (JobNotFoundError, status.HTTP_404_NOT_FOUND),
+    (JobStateError, status.HTTP_409_CONFLICT),
+    (QueueFullError, status.HTTP_503_SERVICE_UNAVAILABLE),
+    (ModelSpecError, status.HTTP_422_UNPROCESSABLE_CONTENT),
+    (DatasetError, status.HTTP_422_UNPROCESSABLE_CONTENT),
+    (InvalidOptionError, status.HTTP_422_UNPROCESSABLE_CONTENT),
+    (ShardLostError, status.HTTP_503_SERVICE_UNAVAILABLE),
+    (ClusterError, status.HTTP_503_SERVICE_UNAVAILABLE),
+    (StoreError, status.HTTP_500_INTERNAL_SERVER_ERROR),
+    (ProtocolError, status.HTTP_500_INTERNAL_SERVER_ERROR),
+]
+
+
+def status_of(exc: DistbeliefError) -> int:
+    """The HTTP status of a domain error.
+
+    Examples
+    --------
+    >>> status_of(DatasetError("bad")), status_of(ClusterError("down"))
+    (422, 503)
+    """
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            return code
+    return status.HTTP_500_INTERNAL_SERVER_ERROR
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc]
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def _describe(err: dict[str, Any]) -> str:
+    where = _where(tuple(err.get("loc", ())))
+    msg = str(err.get("msg", "invalid"))
+    if err.get("type") == "value_error":
+        # Our validators raise errors whose messages already say what to fix; drop pydantic's prefix.
+        msg = msg.removeprefix("Value error, ")
+        return f"{where}: {msg}" if where else msg
+    where = where or "body"
+    if err.get("type") == "missing":
+        return f"{where}: this field is required"
+    given = err.get("input")
+    shown = json.dumps(given, default=str) if not isinstance(given, dict) else "an object"
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return f"{where}: {msg}, got {shown}"
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = list(exc.errors())
+    if any(e.get("type") == "json_invalid" for e in errors):
+        err = next(e for e in errors if e.get("type") == "json_invalid")
+        reason = (err.get("ctx") or {}).get("error", "it could not be parsed")
+        return JSONResponse(
+            {"detail": f"the request body is not valid JSON ({reason}); send a JSON object"},
+            status_code=status.HTTP_400_BAD_REQUEST,
+        )
+    if (
+        len(errors) == 1
+        and tuple(errors[0].get("loc", ())) == ("body",)
+        and isinstance(errors[0].get("input"), bytes | str)
+    ):
+        # FastAPI only parses JSON sent as JSON: anything else arrives as raw bytes.
+        return JSONResponse(
+            {"detail": "the request body must be a JSON object sent with 'Content-Type: application/json'"},
+            status_code=status.HTTP_400_BAD_REQUEST,
+        )
+    problems = [_describe(e) for e in errors]
+    return JSONResponse(
+        {
+            "detail": "; ".join(problems),
+            "errors": [
+                {"loc": list(e.get("loc", ())), "msg": p} for e, p in zip(errors, problems, strict=True)
+            ],
+        },
+        status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
+    )
+
+
+async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, DistbeliefError)
+    code = status_of(exc)
+    if code >= 500:
+        log.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
+    return JSONResponse({"detail": str(exc)}, status_code=code)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(
+        {"detail": f"internal error ({type(exc).__name__}); the server log has the details"},
+        status_code=status.HTTP_500_INTERNAL_SERVER_ERROR,
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map validation errors, domain errors and anything unexpected to JSON ``{"detail": message}``.
+
+    Examples
+    --------
+    >>> app = FastAPI(); install_error_handlers(app)
+    """
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(DistbeliefError, _domain_error)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+class _BodyTooLarge(HTTPException):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over a limit (413) before they are read whole.
+
+    Dataset uploads (``POST /api/datasets``) may be up to ``upload_limit`` bytes, every other request up to
+    ``limit``. A declared ``Content-Length`` over the limit is refused at once; a body streamed without one
+    is counted as it arrives and refused as soon as it passes the limit, so nothing oversized is stored.
+
+    Examples
+    --------
+    >>> app.add_middleware(BodyLimitMiddleware, limit=2**20, upload_limit=2**28)   # doctest: +SKIP
+    """
+
+    def __init__(self, app: ASGIApp, *, limit: int, upload_limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.upload_limit = upload_limit
+
+    def _message(self, limit: int, upload: bool) -> str:
+        what = "dataset uploads" if upload else "request bodies"
+        setting = "DISTBELIEF_MAX_UPLOAD_BYTES" if upload else "DISTBELIEF_MAX_BODY_BYTES"
+        return f"the request body is larger than the limit of {limit} bytes for {what}; send less ({setting})"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        upload = scope["method"] == "POST" and scope["path"].rstrip("/") == "/api/datasets"
+        limit = self.upload_limit if upload else self.limit
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            response = JSONResponse(
+                {"detail": self._message(limit, upload)},
+                status_code=status.HTTP_413_CONTENT_TOO_LARGE,
+                headers={"Connection": "close"},
+            )
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _BodyTooLarge(status.HTTP_413_CONTENT_TOO_LARGE, self._message(limit, upload))
+            return message
+
+        await self.app(scope, counted, send)

@@ -1,0 +1,301 @@
+"""Where the service keeps its state: job records (JSON), metrics (xarray in zarr), results and datasets.
+
+Layout under the store root (a directory or any fsspec URL)::
+
+    datasets/<name>/             datasets written by the service (storage.Dataset)
+    dataset-links/<name>.json    datasets registered by URL: {"url": ...}
+    jobs/<id>/job.json           the job record
+    jobs/<id>/metrics.zarr       one row per iteration (xarray: values[<dim>, metric])
+    jobs/<id>/params.npy         the parameters the run ended with
+    jobs/<id>/run/               the run's parameter-server checkpoints (sandblaster's store=)
+
+Metrics are one 2-D float64 array with the metric names in the attributes rather than one array per
+metric: writing 15 small zarr arrays costs ~0.1 s, one costs ~0.02 s, and a running job rewrites its metrics
+about once a second.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import posixpath
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import fsspec
+import numpy as np
+import numpy.typing as npt
+import xarray as xr
+
+from errors import StoreError
+from storage import resolve_name
+
+__all__ = ["JobStore", "json_safe", "metrics_to_dataset"]
+
+METRICS_FORMAT = "distbelief.metrics"
+
+
+def metrics_to_dataset(dim: str, columns: Sequence[str], rows: npt.ArrayLike) -> xr.Dataset:
+    """Rows of metrics (the first column indexes them) as an ``xarray.Dataset`` with one variable each.
+
+    Examples
+    --------
+    >>> ds = metrics_to_dataset("iteration", ["iteration", "objective"], [[0, 2.0], [1, 1.5]])
+    >>> ds.objective.values.tolist(), ds.iteration.values.tolist()
+    ([2.0, 1.5], [0, 1])
+    """
+    values = np.asarray(rows, dtype=np.float64).reshape(-1, len(columns))
+    index = values[:, 0].astype(np.int64)
+    return xr.Dataset(
+        {name: (dim, values[:, j]) for j, name in enumerate(columns) if j > 0},
+        coords={dim: index},
+    )
+
+
+class JobStore:
+    """Reads and writes the service's state under one root directory or fsspec URL.
+
+    Parameters
+    ----------
+    url : str
+        Root of the store (created if missing).
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> store = JobStore(tempfile.mkdtemp())
+    >>> store.save_record({"id": "0123456789abcdef", "status": "queued"})
+    >>> [r["status"] for r in store.load_records()]
+    ['queued']
+    """
+
+    def __init__(self, url: str) -> None:
+        text = os.path.expanduser(url)
+        try:
+            self.fs, root = fsspec.core.url_to_fs(text)
+        except (ValueError, ImportError) as exc:
+            raise StoreError(f"cannot open the store {url!r}: {exc}; check DISTBELIEF_STORE") from exc
+        self.local = "file" in _protocols(self.fs)
+        self.root = os.path.abspath(root) if self.local else root.rstrip("/")
+        try:
+            self.fs.makedirs(self._path("jobs"), exist_ok=True)
+            self.fs.makedirs(self._path("datasets"), exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the store at {url!r}: {exc}; check DISTBELIEF_STORE") from exc
+
+    # -- locations ----------------------------------------------------------------------------------
+    def _path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts) if not self.local else os.path.join(self.root, *parts)
+
+    def url(self, *parts: str) -> str:
+        """A location under the root, as a plain path (local) or a URL with its protocol."""
+        path = self._path(*parts)
+        return path if self.local else self.fs.unstrip_protocol(path)
+
+    @property
+    def datasets_root(self) -> str:
+        """Where datasets live (the root for :func:`storage.resolve_name`)."""
+        return self.url("datasets")
+
+    def run_dir(self, job_id: str) -> str:
+        """The ``store=`` of a job's run (its checkpoints)."""
+        return self.url("jobs", job_id, "run")
+
+    def contains(self, url: str) -> bool:
+        """Whether a local path or URL lies inside the store root (after resolving ``..`` and links)."""
+        if not self.local:
+            return url.rstrip("/").startswith(self.url().rstrip("/") + "/")
+        text = url[len("file://") :] if url.startswith("file://") else url
+        if "://" in text:
+            return False
+        real_root = os.path.realpath(self.root)
+        target = os.path.realpath(os.path.join(self.root, text))
+        return os.path.commonpath([real_root, target]) == real_root and target != real_root
+
+    # -- small files --------------------------------------------------------------------------------
+    def _write_atomic(self, path: str, data: bytes) -> None:
+        # Write aside, then rename: a reader (or a crash) never sees half a record.
+        self.fs.makedirs(posixpath.dirname(path) if not self.local else os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        self.fs.pipe_file(tmp, data)
+        if self.local:
+            os.replace(tmp, path)
+        else:
+            self.fs.mv(tmp, path)
+
+    def _read_json(self, path: str) -> dict[str, Any] | None:
+        try:
+            data = json.loads(self.fs.cat_file(path))
+        except FileNotFoundError:
+            return None
+        except (ValueError, OSError):
+            return None  # a torn or foreign file: skipped, never fatal
+        return data if isinstance(data, dict) else None
+
+    # -- job records --------------------------------------------------------------------------------
+    def save_record(self, record: dict[str, Any]) -> None:
+        """Write a job record (``record["id"]`` names it)."""
+        self._write_atomic(self._path("jobs", record["id"], "job.json"), _dumps(record))
+
+    def load_records(self) -> list[dict[str, Any]]:
+        """Every readable job record in the store."""
+        out = []
+        for job_id in self._children("jobs"):
+            record = self._read_json(self._path("jobs", job_id, "job.json"))
+            if record is not None and record.get("id") == job_id:
+                out.append(record)
+        return out
+
+    def delete_job(self, job_id: str) -> None:
+        """Remove everything the store holds for a job."""
+        path = self._path("jobs", job_id)
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    def _children(self, *parts: str) -> Iterator[str]:
+        path = self._path(*parts)
+        if not self.fs.isdir(path):
+            return
+        for entry in self.fs.ls(path, detail=False):
+            yield str(entry).rstrip("/").rpartition("/")[2]
+
+    # -- metrics ------------------------------------------------------------------------------------
+    def save_metrics(
+        self, job_id: str, dim: str, columns: Sequence[str], rows: Sequence[Sequence[float]]
+    ) -> None:
+        """Write a job's metrics (the first column is the index, named ``dim``) to ``metrics.zarr``."""
+        values = np.asarray(rows, dtype=np.float64).reshape(len(rows), len(columns))
+        ds = xr.Dataset(
+            {"values": ((dim, "metric"), values[:, 1:])},
+            coords={dim: values[:, 0].astype(np.int64)},
+            attrs={"format": METRICS_FORMAT, "dim": dim, "metrics": list(columns[1:])},
+        )
+        # Written aside and swapped in, so a server killed mid-write leaves the previous metrics readable
+        # (as metrics.zarr, or as metrics.zarr.old between the two renames).
+        final = self._path("jobs", job_id, "metrics.zarr")
+        old = final + ".old"
+        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+        for leftover in self.fs.glob(f"{final}.tmp-*"):
+            self.fs.rm(leftover, recursive=True)
+        ds.to_zarr(tmp if self.local else self.fs.unstrip_protocol(tmp), mode="w", consolidated=False)
+        if self.fs.exists(final):
+            self._rename(final, old)
+        self._rename(tmp, final)
+        if self.fs.exists(old):
+            self.fs.rm(old, recursive=True)
+
+    def _rename(self, src: str, dst: str) -> None:
+        if self.local:
+            os.replace(src, dst)
+        else:
+            self.fs.mv(src, dst, recursive=True)
+
+    def load_metrics(self, job_id: str) -> tuple[str, list[str], list[list[float]]] | None:
+        """``(dim, columns, rows)`` of a job's stored metrics, or None if it has none.
+
+        Raises
+        ------
+        errors.StoreError
+            The metrics are there but unreadable.
+        """
+        final = self._path("jobs", job_id, "metrics.zarr")
+        problems = []
+        for path in (final, final + ".old"):
+            if not self.fs.exists(path):
+                continue
+            try:
+                with xr.open_dataset(
+                    path if self.local else self.fs.unstrip_protocol(path),
+                    engine="zarr",
+                    consolidated=False,
+                    chunks=None,
+                ) as ds:
+                    dim = str(ds.attrs["dim"])
+                    names = [str(n) for n in ds.attrs["metrics"]]
+                    index = ds[dim].values.astype(np.float64)
+                    values = np.asarray(ds["values"].values, dtype=np.float64)
+            except (OSError, KeyError, ValueError) as exc:
+                problems.append(f"{path}: {exc}")
+                continue
+            rows = np.column_stack([index, values.reshape(index.size, len(names))]).tolist()
+            return dim, [dim, *names], rows
+        if problems:
+            raise StoreError(f"the metrics of job {job_id} are unreadable ({'; '.join(problems)})")
+        return None
+
+    # -- results ------------------------------------------------------------------------------------
+    def save_params(self, job_id: str, x: np.ndarray) -> None:
+        """Write the parameters a job ended with as ``params.npy``."""
+        buf = io.BytesIO()
+        np.save(buf, np.ascontiguousarray(x, dtype=np.float64), allow_pickle=False)
+        self._write_atomic(self._path("jobs", job_id, "params.npy"), buf.getvalue())
+
+    def load_params_bytes(self, job_id: str) -> bytes | None:
+        """The ``.npy`` bytes of a job's parameters, or None."""
+        try:
+            return bytes(self.fs.cat_file(self._path("jobs", job_id, "params.npy")))
+        except FileNotFoundError:
+            return None
+
+    def delete_dataset(self, name: str) -> None:
+        """Remove an uploaded dataset (``name`` is checked by :func:`storage.resolve_name`)."""
+        path = resolve_name(self.datasets_root, name)
+        if self.fs.exists(self._path("datasets", posixpath.basename(path))):
+            self.fs.rm(self._path("datasets", posixpath.basename(path)), recursive=True)
+
+    # -- registered datasets ------------------------------------------------------------------------
+    def save_link(self, name: str, url: str) -> None:
+        """Register an existing dataset at ``url`` under ``name``."""
+        self._write_atomic(self._path("dataset-links", f"{name}.json"), _dumps({"name": name, "url": url}))
+
+    def links(self) -> dict[str, str]:
+        """Registered datasets: name -> URL."""
+        out = {}
+        for entry in self._children("dataset-links"):
+            if entry.endswith(".json"):
+                data = self._read_json(self._path("dataset-links", entry))
+                if data and isinstance(data.get("url"), str) and data.get("name") == entry[:-5]:
+                    out[entry[:-5]] = data["url"]
+        return out
+
+    def delete_link(self, name: str) -> bool:
+        """Forget a registered dataset; whether there was one."""
+        path = self._path("dataset-links", f"{name}.json")
+        if not self.fs.exists(path):
+            return False
+        self.fs.rm(path)
+        return True
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(json_safe(obj), indent=1, sort_keys=True).encode("utf-8")
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` as plain JSON: NaN and inf become null (JSON has neither), numpy scalars Python ones, and
+    anything else that JSON cannot hold its ``str``.
+
+    Examples
+    --------
+    >>> json_safe({"a": float("nan"), "b": (np.int64(2), 1.5)})
+    {'a': None, 'b': [2, 1.5]}
+    """
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    return str(obj)

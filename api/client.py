@@ -1,0 +1,300 @@
+"""``api.client.Client``: the Python client of the REST API (httpx); :meth:`Client.wait` shows progress.
+
+Examples
+--------
+>>> from api.client import Client
+>>> from storage import load_digits
+>>> X, y = load_digits()
+>>> with Client("http://127.0.0.1:8000") as c:                                      # doctest: +SKIP
+...     c.upload_dataset("digits", X, y)
+...     job = c.submit({"algorithm": "sandblaster-lbfgs", "dataset": "digits",
+...                     "model": {"kind": "softmax", "n_features": 64, "n_classes": 10},
+...                     "options": {"l2": 1e-3}})
+...     c.wait(job["id"])["status"], c.params(job["id"]).shape
+('succeeded', (650,))
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import xarray as xr
+
+from api._jobstore import metrics_to_dataset
+from errors import DistbeliefError
+
+__all__ = ["ApiError", "Client"]
+
+FINAL = ("succeeded", "failed", "cancelled")
+
+
+class ApiError(DistbeliefError):
+    """The server refused a request; ``detail`` is its message, ``status_code`` the HTTP status.
+
+    Examples
+    --------
+    >>> err = ApiError(422, "option 'history': Input should be greater than or equal to 1, got 0")
+    >>> err.status_code, str(err)
+    (422, "HTTP 422: option 'history': Input should be greater than or equal to 1, got 0")
+    """
+
+    def __init__(self, status_code: int, detail: str) -> None:
+        super().__init__(f"HTTP {status_code}: {detail}")
+        self.status_code = status_code
+        self.detail = detail
+
+
+class Client:
+    """Talks to a distbelief service.
+
+    Parameters
+    ----------
+    base_url : str
+        Where the service listens, e.g. ``"http://127.0.0.1:8000"``.
+    token : str, optional
+        The bearer token (``DISTBELIEF_API_TOKEN`` of the server).
+    timeout : float
+        Seconds to wait for one HTTP response.
+    transport : httpx.BaseTransport, optional
+        A custom transport (tests).
+
+    Examples
+    --------
+    >>> c = Client("http://127.0.0.1:8000", token="...")   # doctest: +SKIP
+    >>> [j["status"] for j in c.jobs()]                     # doctest: +SKIP
+    ['succeeded']
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 60.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
+        )
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing -----------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        response = self._http.request(method, path, **kwargs)
+        if response.status_code >= 400:
+            raise ApiError(response.status_code, _detail(response))
+        return response
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self._request(method, path, **kwargs).json()
+
+    # -- datasets -----------------------------------------------------------------------------------
+    def upload_dataset(
+        self, name: str, X: npt.ArrayLike, y: npt.ArrayLike, *, overwrite: bool = False
+    ) -> dict[str, Any]:
+        """Upload ``X`` and ``y`` as the dataset ``name`` (sent as an ``.npz`` file).
+
+        Examples
+        --------
+        >>> c.upload_dataset("tiny", [[0.0, 1.0], [1.0, 0.0]], [0, 1])["n_rows"]   # doctest: +SKIP
+        2
+        """
+        buf = io.BytesIO()
+        np.savez(buf, X=np.asarray(X, dtype=np.float64), y=np.asarray(y, dtype=np.float64))
+        return self.upload_file(name, buf.getvalue(), filename=f"{name}.npz", overwrite=overwrite)
+
+    def upload_file(
+        self,
+        name: str,
+        content: bytes,
+        *,
+        filename: str,
+        label_column: str | int | None = None,
+        overwrite: bool = False,
+    ) -> dict[str, Any]:
+        """Upload an ``.npz`` (arrays ``X``, ``y``) or CSV file's bytes as the dataset ``name``.
+
+        Examples
+        --------
+        >>> csv = b"a,b,y\\n1,2,0\\n3,4,1\\n"
+        >>> c.upload_file("t", csv, filename="t.csv", label_column="y")["n_rows"]  # doctest: +SKIP
+        2
+        """
+        data = {"name": name, "overwrite": "true" if overwrite else "false"}
+        if label_column is not None:
+            data["label_column"] = str(label_column)
+        result: dict[str, Any] = self._json(
+            "POST", "/api/datasets", data=data, files={"file": (filename, content)}
+        )
+        return result
+
+    def register_dataset(self, name: str, url: str) -> dict[str, Any]:
+        """Register an existing dataset (in the server's store, or a remote object store) as ``name``."""
+        result: dict[str, Any] = self._json("POST", "/api/datasets", json={"name": name, "url": url})
+        return result
+
+    def datasets(self) -> list[dict[str, Any]]:
+        """Every dataset the server has."""
+        return list(self._json("GET", "/api/datasets")["data"])
+
+    def dataset(self, name: str) -> dict[str, Any]:
+        """One dataset."""
+        result: dict[str, Any] = self._json("GET", f"/api/datasets/{name}")
+        return result
+
+    def delete_dataset(self, name: str) -> None:
+        """Delete an uploaded dataset (or forget a registered one)."""
+        self._request("DELETE", f"/api/datasets/{name}")
+
+    # -- jobs ---------------------------------------------------------------------------------------
+    def submit(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """Submit a job: ``{"algorithm", "dataset", "model", "options", ...}`` as for ``POST /api/jobs``.
+
+        Examples
+        --------
+        >>> c.submit({"algorithm": "sandblaster-gd", "dataset": "tiny",
+        ...           "model": {"kind": "logistic", "n_features": 2}})["status"]   # doctest: +SKIP
+        'queued'
+        """
+        result: dict[str, Any] = self._json("POST", "/api/jobs", json=dict(spec))
+        return result
+
+    def jobs(self, *, status: str | None = None, limit: int = 1000, offset: int = 0) -> list[dict[str, Any]]:
+        """Jobs, newest first (optionally only those with ``status``)."""
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        if status is not None:
+            params["status"] = status
+        return list(self._json("GET", "/api/jobs", params=params)["data"])
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        """One job's record."""
+        result: dict[str, Any] = self._json("GET", f"/api/jobs/{job_id}")
+        return result
+
+    def wait(
+        self, job_id: str, timeout: float | None = None, *, progress: bool = True, poll: float = 0.25
+    ) -> dict[str, Any]:
+        """Wait until the job has finished and return its record, with a progress bar on stderr.
+
+        Raises
+        ------
+        TimeoutError
+            The job has not finished within ``timeout`` seconds (it goes on running).
+        """
+        from tqdm.auto import tqdm
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        record = self.job(job_id)
+        label = f"{record['algorithm']} {job_id[:8]}"
+        with tqdm(
+            total=record.get("max_iterations"), desc=label, unit="it", disable=not progress, leave=True
+        ) as bar:
+            while True:
+                done = int(record.get("iterations") or 0)
+                if done != bar.n:
+                    bar.update(done - bar.n)
+                latest = record.get("latest") or {}
+                value = next(
+                    (latest[k] for k in ("objective", "train_loss", "loss") if latest.get(k) is not None),
+                    None,
+                )
+                bar.set_postfix_str(
+                    f"{record['status']}" + (f", loss {value:.6g}" if value is not None else ""),
+                    refresh=False,
+                )
+                if record["status"] in FINAL:
+                    bar.refresh()
+                    return record
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"job {job_id} is still {record['status']} after {timeout} s")
+                time.sleep(poll)
+                record = self.job(job_id)
+
+    def metrics(self, job_id: str) -> xr.Dataset:
+        """The job's metrics as an ``xarray.Dataset`` (one variable per metric, indexed by iteration/step).
+
+        Examples
+        --------
+        >>> c.metrics(job_id).objective.values[-1]   # doctest: +SKIP
+        0.2639
+        """
+        body = self._json("GET", f"/api/jobs/{job_id}/metrics")
+        columns: dict[str, list[float | None]] = body["columns"]
+        names = list(columns)
+        # null (a missing value) becomes NaN
+        values = np.array([[np.nan if v is None else v for v in columns[c]] for c in names], dtype=np.float64)
+        return metrics_to_dataset(body["dim"], names, values.T)
+
+    def params(self, job_id: str) -> np.ndarray:
+        """The parameters the job ended with."""
+        data = self._request("GET", f"/api/jobs/{job_id}/params").content
+        return np.asarray(np.load(io.BytesIO(data), allow_pickle=False))
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """Cancel a queued or running job."""
+        result: dict[str, Any] = self._json("POST", f"/api/jobs/{job_id}/cancel")
+        return result
+
+    def delete(self, job_id: str) -> None:
+        """Delete a finished job and what it stored."""
+        self._request("DELETE", f"/api/jobs/{job_id}")
+
+    def events(self, job_id: str) -> Iterator[tuple[str, Any]]:
+        """Follow the job's server-sent events: ``(event, data)`` pairs until it has finished."""
+        import json
+
+        with self._http.stream("GET", f"/api/jobs/{job_id}/events", timeout=None) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise ApiError(response.status_code, _detail(response))
+            event, data = "message", []
+            for line in response.iter_lines():
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:"):
+                    data.append(line[5:].strip())
+                elif not line and data:
+                    yield event, json.loads("\n".join(data))
+                    event, data = "message", []
+
+    # -- service ------------------------------------------------------------------------------------
+    def models(self) -> list[dict[str, Any]]:
+        """The built-in model kinds and their spec schemas."""
+        return list(self._json("GET", "/api/models")["data"])
+
+    def cluster(self) -> dict[str, Any]:
+        """Scheduler, workers, shards and replicas."""
+        result: dict[str, Any] = self._json("GET", "/api/cluster")
+        return result
+
+    def health(self) -> dict[str, Any]:
+        """``{"status": "ok", "version": ...}``."""
+        result: dict[str, Any] = self._json("GET", "/api/health")
+        return result
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip() or response.reason_phrase
+    if isinstance(body, dict) and "detail" in body:
+        detail = body["detail"]
+        return detail if isinstance(detail, str) else str(detail)
+    return str(body)

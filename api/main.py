@@ -1,0 +1,198 @@
+"""The FastAPI application: ``create_app(settings)`` wires routers, runner, cluster and dashboard.
+
+The Dask cluster is an embedded ``LocalCluster`` unless ``settings.scheduler`` names one, or a client is
+passed in (tests share one cluster that way). It starts with the app and is closed with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+import dask
+from distributed import Client, LocalCluster
+from fastapi import APIRouter, Depends, FastAPI, HTTPException
+from fastapi.responses import FileResponse, RedirectResponse
+
+from api._http import BodyLimitMiddleware, install_error_handlers
+from api._jobstore import JobStore
+from api.deps import require_token
+from api.routes import cluster, datasets, health, jobs
+from api.routes import models as models_route
+from api.runner import JobRunner
+from api.settings import Settings, check_exposure, version
+
+__all__ = ["Backend", "create_app"]
+
+log = logging.getLogger("api")
+
+DASHBOARD = Path(__file__).parent / "dashboard"
+_DASHBOARD_FILES = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html"}
+# The dashboard loads nothing from anywhere else (no CDN): say so to the browser.
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+
+
+@dataclass
+class Backend:
+    """The Dask client, the store and the runner of a running app."""
+
+    client: Client
+    store: JobStore
+    runner: JobRunner
+    embedded: bool
+    dashboard_url: str | None
+    _close: list[Callable[[], Any]] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, settings: Settings, client: Client | None = None) -> Backend:
+        """Connect (or start) the cluster, open the store, and take up the stored jobs."""
+        closers: list[Callable[[], Any]] = []
+        try:
+            embedded = client is None and settings.scheduler is None
+            if client is None:
+                # Dask keeps a log of recent messages on every batched stream (the client's, and the embedded
+                # scheduler's, which lives in this process); the actor handles sent in them would keep every
+                # job's shards alive on the workers. Keep no such log.
+                with dask.config.set({"distributed.admin.low-level-log-length": 0}):
+                    client = _connect(settings, closers)
+                closers.append(client.close)
+            store = JobStore(settings.store)
+            runner = JobRunner(settings, store, client)
+            runner.start()
+        except BaseException:
+            for close in reversed(closers):
+                with contextlib.suppress(Exception):
+                    close()
+            raise
+        # Without bokeh an embedded scheduler's dashboard page only says to install bokeh: link nothing.
+        has_dashboard = not embedded or importlib.util.find_spec("bokeh") is not None
+        dashboard = _dashboard_url(settings, client) if has_dashboard else settings.dask_dashboard_url
+        return cls(client, store, runner, embedded, dashboard, closers)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the runner (running jobs stay resumable), then the client and an embedded cluster."""
+        try:
+            self.runner.stop(timeout)
+        finally:
+            for close in reversed(self._close):
+                with contextlib.suppress(Exception):
+                    close()
+
+
+def _connect(settings: Settings, closers: list[Callable[[], Any]]) -> Client:
+    if settings.scheduler is not None:
+        return Client(settings.scheduler, direct_to_workers=True, timeout="30s")
+    cluster = LocalCluster(
+        n_workers=settings.n_workers,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=":0",  # a free port: never take 8787 from another cluster on the machine
+    )
+    closers.append(cluster.close)
+    return Client(cluster, direct_to_workers=True)
+
+
+def _dashboard_url(settings: Settings, client: Client) -> str | None:
+    if settings.dask_dashboard_url:
+        return settings.dask_dashboard_url
+    try:
+        info = client.scheduler_info()
+    except Exception:
+        return None
+    port = (info.get("services") or {}).get("dashboard")
+    if not port:
+        return None
+    host = str(info.get("address", "")).split("://")[-1].rsplit(":", 1)[0] or "127.0.0.1"
+    return f"http://{host}:{port}/status"
+
+
+def create_app(settings: Settings | None = None, *, client: Client | None = None) -> FastAPI:
+    """Build the service.
+
+    Parameters
+    ----------
+    settings : Settings, optional
+        Default: read from the ``DISTBELIEF_*`` environment.
+    client : distributed.Client, optional
+        Run jobs on this client instead of connecting to ``settings.scheduler`` or starting an embedded
+        cluster (the caller keeps ownership of it).
+
+    Raises
+    ------
+    errors.InvalidOptionError
+        ``settings.host`` is not a loopback address and no ``api_token`` is set.
+
+    Examples
+    --------
+    >>> import uvicorn
+    >>> app = create_app(Settings(store="/tmp/distbelief"))
+    >>> uvicorn.run(app, host="127.0.0.1", port=8000)   # doctest: +SKIP
+    """
+    settings = settings if settings is not None else Settings()
+    check_exposure(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Starting a LocalCluster blocks for seconds: keep it off the event loop.
+        backend = await anyio.to_thread.run_sync(Backend.start, settings, client)
+        app.state.backend = backend
+        app.state.runner = backend.runner
+        try:
+            yield
+        finally:
+            app.state.runner = None
+            await anyio.to_thread.run_sync(backend.close)
+
+    app = FastAPI(
+        title="distbelief",
+        version=version(),
+        summary="Sandblaster L-BFGS and Downpour SGD on Dask, as a service",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.runner = None
+    app.add_middleware(
+        BodyLimitMiddleware, limit=settings.max_body_bytes, upload_limit=settings.max_upload_bytes
+    )
+    install_error_handlers(app)
+
+    guarded = APIRouter(dependencies=[Depends(require_token)])
+    for module in (jobs, datasets, models_route, cluster):
+        guarded.include_router(module.router)
+    app.include_router(guarded, prefix="/api")
+    app.include_router(health.router, prefix="/api")
+    _add_dashboard(app)
+    return app
+
+
+def _add_dashboard(app: FastAPI) -> None:
+    headers = {
+        "Content-Security-Policy": _CSP,
+        "X-Content-Type-Options": "nosniff",
+        "Cache-Control": "no-cache",
+    }
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        return FileResponse(DASHBOARD / "index.html", media_type="text/html", headers=headers)
+
+    @app.get("/dashboard/{name}", include_in_schema=False)
+    def dashboard_file(name: str) -> FileResponse:
+        # Only the files listed: a name is never used as a path.
+        if name not in _DASHBOARD_FILES:
+            raise HTTPException(404, f"no dashboard file {name!r}")
+        return FileResponse(DASHBOARD / name, media_type=_DASHBOARD_FILES[name], headers=headers)
+
+    @app.get("/dashboard", include_in_schema=False)
+    def dashboard_redirect() -> RedirectResponse:
+        return RedirectResponse("/")

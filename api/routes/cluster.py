@@ -1,0 +1,46 @@
+"""``GET /api/cluster``: the scheduler, its workers, and the shards and replicas that jobs placed on them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from api.deps import RunnerDep, SettingsDep
+from api.schemas import ActorPublic, ClusterPublic, WorkerPublic
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/cluster", tags=["cluster"])
+
+
+@router.get("", response_model=ClusterPublic)
+def cluster_state(request: Request, runner: RunnerDep, settings: SettingsDep) -> ClusterPublic:
+    """Workers (threads, memory, actors held) and every parameter-server shard and model replica."""
+    backend = request.app.state.backend
+    info: dict[str, Any] = runner.client.scheduler_info(n_workers=-1)
+    actors = [ActorPublic(**a) for a in runner.actors()]
+    per_worker: dict[str, int] = {}
+    for a in actors:
+        if a.worker:
+            per_worker[a.worker] = per_worker.get(a.worker, 0) + 1
+    workers = [
+        WorkerPublic(
+            address=address,
+            name=str(w.get("name", address)),
+            nthreads=int(w.get("nthreads", 0)),
+            memory_limit=w.get("memory_limit"),
+            actors=per_worker.get(address, 0),
+        )
+        for address, w in sorted(info.get("workers", {}).items())
+    ]
+    return ClusterPublic(
+        scheduler=str(info.get("address", "")),
+        embedded=backend.embedded,
+        dashboard_url=backend.dashboard_url,
+        workers=workers,
+        actors=sorted(actors, key=lambda a: (a.job_id or "", a.kind, a.key)),
+        running_jobs=runner.running_ids(),
+        queued_jobs=runner.counts().get("queued", 0),
+        max_concurrent_jobs=settings.max_concurrent_jobs,
+    )

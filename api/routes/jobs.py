@@ -1,0 +1,152 @@
+"""``/api/jobs``: submit, list, inspect, follow (server-sent events), cancel and delete jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+import math
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query, Request, Response, status
+from fastapi.responses import StreamingResponse
+
+from api._jobstore import json_safe
+from api.deps import RunnerDep
+from api.schemas import FINAL_STATUSES, JobCreate, JobPublic, JobsPublic, JobStatus, MetricsPublic
+
+__all__ = ["HEARTBEAT_SECONDS", "router"]
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+#: An idle event stream sends a comment this often, so proxies and clients see it is alive.
+HEARTBEAT_SECONDS = 15.0
+
+
+@router.post("", response_model=JobPublic, status_code=status.HTTP_201_CREATED)
+def create_job(body: JobCreate, runner: RunnerDep) -> dict[str, Any]:
+    """Queue a job: an algorithm, a built-in model by spec, a dataset (and a held-out one), options.
+
+    Bad input (an unknown model kind, a model that does not fit the dataset, an option out of range) gets a
+    4xx whose ``detail`` says what to fix; nothing is stored then.
+    """
+    return runner.submit(body)
+
+
+@router.get("", response_model=JobsPublic)
+async def list_jobs(
+    runner: RunnerDep,
+    status: JobStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> dict[str, Any]:
+    """Jobs, newest first, optionally only those with one status; ``limit`` / ``offset`` page them."""
+    data, count = runner.list_jobs(status=status, limit=limit, offset=offset)
+    return {"data": data, "count": count}
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+async def get_job(job_id: str, runner: RunnerDep) -> dict[str, Any]:
+    """One job: status, progress, latest metrics, and the result once it has finished."""
+    return runner.get(job_id)
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsPublic, responses={200: {"content": {"text/csv": {}}}})
+def get_metrics(job_id: str, runner: RunnerDep, format: Literal["json", "csv"] = "json") -> Any:
+    """One row per iteration (Sandblaster) or step (Downpour); ``?format=csv`` for a CSV file."""
+    dim, columns, rows = runner.metrics(job_id)
+    if format == "csv":
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(columns)
+        for row in rows:
+            writer.writerow(
+                ["" if not math.isfinite(v) else (int(v) if j == 0 else repr(v)) for j, v in enumerate(row)]
+            )
+        return Response(
+            buf.getvalue(),
+            media_type="text/csv",
+            headers={"Content-Disposition": f'attachment; filename="{job_id}-metrics.csv"'},
+        )
+    data = {c: [row[j] for row in rows] for j, c in enumerate(columns)}
+    return {"job_id": job_id, "dim": dim, "columns": json_safe(data)}
+
+
+def _event(name: str, data: Any) -> str:
+    return f"event: {name}\ndata: {json.dumps(json_safe(data), separators=(',', ':'))}\n\n"
+
+
+@router.get("/{job_id}/events", responses={200: {"content": {"text/event-stream": {}}}})
+async def job_events(job_id: str, request: Request, runner: RunnerDep) -> StreamingResponse:
+    """Server-sent events: ``status`` (the job, on every change of status), ``metrics`` (new rows; ``reset``
+    means they replace all earlier ones), and ``end`` once the job has finished."""
+    runner.get(job_id)  # 404 now, not inside the stream
+    sub = runner.subscribe(job_id)
+
+    async def stream() -> AsyncIterator[str]:
+        try:
+            cursor, generation, last_status = 0, -1, None
+            while True:
+                sub.event.clear()
+                snap = runner.snapshot(job_id, cursor, generation)
+                record = snap.record
+                if snap.generation != generation or snap.rows:
+                    yield _event(
+                        "metrics",
+                        {
+                            "dim": snap.dim,
+                            "columns": snap.columns,
+                            "rows": snap.rows,
+                            "reset": snap.generation != generation,
+                        },
+                    )
+                    cursor, generation = snap.total, snap.generation
+                if record["status"] != last_status:
+                    last_status = record["status"]
+                    yield _event("status", record)
+                if record["status"] in FINAL_STATUSES:
+                    yield _event("end", {"id": job_id, "status": record["status"]})
+                    return
+                try:
+                    await asyncio.wait_for(sub.event.wait(), timeout=HEARTBEAT_SECONDS)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    yield ": keep-alive\n\n"
+        finally:
+            runner.unsubscribe(sub)
+
+    return StreamingResponse(
+        stream(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic)
+def cancel_job(job_id: str, runner: RunnerDep) -> dict[str, Any]:
+    """Cancel a queued job now, or stop a running one after its current iteration (409 if finished)."""
+    return runner.cancel(job_id)
+
+
+@router.get(
+    "/{job_id}/params",
+    response_class=Response,
+    responses={200: {"content": {"application/octet-stream": {}}, "description": "a .npy file"}},
+)
+def get_params(job_id: str, runner: RunnerDep) -> Response:
+    """The parameters the job ended with, as a ``.npy`` file (``numpy.load`` reads it)."""
+    return Response(
+        runner.params(job_id),
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="{job_id}-params.npy"'},
+    )
+
+
+@router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_job(job_id: str, runner: RunnerDep) -> Response:
+    """Forget a finished job and what it stored (409 while it is queued or running: cancel it first)."""
+    runner.delete(job_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

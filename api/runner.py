@@ -1,0 +1,828 @@
+"""The job runner: a queue with a concurrency limit, jobs in a thread pool driving Sandblaster or Downpour.
+
+A job's record, metrics and result live in the store (:mod:`api._jobstore`), so the service can be stopped
+at any time: on the next start, finished jobs are all there, queued jobs are queued again, and a job that was
+running resumes from its last checkpoint (Sandblaster's ``checkpoint_every`` / ``resume``), starts over if it
+had none, or is marked failed with the reason when its algorithm cannot resume (Downpour).
+
+Live state (the metrics rows of running jobs, subscribers to their events) is kept in memory; every change
+wakes the server-sent-event streams through :meth:`JobRunner.subscribe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as _dt
+import gc
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask
+import numpy as np
+import xarray as xr
+from distributed import Client
+
+import models
+from api._jobstore import JobStore, json_safe
+from api.schemas import FINAL_STATUSES, JobCreate
+from api.settings import Settings
+from errors import DatasetError, DistbeliefError, InvalidOptionError, StoreError
+from storage import Dataset, resolve_name
+
+__all__ = [
+    "ANNOTATION",
+    "JobNotFoundError",
+    "JobRunner",
+    "JobStateError",
+    "QueueFullError",
+    "RunContext",
+    "RunOutcome",
+    "Subscription",
+    "UnknownDatasetError",
+    "run_downpour",
+    "run_sandblaster",
+]
+
+#: Dask annotation that tags every actor a job creates with the job's id (for ``GET /api/cluster``).
+ANNOTATION = "distbelief_job"
+#: Seconds between garbage collections while jobs keep finishing (see JobRunner._collect_garbage).
+_GC_EVERY = 2.0
+#: Held-out / training evaluation at the end of a job reads at most this many values of X.
+_EVAL_MAX_VALUES = 100_000_000
+
+
+class JobNotFoundError(DistbeliefError):
+    """No job with that id."""
+
+
+class JobStateError(DistbeliefError):
+    """The job is not in a state that allows the request (e.g. deleting a running job)."""
+
+
+class QueueFullError(DistbeliefError):
+    """The queue holds ``max_queued_jobs`` jobs already."""
+
+
+class UnknownDatasetError(DatasetError):
+    """No dataset of that name (a 422 where a job names it, a 404 at ``GET /api/datasets/{name}``)."""
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
+
+
+# ----------------------------------------------------------------------------------------- adapters
+
+
+@dataclass
+class RunContext:
+    """What an algorithm adapter gets to run one job."""
+
+    job_id: str
+    algorithm: str
+    model: Any
+    data: Dataset
+    eval_data: Dataset | None
+    options: dict[str, Any]
+    client: Client
+    store: str
+    callback: Callable[[Any], None]
+    resume: bool
+
+
+@dataclass
+class RunOutcome:
+    """What an algorithm adapter returns: the parameters, the full history and a JSON-able summary."""
+
+    x: np.ndarray
+    history: xr.Dataset | None
+    summary: dict[str, Any]
+
+
+def run_sandblaster(ctx: RunContext) -> RunOutcome:
+    """Run a ``sandblaster-*`` job with :func:`sandblaster.minimize`."""
+    import sandblaster
+
+    res = sandblaster.minimize(
+        ctx.model,
+        ctx.data,
+        method=ctx.algorithm.removeprefix("sandblaster-"),  # type: ignore[arg-type]
+        client=ctx.client,
+        store=ctx.store,
+        callback=ctx.callback,
+        resume=ctx.resume,
+        **ctx.options,
+    )
+    summary = {
+        "fun": res.fun,
+        "grad_norm": res.grad_norm,
+        "nit": res.nit,
+        "nfev": res.nfev,
+        "success": res.success,
+        "status": res.status,
+        "message": res.message,
+        "stats": res.stats,
+    }
+    return RunOutcome(x=res.x, history=res.history, summary=summary)
+
+
+def run_downpour(ctx: RunContext) -> RunOutcome:
+    """Run a ``downpour-sgd`` job with :func:`downpour.train` (the one place that knows its signature)."""
+    try:
+        import downpour
+    except ImportError as exc:  # pragma: no cover - the package is part of the distribution
+        raise InvalidOptionError(f"Downpour is not installed ({exc}); use a sandblaster-* algorithm") from exc
+    train = getattr(downpour, "train", None)
+    if train is None:
+        raise InvalidOptionError(
+            "Downpour is not available in this installation (downpour.train is missing); "
+            "use a sandblaster-* algorithm"
+        )
+    res = train(
+        ctx.model,
+        ctx.data,
+        eval_data=ctx.eval_data,
+        client=ctx.client,
+        store=ctx.store,
+        callback=ctx.callback,
+        **ctx.options,
+    )
+    summary = {
+        "stop_reason": res.stop_reason,
+        "success": res.success,
+        "message": res.message,
+        "steps": res.steps,
+        "wall_time": res.wall_time,
+        "stats": res.stats,
+    }
+    return RunOutcome(x=np.asarray(res.x, dtype=np.float64), history=res.history, summary=summary)
+
+
+_ADAPTERS: dict[str, Callable[[RunContext], RunOutcome]] = {
+    "sandblaster-lbfgs": run_sandblaster,
+    "sandblaster-cg": run_sandblaster,
+    "sandblaster-gd": run_sandblaster,
+    "downpour-sgd": run_downpour,
+}
+
+
+def _row_of(record: Any) -> dict[str, float]:
+    """The numeric scalar fields of a callback's record (a dataclass, a mapping or an object)."""
+    if dataclasses.is_dataclass(record) and not isinstance(record, type):
+        items = dataclasses.asdict(record)
+    elif isinstance(record, Mapping):
+        items = dict(record)
+    elif hasattr(record, "_asdict"):
+        items = record._asdict()
+    else:
+        items = dict(vars(record))
+    out = {}
+    for key, value in items.items():
+        if isinstance(value, bool | int | float | np.integer | np.floating):
+            out[str(key)] = float(value)
+    return out
+
+
+def _history_rows(history: xr.Dataset, index: str) -> tuple[str, list[str], list[list[float]]] | None:
+    """An algorithm's history as ``(index, columns, rows)``: one row per entry, indexed by the integer
+    variable or coordinate ``index`` (Sandblaster's ``iteration``, Downpour's ``step``).
+
+    Only variables along the history's main dimension are kept (Downpour's per-shard counters are not).
+    """
+    if index not in history.variables or history[index].ndim != 1:
+        return None
+    dim = history[index].dims[0]
+    names = [
+        str(k)
+        for k, v in history.variables.items()
+        if k != index and v.dims == (dim,) and (np.issubdtype(v.dtype, np.number) or v.dtype == bool)
+    ]
+    n = history.sizes[dim]
+    values = [np.asarray(history[k].values, dtype=np.float64) for k in (index, *names)]
+    return index, [index, *names], np.column_stack(values).tolist() if n else []
+
+
+# ----------------------------------------------------------------------------------------- the runner
+
+
+@dataclass(eq=False)
+class Subscription:
+    """A waiter on a job's changes, woken from the job's thread on the subscriber's event loop."""
+
+    job_id: str
+    loop: asyncio.AbstractEventLoop
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(eq=False)
+class _Job:
+    record: dict[str, Any]
+    dim: str = "iteration"
+    columns: list[str] = field(default_factory=list)
+    rows: list[list[float]] | None = None  # None: not in memory (read the store)
+    generation: int = 0  # bumped whenever rows are replaced rather than appended to
+    resume: bool = False
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    io_lock: threading.Lock = field(default_factory=threading.Lock)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    last_flush: float = 0.0
+    dirty_metrics: bool = False
+    stopped: bool = False  # the callback stopped the run (cancel or shutdown)
+
+    @classmethod
+    def of(cls, record: dict[str, Any], **kwargs: Any) -> _Job:
+        # Metrics rows are indexed by Sandblaster's iterations or Downpour's steps.
+        return cls(
+            record=record, dim="step" if record["algorithm"] == "downpour-sgd" else "iteration", **kwargs
+        )
+
+
+@dataclass
+class Snapshot:
+    """A consistent view of a job for one server-sent-events step."""
+
+    record: dict[str, Any]
+    dim: str
+    columns: list[str]
+    rows: list[list[float]]
+    total: int
+    generation: int
+
+
+class JobRunner:
+    """Runs jobs on a Dask client, at most ``settings.max_concurrent_jobs`` at a time.
+
+    Parameters
+    ----------
+    settings : Settings
+        Limits (``max_concurrent_jobs``, ``max_queued_jobs``, ``checkpoint_every``, ...).
+    store : JobStore
+        Where records, metrics and results are kept.
+    client : distributed.Client
+        The cluster the jobs run on.
+
+    Examples
+    --------
+    >>> runner = JobRunner(settings, JobStore(settings.store), client)   # doctest: +SKIP
+    >>> runner.start()                                                   # doctest: +SKIP
+    >>> job = runner.submit(JobCreate.model_validate(body))              # doctest: +SKIP
+    >>> runner.stop()                                                    # doctest: +SKIP
+    """
+
+    def __init__(self, settings: Settings, store: JobStore, client: Client) -> None:
+        self.settings = settings
+        self.store = store
+        self.client = client
+        self._jobs: dict[str, _Job] = {}
+        self._jobs_lock = threading.Lock()
+        self._subs: dict[str, set[Subscription]] = {}
+        self._subs_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=settings.max_concurrent_jobs, thread_name_prefix="job")
+        self._running: set[str] = set()
+        self._last_gc = 0.0
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load every job from the store; queue again what was queued, resume what was running."""
+        records = sorted(self.store.load_records(), key=lambda r: str(r.get("created_at", "")))
+        for record in records:
+            job = _Job.of(record)
+            if record.get("status") == "running":
+                try:
+                    self._recover(job)
+                except Exception as exc:  # one job that cannot be taken up must not keep the service down
+                    record.update(
+                        status="failed",
+                        finished_at=_now(),
+                        message=f"the server restarted and could not take this job up again: {exc}",
+                    )
+                    with contextlib.suppress(Exception):
+                        self.store.save_record(record)
+            with self._jobs_lock:
+                self._jobs[record["id"]] = job
+            if job.record["status"] == "queued":
+                self._pool.submit(self._execute, record["id"])
+
+    def _recover(self, job: _Job) -> None:
+        """A job the previous server left running: resume it, start it again, or fail it with the reason."""
+        rec = job.record
+        rec["restarts"] = int(rec.get("restarts") or 0) + 1
+        if rec["algorithm"] == "downpour-sgd":
+            rec.update(
+                status="failed",
+                finished_at=_now(),
+                message="the server stopped while this Downpour job was running, and Downpour runs cannot "
+                "resume from a checkpoint; submit the job again",
+            )
+        elif rec.get("checkpoint_iteration"):
+            k = int(rec["checkpoint_iteration"])
+            job.resume = True
+            rec.update(
+                status="queued",
+                resumed_from=k,
+                message=f"the server restarted; resuming from the checkpoint of iteration {k}",
+            )
+            with contextlib.suppress(StoreError):  # unreadable metrics: the resumed run writes new ones
+                stored = self.store.load_metrics(rec["id"])
+                if stored is not None:
+                    job.dim, job.columns, rows = stored
+                    job.rows = [r for r in rows if r[0] <= k]
+        else:
+            rec.update(
+                status="queued",
+                iterations=0,
+                latest={},
+                message="the server restarted before the job's first checkpoint; "
+                "running it again from the start",
+            )
+        self.store.save_record(rec)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop taking jobs; ask running jobs to stop at their next iteration and save what they have.
+
+        Jobs stay ``running`` (or ``queued``) in the store, so the next :meth:`start` takes them up again.
+        """
+        self._stopping.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + timeout
+        while self._running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for job in list(self._jobs.values()):
+            if job.dirty_metrics:
+                self._flush(job, force=True)
+
+    # -- queries ------------------------------------------------------------------------------------
+    def _job(self, job_id: str) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise JobNotFoundError(f"no job with id {job_id!r}; list the jobs with GET /api/jobs")
+        return job
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        """A copy of the job's record."""
+        job = self._job(job_id)
+        with job.lock:
+            return dict(job.record)
+
+    def list_jobs(
+        self, *, status: str | None = None, limit: int = 50, offset: int = 0
+    ) -> tuple[list[dict[str, Any]], int]:
+        """Jobs (newest first) with the given status, one page of them, and how many match."""
+        with self._jobs_lock:
+            jobs = list(self._jobs.values())
+        records = []
+        for job in jobs:
+            with job.lock:
+                if status is None or job.record["status"] == status:
+                    records.append(dict(job.record))
+        records.sort(key=lambda r: (str(r["created_at"]), r["id"]), reverse=True)
+        return records[offset : offset + limit], len(records)
+
+    def counts(self) -> dict[str, int]:
+        """How many jobs are in each status."""
+        out: dict[str, int] = {}
+        for job in list(self._jobs.values()):
+            status = job.record["status"]
+            out[status] = out.get(status, 0) + 1
+        return out
+
+    def running_ids(self) -> list[str]:
+        """Ids of the jobs running now."""
+        with self._jobs_lock:
+            return sorted(self._running)
+
+    def metrics(self, job_id: str) -> tuple[str, list[str], list[list[float]]]:
+        """``(dim, columns, rows)`` of a job's metrics: from memory while it runs, else from the store."""
+        job = self._job(job_id)
+        with job.lock:
+            if job.rows is not None:
+                return job.dim, list(job.columns), [list(r) for r in job.rows]
+        stored = self.store.load_metrics(job_id)
+        if stored is None:
+            return job.dim, [job.dim], []
+        return stored
+
+    def params(self, job_id: str) -> bytes:
+        """The ``.npy`` bytes of the parameters a finished job ended with."""
+        record = self.get(job_id)
+        if record["status"] not in ("succeeded", "cancelled"):
+            raise JobStateError(
+                f"job {job_id} is {record['status']}: parameters are available once it has succeeded "
+                "(or was cancelled after its first iteration)"
+            )
+        data = self.store.load_params_bytes(job_id)
+        if data is None:
+            raise JobStateError(f"job {job_id} is {record['status']} but saved no parameters")
+        return data
+
+    def snapshot(self, job_id: str, cursor: int, generation: int) -> Snapshot:
+        """The record and the metrics rows after ``cursor`` (all rows if ``generation`` is stale)."""
+        job = self._job(job_id)
+        with job.lock:
+            record = dict(job.record)
+            if job.rows is not None:
+                start = cursor if generation == job.generation else 0
+                return Snapshot(
+                    record, job.dim, list(job.columns), job.rows[start:], len(job.rows), job.generation
+                )
+            gen = job.generation
+        dim, columns, rows = self.metrics(job_id)
+        start = cursor if generation == gen else 0
+        return Snapshot(record, dim, columns, rows[start:], len(rows), gen)
+
+    # -- events -------------------------------------------------------------------------------------
+    def subscribe(self, job_id: str) -> Subscription:
+        """Register the calling event loop to be woken on every change of the job."""
+        self._job(job_id)
+        sub = Subscription(job_id, asyncio.get_running_loop())
+        with self._subs_lock:
+            self._subs.setdefault(job_id, set()).add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        """Forget a subscription."""
+        with self._subs_lock:
+            subs = self._subs.get(sub.job_id)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subs[sub.job_id]
+
+    def _notify(self, job_id: str) -> None:
+        with self._subs_lock:
+            subs = list(self._subs.get(job_id, ()))
+        for sub in subs:
+            with contextlib.suppress(RuntimeError):  # the subscriber's loop has closed
+                sub.loop.call_soon_threadsafe(sub.event.set)
+
+    # -- datasets -----------------------------------------------------------------------------------
+    def open_dataset(self, name: str) -> Dataset:
+        """The dataset called ``name`` (uploaded into the store, or registered by URL)."""
+        link = self.store.links().get(name)
+        if link is not None:
+            return Dataset.open(link)
+        path = resolve_name(self.store.datasets_root, name)
+        if not Dataset.exists(path):
+            known = self.dataset_names()
+            hint = f"known datasets: {', '.join(known)}" if known else "there are none yet"
+            raise UnknownDatasetError(
+                f"no dataset named {name!r}; upload it first (POST /api/datasets) — {hint}"
+            )
+        return Dataset.open(path)
+
+    def dataset_names(self) -> list[str]:
+        """Names of every dataset (uploaded and registered)."""
+        from storage._dataset import list_datasets
+
+        return sorted(set(list_datasets(self.store.datasets_root)) | set(self.store.links()))
+
+    def jobs_using(self, name: str) -> list[str]:
+        """Ids of queued or running jobs that read the dataset ``name``."""
+        out = []
+        for job in list(self._jobs.values()):
+            rec = job.record
+            if rec["status"] in ("queued", "running") and name in (rec["dataset"], rec.get("eval_dataset")):
+                out.append(rec["id"])
+        return out
+
+    # -- commands -----------------------------------------------------------------------------------
+    def submit(self, create: JobCreate) -> dict[str, Any]:
+        """Check a job against its data and the algorithm's options, store it, and queue it.
+
+        Raises
+        ------
+        errors.DatasetError
+            A dataset is missing, or does not fit the model (feature count, labels).
+        errors.InvalidOptionError
+            The algorithm refuses an option.
+        QueueFullError
+            ``max_queued_jobs`` jobs are waiting already.
+        """
+        if self._stopping.is_set():
+            raise QueueFullError("the server is shutting down; submit the job again once it is back")
+        model = models.from_spec(create.model)
+        data = self.open_dataset(create.dataset)
+        data.check_model(model)
+        if create.eval_dataset is not None:
+            self.open_dataset(create.eval_dataset).check_model(model)
+        options = dict(create.options)
+        if create.algorithm.startswith("sandblaster-"):
+            options.setdefault("checkpoint_every", self.settings.checkpoint_every)
+            import sandblaster
+
+            # The algorithm's own checks, now rather than when the job starts.
+            sandblaster.SandblasterOptions(
+                method=create.algorithm.removeprefix("sandblaster-"),  # type: ignore[arg-type]
+                **{k: v for k, v in options.items() if k != "seed"},
+            )
+        else:
+            with contextlib.suppress(ImportError, AttributeError):  # no Downpour: the job fails, saying so
+                import downpour
+
+                downpour.DownpourOptions(**options, has_callback=True)
+        queued = sum(1 for j in list(self._jobs.values()) if j.record["status"] == "queued")
+        if queued >= self.settings.max_queued_jobs:
+            raise QueueFullError(
+                f"{queued} jobs are queued already (the limit is DISTBELIEF_MAX_QUEUED_JOBS="
+                f"{self.settings.max_queued_jobs}); wait for some to finish or cancel some"
+            )
+        job_id = uuid.uuid4().hex[:16]
+        record: dict[str, Any] = {
+            "id": job_id,
+            "name": create.name,
+            "algorithm": create.algorithm,
+            "model": model.spec,
+            "dataset": create.dataset,
+            "eval_dataset": create.eval_dataset,
+            "options": options,
+            "status": "queued",
+            "message": None,
+            "created_at": _now(),
+            "started_at": None,
+            "finished_at": None,
+            "iterations": 0,
+            "max_iterations": options.get("maxiter", options.get("max_steps")),
+            "latest": {},
+            "result": None,
+            "checkpoint_iteration": None,
+            "resumed_from": None,
+            "restarts": 0,
+            "cancel_requested": False,
+        }
+        job = _Job.of(record, rows=[])
+        self.store.save_record(record)
+        with self._jobs_lock:
+            self._jobs[job_id] = job
+        self._pool.submit(self._execute, job_id)
+        return dict(record)
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """Cancel a queued job at once, or ask a running one to stop after its current iteration."""
+        job = self._job(job_id)
+        with job.lock:
+            status = job.record["status"]
+            if status in FINAL_STATUSES:
+                raise JobStateError(f"job {job_id} is {status} already; there is nothing to cancel")
+            job.cancel.set()
+            job.record["cancel_requested"] = True
+            if status == "queued":
+                job.record.update(status="cancelled", finished_at=_now(), message="cancelled while queued")
+        self._persist(job)
+        self._notify(job_id)
+        return self.get(job_id)
+
+    def delete(self, job_id: str) -> None:
+        """Forget a finished job and everything it stored."""
+        job = self._job(job_id)
+        with job.lock:
+            status = job.record["status"]
+            if status not in FINAL_STATUSES:
+                raise JobStateError(
+                    f"job {job_id} is {status}; cancel it first (POST /api/jobs/{job_id}/cancel)"
+                )
+            with self._jobs_lock:
+                self._jobs.pop(job_id, None)
+        with job.io_lock:
+            self.store.delete_job(job_id)
+
+    # -- running a job ------------------------------------------------------------------------------
+    def _persist(self, job: _Job) -> None:
+        with job.io_lock:
+            with job.lock:
+                record = dict(job.record)
+            if record["id"] in self._jobs:
+                self.store.save_record(record)
+
+    def _flush(self, job: _Job, *, force: bool = False) -> None:
+        """Write the job's metrics and record, at most once per ``metrics_flush_seconds`` unless forced."""
+        now = time.monotonic()
+        if not force and now - job.last_flush < self.settings.metrics_flush_seconds:
+            return
+        job.last_flush = now
+        with job.io_lock:
+            with job.lock:
+                rows = [list(r) for r in job.rows] if job.rows is not None else None
+                columns, dim = list(job.columns), job.dim
+                record = dict(job.record)
+                job.dirty_metrics = False
+            if record["id"] not in self._jobs:
+                return
+            if rows is not None and columns:
+                self.store.save_metrics(record["id"], dim, columns, rows)
+            self.store.save_record(record)
+
+    def _add_row(self, job: _Job, record: Any, checkpoint_every: int) -> bool:
+        """Append a callback's record to the job's metrics; whether the run has just checkpointed."""
+        row = _row_of(record)
+        with job.lock:
+            rows = job.rows if job.rows is not None else []
+            job.rows = rows
+            index = row.pop(job.dim, rows[-1][0] + 1 if rows else 0.0)
+            if not job.columns:
+                job.columns = [job.dim]
+            for k in row:
+                if k not in job.columns:  # a new metric: the earlier rows lack it
+                    job.columns.append(k)
+                    for r in rows:
+                        r.append(math.nan)
+            if rows and rows[-1][0] >= index:
+                # A resumed run repeats the iterations after its checkpoint: the new rows replace them.
+                while rows and rows[-1][0] >= index:
+                    rows.pop()
+                job.generation += 1
+            rows.append([index] + [row.get(c, math.nan) for c in job.columns[1:]])
+            rec = job.record
+            rec["iterations"] = int(index)
+            rec["latest"] = _latest(job.columns, rows[-1])
+            job.dirty_metrics = True
+            if checkpoint_every and job.dim == "iteration" and int(index) % checkpoint_every == 0:
+                # The coordinator writes a due checkpoint before it calls back, so this one exists now.
+                rec["checkpoint_iteration"] = int(index)
+                return True
+            return False
+
+    def _callback(self, job: _Job, checkpoint_every: int) -> Callable[[Any], None]:
+        def callback(record: Any) -> None:
+            checkpointed = self._add_row(job, record, checkpoint_every)
+            self._notify(job.record["id"])
+            # A new checkpoint is saved in the record at once: a restart resumes from what the record says.
+            self._flush(job, force=checkpointed)
+            if job.cancel.is_set() or self._stopping.is_set():
+                job.stopped = True
+                raise StopIteration
+
+        return callback
+
+    def _execute(self, job_id: str) -> None:
+        job = self._jobs.get(job_id)
+        if job is None or self._stopping.is_set():
+            return
+        with job.lock:
+            if job.record["status"] != "queued":
+                return  # cancelled while it waited
+            job.record.update(status="running", started_at=job.record.get("started_at") or _now())
+            if job.rows is None:
+                job.rows = []
+        with self._jobs_lock:
+            self._running.add(job_id)
+        self._persist(job)
+        self._notify(job_id)
+        try:
+            self._run(job)
+        finally:
+            with self._jobs_lock:
+                self._running.discard(job_id)
+            with job.lock:
+                final = job.record["status"] in FINAL_STATUSES
+            self._flush(job, force=True)
+            if final:
+                with job.lock:
+                    job.rows = None  # the store has them; keep memory bounded
+            self._notify(job_id)
+            self._collect_garbage()
+
+    def _collect_garbage(self) -> None:
+        """Free the actors of finished jobs.
+
+        Every call to a Dask actor leaves a reference cycle that holds the actor's handle (a closure in
+        distributed's ``Actor.__getattr__`` that refers to itself), and a handle keeps its actor, with the
+        job's parameter vectors, alive on the workers until the garbage collector breaks the cycle. A full
+        collection costs ~0.1 s here, so it runs when the last running job ends, else at most every
+        ``_GC_EVERY`` seconds.
+        """
+        with self._jobs_lock:
+            idle = not self._running
+            due = time.monotonic() - self._last_gc >= _GC_EVERY
+            if not (idle or due):
+                return
+            self._last_gc = time.monotonic()
+        gc.collect()
+
+    def _run(self, job: _Job) -> None:
+        rec = job.record
+        job_id = rec["id"]
+        resume = job.resume
+        try:
+            model = models.from_spec(rec["model"])
+            data = self.open_dataset(rec["dataset"])
+            eval_data = self.open_dataset(rec["eval_dataset"]) if rec.get("eval_dataset") else None
+            options = dict(rec["options"])
+            ctx = RunContext(
+                job_id=job_id,
+                algorithm=rec["algorithm"],
+                model=model,
+                data=data,
+                eval_data=eval_data,
+                options=options,
+                client=self.client,
+                store=self.store.run_dir(job_id),
+                callback=self._callback(job, int(options.get("checkpoint_every") or 0)),
+                resume=resume,
+            )
+            # Every actor the run creates carries the job's id, so GET /api/cluster can tell whose it is.
+            with dask.annotate(**{ANNOTATION: job_id}):
+                outcome = _ADAPTERS[rec["algorithm"]](ctx)
+        except Exception as exc:
+            if self._stopping.is_set():
+                return  # the server is going down: the job stays "running" and is taken up on restart
+            reason = str(exc) or type(exc).__name__
+            if resume:
+                reason = (
+                    f"could not resume from the checkpoint of iteration {rec.get('resumed_from')}: {reason}"
+                )
+            if not isinstance(exc, DistbeliefError | ValueError):
+                reason = f"{type(exc).__name__}: {reason}"
+            with job.lock:
+                rec.update(status="failed", finished_at=_now(), message=reason)
+            return
+        job.resume = False
+        if job.stopped and not job.cancel.is_set():
+            return  # stopped for a shutdown: the job stays "running" and resumes on the next start
+        try:
+            self._finish(job, outcome, model, data, eval_data)
+        except Exception as exc:
+            with job.lock:
+                rec.update(
+                    status="failed",
+                    finished_at=_now(),
+                    message=f"the run ended but its results could not be saved: {type(exc).__name__}: {exc}",
+                )
+
+    def _finish(
+        self, job: _Job, outcome: RunOutcome, model: Any, data: Dataset, eval_data: Dataset | None
+    ) -> None:
+        """Evaluate the result, keep the full history as the metrics, save the parameters, close the job."""
+        rec = job.record
+        summary = dict(outcome.summary)
+        summary.update(self._evaluate(model, outcome.x, data, eval_data))
+        if outcome.history is not None:
+            rows = _history_rows(outcome.history, job.dim)
+            if rows is not None and rows[2]:
+                with job.lock:
+                    job.dim, job.columns, job.rows = rows
+                    job.generation += 1
+                    rec["iterations"] = int(rows[2][-1][0])
+                    rec["latest"] = _latest(job.columns, job.rows[-1])
+        self.store.save_params(rec["id"], outcome.x)
+        with job.lock:
+            rec["result"] = json_safe(summary)
+            if job.stopped:
+                rec.update(status="cancelled", finished_at=_now(), message="cancelled while running")
+            else:
+                rec.update(status="succeeded", finished_at=_now(), message=summary.get("message"))
+
+    def _evaluate(
+        self, model: Any, x: np.ndarray, data: Dataset, eval_data: Dataset | None
+    ) -> dict[str, Any]:
+        """Mean data loss (and accuracy, for classifiers) on the training and held-out rows, by portion."""
+        out: dict[str, Any] = {}
+        for prefix, ds in (("train", data), ("eval", eval_data)):
+            if ds is None or ds.n_rows * ds.n_features > _EVAL_MAX_VALUES:
+                continue
+            loss = correct = 0.0
+            for _, X, y in ds.iter_portions():
+                loss += float(model.loss_and_grad(x, X, y)[0])
+                if model.n_classes is not None:
+                    correct += float(np.sum(model.predict(x, X) == y))
+            out[f"{prefix}_loss"] = loss / ds.n_rows
+            if model.n_classes is not None:
+                out[f"{prefix}_accuracy"] = correct / ds.n_rows
+        return out
+
+    # -- cluster ------------------------------------------------------------------------------------
+    def actors(self) -> list[dict[str, Any]]:
+        """Every shard and replica actor on the cluster, with its worker, state and job."""
+
+        # Defined here so that it travels to the scheduler by value: the scheduler need not have distbelief.
+        def actor_table(dask_scheduler: Any, annotation: str) -> list[dict[str, Any]]:
+            out = []
+            for key, ts in dask_scheduler.tasks.items():
+                name = str(key)
+                # Shards are keyed shard-<i>-<uuid>; replicas by their class name.
+                kind = (
+                    "shard" if name.startswith("shard-") else "replica" if "replica" in name.lower() else ""
+                )
+                if not getattr(ts, "actor", False) or not kind:
+                    continue
+                holders = list(getattr(ts, "who_has", None) or ())
+                on = holders[0] if holders else ts.processing_on
+                job = (ts.annotations or {}).get(annotation)
+                out.append(
+                    {"key": name, "kind": kind, "worker": on and on.address, "state": ts.state, "job_id": job}
+                )
+            return out
+
+        return list(self.client.run_on_scheduler(actor_table, annotation=ANNOTATION))
+
+
+def _latest(columns: list[str], row: list[float]) -> dict[str, float | None]:
+    return {c: (v if math.isfinite(v) else None) for c, v in zip(columns, row, strict=True)}

@@ -1,0 +1,323 @@
+"""Request and response bodies of the REST API: ``*Create`` models come in, ``*Public`` models go out.
+
+Bounds here are the first line against absurd input (a billion replicas, ``history=0``, ``lr=-1``); the
+algorithms check their options again when a job is submitted, so a job that is accepted can start.
+
+Examples
+--------
+>>> job = JobCreate.model_validate({
+...     "algorithm": "sandblaster-lbfgs", "dataset": "digits",
+...     "model": {"kind": "softmax", "n_features": 64, "n_classes": 10}, "options": {"maxiter": 50}})
+>>> job.options
+{'maxiter': 50}
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+import models
+from storage import resolve_name
+
+__all__ = [
+    "ALGORITHMS",
+    "FINAL_STATUSES",
+    "JOB_STATUSES",
+    "MAX_REPLICAS",
+    "MAX_SHARDS",
+    "ActorPublic",
+    "Algorithm",
+    "ClusterPublic",
+    "DatasetPublic",
+    "DatasetRegister",
+    "DatasetsPublic",
+    "DownpourJobOptions",
+    "HealthPublic",
+    "JobCreate",
+    "JobPublic",
+    "JobStatus",
+    "JobsPublic",
+    "MetricsPublic",
+    "ModelKindPublic",
+    "ModelsPublic",
+    "SandblasterJobOptions",
+    "WorkerPublic",
+]
+
+Algorithm = Literal["sandblaster-lbfgs", "sandblaster-cg", "sandblaster-gd", "downpour-sgd"]
+ALGORITHMS: tuple[str, ...] = ("sandblaster-lbfgs", "sandblaster-cg", "sandblaster-gd", "downpour-sgd")
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+JOB_STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
+FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+
+#: More replicas or shards than this is a typo, not a plan: each is a Dask actor with its own state.
+MAX_REPLICAS = 64
+MAX_SHARDS = 64
+_MAX_ITER = 1_000_000
+
+_Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Options(BaseModel):
+    # Strict: "history": true or "maxiter": "50" is a mistake to report, not to coerce.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SandblasterJobOptions(_Options):
+    """Options of ``sandblaster-*`` jobs (see :func:`sandblaster.minimize`); unset ones take its defaults.
+
+    Examples
+    --------
+    >>> SandblasterJobOptions(maxiter=20, l2=1e-3).model_dump(exclude_none=True)
+    {'l2': 0.001, 'maxiter': 20}
+    """
+
+    l2: Annotated[_Finite, Field(ge=0, le=1e6)] | None = None
+    shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] | None = None
+    replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] | None = None
+    history: Annotated[int, Field(ge=1, le=1000, description="L-BFGS memory m")] | None = None
+    gtol: Annotated[_Finite, Field(ge=0)] | None = None
+    ftol: Annotated[_Finite, Field(ge=0)] | None = None
+    maxiter: Annotated[int, Field(ge=1, le=_MAX_ITER)] | None = None
+    maxfev: Annotated[int, Field(ge=1, le=_MAX_ITER)] | None = None
+    portions: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    push_every: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    backups: bool | None = None
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+    checkpoint_every: (
+        Annotated[int, Field(ge=0, le=_MAX_ITER, description="0: never; default from the server settings")]
+        | None
+    ) = None
+
+
+class DownpourJobOptions(_Options):
+    """Options of ``downpour-sgd`` jobs (see :func:`downpour.train`); unset ones take its defaults.
+
+    A job must stop by itself: set at least one of ``epochs``, ``max_steps`` and ``time_limit``.
+
+    Examples
+    --------
+    >>> DownpourJobOptions(rule="adagrad", lr=0.05, epochs=3).model_dump(exclude_none=True)
+    {'rule': 'adagrad', 'lr': 0.05, 'epochs': 3}
+    """
+
+    replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] | None = None
+    shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] | None = None
+    rule: Literal["adagrad", "sgd"] | None = None
+    lr: Annotated[_Finite, Field(gt=0, le=1e3)] | None = None
+    local_lr: Annotated[_Finite, Field(ge=0, le=1e3)] | None = None
+    batch_size: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    n_fetch: Annotated[int, Field(ge=1, le=_MAX_ITER)] | None = None
+    n_push: Annotated[int, Field(ge=1, le=_MAX_ITER)] | None = None
+    warmstart_steps: Annotated[int, Field(ge=0, le=100 * _MAX_ITER)] | None = None
+    epochs: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    max_steps: Annotated[int, Field(ge=1, le=100 * _MAX_ITER)] | None = None
+    time_limit: Annotated[_Finite, Field(gt=0, le=7 * 86400, description="seconds")] | None = None
+    eval_every: (
+        Annotated[_Finite, Field(gt=0, le=86400, description="seconds between history rows")] | None
+    ) = None
+    l2: Annotated[_Finite, Field(ge=0, le=1e6)] | None = None
+    staleness_scale: bool | None = None
+    max_staleness: Annotated[int, Field(ge=0, le=_MAX_ITER)] | None = None
+    checkpoint_every_s: Annotated[_Finite, Field(ge=0, le=86400)] | None = None
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+    shuffle: bool | None = None
+
+    @model_validator(mode="after")
+    def _stops(self) -> DownpourJobOptions:
+        if self.epochs is None and self.max_steps is None and self.time_limit is None:
+            raise ValueError("a downpour-sgd job needs a limit: set epochs, max_steps or time_limit")
+        return self
+
+
+def _check_name(name: str) -> str:
+    # resolve_name is the one rule for dataset names (no separators, no "..", a safe alphabet); its
+    # DatasetError is a ValueError, so pydantic reports its message as it is.
+    resolve_name("/", name)
+    return name
+
+
+class JobCreate(BaseModel):
+    """Body of ``POST /api/jobs``.
+
+    Examples
+    --------
+    >>> JobCreate.model_validate({"algorithm": "sandblaster-gd", "dataset": "d",
+    ...     "model": {"kind": "logistic", "n_features": 3}}).model.kind
+    'logistic'
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    algorithm: Algorithm = Field(description="Which optimizer runs the job.")
+    model: models.ModelSpec = Field(description='A built-in model by spec, e.g. {"kind": "softmax", ...}.')
+    dataset: str = Field(description="Name of the training dataset (see GET /api/datasets).")
+    eval_dataset: str | None = Field(None, description="Name of a held-out dataset (optional).")
+    options: dict[str, Any] = Field(default_factory=dict, description="The algorithm's options.")
+    name: Annotated[str, Field(max_length=200)] | None = Field(None, description="A label for people.")
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_spec(cls, value: Any) -> Any:
+        # models.from_spec gives messages that name the bad field and the valid choices.
+        return models.from_spec(value).spec
+
+    @field_validator("dataset", "eval_dataset")
+    @classmethod
+    def _dataset_name(cls, value: str | None) -> str | None:
+        return None if value is None else _check_name(value)
+
+    @model_validator(mode="after")
+    def _options_of_algorithm(self) -> JobCreate:
+        schema: type[_Options] = (
+            DownpourJobOptions if self.algorithm == "downpour-sgd" else SandblasterJobOptions
+        )
+        try:
+            parsed = schema.model_validate(self.options)
+        except ValidationError as exc:
+            problems = []
+            for err in exc.errors(include_url=False):
+                field = ".".join(str(p) for p in err["loc"])
+                if err["type"] == "extra_forbidden":
+                    valid = ", ".join(sorted(schema.model_fields))
+                    problems.append(f"unknown option {field!r} for {self.algorithm}; valid options: {valid}")
+                elif not field:
+                    problems.append(str(err["msg"]).removeprefix("Value error, "))
+                else:
+                    problems.append(f"option {field!r}: {err['msg']}, got {err.get('input')!r}")
+            raise ValueError("; ".join(problems)) from None
+        self.options = parsed.model_dump(exclude_none=True)
+        return self
+
+
+class JobPublic(BaseModel):
+    """A job as the API shows it."""
+
+    id: str
+    name: str | None = None
+    algorithm: Algorithm
+    model: dict[str, Any]
+    dataset: str
+    eval_dataset: str | None = None
+    options: dict[str, Any]
+    status: JobStatus
+    message: str | None = Field(None, description="Why it failed or stopped, or what happened on restart.")
+    created_at: str
+    started_at: str | None = None
+    finished_at: str | None = None
+    iterations: int = Field(0, description="Iterations (Sandblaster) or steps (Downpour) done so far.")
+    max_iterations: int | None = Field(None, description="The limit set by the options, if any.")
+    latest: dict[str, float | None] = Field(default_factory=dict, description="The last metrics row.")
+    result: dict[str, Any] | None = None
+    checkpoint_iteration: int | None = None
+    resumed_from: int | None = None
+    restarts: int = 0
+    cancel_requested: bool = False
+
+
+class JobsPublic(BaseModel):
+    """A page of jobs, newest first."""
+
+    data: list[JobPublic]
+    count: int = Field(description="Jobs matching the filter, on all pages.")
+
+
+class MetricsPublic(BaseModel):
+    """A job's metrics, one column per metric (``null`` where a value is missing)."""
+
+    job_id: str
+    dim: str
+    columns: dict[str, list[float | None]]
+
+
+class DatasetRegister(BaseModel):
+    """Body of ``POST /api/datasets`` (JSON) that registers an existing dataset by URL."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    url: Annotated[str, Field(min_length=1, max_length=2000)]
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _check_name(value)
+
+
+class DatasetPublic(BaseModel):
+    """A dataset as the API shows it."""
+
+    name: str
+    source: Literal["upload", "registered"]
+    url: str | None = Field(None, description="The registered URL (uploads live in the store).")
+    n_rows: int
+    n_features: int
+    label_kind: str
+    n_classes: int | None
+    n_portions: int
+    portion_rows: int
+    created_at: str
+
+
+class DatasetsPublic(BaseModel):
+    """Every dataset."""
+
+    data: list[DatasetPublic]
+    count: int
+
+
+class ModelKindPublic(BaseModel):
+    """One built-in model kind and the JSON schema of its spec."""
+
+    kind: str
+    json_schema: dict[str, Any] = Field(alias="schema", serialization_alias="schema")
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class ModelsPublic(BaseModel):
+    """The model catalogue."""
+
+    data: list[ModelKindPublic]
+
+
+class ActorPublic(BaseModel):
+    """A parameter-server shard or a model replica (a Dask actor)."""
+
+    key: str
+    kind: Literal["shard", "replica"]
+    worker: str | None
+    state: str
+    job_id: str | None
+
+
+class WorkerPublic(BaseModel):
+    """A Dask worker."""
+
+    address: str
+    name: str
+    nthreads: int
+    memory_limit: int | None
+    actors: int
+
+
+class ClusterPublic(BaseModel):
+    """The Dask cluster and what the jobs have placed on it."""
+
+    scheduler: str
+    embedded: bool
+    dashboard_url: str | None
+    workers: list[WorkerPublic]
+    actors: list[ActorPublic]
+    running_jobs: list[str]
+    queued_jobs: int
+    max_concurrent_jobs: int
+
+
+class HealthPublic(BaseModel):
+    """Liveness of the service (no token needed, so it says little)."""
+
+    status: Literal["ok"]
+    version: str

@@ -1,0 +1,550 @@
+"""The DistBelief paper's Figure 4 in miniature, and the parameter server's push throughput.
+
+Held-out accuracy against wall time, all measured side by side in one run on the same 2-worker
+``LocalCluster`` (one core each on the project's machine):
+
+* plain single-process numpy SGD (:func:`downpour.sequential_sgd`, one BLAS thread): the floor;
+* single-replica Downpour SGD (the paper's "conventional single replica SGD");
+* Downpour SGD with a fixed learning rate, 2 and 4 replicas;
+* Downpour SGD with Adagrad on the shards, 2 and 4 replicas;
+* Sandblaster L-BFGS (``sandblaster.minimize``; its curve is one run per ``maxiter`` on a doubling grid,
+  each point the held-out accuracy of that run's result against its coordinator's wall time).
+
+on two problems: scikit-learn's digits with an MLP, and a larger seeded synthetic classification set (a
+random teacher network labels Gaussian inputs; the features come in scales from 1/4 to 4, as raw features
+do, which is where Adagrad's per-parameter rates matter). Time is measured from the moment the replicas
+start (cluster, shards and replicas are already up; their setup time is reported apart). The time to the
+target accuracy is the first evaluation at or above it; with repeats, the median over runs (a run that
+never reaches the target counts as infinite). The headline is
+``T(Downpour Adagrad, 2 replicas) / T(single-replica Downpour SGD)`` (target <= 0.7).
+
+Parameter-server throughput: replicas with a free gradient (a model whose gradient costs nothing) push as
+fast as they can to 1, 2 and 4 shards; pushes applied per second and gradient MB/s, per shard.
+
+Learning rates were picked from a small grid with the single-process reference (``--tune`` prints that
+grid). The Downpour rows use ``n_fetch = n_push = 1`` as the paper's Figure 4 did; ``--n-sync k`` sets both
+to ``k`` (these models take ~0.2 ms a step, a thousand times less than the paper's, so a message per step
+costs more than the step: ``k`` trades staleness for less messaging).
+
+Run ``python benchmarks/downpour_figure4.py`` (under 10 minutes) or ``--quick`` (about 2 minutes);
+results go to ``benchmarks/results/downpour_figure4.json`` and ``.png``. The machine should be otherwise
+idle: the JSON records the load average before and after each part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from distributed import Client, LocalCluster
+from threadpoolctl import threadpool_limits
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import downpour
+import models
+import sandblaster
+from storage import Dataset
+from storage._digits import train_test_split_digits
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# ------------------------------------------------------------------------------------------------ problems
+@dataclass
+class Problem:
+    name: str
+    model: Any
+    X: np.ndarray
+    y: np.ndarray
+    X_test: np.ndarray
+    y_test: np.ndarray
+    target: float
+    lr: dict[str, float]
+    batch_size: int
+    time_limit: float
+    eval_every: float
+    repeats: int
+    l2: float = 0.0
+    lbfgs_l2: float = 1e-4
+    lbfgs_grid: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def digits_problem(quick: bool) -> Problem:
+    X, y, Xt, yt = train_test_split_digits(seed=0)
+    return Problem(
+        name="digits",
+        model=models.MLP([64, 64, 10], activation="tanh"),
+        X=X,
+        y=y,
+        X_test=Xt,
+        y_test=yt,
+        target=0.95,
+        lr={"sgd": 0.2, "adagrad": 0.1},
+        batch_size=32,
+        time_limit=4.0 if quick else 6.0,
+        eval_every=0.02,
+        repeats=1 if quick else 3,
+        description="scikit-learn digits (1,438 training / 359 held-out rows), MLP 64-64-10 tanh",
+    )
+
+
+def synthetic_problem(quick: bool, *, seed: int = 0) -> Problem:
+    """A random tanh teacher labels Gaussian inputs (Gumbel noise: ~96% Bayes accuracy); features scaled."""
+    n_train, n_test, d, k, teacher = 60_000, 2_000, 50, 10, 32
+    rng = np.random.default_rng(seed)
+    W1 = rng.normal(size=(d, teacher)) * 2 / np.sqrt(d)
+    W2 = rng.normal(size=(teacher, k)) * 3 / np.sqrt(teacher)
+    Z = rng.normal(size=(n_train + n_test, d))
+    logits = np.tanh(Z @ W1) @ W2
+    labels = np.argmax(logits + 0.1 * rng.gumbel(size=logits.shape), axis=1).astype(np.float64)
+    scales = np.exp(rng.uniform(-np.log(4.0), np.log(4.0), size=d))
+    X = np.ascontiguousarray(Z * scales)
+    return Problem(
+        name="synthetic",
+        model=models.MLP([d, 128, k], activation="tanh"),
+        X=X[:n_train],
+        y=labels[:n_train],
+        X_test=X[n_train:],
+        y_test=labels[n_train:],
+        target=0.80 if quick else 0.85,
+        lr={"sgd": 0.2, "adagrad": 0.1},
+        batch_size=64,
+        time_limit=8.0 if quick else 15.0,
+        eval_every=0.1,
+        repeats=1 if quick else 3,
+        lbfgs_grid=(4, 8, 16, 32, 64, 128, 256),
+        description=(
+            f"synthetic: {n_train:,} training / {n_test:,} held-out rows, {d} features scaled by factors in "
+            f"[1/4, 4], {k} classes from a random tanh teacher ({teacher} hidden units) with Gumbel label "
+            f"noise; MLP {d}-128-{k} tanh, mini-batches of 64"
+        ),
+        extra={"seed": seed, "bayes_accuracy": float(np.mean(np.argmax(logits, 1) == labels))},
+    )
+
+
+# --------------------------------------------------------------------------------------------- measuring
+def time_to(curve: list[tuple[float, float]], target: float) -> float:
+    """First time at which the accuracy is >= target (inf if never)."""
+    return next((t for t, acc in curve if acc >= target), math.inf)
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else math.nan
+
+
+def stop_after_target(target: float, *, extra: float = 0.25) -> Callable[[downpour.Progress], None]:
+    """A Downpour callback: stop a little after the held-out accuracy first reaches ``target``."""
+    hit: list[float] = []
+
+    def callback(p: downpour.Progress) -> None:
+        if not hit and p.test_accuracy >= target:
+            hit.append(p.time)
+        if hit and p.time >= hit[0] * (1 + extra) + 0.1:
+            raise StopIteration
+
+    return callback
+
+
+def run_numpy(problem: Problem, rule: str) -> dict[str, Any]:
+    model, target = problem.model, problem.target
+    plan = downpour.BatchPlan(((0, problem.X.shape[0]),), batch_size=problem.batch_size, seed=0)
+    curve: list[tuple[float, float]] = []
+    hit: list[float] = []
+
+    def on_snapshot(t: float, step: int, w: np.ndarray) -> bool:
+        acc = model.accuracy(w, problem.X_test, problem.y_test)
+        curve.append((t, acc))
+        if not hit and acc >= target:
+            hit.append(t)
+        return bool(hit) and t >= hit[0] * 1.25 + 0.1
+
+    res = downpour.sequential_sgd(
+        model, problem.X, problem.y, model.init_params(0), plan.global_batches(10_000), rule=rule,
+        lr=problem.lr[rule], l2=problem.l2, time_limit=problem.time_limit, snapshot_every=problem.eval_every,
+        on_snapshot=on_snapshot,
+    )  # fmt: skip
+    return {
+        "time_to_target": time_to(curve, target),
+        "curve": curve,
+        "steps_per_s": res.steps / res.wall_time if res.wall_time else math.nan,
+        "final_accuracy": curve[-1][1] if curve else math.nan,
+    }
+
+
+def run_downpour(
+    problem: Problem, client: Client, dataset: Dataset, replicas: int, rule: str, n_sync: int = 1
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    res = downpour.train(
+        problem.model, dataset, replicas=replicas, rule=rule, lr=problem.lr[rule], l2=problem.l2,  # type: ignore[arg-type]
+        batch_size=problem.batch_size, time_limit=problem.time_limit, eval_every=problem.eval_every,
+        n_fetch=n_sync, n_push=n_sync,
+        eval_data=(problem.X_test, problem.y_test), callback=stop_after_target(problem.target), client=client,
+    )  # fmt: skip
+    total = time.perf_counter() - t0
+    h = res.history
+    curve = [(float(t), float(a)) for t, a in zip(h.time.values, h.test_accuracy.values, strict=True)]
+    return {
+        "time_to_target": time_to(curve, problem.target),
+        "curve": curve,
+        "steps_per_s": res.stats["steps_per_s"],
+        "staleness_mean": res.stats["staleness_mean"],
+        "pushes_per_s": res.stats["pushes"] / res.wall_time,
+        "final_accuracy": curve[-1][1],
+        "setup_and_teardown_s": total - res.wall_time,
+        "stop_reason": res.stop_reason,
+    }
+
+
+def run_lbfgs(problem: Problem, client: Client, dataset: Dataset) -> dict[str, Any]:
+    curve: list[tuple[float, float]] = []
+    iterations = []
+    for k in problem.lbfgs_grid:
+        res = sandblaster.minimize(
+            problem.model, dataset, method="lbfgs", maxiter=k, l2=problem.lbfgs_l2, client=client, seed=0
+        )
+        wall = float(res.history.wall_time.values[-1]) if res.history.sizes.get("iteration") else math.nan
+        curve.append((wall, problem.model.accuracy(res.x, problem.X_test, problem.y_test)))
+        iterations.append(int(res.nit))
+        # Stop at the target, out of time, or once a run stops short of maxiter (converged: more would not
+        # change anything).
+        if curve[-1][1] >= problem.target or wall > problem.time_limit or res.nit < k:
+            break
+    return {
+        "time_to_target": time_to(curve, problem.target),
+        "curve": curve,
+        "iterations": iterations,
+        "final_accuracy": curve[-1][1],
+    }
+
+
+def run_problem(
+    problem: Problem, client: Client, store: Path, only: set[str] | None, n_sync: int = 1
+) -> dict[str, Any]:
+    dataset = Dataset.from_arrays(
+        problem.X, problem.y, path=store / problem.name, label_kind="classes", n_classes=10, overwrite=True
+    )
+    rows: list[dict[str, Any]] = []
+    configs: list[tuple[str, str, int | None, str]] = [
+        ("numpy SGD (1 process)", "numpy", None, "sgd"),
+        ("single-replica SGD", "downpour", 1, "sgd"),
+        ("Downpour SGD, 2 replicas", "downpour", 2, "sgd"),
+        ("Downpour SGD, 4 replicas", "downpour", 4, "sgd"),
+        ("Downpour Adagrad, 2 replicas", "downpour", 2, "adagrad"),
+        ("Downpour Adagrad, 4 replicas", "downpour", 4, "adagrad"),
+        ("Sandblaster L-BFGS", "lbfgs", None, "lbfgs"),
+    ]
+    load_before = os.getloadavg()
+    for label, kind, replicas, rule in configs:
+        if only and kind not in only:
+            continue
+        runs = []
+        repeats = 1 if kind == "lbfgs" else problem.repeats
+        for _ in range(repeats):
+            if kind == "numpy":
+                runs.append(run_numpy(problem, rule))
+            elif kind == "downpour":
+                assert replicas is not None
+                runs.append(run_downpour(problem, client, dataset, replicas, rule, n_sync))
+            else:
+                runs.append(run_lbfgs(problem, client, dataset))
+        times = [r["time_to_target"] for r in runs]
+        med = median(times)
+        # The plotted curve is the run with the median time to target.
+        shown = sorted(runs, key=lambda r: r["time_to_target"])[len(runs) // 2]
+        row = {
+            "label": label,
+            "kind": kind,
+            "replicas": replicas,
+            "rule": rule,
+            "lr": problem.lr.get(rule),
+            "time_to_target_median": med,
+            "time_to_target_runs": times,
+            "steps_per_s_median": median([r["steps_per_s"] for r in runs if "steps_per_s" in r]),
+            "staleness_mean_median": median([r["staleness_mean"] for r in runs if "staleness_mean" in r]),
+            "final_accuracy_median": median([r["final_accuracy"] for r in runs]),
+            "curve": shown["curve"],
+            "runs": [{k: v for k, v in r.items() if k != "curve"} for r in runs],
+        }
+        rows.append(row)
+        print(
+            f"  {problem.name:9s} {label:30s} time to {problem.target:.2f}: {med:7.3f} s  "
+            f"(runs {', '.join(f'{t:.3f}' for t in times)})",
+            flush=True,
+        )
+    by_label = {r["label"]: r["time_to_target_median"] for r in rows}
+    ada2 = by_label.get("Downpour Adagrad, 2 replicas", math.nan)
+    sgd1 = by_label.get("single-replica SGD", math.nan)
+    ratio = ada2 / sgd1 if sgd1 and math.isfinite(sgd1) else math.nan
+    numpy_sgd = by_label.get("numpy SGD (1 process)", math.nan)
+    return {
+        "description": problem.description,
+        "target_accuracy": problem.target,
+        "batch_size": problem.batch_size,
+        "learning_rates": problem.lr,
+        "n_fetch": n_sync,
+        "n_push": n_sync,
+        "eval_every_s": problem.eval_every,
+        "time_limit_s": problem.time_limit,
+        "repeats": problem.repeats,
+        "extra": problem.extra,
+        "rows": rows,
+        "ratio_adagrad2_over_single_replica_sgd": ratio,
+        "ratio_target": 0.7,
+        "ratio_met": bool(ratio <= 0.7),
+        "ratio_adagrad2_over_numpy_sgd": ada2 / numpy_sgd
+        if numpy_sgd and math.isfinite(numpy_sgd)
+        else math.nan,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
+
+
+# ------------------------------------------------------------------------------------------- throughput
+class FreeGradient:
+    """A model whose gradient costs (almost) nothing: every row's gradient is ``c``."""
+
+    n_features = 1
+
+    def __init__(self, n_params: int) -> None:
+        self.n_params = n_params
+        self.c = np.full(n_params, 1e-3)
+
+    def init_params(self, seed: int | None = None) -> np.ndarray:
+        return np.zeros(self.n_params)
+
+    def loss_and_grad(self, w: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+        return 0.0, self.c * X.shape[0]
+
+
+def run_throughput(client: Client, *, quick: bool) -> dict[str, Any]:
+    n = 1 << (16 if quick else 18)
+    seconds = 1.5 if quick else 2.5
+    shard_counts = (1, 2, 4)
+    replica_counts = (1, 4, 16) if quick else (1, 2, 4, 8, 16)
+    model = FreeGradient(n)
+    data = (np.zeros((64, 1)), np.zeros(64))
+    rows = []
+    load_before = os.getloadavg()
+    for shards in shard_counts:
+        for replicas in replica_counts:
+            res = downpour.train(
+                model, data, replicas=replicas, shards=shards, rule="sgd", lr=1e-6, local_lr=0.0,
+                n_fetch=1 << 30, batch_size=1, time_limit=seconds, eval_every=seconds, client=client,
+            )  # fmt: skip
+            h = res.history
+            pushes = h.pushes.values[-1]  # per shard
+            sizes = np.diff(_bounds(n, shards))
+            per_shard_ps = pushes / res.wall_time
+            mb = per_shard_ps * sizes * 8 / 1e6
+            rows.append(
+                {
+                    "shards": shards,
+                    "replicas": replicas,
+                    "n_params": n,
+                    "seconds": res.wall_time,
+                    "pushes_per_s_per_shard": float(np.mean(per_shard_ps)),
+                    "gradient_MB_per_s_per_shard": float(np.mean(mb)),
+                    "gradient_MB_per_s_total": float(np.sum(mb)),
+                    "steps_per_s": res.stats["steps_per_s"],
+                    "staleness_mean": res.stats["staleness_mean"],
+                }
+            )
+            r = rows[-1]
+            print(
+                f"  throughput shards={shards} replicas={replicas:2d}: {r['pushes_per_s_per_shard']:8.1f} "
+                f"pushes/s/shard, {r['gradient_MB_per_s_per_shard']:7.1f} MB/s/shard",
+                flush=True,
+            )
+    return {
+        "n_params": n,
+        "vector_MB": n * 8 / 1e6,
+        "seconds_per_config": seconds,
+        "rows": rows,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
+
+
+def _bounds(n: int, shards: int) -> list[int]:
+    from storage import Layout
+
+    layout = Layout.split(n, shards)
+    return list(layout.bounds)
+
+
+# ----------------------------------------------------------------------------------------------- tuning
+def tune(problem: Problem) -> None:
+    """Time to target of the single-process reference over a grid of learning rates (prints)."""
+    for rule, grid in (("sgd", (0.03, 0.1, 0.2, 0.4)), ("adagrad", (0.02, 0.05, 0.1, 0.2))):
+        for lr in grid:
+            problem.lr[rule] = lr
+            r = run_numpy(problem, rule)
+            t, final = r["time_to_target"], r["final_accuracy"]
+            print(f"  {problem.name} {rule} lr={lr}: {t:.3f} s to the target, final accuracy {final:.3f}")
+
+
+# -------------------------------------------------------------------------------------------------- plot
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    problems = results["problems"]
+    panels = len(problems) + (1 if results.get("throughput") else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.6), squeeze=False)
+    styles = {
+        "numpy SGD (1 process)": ("grey", ":"),
+        "single-replica SGD": ("black", "-"),
+        "Downpour SGD, 2 replicas": ("tab:blue", "--"),
+        "Downpour SGD, 4 replicas": ("tab:blue", "-"),
+        "Downpour Adagrad, 2 replicas": ("tab:orange", "--"),
+        "Downpour Adagrad, 4 replicas": ("tab:red", "-"),
+        "Sandblaster L-BFGS": ("tab:green", "-"),
+    }
+    for ax, (name, prob) in zip(axes[0], problems.items(), strict=False):
+        for row in prob["rows"]:
+            color, ls = styles.get(row["label"], ("k", "-"))
+            t = [p[0] for p in row["curve"]]
+            a = [p[1] for p in row["curve"]]
+            marker = "o" if row["kind"] == "lbfgs" else None
+            ax.plot(t, a, color=color, ls=ls, marker=marker, ms=3, label=row["label"])
+        ax.axhline(prob["target_accuracy"], color="k", lw=0.6, alpha=0.5)
+        ratio = prob["ratio_adagrad2_over_single_replica_sgd"]
+        ax.set_title(f"{name}: Adagrad(2) / single SGD = {ratio:.2f} (target <= 0.7)", fontsize=10)
+        ax.set_xlabel("wall time since the replicas started (s)")
+        ax.set_ylabel("held-out accuracy")
+        lo = prob["target_accuracy"] - 0.25
+        ax.set_ylim(max(0.0, lo), 1.0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    if results.get("throughput"):
+        ax = axes[0][-1]
+        rows = results["throughput"]["rows"]
+        for shards in sorted({r["shards"] for r in rows}):
+            sel = [r for r in rows if r["shards"] == shards]
+            ax.plot(
+                [r["replicas"] for r in sel], [r["pushes_per_s_per_shard"] for r in sel], marker="o",
+                label=f"{shards} shard(s)",
+            )  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("replicas")
+        ax.set_ylabel("pushes applied per second, per shard")
+        mb = results["throughput"]["vector_MB"]
+        ax.set_title(f"parameter server: {mb:.1f} MB gradient vector", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# -------------------------------------------------------------------------------------------------- main
+@contextlib.contextmanager
+def cluster() -> Iterator[Client]:
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
+        ) as lc,
+        Client(lc, direct_to_workers=True) as client,
+    ):
+        yield client
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, float | np.floating):
+        value = float(obj)
+        return value if math.isfinite(value) else (None if math.isnan(value) else str(value))
+    return obj
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a fast smoke run (smaller data, no repeats)")
+    parser.add_argument("--problems", default="digits,synthetic", help="comma-separated: digits,synthetic")
+    parser.add_argument("--only", default="", help="comma-separated kinds to run: numpy,downpour,lbfgs")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per Downpour/numpy row")
+    parser.add_argument(
+        "--n-sync",
+        type=int,
+        default=1,
+        help="n_fetch = n_push of the Downpour rows (the paper's Figure 4: 1)",
+    )
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument(
+        "--tune", action="store_true", help="only print the learning-rate grid of the reference"
+    )
+    parser.add_argument("--out", default=str(RESULTS), help="directory for the JSON and PNG")
+    args = parser.parse_args(argv)
+    makers = {"digits": digits_problem, "synthetic": synthetic_problem}
+    problems = [makers[name](args.quick) for name in args.problems.split(",") if name]
+    if args.repeats is not None:
+        for p in problems:
+            p.repeats = args.repeats
+    only = {k for k in args.only.split(",") if k} or None
+    # The driver and the numpy reference use one BLAS thread, like each replica.
+    with threadpool_limits(limits=1):
+        if args.tune:
+            for p in problems:
+                tune(p)
+            return 0
+        t_start = time.perf_counter()
+        results: dict[str, Any] = {
+            "benchmark": "downpour_figure4",
+            "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+            "quick": args.quick,
+            "machine": {
+                "cpu_count": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "numpy": np.__version__,
+            },
+            "cluster": "LocalCluster(n_workers=2, threads_per_worker=1, processes=True), direct_to_workers",
+            "timing": "seconds from the start of the replicas; setup (shards, replicas) reported apart",
+            "problems": {},
+        }
+        with tempfile.TemporaryDirectory(prefix="figure4-") as tmp, cluster() as client:
+            for p in problems:
+                print(f"{p.name}: {p.description}", flush=True)
+                results["problems"][p.name] = run_problem(p, client, Path(tmp), only, args.n_sync)
+            if not args.skip_throughput:
+                print("parameter-server throughput", flush=True)
+                results["throughput"] = run_throughput(client, quick=args.quick)
+        results["total_seconds"] = time.perf_counter() - t_start
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "downpour_figure4.json").write_text(json.dumps(_json_safe(results), indent=1) + "\n")
+    plot(results, out / "downpour_figure4.png")
+    for name, prob in results["problems"].items():
+        print(
+            f"{name}: T(Adagrad, 2 replicas) / T(single-replica SGD) = "
+            f"{prob['ratio_adagrad2_over_single_replica_sgd']:.3f} (target <= 0.7)"
+        )
+    print(f"wrote {out / 'downpour_figure4.json'} and .png in {results['total_seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

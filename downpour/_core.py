@@ -1,0 +1,461 @@
+"""The replica side of Downpour SGD as a small state machine, with no Dask and no threads in it.
+
+DistBelief paper, section 4.1 and Algorithm 7.1 (the Appendix, "DownpourSGDClient")::
+
+    step = 0; accrued = 0
+    loop:
+      if step % n_fetch == 0: start fetching parameters (async)   # replaces the local copy when it lands
+      g = grad(params, next_minibatch()); accrued += g; params -= lr * g
+      if step % n_push == 0: start pushing accrued (async); accrued = 0
+      step += 1
+
+:class:`ReplicaCore` holds the replica's local copy of the parameters, the accrued gradient and the
+bookkeeping of fetches and pushes in flight; a transport (the Dask actor in :mod:`downpour._replica`, or a
+test's in-process loop) moves the messages it produces and feeds back what the shards answer. Choices made
+where the paper leaves room, each for a reason:
+
+* **Read your own writes.** A transport sends one replica's pushes and fetches to a shard in order, so a
+  fetch sees every push sent before it. When a fetch lands, the local copy becomes the fetched values *plus
+  the local steps the fetch cannot contain* (those whose gradient was not yet sent when the fetch was
+  issued, and those taken since). Replacing the copy outright would throw away the replica's last few
+  steps whenever a fetch is slower than a step; with one replica and ``rule="sgd"`` this rule makes the run
+  exactly sequential mini-batch SGD, whatever the timing.
+* **The local step is plain SGD**, ``params -= local_lr * g`` as in Algorithm 7.1, with ``local_lr = lr``
+  unless given (0: no local step), whatever the shards' rule. A local Adagrad step (the shards'
+  accumulators fetched along with the parameters, twice the bytes) was tried: with 4 replicas on digits
+  the held-out accuracy oscillated by 20 points, as each replica took many near-``lr`` steps per
+  coordinate between fetches; plain SGD did not.
+* **Pushes coalesce.** At most ``max_pushes_in_flight`` pushes are outstanding; while that many are, the
+  gradient keeps accruing and goes out with the next push, so a slow network never stalls the computation
+  (the push "thread" of the paper, busy, would do the same). As in the paper with ``n_push > 1``, the shards
+  treat a push as one gradient: Adagrad adds the square of the *sum* to its accumulators. For a sum of k
+  similar gradients that is ~k times the sum of their squares, so coalesced (and so staler) pushes get
+  smaller rates. Adding the sum of squares instead (the same accumulators as k separate pushes) was tried
+  and made 2-replica runs on digits markedly less stable at the same ``lr``.
+* **Staleness** of a push, as the shard measures it, is the number of updates the shard applied between the
+  fetch the gradient's parameters came from and the push (own earlier pushes included). With
+  ``max_staleness = s`` the replica waits, before computing, for a fresh fetch whenever what it knows
+  (versions reported by the shards plus its own pushes still in flight) already puts the coming push more
+  than ``s`` updates behind (a stale-synchronous bound in the spirit of Ho et al. 2013; see the overview
+  in ``papers/``). ``s = 0`` with one replica is sequential SGD or Adagrad, step for step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from scipy.linalg import blas
+
+from errors import InvalidOptionError
+
+__all__ = ["FetchRequest", "PushMessage", "ReplicaCore", "ReplicaCounters"]
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    """A fetch to send to every shard: its id, the vector names, and the shard-map generation.
+
+    Examples
+    --------
+    >>> ReplicaCore([(0, 4)], rule="sgd", lr=0.1).start_fetch()
+    FetchRequest(fid=0, names=('x',), gen=0)
+    """
+
+    fid: int
+    names: tuple[str, ...]
+    gen: int
+
+
+@dataclass(frozen=True)
+class PushMessage:
+    """An accrued gradient to push to every shard.
+
+    ``fetched_versions[i]`` is the version of shard ``i`` that the oldest gradient in the sum was computed
+    from (None when unknown, e.g. right after the shard was restored); the shard reports the push's
+    staleness against it.
+
+    Examples
+    --------
+    >>> msg = PushMessage(seq=0, grad=np.ones(2), fetched_versions=(3,), steps=1, gen=0)
+    >>> msg.steps
+    1
+    """
+
+    seq: int
+    grad: np.ndarray
+    fetched_versions: tuple[int | None, ...]
+    steps: int
+    gen: int
+
+
+@dataclass
+class _Fetch:
+    request: FetchRequest
+    pending: set[int]
+    dx: np.ndarray
+
+
+@dataclass
+class ReplicaCounters:
+    """What a replica has done; cumulative unless said otherwise (lists: one entry per shard).
+
+    Examples
+    --------
+    >>> ReplicaCore([(0, 2), (2, 4)], rule="sgd", lr=0.1).counters.pushes
+    [0, 0]
+    """
+
+    steps: int = 0
+    rows: int = 0
+    loss_sum: float = 0.0
+    fetches: list[int] = field(default_factory=list)
+    pushes: list[int] = field(default_factory=list)
+    fetch_errors: list[int] = field(default_factory=list)
+    push_errors: list[int] = field(default_factory=list)
+    duplicates: int = 0
+    pushes_sent: int = 0
+    staleness_sum: int = 0
+    staleness_count: int = 0
+    #: Largest staleness since the last :meth:`ReplicaCore.snapshot` (which resets it).
+    staleness_max: int = 0
+    #: Per shard, the sum over applied pushes of ``steps`` (``steps / (1 + staleness)`` with
+    #: ``staleness_scale``): the learning-rate weight the shard gave this replica's gradients.
+    applied_weight: list[float] = field(default_factory=list)
+    #: Per shard, the sum over applied pushes of ``steps**2`` (how Adagrad's accumulators grow under a
+    #: constant gradient).
+    applied_steps_sq: list[int] = field(default_factory=list)
+    stale_waits: int = 0
+
+
+class ReplicaCore:
+    """One Downpour replica's local state and message bookkeeping; see the module docstring.
+
+    Parameters
+    ----------
+    ranges : sequence of (int, int)
+        The shards' parameter ranges ``[lo, hi)``, in order, covering the whole vector.
+    rule : {"sgd", "adagrad"}
+        The rule the shards apply.
+    lr : float
+        The shards' learning rate (Adagrad's gamma).
+    local_lr : float, optional
+        Rate of the local SGD step (default ``lr``; 0: no local step).
+    n_fetch, n_push : int
+        Fetch before every ``n_fetch``-th step; push after every ``n_push``-th.
+    l2 : float
+        L2 regularization, added to every mini-batch gradient (``l2 * w``).
+    max_staleness : int, optional
+        Wait for a fresh fetch rather than compute a gradient that will land more than this many updates
+        behind.
+    staleness_scale : bool
+        Whether the shards divide the step by ``1 + staleness`` (only used for :attr:`counters`).
+    max_pushes_in_flight : int
+        Pushes outstanding before the gradient keeps accruing instead.
+    trace : bool
+        Keep every step's mini-batch loss in :attr:`losses`.
+
+    Examples
+    --------
+    >>> from storage import Shard
+    >>> import models
+    >>> core = ReplicaCore([(0, 3)], rule="sgd", lr=0.1)
+    >>> shard = Shard(0, 0, 3); shard.set("x", 0, 3, np.zeros(3))
+    >>> req = core.start_fetch(); version, (x,) = 0, [shard.get("x")]
+    >>> core.on_fetched(req.fid, 0, version, [x]); core.ready
+    True
+    >>> m = models.LeastSquares(2)
+    >>> loss = core.compute(m, np.array([[1.0, 0.0]]), np.array([1.0]))
+    >>> msg = core.take_push(); msg.steps, msg.grad.round(3).tolist()
+    (1, [-1.0, 0.0, -1.0])
+    """
+
+    def __init__(
+        self,
+        ranges: Sequence[tuple[int, int]],
+        *,
+        rule: str,
+        lr: float,
+        local_lr: float | None = None,
+        n_fetch: int = 1,
+        n_push: int = 1,
+        l2: float = 0.0,
+        max_staleness: int | None = None,
+        staleness_scale: bool = False,
+        max_pushes_in_flight: int = 2,
+        trace: bool = False,
+    ) -> None:
+        if rule not in ("sgd", "adagrad"):
+            raise InvalidOptionError(f"unknown update rule {rule!r}; use 'sgd' or 'adagrad'")
+        self.ranges = [(int(lo), int(hi)) for lo, hi in ranges]
+        self.n_shards = len(self.ranges)
+        self.n = self.ranges[-1][1]
+        self.rule = rule
+        self.lr = float(lr)
+        self.n_fetch = n_fetch
+        self.n_push = n_push
+        self.l2 = float(l2)
+        self.max_staleness = max_staleness
+        self.staleness_scale = staleness_scale
+        self.max_pushes_in_flight = max_pushes_in_flight
+        self.local_rate = self.lr if local_lr is None else float(local_lr)
+        self.fetch_names: tuple[str, ...] = ("x",)
+        self.x = np.zeros(self.n)
+        self.accrued = np.zeros(self.n)
+        self.accrued_steps = 0
+        self._accrued_base: tuple[int | None, ...] = (None,) * self.n_shards
+        # Local steps whose gradient no fetch can contain yet (not sent in a push).
+        self._unsent_dx = np.zeros(self.n)
+        self.gen = 0
+        self.seq = 0
+        self._next_fid = 0
+        self._fetch: _Fetch | None = None
+        self._fetch_due = True
+        self._push_due = False
+        #: Per shard: the version the local copy was fetched at, and the generation of that fetch.
+        self.base: list[int | None] = [None] * self.n_shards
+        self._base_gen = [-1] * self.n_shards
+        #: Per shard: the newest version the shard has reported (in the current generation).
+        self.known = [0] * self.n_shards
+        self._known_gen = [0] * self.n_shards
+        self._pending: dict[int, tuple[set[int], int]] = {}  # seq -> (shards not answered, steps)
+        self._landed_once = [False] * self.n_shards
+        self.diverged = False
+        self.counters = ReplicaCounters(
+            fetches=[0] * self.n_shards,
+            pushes=[0] * self.n_shards,
+            fetch_errors=[0] * self.n_shards,
+            push_errors=[0] * self.n_shards,
+            applied_weight=[0.0] * self.n_shards,
+            applied_steps_sq=[0] * self.n_shards,
+        )
+        self.trace = trace
+        self.losses: list[float] = []
+
+    # -- state -------------------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Whether every shard's slice has been fetched at least once."""
+        return all(self._landed_once)
+
+    @property
+    def fetch_in_flight(self) -> bool:
+        """Whether a fetch has been started and not every shard has answered."""
+        return self._fetch is not None
+
+    @property
+    def pushes_in_flight(self) -> int:
+        """Pushes sent that not every shard has answered."""
+        return len(self._pending)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight."""
+        return self._fetch is None and not self._pending
+
+    def staleness_estimate(self) -> int:
+        """A lower bound on the staleness a push sent now would have, at its worst shard."""
+        worst = 0
+        unacked = [0] * self.n_shards
+        for shards, _ in self._pending.values():
+            for i in shards:
+                unacked[i] += 1
+        for i in range(self.n_shards):
+            base = self.base[i]
+            if base is None or self._base_gen[i] != self.gen:
+                continue
+            known = self.known[i] if self._known_gen[i] == self.gen else base
+            worst = max(worst, known + unacked[i] - base)
+        return worst
+
+    def must_wait(self) -> bool:
+        """Whether the next step must wait for a fetch (first parameters, or the staleness bound)."""
+        if not self.ready:
+            return True
+        return self.max_staleness is not None and self.staleness_estimate() > self.max_staleness
+
+    # -- fetch -------------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Mark a fetch as due on every ``n_fetch``-th step (it starts as soon as none is in flight)."""
+        if self.counters.steps % self.n_fetch == 0:
+            self._fetch_due = True
+
+    def fetch_wanted(self) -> bool:
+        """Whether the transport should call :meth:`start_fetch` now."""
+        return self._fetch is None and (self._fetch_due or self.must_wait())
+
+    def start_fetch(self) -> FetchRequest:
+        """Begin a fetch from every shard; the local steps it cannot contain are tracked from here on."""
+        request = FetchRequest(self._next_fid, self.fetch_names, self.gen)
+        self._next_fid += 1
+        self._fetch = _Fetch(request, set(range(self.n_shards)), self._unsent_dx.copy())
+        self._fetch_due = False
+        return request
+
+    def on_fetched(self, fid: int, shard: int, version: int, arrays: Sequence[np.ndarray]) -> None:
+        """Shard ``shard`` answered fetch ``fid``: its slice of the local copy becomes fetched + own steps."""
+        f = self._fetch
+        if f is None or f.request.fid != fid or shard not in f.pending:
+            return  # an abandoned fetch (the shard map changed): a newer one will come
+        lo, hi = self.ranges[shard]
+        np.add(arrays[0], f.dx[lo:hi], out=self.x[lo:hi])
+        self.base[shard] = int(version)
+        self._base_gen[shard] = f.request.gen
+        self._observe(shard, int(version), f.request.gen)
+        self._landed_once[shard] = True
+        self.counters.fetches[shard] += 1
+        self._settle_fetch(f, shard)
+
+    def on_fetch_failed(self, fid: int, shard: int) -> None:
+        """Shard ``shard`` did not answer fetch ``fid``: keep the local slice, fetch again soon."""
+        f = self._fetch
+        if f is None or f.request.fid != fid or shard not in f.pending:
+            return
+        self.counters.fetch_errors[shard] += 1
+        self._fetch_due = True
+        self._settle_fetch(f, shard)
+
+    def _settle_fetch(self, f: _Fetch, shard: int) -> None:
+        f.pending.discard(shard)
+        if not f.pending:
+            self._fetch = None
+
+    # -- compute -----------------------------------------------------------------------------------------
+    def compute(self, model: Any, X: np.ndarray, y: np.ndarray) -> float:
+        """One step: the mini-batch mean gradient at the local copy, accrued, and the local step.
+
+        Returns the mini-batch mean loss. A non-finite loss or gradient is not applied and sets
+        :attr:`diverged`.
+        """
+        rows = int(X.shape[0])
+        loss, grad = model.loss_and_grad(self.x, X, y)
+        g = np.multiply(np.asarray(grad, dtype=np.float64), 1.0 / rows)
+        if self.l2:
+            blas.daxpy(self.x, g, a=self.l2)
+        mean_loss = float(loss) / rows
+        if not (math.isfinite(mean_loss) and np.isfinite(g).all()):
+            self.diverged = True
+            return mean_loss
+        self.apply(g)
+        c = self.counters
+        c.rows += rows
+        c.loss_sum += float(loss)
+        if self.trace:
+            self.losses.append(mean_loss)
+        return mean_loss
+
+    def apply(self, g: np.ndarray) -> None:
+        """Accrue gradient ``g`` and take the local step (used by :meth:`compute`)."""
+        if self.accrued_steps == 0:
+            self._accrued_base = tuple(
+                b if bg == self.gen else None for b, bg in zip(self.base, self._base_gen, strict=True)
+            )
+        blas.daxpy(g, self.accrued, a=1.0)
+        self.accrued_steps += 1
+        f = self._fetch
+        if self.local_rate:
+            a = -self.local_rate
+            blas.daxpy(g, self.x, a=a)
+            blas.daxpy(g, self._unsent_dx, a=a)
+            if f is not None:
+                blas.daxpy(g, f.dx, a=a)
+        self.counters.steps += 1
+        if self.counters.steps % self.n_push == 0:
+            self._push_due = True
+
+    # -- push --------------------------------------------------------------------------------------------
+    def take_push(self, *, force: bool = False) -> PushMessage | None:
+        """The accrued gradient to push now, or None (not due, nothing accrued, or too many in flight).
+
+        ``force`` pushes whatever has accrued even if no push is due (the final flush).
+        """
+        if self.accrued_steps == 0 or not (self._push_due or force):
+            return None
+        if len(self._pending) >= self.max_pushes_in_flight:
+            return None  # keep accruing: it goes out with the next push
+        msg = PushMessage(self.seq, self.accrued, self._accrued_base, self.accrued_steps, self.gen)
+        self._pending[self.seq] = (set(range(self.n_shards)), self.accrued_steps)
+        self.seq += 1
+        self.accrued = np.zeros(self.n)
+        self.accrued_steps = 0
+        self._push_due = False
+        self._unsent_dx.fill(0.0)
+        self.counters.pushes_sent += 1
+        return msg
+
+    def on_pushed(
+        self, seq: int, shard: int, applied: bool, version_after: int, staleness: int, gen: int
+    ) -> None:
+        """Shard ``shard`` answered push ``seq`` with ``(applied, version_after, staleness)``."""
+        steps = self._answer(seq, shard)
+        c = self.counters
+        if applied:
+            c.pushes[shard] += 1
+            c.staleness_sum += int(staleness)
+            c.staleness_count += 1
+            c.staleness_max = max(c.staleness_max, int(staleness))
+            c.applied_weight[shard] += steps / (1.0 + staleness) if self.staleness_scale else float(steps)
+            c.applied_steps_sq[shard] += steps * steps
+        else:
+            c.duplicates += 1
+        self._observe(shard, int(version_after), gen)
+
+    def on_push_failed(self, seq: int, shard: int) -> None:
+        """Shard ``shard`` did not answer push ``seq``: that slice of the gradient is lost."""
+        self._answer(seq, shard)
+        self.counters.push_errors[shard] += 1
+
+    def _answer(self, seq: int, shard: int) -> int:
+        entry = self._pending.get(seq)
+        if entry is None:
+            return 0
+        shards, steps = entry
+        shards.discard(shard)
+        if not shards:
+            del self._pending[seq]
+        return steps
+
+    def _observe(self, shard: int, version: int, gen: int) -> None:
+        if gen > self._known_gen[shard]:
+            self.known[shard], self._known_gen[shard] = version, gen
+        elif gen == self._known_gen[shard]:
+            self.known[shard] = max(self.known[shard], version)
+
+    # -- recovery ----------------------------------------------------------------------------------------
+    def reset_shards(self) -> None:
+        """The shard map changed (a shard was restored from a checkpoint): forget versions, fetch afresh.
+
+        The fetch in flight is abandoned (its late answers are ignored); pushes in flight still count when
+        they are answered or fail.
+        """
+        self.gen += 1
+        self._fetch = None
+        self._fetch_due = True
+
+    def snapshot(self) -> dict[str, Any]:
+        """The counters as plain data; resets the windowed maximum staleness."""
+        c = self.counters
+        out = {
+            "steps": c.steps,
+            "rows": c.rows,
+            "loss_sum": c.loss_sum,
+            "fetches": list(c.fetches),
+            "pushes": list(c.pushes),
+            "fetch_errors": list(c.fetch_errors),
+            "push_errors": list(c.push_errors),
+            "duplicates": c.duplicates,
+            "pushes_sent": c.pushes_sent,
+            "staleness_sum": c.staleness_sum,
+            "staleness_count": c.staleness_count,
+            "staleness_max": c.staleness_max,
+            "applied_weight": list(c.applied_weight),
+            "applied_steps_sq": list(c.applied_steps_sq),
+            "stale_waits": c.stale_waits,
+            "known_versions": list(self.known),
+            "diverged": self.diverged,
+        }
+        c.staleness_max = 0
+        return out

@@ -1,0 +1,153 @@
+"""Every option of :func:`downpour.train`, validated once into a frozen dataclass.
+
+Defaults follow the DistBelief paper, section 4.1: ``n_fetch = n_push = 1`` as in its experiments, Adagrad on
+the shards, a learning rate for Adagrad about an order of magnitude above the best fixed SGD rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from errors import InvalidOptionError
+
+__all__ = ["DEFAULT_LR", "DownpourOptions", "Rule"]
+
+Rule = Literal["sgd", "adagrad"]
+
+#: Learning rates used when ``lr`` is not given: good on the built-in models with standardized inputs and
+#: mini-batches of a few dozen rows (the gradient is the mini-batch *mean*, so the rate does not depend on
+#: the batch size).
+DEFAULT_LR: dict[str, float] = {"sgd": 0.1, "adagrad": 0.2}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise InvalidOptionError(f"option {name}={value!r} is invalid: expected {expected}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DownpourOptions:
+    """The options of :func:`downpour.train` (see there for their meaning), checked on construction.
+
+    ``lr`` left as ``None`` is replaced by :data:`DEFAULT_LR` for the rule. ``has_callback`` says whether
+    :func:`downpour.train` was given a callback (which may then be the only way the run stops).
+
+    Examples
+    --------
+    >>> DownpourOptions(rule="sgd", max_steps=100).lr
+    0.1
+    >>> DownpourOptions(n_fetch=0, max_steps=1)
+    Traceback (most recent call last):
+    ...
+    errors.InvalidOptionError: option n_fetch=0 is invalid: expected an int >= 1
+    """
+
+    replicas: int | None = None
+    shards: int | None = None
+    rule: Rule = "adagrad"
+    lr: float | None = None
+    local_lr: float | None = None
+    batch_size: int = 32
+    n_fetch: int = 1
+    n_push: int = 1
+    warmstart_steps: int = 0
+    epochs: int | None = None
+    max_steps: int | None = None
+    time_limit: float | None = None
+    eval_every: float = 1.0
+    l2: float = 0.0
+    staleness_scale: bool = False
+    max_staleness: int | None = None
+    checkpoint_every_s: float = 5.0
+    seed: int = 0
+    shuffle: bool = True
+    poll_every: float = 0.05
+    call_timeout: float = 30.0
+    shard_workers: tuple[str, ...] | None = None
+    replica_workers: tuple[str, ...] | None = None
+    trace: bool = False
+    has_callback: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.rule in ("sgd", "adagrad"), "rule", self.rule, "'sgd' or 'adagrad'")
+        if self.lr is None:
+            object.__setattr__(self, "lr", DEFAULT_LR[self.rule])
+        _check(_is_number(self.lr) and float(self.lr or 0) > 0, "lr", self.lr, "a finite number > 0")
+        _check(
+            self.local_lr is None or (_is_number(self.local_lr) and self.local_lr >= 0),
+            "local_lr",
+            self.local_lr,
+            "None (the same as lr) or a finite number >= 0 (0: no local step)",
+        )
+        for name in ("batch_size", "n_fetch", "n_push"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, name, value, "an int >= 1")
+        for name in ("replicas", "shards", "epochs", "max_steps"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and value >= 1), name, value, "None or an int >= 1")
+        _check(
+            _is_int(self.warmstart_steps) and self.warmstart_steps >= 0,
+            "warmstart_steps",
+            self.warmstart_steps,
+            "an int >= 0",
+        )
+        _check(
+            self.max_staleness is None or (_is_int(self.max_staleness) and self.max_staleness >= 0),
+            "max_staleness",
+            self.max_staleness,
+            "None (no bound) or an int >= 0",
+        )
+        _check(
+            self.time_limit is None or (_is_number(self.time_limit) and self.time_limit > 0),
+            "time_limit",
+            self.time_limit,
+            "None or a number of seconds > 0",
+        )
+        for name in ("eval_every", "poll_every", "call_timeout"):
+            value = getattr(self, name)
+            _check(_is_number(value) and value > 0, name, value, "a number of seconds > 0")
+        _check(
+            _is_number(self.checkpoint_every_s) and self.checkpoint_every_s >= 0,
+            "checkpoint_every_s",
+            self.checkpoint_every_s,
+            "a number of seconds >= 0 (0: only the initial checkpoint)",
+        )
+        _check(_is_number(self.l2) and self.l2 >= 0, "l2", self.l2, "a finite number >= 0")
+        _check(_is_int(self.seed) and self.seed >= 0, "seed", self.seed, "an int >= 0")
+        for name in ("staleness_scale", "shuffle", "trace"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, value, "True or False")
+        for name in ("shard_workers", "replica_workers"):
+            value = getattr(self, name)
+            _check(
+                value is None or (len(value) > 0 and all(isinstance(w, str) for w in value)),
+                name,
+                value,
+                "None or a non-empty list of worker addresses",
+            )
+        if (
+            self.epochs is None
+            and self.max_steps is None
+            and self.time_limit is None
+            and not self.has_callback
+        ):
+            raise InvalidOptionError(
+                "train() needs a way to stop: give epochs=, max_steps= or time_limit= "
+                "(or a callback that raises StopIteration)"
+            )
+
+    @property
+    def step_size(self) -> float:
+        """The resolved learning rate (``lr`` as a float)."""
+        assert self.lr is not None
+        return float(self.lr)

@@ -1,0 +1,432 @@
+"""A Downpour model replica as a Dask actor: compute, fetch and push weakly synchronized (paper, section 4.1).
+
+The paper runs fetching, pushing and computing in "three only weakly synchronized threads" (Appendix,
+Algorithm 7.1). Here:
+
+* **compute** is a thread of the replica's own, started by :meth:`DownpourReplica.start`, so the actor's
+  methods (all ``async def``, on the worker's event loop) stay responsive while it runs. It drives a
+  :class:`~downpour._core.ReplicaCore` over the replica's mini-batches, with BLAS limited to one thread
+  (two cores are shared by every replica and shard of a worker).
+* **fetch and push** are coroutines on the worker's event loop, one *channel* per shard. The compute thread
+  only hands them messages and never waits for them (unless the staleness bound says it must); answers come
+  back through a queue that the compute thread drains between steps. A channel sends one message at a time,
+  in order, so a fetch sees every push sent before it (the core relies on this) and a push's sequence token
+  is never overtaken by the next one. A shard on the same worker is called directly (no RPC to itself).
+
+After a shard was lost and restored on another worker, the driver hands every replica the new shard map
+(:meth:`DownpourReplica.set_shard_map`); calls in flight to the old actor are abandoned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pickle
+import queue
+import threading
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from downpour._batches import BatchPlan
+from downpour._core import FetchRequest, PushMessage, ReplicaCore
+from storage import Dataset, ShardMap
+
+__all__ = ["DownpourReplica", "ReplicaConfig"]
+
+#: A replica keeps the segments it read in memory up to this many bytes (data affinity); beyond, it
+#: re-reads them from the store each epoch.
+CACHE_BYTES = 1 << 30
+#: How long the compute thread sleeps at most while waiting for the shards (seconds).
+_WAIT_SLICE = 0.02
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """What a replica needs to know of the run's options (built by :func:`downpour.train`).
+
+    Examples
+    --------
+    >>> ReplicaConfig("run", "sgd", 0.1, None, 1, 1, 0.0, 32, 0, True, None, 100, None, False, 30.0, False).lr
+    0.1
+    """
+
+    run_id: str
+    rule: str
+    lr: float
+    local_lr: float | None
+    n_fetch: int
+    n_push: int
+    l2: float
+    batch_size: int
+    seed: int
+    shuffle: bool
+    epochs: int | None
+    step_limit: int | None
+    max_staleness: int | None
+    staleness_scale: bool
+    call_timeout: float
+    trace: bool
+
+
+class DownpourReplica:
+    """Dask actor: one model replica training on the rows ``[lo, hi)`` of ``dataset``.
+
+    Parameters
+    ----------
+    index : int
+        Replica number.
+    model : Model
+        Anything with ``loss_and_grad(w, X, y)``.
+    dataset : storage.Dataset
+        The training rows (the replica reads only its own, portion by portion).
+    lo, hi : int
+        The rows this replica owns.
+    shard_map : storage.ShardMap
+        Where to fetch from and push to.
+    config : ReplicaConfig
+        The run's options.
+
+    Examples
+    --------
+    >>> fut = client.submit(DownpourReplica, 0, model, dataset, 0, dataset.n_rows, ps.shard_map(), config,
+    ...                     actor=True)                                   # doctest: +SKIP
+    >>> replica = fut.result(); replica.start().result()                  # doctest: +SKIP
+    >>> replica.status().result()["steps"]                                # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        index: int,
+        model: Any,
+        dataset: Dataset,
+        lo: int,
+        hi: int,
+        shard_map: ShardMap,
+        config: ReplicaConfig,
+    ) -> None:
+        self.index = index
+        self.model = model
+        self.dataset = dataset
+        self.config = config
+        self.plan = BatchPlan.for_rows(
+            dataset, lo, hi, batch_size=config.batch_size, seed=config.seed, replica=index,
+            shuffle=config.shuffle,
+        )  # fmt: skip
+        self.core = ReplicaCore(
+            shard_map.layout.ranges(),
+            rule=config.rule,
+            lr=config.lr,
+            local_lr=config.local_lr,
+            n_fetch=config.n_fetch,
+            n_push=config.n_push,
+            l2=config.l2,
+            max_staleness=config.max_staleness,
+            staleness_scale=config.staleness_scale,
+            trace=config.trace,
+        )
+        self._map = shard_map
+        self._source = f"{config.run_id}/replica-{index}"
+        self.step_limit = config.step_limit
+        #: Warm start: pause (pushes flushed) once this many steps are done, until :meth:`release`.
+        self.hold_at: int | None = None
+        self.holding = False
+        self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: list[asyncio.Queue[tuple[Any, ...] | None]] = []
+        self._channels: list[asyncio.Task[None]] = []
+        self._current: list[asyncio.Future[Any] | None] = []
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._cache_bytes = 0
+        self._reads: dict[int, Future[tuple[np.ndarray, np.ndarray]]] = {}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"downpour-read-{index}")
+        self._retry_at = 0.0
+        self._backoff = 0.05
+        self.started = False
+        self.done = False
+        self.stop_reason: str | None = None
+        self.error: str | None = None
+        self._error_obj: BaseException | None = None
+        self.epoch = 0
+        self.wait_s = 0.0
+        self.compute_s = 0.0
+
+    # -- actor methods (event loop) ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the channels and the compute thread (returns at once)."""
+        if self.started:
+            return
+        self.started = True
+        self._loop = asyncio.get_running_loop()
+        n = self.core.n_shards
+        self._queues = [asyncio.Queue() for _ in range(n)]
+        self._current = [None] * n
+        self._channels = [asyncio.ensure_future(self._channel(i)) for i in range(n)]
+        self._thread = threading.Thread(target=self._run, name=f"downpour-replica-{self.index}", daemon=True)
+        self._thread.start()
+
+    async def status(self) -> dict[str, Any]:
+        """Counters, losses and state, for the driver's poll (cheap; resets the windowed max staleness)."""
+        out = self.core.snapshot()
+        out.update(
+            index=self.index,
+            started=self.started,
+            holding=self.holding,
+            done=self.done,
+            stop_reason=self.stop_reason,
+            error=self.error,
+            error_obj=self._error_obj,
+            epoch=self.epoch,
+            wait_s=self.wait_s,
+            compute_s=self.compute_s,
+            rows_owned=self.plan.n_rows,
+        )
+        return out
+
+    async def set_step_limit(self, limit: int | None) -> None:
+        """Stop (and flush) after ``limit`` steps of this replica."""
+        self.step_limit = limit
+
+    async def hold(self, steps: int) -> None:
+        """Pause after ``steps`` steps (the warm start), with everything accrued pushed, until released."""
+        self.hold_at = steps
+
+    async def release(self) -> None:
+        """End a :meth:`hold`."""
+        self.hold_at = None
+
+    async def set_shard_map(self, shard_map: ShardMap) -> None:
+        """Use ``shard_map`` from now on (a shard was restored); calls in flight to replaced actors end."""
+        old = self._map
+        self._map = shard_map
+        for i, task in enumerate(self._current):
+            changed = getattr(old.actors[i], "key", None) != getattr(shard_map.actors[i], "key", None)
+            if changed and task is not None and not task.done():
+                task.cancel()
+        self._inbox.put(("map",))
+
+    async def stop(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Stop computing, push what has accrued, wait for the answers; return the final :meth:`status`."""
+        self._stop.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+        return await self.status()
+
+    async def losses(self) -> list[float]:
+        """Every step's mini-batch loss (only with ``trace=True``)."""
+        return list(self.core.losses)
+
+    # -- channels (event loop) ---------------------------------------------------------------------------
+    def _enqueue(self, ops: list[tuple[int, tuple[Any, ...]]]) -> None:
+        for i, op in ops:
+            self._queues[i].put_nowait(op)
+
+    def _close_channels(self) -> None:
+        for q in self._queues:
+            q.put_nowait(None)
+
+    async def _channel(self, i: int) -> None:
+        q = self._queues[i]
+        me = asyncio.current_task()
+        while True:
+            op = await q.get()
+            if op is None:
+                return
+            task = asyncio.ensure_future(asyncio.wait_for(self._send(i, op), self.config.call_timeout))
+            self._current[i] = task
+            try:
+                result = await task
+            except asyncio.CancelledError:
+                if me is not None and me.cancelling():
+                    raise
+                self._inbox.put((f"{op[0]}_failed", i, op, "abandoned: the shard map changed"))
+            except Exception as exc:
+                self._inbox.put((f"{op[0]}_failed", i, op, repr(exc)))
+            else:
+                self._inbox.put((f"{op[0]}ed", i, op, result))
+            finally:
+                self._current[i] = None
+
+    async def _send(self, i: int, op: tuple[Any, ...]) -> Any:
+        smap = self._map
+        if op[0] == "fetch":
+            request: FetchRequest = op[1]
+            return await smap.call(i, "fetch", list(request.names))
+        msg: PushMessage = op[1]
+        return await smap.call(
+            i,
+            "push",
+            op[2],
+            source=self._source,
+            seq=msg.seq,
+            rule=self.config.rule,
+            lr=self.config.lr,
+            fetched_version=msg.fetched_versions[i],
+            staleness_scale=self.config.staleness_scale,
+        )
+
+    # -- compute thread ----------------------------------------------------------------------------------
+    def _dispatch(self, ops: list[tuple[int, tuple[Any, ...]]]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._enqueue, ops)
+
+    def _send_fetch(self) -> None:
+        request = self.core.start_fetch()
+        self._dispatch([(i, ("fetch", request)) for i in range(self.core.n_shards)])
+
+    def _send_push(self, msg: PushMessage) -> None:
+        parts = self._map.slices(msg.grad)
+        self._dispatch([(i, ("push", msg, part)) for i, part in enumerate(parts)])
+
+    def _maybe_fetch(self) -> None:
+        if self.core.fetch_wanted() and time.monotonic() >= self._retry_at:
+            self._send_fetch()
+
+    def _drain(self, timeout: float | None) -> None:
+        """Feed the shards' answers to the core; wait up to ``timeout`` for the first one."""
+        try:
+            event = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(event)
+            try:
+                event = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        core = self.core
+        if kind == "map":
+            core.reset_shards()
+            self._retry_at = 0.0
+            return
+        _, i, op, result = event
+        if kind == "fetched":
+            version, arrays = result
+            core.on_fetched(op[1].fid, i, int(version), arrays)
+            self._backoff = 0.05
+        elif kind == "fetch_failed":
+            core.on_fetch_failed(op[1].fid, i)
+            # A shard that does not answer is usually being restored: do not hammer it.
+            self._retry_at = time.monotonic() + self._backoff
+            self._backoff = min(1.0, 2 * self._backoff)
+        elif kind == "pushed":
+            applied, version_after, staleness = result
+            core.on_pushed(op[1].seq, i, bool(applied), int(version_after), int(staleness), op[1].gen)
+        elif kind == "push_failed":
+            core.on_push_failed(op[1].seq, i)
+
+    def _segment(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        data = self._cache.get(s)
+        if data is None:
+            pending = self._reads.pop(s, None)
+            lo, hi = self.plan.segments[s]
+            data = pending.result() if pending is not None else self.dataset.read_rows(lo, hi)
+            nbytes = data[0].nbytes + data[1].nbytes
+            if self._cache_bytes + nbytes <= CACHE_BYTES:
+                self._cache[s] = data
+                self._cache_bytes += nbytes
+        nxt = (s + 1) % len(self.plan.segments)
+        if nxt not in self._cache and nxt not in self._reads and nxt != s:
+            # Read the next segment while this one is being computed.
+            lo, hi = self.plan.segments[nxt]
+            self._reads[nxt] = self._reader.submit(self.dataset.read_rows, lo, hi)
+        return data
+
+    def _run(self) -> None:
+        try:
+            with threadpool_limits(limits=1):
+                self._steps()
+                self._flush()
+        except BaseException as exc:
+            self.error = "".join(traceback.format_exception(exc))
+            with contextlib.suppress(Exception):
+                pickle.dumps(exc)
+                self._error_obj = exc
+            self.stop_reason = "error"
+        finally:
+            self.done = True
+            self._reader.shutdown(wait=False)
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._close_channels)
+
+    def _steps(self) -> None:
+        core = self.core
+        epochs = self.config.epochs
+        while True:
+            for s, rows in self.plan.epoch(self.epoch):
+                if self._stop.is_set():
+                    self.stop_reason = "stopped"
+                    return
+                limit = self.step_limit
+                if limit is not None and core.counters.steps >= limit:
+                    self.stop_reason = "max_steps"
+                    return
+                self._drain(None)
+                if self.hold_at is not None and core.counters.steps >= self.hold_at:
+                    self._hold()
+                    if self._stop.is_set():
+                        self.stop_reason = "stopped"
+                        return
+                core.begin_step()
+                self._maybe_fetch()
+                if core.must_wait():
+                    if core.ready:
+                        core.counters.stale_waits += 1
+                    t_wait = time.perf_counter()
+                    while core.must_wait() and not self._stop.is_set():
+                        self._maybe_fetch()
+                        self._drain(_WAIT_SLICE)
+                    self.wait_s += time.perf_counter() - t_wait
+                    if self._stop.is_set():
+                        continue
+                X, y = self._segment(s)
+                t_compute = time.perf_counter()
+                core.compute(self.model, X[rows], y[rows])
+                self.compute_s += time.perf_counter() - t_compute
+                if core.diverged:
+                    self.stop_reason = "diverged"
+                    return
+                msg = core.take_push()
+                if msg is not None:
+                    self._send_push(msg)
+            self.epoch += 1
+            if epochs is not None and self.epoch >= epochs:
+                self.stop_reason = "epochs"
+                return
+
+    def _hold(self) -> None:
+        """Warm start: push what has accrued and idle until released or stopped."""
+        self.holding = True
+        while (
+            self.hold_at is not None and self.core.counters.steps >= self.hold_at and not self._stop.is_set()
+        ):
+            msg = self.core.take_push(force=True)
+            if msg is not None:
+                self._send_push(msg)
+            self._drain(_WAIT_SLICE)
+        self.holding = False
+
+    def _flush(self) -> None:
+        """Push whatever has accrued and wait (bounded) until every push is answered."""
+        core = self.core
+        deadline = time.monotonic() + self.config.call_timeout
+        while time.monotonic() < deadline:
+            self._drain(None)
+            if not core.diverged:
+                msg = core.take_push(force=True)
+                if msg is not None:
+                    self._send_push(msg)
+            if (core.accrued_steps == 0 or core.diverged) and core.pushes_in_flight == 0:
+                return
+            self._drain(_WAIT_SLICE)
+        self.stop_reason = f"{self.stop_reason} (some pushes were not answered in time)"

@@ -1,0 +1,888 @@
+"""``downpour.train``: asynchronous SGD with many replicas against the sharded parameter server (section 4.1).
+
+The driver (this process) never takes part in the optimization. It places the shards and the replicas, lets
+one replica warm up alone (the paper's "warmstarting"), then lets all of them loose, and from then on only
+watches: every ``poll_every`` seconds it asks each replica for its counters (a cheap ``async`` call), every
+``eval_every`` seconds it gathers the parameters and evaluates the held-out loss and accuracy while the
+replicas go on training, every ``checkpoint_every_s`` seconds it checkpoints the shards to zarr, and it
+decides when to stop.
+
+Faults (the paper's "tolerate ... the wholesale failure of model replicas"): a replica whose worker dies is
+dropped and the others carry on (its rows are no longer visited). A shard lost with its worker is rebuilt by
+the parameter server from its last checkpoint on a live worker; the driver hands the replicas the new shard
+map, and training continues (the updates that shard received since its checkpoint are lost, as in the paper,
+where shards restart from checkpoints).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import xarray as xr
+from distributed import Client, Future, LocalCluster
+from distributed.utils import sync
+
+from downpour._batches import split_rows
+from downpour._options import DownpourOptions, Rule
+from downpour._replica import DownpourReplica, ReplicaConfig
+from errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
+from storage import Dataset, ParameterServer
+
+__all__ = ["Progress", "TrainResult", "train"]
+
+#: How many lost shards a run recovers from before it gives up.
+MAX_RECOVERIES = 5
+#: Below this many parameters the default is a single shard (an extra shard costs a round trip per push).
+SHARD_MIN_PARAMS = 1 << 17
+#: Stop reasons that mean the run did what it was asked.
+_SUCCESS = ("max_steps", "epochs", "time_limit", "callback")
+_DEAD = ("error", "lost", "cancelled")
+_PER_REPLICA = (
+    "steps",
+    "pushes",
+    "fetches",
+    "applied_weight",
+    "applied_steps_sq",
+    "stop_reason",
+    "wait_s",
+    "compute_s",
+)
+_MESSAGES = {
+    "max_steps": "reached max_steps",
+    "epochs": "every replica finished its epochs",
+    "time_limit": "reached the time limit",
+    "callback": "stopped by the callback",
+    "diverged": "the training loss became NaN or infinite: lower lr (or use rule='adagrad')",
+    "replicas_lost": "every replica was lost with its worker; restart workers and train again from x",
+}
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One row of the history, as passed to the callback.
+
+    Attributes
+    ----------
+    time : float
+        Seconds since the replicas started.
+    step : int
+        Mini-batch steps taken by all replicas together.
+    epoch : float
+        Rows visited by all replicas together, divided by the number of training rows.
+    train_loss : float
+        Mean mini-batch loss (data term, per row) of the steps since the previous row.
+    test_loss, test_accuracy : float
+        Held-out loss (data term, per row) and accuracy at the shards' parameters (NaN without
+        ``eval_data``; accuracy NaN for a model without ``accuracy``).
+    staleness_mean, staleness_max : float
+        Over the pushes answered since the previous row (NaN if none).
+    replicas_alive : int
+        Replicas still running.
+
+    Examples
+    --------
+    >>> def stop_at_95(p: Progress) -> None:
+    ...     if p.test_accuracy >= 0.95:
+    ...         raise StopIteration
+    >>> downpour.train(model, data, eval_data=held_out, callback=stop_at_95)   # doctest: +SKIP
+    """
+
+    time: float
+    step: int
+    epoch: float
+    train_loss: float
+    test_loss: float
+    test_accuracy: float
+    staleness_mean: float
+    staleness_max: float
+    replicas_alive: int
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` did.
+
+    Attributes
+    ----------
+    x : numpy.ndarray
+        The parameters on the shards at the end.
+    history : xarray.Dataset
+        One entry per evaluation, over ``time`` (seconds since the replicas started): ``step``, ``epoch``,
+        ``train_loss``, ``test_loss``, ``test_accuracy``, ``staleness_mean``, ``staleness_max``,
+        ``replicas_alive``, ``push_errors``, ``stale_waits``, and per ``shard`` (cumulative) ``pushes``,
+        ``fetches`` and ``version`` (updates the shard has applied, as last reported).
+    stop_reason : str
+        ``"max_steps"``, ``"epochs"``, ``"time_limit"``, ``"callback"``, ``"diverged"`` or
+        ``"replicas_lost"``.
+    success : bool
+        Whether the run stopped for one of the first four reasons.
+    message : str
+        The stop reason in words.
+    steps : int
+        Mini-batch steps taken by all replicas together.
+    wall_time : float
+        Seconds from the start of the replicas to the end of the run.
+    store : str
+        Where the parameter server's checkpoints are, the last one taken at the end of the run
+        (``storage.ParameterServer.open(client, store=...)`` brings it back; deleted with a temporary
+        store).
+    stats : dict
+        Totals: pushes, fetches, push/fetch errors, duplicates, staleness, recoveries, lost replicas, ...
+    losses : dict of int to numpy.ndarray
+        With ``trace=True``, every replica's per-step mini-batch losses.
+
+    Examples
+    --------
+    >>> res = downpour.train(model, data, max_steps=1000, eval_data=held_out)     # doctest: +SKIP
+    >>> res.history.test_accuracy.plot(x="time")                               # doctest: +SKIP
+    >>> res.stats["staleness_mean"], res.stats["pushes"]                       # doctest: +SKIP
+    """
+
+    x: np.ndarray
+    history: xr.Dataset
+    stop_reason: str
+    success: bool
+    message: str
+    steps: int
+    wall_time: float
+    store: str = ""
+    stats: dict[str, Any] = field(default_factory=dict)
+    losses: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return (
+            f"TrainResult(stop_reason={self.stop_reason!r}, success={self.success}, steps={self.steps}, "
+            f"wall_time={self.wall_time:.3g})"
+        )
+
+
+def train(
+    model: Any,
+    data: Dataset | tuple[np.ndarray, np.ndarray],
+    *,
+    replicas: int | None = None,
+    shards: int | None = None,
+    rule: Rule = "adagrad",
+    lr: float | None = None,
+    local_lr: float | None = None,
+    batch_size: int = 32,
+    n_fetch: int = 1,
+    n_push: int = 1,
+    warmstart_steps: int = 0,
+    epochs: int | None = None,
+    max_steps: int | None = None,
+    time_limit: float | None = None,
+    eval_data: Dataset | tuple[np.ndarray, np.ndarray] | None = None,
+    eval_every: float = 1.0,
+    l2: float = 0.0,
+    client: Client | None = None,
+    store: str | os.PathLike[str] | None = None,
+    callback: Callable[[Progress], None] | None = None,
+    staleness_scale: bool = False,
+    max_staleness: int | None = None,
+    checkpoint_every_s: float = 5.0,
+    seed: int = 0,
+    x0: np.ndarray | None = None,
+    shuffle: bool = True,
+    shard_workers: Sequence[str] | None = None,
+    replica_workers: Sequence[str] | None = None,
+    trace: bool = False,
+    poll_every: float = 0.05,
+    call_timeout: float = 30.0,
+) -> TrainResult:
+    """Train ``model`` with Downpour SGD: asynchronous replicas, a sharded parameter server, Adagrad.
+
+    Minimizes ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2`` by mini-batch SGD in ``replicas`` model
+    replicas, each owning a contiguous part of the training rows; they fetch the parameters every
+    ``n_fetch`` steps and push their accrued gradient every ``n_push`` steps, and the shards apply each push
+    on its own (DistBelief paper, section 4.1).
+
+    Parameters
+    ----------
+    model : Model
+        Anything with ``n_params``, ``init_params(seed)`` and ``loss_and_grad(w, X, y)`` (sum over rows).
+    data : storage.Dataset or (X, y)
+        Training rows; arrays are first written to a dataset in ``store``.
+    replicas, shards : int, optional
+        Model replicas (default: one per worker) and parameter-server shards (default: one below 131,072
+        parameters, else one per worker).
+    rule : {"adagrad", "sgd"}
+        Update rule on the shards: the paper's Adagrad, ``w -= lr * g / sqrt(sum of g^2)``, or ``w -= lr*g``.
+    lr : float, optional
+        Learning rate (Adagrad's gamma); default 0.1 for SGD, 0.2 for Adagrad.
+    local_lr : float, optional
+        Rate of the replicas' local SGD step between fetches (Algorithm 7.1's ``params -= lr * g``), whatever
+        the shards' rule; default ``lr`` (0: no local step).
+    batch_size : int
+        Rows per mini-batch; the gradient is the mini-batch mean.
+    n_fetch, n_push : int
+        Fetch the parameters every ``n_fetch`` steps; push the accrued gradient every ``n_push`` steps.
+        A push that would find two others in flight waits and goes out with the next one.
+    warmstart_steps : int
+        Steps replica 0 takes alone before the others start.
+    epochs : int, optional
+        Passes of each replica over its own rows.
+    max_steps : int, optional
+        Steps of all replicas together (a single replica stops exactly there; several stop within one
+        poll of it).
+    time_limit : float, optional
+        Seconds of training.
+    eval_data : storage.Dataset or (X, y), optional
+        Held-out rows, evaluated every ``eval_every`` seconds while the replicas go on training.
+    eval_every : float
+        Seconds between history entries.
+    l2 : float
+        L2 regularization (added to every mini-batch gradient).
+    client : distributed.Client, optional
+        The cluster; ``None`` starts an embedded ``LocalCluster`` for this call.
+    store : str or path, optional
+        Directory or URL for the data (when given as arrays) and the shards' checkpoints (default: a
+        temporary directory, deleted at the end).
+    callback : callable, optional
+        Called with a :class:`Progress` after every history entry; raising ``StopIteration`` stops the run.
+    staleness_scale : bool
+        Divide each push's step by ``1 + staleness`` on the shards (Zhang et al. 2016).
+    max_staleness : int, optional
+        A replica that knows its next push would be more than this many updates stale waits for a fresh
+        fetch first (0 with one replica is sequential SGD).
+    checkpoint_every_s : float
+        Seconds between checkpoints of the shards to zarr (0: only the initial one); a lost shard is
+        rebuilt from the last.
+    seed : int
+        Seed of the starting point (``model.init_params``) and of the mini-batch shuffles.
+    x0 : numpy.ndarray, optional
+        Starting point.
+    shuffle : bool
+        Shuffle each replica's rows every epoch (within each portion); otherwise visit them in order.
+    shard_workers, replica_workers : list of str, optional
+        Worker addresses to place shards and replicas on (default: every worker, round robin).
+    trace : bool
+        Keep every replica's per-step mini-batch loss (``TrainResult.losses``).
+    poll_every : float
+        Seconds between the driver's polls of the replicas.
+    call_timeout : float
+        Seconds a single call to a shard or replica may take before it counts as failed.
+
+    Returns
+    -------
+    TrainResult
+
+    Raises
+    ------
+    errors.InvalidOptionError
+        A bad option (including none of ``epochs``, ``max_steps``, ``time_limit``, ``callback``).
+    errors.DatasetError
+        Data the model cannot train on.
+    errors.ClusterError
+        No workers, or a replica failed (its error is in the message).
+
+    Examples
+    --------
+    >>> import downpour, models
+    >>> from storage._digits import train_test_split_digits
+    >>> X, y, Xt, yt = train_test_split_digits(seed=0)
+    >>> res = downpour.train(models.Softmax(64, 10), (X, y), replicas=2, epochs=5,
+    ...                      eval_data=(Xt, yt))                                   # doctest: +SKIP
+    >>> float(res.history.test_accuracy[-1]) > 0.9                                # doctest: +SKIP
+    True
+    """
+    opts = DownpourOptions(
+        replicas=replicas,
+        shards=shards,
+        rule=rule,
+        lr=lr,
+        local_lr=local_lr,
+        batch_size=batch_size,
+        n_fetch=n_fetch,
+        n_push=n_push,
+        warmstart_steps=warmstart_steps,
+        epochs=epochs,
+        max_steps=max_steps,
+        time_limit=time_limit,
+        eval_every=eval_every,
+        l2=l2,
+        staleness_scale=staleness_scale,
+        max_staleness=max_staleness,
+        checkpoint_every_s=checkpoint_every_s,
+        seed=seed,
+        shuffle=shuffle,
+        poll_every=poll_every,
+        call_timeout=call_timeout,
+        shard_workers=tuple(shard_workers) if shard_workers is not None else None,
+        replica_workers=tuple(replica_workers) if replica_workers is not None else None,
+        trace=trace,
+        has_callback=callback is not None,
+    )
+    n = int(model.n_params)
+    x_start = np.asarray(model.init_params(seed), dtype=np.float64) if x0 is None else x0
+    x_start = np.array(x_start, dtype=np.float64, copy=True).ravel()
+    if x_start.shape != (n,):
+        raise InvalidOptionError(f"x0 has {x_start.size} values but the model has {n} parameters")
+    if not np.all(np.isfinite(x_start)):
+        raise InvalidOptionError("x0 holds NaN or inf values; pass a finite starting point")
+    eval_arrays = _eval_arrays(model, eval_data)
+    tmp = None
+    if store is None:
+        tmp = tempfile.TemporaryDirectory(prefix="downpour-")
+        store = tmp.name
+    store = str(store)
+    try:
+        with _embedded_client(client) as c:
+            dataset = _as_dataset(data, store)
+            dataset.check_model(model)
+            run = _Run(model, dataset, eval_arrays, c, store, opts, x_start, callback)
+            try:
+                run.setup()
+                return run.drive()
+            finally:
+                run.teardown()
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def _embedded_client(client: Client | None) -> Iterator[Client]:
+    if client is not None:
+        yield client
+        return
+    n_workers = max(1, min(os.cpu_count() or 1, 4))
+    with (
+        LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            host="127.0.0.1",
+        ) as cluster,
+        Client(cluster, direct_to_workers=True) as embedded,
+    ):
+        yield embedded
+
+
+def _as_dataset(data: Any, store: str) -> Dataset:
+    if isinstance(data, Dataset):
+        return data
+    if isinstance(data, tuple) and len(data) == 2:
+        X, y = data
+        return Dataset.from_arrays(
+            np.asarray(X), np.asarray(y), path=os.path.join(store, "data"), overwrite=True
+        )
+    raise InvalidOptionError("data must be a storage.Dataset or a tuple (X, y) of arrays")
+
+
+def _eval_arrays(model: Any, eval_data: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    if eval_data is None:
+        return None
+    if isinstance(eval_data, Dataset):
+        eval_data.check_model(model)
+        return eval_data.read_all()
+    if not (isinstance(eval_data, tuple) and len(eval_data) == 2):
+        raise InvalidOptionError("eval_data must be None, a storage.Dataset or a tuple (X, y) of arrays")
+    X = np.ascontiguousarray(eval_data[0], dtype=np.float64)
+    y = np.ascontiguousarray(eval_data[1], dtype=np.float64).ravel()
+    if X.ndim != 2 or X.shape[0] != y.shape[0] or X.shape[0] == 0:
+        raise DatasetError(
+            f"eval_data must be (X, y) with X of shape (rows, features) and one label per row; got X of "
+            f"shape {X.shape} and {y.shape[0]} labels"
+        )
+    n_features = getattr(model, "n_features", X.shape[1])
+    if X.shape[1] != n_features:
+        raise DatasetError(f"eval_data has {X.shape[1]} features but the model expects {n_features}")
+    if not (np.isfinite(X).all() and np.isfinite(y).all()):
+        raise DatasetError("eval_data holds NaN or inf values; remove or impute them")
+    check = getattr(model, "check_labels", None)
+    if callable(check):
+        check(y)
+    return X, y
+
+
+def _evaluate(model: Any, x: np.ndarray, arrays: tuple[np.ndarray, np.ndarray] | None) -> tuple[float, float]:
+    if arrays is None:
+        return math.nan, math.nan
+    X, y = arrays
+    loss, _ = model.loss_and_grad(x, X, y)
+    accuracy = getattr(model, "accuracy", None)
+    acc = float(accuracy(x, X, y)) if callable(accuracy) else math.nan
+    return float(loss) / X.shape[0], acc
+
+
+@dataclass
+class _Row:
+    time: float
+    step: int
+    epoch: float
+    train_loss: float
+    test_loss: float
+    test_accuracy: float
+    staleness_mean: float
+    staleness_max: float
+    replicas_alive: int
+    push_errors: int
+    stale_waits: int
+    pushes: list[int]
+    fetches: list[int]
+    version: list[int]
+
+
+class _Run:
+    """One training run: the shards, the replicas, and the driver loop."""
+
+    def __init__(
+        self,
+        model: Any,
+        dataset: Dataset,
+        eval_arrays: tuple[np.ndarray, np.ndarray] | None,
+        client: Client,
+        store: str,
+        opts: DownpourOptions,
+        x_start: np.ndarray,
+        callback: Callable[[Progress], None] | None,
+    ) -> None:
+        self.model = model
+        self.dataset = dataset
+        self.eval_arrays = eval_arrays
+        self.client = client
+        self.store = store
+        self.opts = opts
+        self.x_start = x_start
+        self.callback = callback
+        self.ps: ParameterServer | None = None
+        self.actors: list[Any] = []
+        self.futures: list[Future] = []
+        self.alive: list[bool] = []
+        self.started: list[bool] = []
+        self.status: dict[int, dict[str, Any]] = {}
+        self.lost_replicas: list[int] = []
+        self.shard_losses: list[tuple[float, int]] = []
+        self.recoveries = 0
+        self.checkpoints = 0
+        self.rows: list[_Row] = []
+        self.t0 = 0.0
+        self.stopped = False
+        self._prev = (0, 0.0, 0, 0)  # rows, loss_sum, staleness_count, staleness_sum at the last row
+        self._window_max = 0
+        self._errors_seen = 0
+        self._last_probe = -math.inf
+
+    # -- setup / teardown ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        opts, client = self.opts, self.client
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        if not workers:
+            raise ClusterError("the Dask cluster has no workers; start some (or wait for them) and try again")
+        shard_workers = list(opts.shard_workers or workers)
+        replica_workers = list(opts.replica_workers or workers)
+        n = self.x_start.size
+        n_shards = min(opts.shards or (len(shard_workers) if n >= SHARD_MIN_PARAMS else 1), n)
+        n_replicas = opts.replicas or len(replica_workers)
+        ranges = split_rows(self.dataset.n_rows, n_replicas)
+        ps = ParameterServer.create(
+            client,
+            n,
+            shards=n_shards,
+            store=os.path.join(self.store, "params"),
+            workers=shard_workers,
+            overwrite=True,
+            timeout=opts.call_timeout,
+        )
+        self.ps = ps
+        ps.scatter("x", self.x_start)
+        if opts.rule == "adagrad":
+            # The accumulators exist from the start, so every checkpoint (and a restored shard) holds them.
+            ps.fill("x.adagrad", 0.0)
+        ps.checkpoint(meta={"step": 0})
+        self.checkpoints = 1
+        config = ReplicaConfig(
+            run_id=uuid.uuid4().hex[:12],
+            rule=opts.rule,
+            lr=opts.step_size,
+            local_lr=opts.local_lr,
+            n_fetch=opts.n_fetch,
+            n_push=opts.n_push,
+            l2=opts.l2,
+            batch_size=opts.batch_size,
+            seed=opts.seed,
+            shuffle=opts.shuffle,
+            epochs=opts.epochs,
+            step_limit=opts.max_steps,
+            max_staleness=opts.max_staleness,
+            staleness_scale=opts.staleness_scale,
+            call_timeout=opts.call_timeout,
+            trace=opts.trace,
+        )
+        shard_map = ps.shard_map()
+        for r, (lo, hi) in enumerate(ranges):
+            self.futures.append(
+                client.submit(
+                    DownpourReplica,
+                    r,
+                    self.model,
+                    self.dataset,
+                    lo,
+                    hi,
+                    shard_map,
+                    config,
+                    actor=True,
+                    workers=[replica_workers[r % len(replica_workers)]],
+                    allow_other_workers=False,
+                    pure=False,
+                    key=f"downpour-replica-{r}-{config.run_id}",
+                )
+            )
+        self.actors = [f.result(timeout=opts.call_timeout) for f in self.futures]
+        self.alive = [True] * n_replicas
+        self.started = [False] * n_replicas
+
+    def teardown(self) -> None:
+        live = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r] and not self.stopped]
+        if live:
+            with contextlib.suppress(Exception):
+                self._call(live, "stop", (1.0,), timeout=5.0)
+        for f in self.futures:
+            with contextlib.suppress(Exception):
+                f.release()
+        if self.ps is not None:
+            self.ps.close()
+
+    # -- replica calls ---------------------------------------------------------------------------------
+    def _call(
+        self, which: Sequence[int], method: str, args: tuple[Any, ...] = (), *, timeout: float | None = None
+    ) -> dict[int, tuple[bool, Any]]:
+        """Call ``method`` on the replicas ``which`` at once; ``{r: (ok, result or exception)}``."""
+        limit = self.opts.call_timeout if timeout is None else timeout
+
+        async def one(r: int) -> tuple[int, bool, Any]:
+            try:
+                call = getattr(self.actors[r], method)(*args)
+                return r, True, await asyncio.wait_for(call._result(), limit)
+            except Exception as exc:
+                return r, False, exc
+
+        async def many() -> list[tuple[int, bool, Any]]:
+            return list(await asyncio.gather(*(one(r) for r in which)))
+
+        loop = self.client.loop
+        assert loop is not None
+        out: list[tuple[int, bool, Any]] = sync(loop, many)
+        return {r: (ok, value) for r, ok, value in out}
+
+    def _is_dead(self, r: int) -> bool:
+        if self.futures[r].status in _DEAD:
+            return True
+        address = getattr(self.actors[r], "_address", None)
+        return address not in self.client.scheduler_info(n_workers=-1)["workers"]
+
+    def _start(self, which: Sequence[int]) -> None:
+        for r, (ok, value) in self._call(which, "start").items():
+            if ok:
+                self.started[r] = True
+            elif self._is_dead(r):
+                self._lose(r)
+            else:
+                raise ClusterError(f"replica {r} could not start: {value!r}")
+
+    def _lose(self, r: int) -> None:
+        if self.alive[r]:
+            self.alive[r] = False
+            self.lost_replicas.append(r)
+
+    def _poll(self) -> None:
+        which = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r]]
+        if not which:
+            return
+        timeout = max(5.0, 20 * self.opts.poll_every)
+        for r, (ok, value) in self._call(which, "status", timeout=timeout).items():
+            if ok:
+                self.status[r] = value
+                self._window_max = max(self._window_max, int(value["staleness_max"]))
+            elif self._is_dead(r):
+                self._lose(r)
+
+    # -- parameter server ------------------------------------------------------------------------------
+    def _ps_call(self, fn: Callable[[], Any]) -> Any:
+        """Run a parameter-server op; a lost shard is restored (and the replicas told) and the op retried."""
+        for _ in range(MAX_RECOVERIES + 1):
+            try:
+                return fn()
+            except ShardLostError as err:
+                self._recover(err)
+            except ClusterError:
+                lost = self._probe()
+                if lost is None:
+                    raise
+        raise ClusterError(
+            f"parameter-server shards kept being lost ({self.recoveries} recoveries); check the workers"
+        )
+
+    def _probe(self) -> ShardLostError | None:
+        assert self.ps is not None
+        try:
+            self.ps.ping()
+        except ShardLostError as err:
+            self._recover(err)
+            return err
+        return None
+
+    def _recover(self, err: ShardLostError) -> None:
+        assert self.ps is not None
+        self.recoveries += 1
+        if not err.restored or self.recoveries > MAX_RECOVERIES:
+            raise err
+        self.shard_losses.append((time.perf_counter() - self.t0, err.shard))
+        shard_map = self.ps.shard_map()
+        live = [r for r in range(len(self.actors)) if self.alive[r]]
+        for r, (ok, _) in self._call(live, "set_shard_map", (shard_map,)).items():
+            if not ok and self._is_dead(r):
+                self._lose(r)
+
+    # -- history ---------------------------------------------------------------------------------------
+    def _totals(self) -> dict[str, Any]:
+        s = self.ps.shards if self.ps is not None else 1
+        out: dict[str, Any] = {
+            "steps": 0,
+            "rows": 0,
+            "loss_sum": 0.0,
+            "staleness_count": 0,
+            "staleness_sum": 0,
+            "push_errors": 0,
+            "fetch_errors": 0,
+            "duplicates": 0,
+            "stale_waits": 0,
+            "pushes": [0] * s,
+            "fetches": [0] * s,
+            "version": [0] * s,
+        }
+        for st in self.status.values():
+            for key in ("steps", "rows", "loss_sum", "staleness_count", "staleness_sum", "duplicates"):
+                out[key] += st[key]
+            out["stale_waits"] += st["stale_waits"]
+            out["push_errors"] += sum(st["push_errors"])
+            out["fetch_errors"] += sum(st["fetch_errors"])
+            for i in range(s):
+                out["pushes"][i] += st["pushes"][i]
+                out["fetches"][i] += st["fetches"][i]
+                out["version"][i] = max(out["version"][i], st["known_versions"][i])
+        return out
+
+    def _record(self, now: float, x: np.ndarray | None) -> Progress:
+        test_loss, test_acc = _evaluate(self.model, x, self.eval_arrays) if x is not None else (math.nan,) * 2
+        t = self._totals()
+        rows0, loss0, count0, sum0 = self._prev
+        d_rows, d_count = t["rows"] - rows0, t["staleness_count"] - count0
+        row = _Row(
+            time=now,
+            step=t["steps"],
+            epoch=t["rows"] / self.dataset.n_rows,
+            train_loss=(t["loss_sum"] - loss0) / d_rows if d_rows else math.nan,
+            test_loss=test_loss,
+            test_accuracy=test_acc,
+            staleness_mean=(t["staleness_sum"] - sum0) / d_count if d_count else math.nan,
+            staleness_max=float(self._window_max) if d_count else math.nan,
+            replicas_alive=sum(a and s for a, s in zip(self.alive, self.started, strict=True)),
+            push_errors=t["push_errors"],
+            stale_waits=t["stale_waits"],
+            pushes=t["pushes"],
+            fetches=t["fetches"],
+            version=t["version"],
+        )
+        self.rows.append(row)
+        self._prev = (t["rows"], t["loss_sum"], t["staleness_count"], t["staleness_sum"])
+        self._window_max = 0
+        return Progress(**{k: v for k, v in asdict(row).items() if k in Progress.__dataclass_fields__})
+
+    def _gather_x(self) -> np.ndarray | None:
+        assert self.ps is not None
+        ps = self.ps
+        try:
+            x: np.ndarray = self._ps_call(lambda: ps.gather("x"))
+        except ClusterError:
+            return None
+        return x
+
+    def _history(self) -> xr.Dataset:
+        rows = self.rows
+        s = self.ps.shards if self.ps is not None else 1
+        times = np.array([r.time for r in rows])
+        scalar = [
+            "step",
+            "epoch",
+            "train_loss",
+            "test_loss",
+            "test_accuracy",
+            "staleness_mean",
+            "staleness_max",
+            "replicas_alive",
+            "push_errors",
+            "stale_waits",
+        ]
+        data: dict[str, Any] = {k: ("time", np.array([getattr(r, k) for r in rows])) for k in scalar}
+        for k in ("pushes", "fetches", "version"):
+            values = np.array([getattr(r, k) for r in rows], dtype=np.int64).reshape(-1, s)
+            data[k] = (("time", "shard"), values)
+        opts = self.opts
+        return xr.Dataset(
+            data,
+            coords={"time": times, "shard": np.arange(s)},
+            attrs={
+                "rule": opts.rule,
+                "lr": opts.step_size,
+                "replicas": len(self.actors),
+                "shards": s,
+                "batch_size": opts.batch_size,
+                "n_fetch": opts.n_fetch,
+                "n_push": opts.n_push,
+                "n_rows": self.dataset.n_rows,
+            },
+        )
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def drive(self) -> TrainResult:
+        opts = self.opts
+        assert self.ps is not None
+        ps = self.ps
+        n_replicas = len(self.actors)
+        warm = opts.warmstart_steps > 0 and n_replicas > 1
+        self.t0 = time.perf_counter()
+        if warm:
+            self._call([0], "hold", (opts.warmstart_steps,))
+        self._start([0] if warm else list(range(n_replicas)))
+        self._record(0.0, self.x_start)
+        waiting = list(range(1, n_replicas)) if warm else []
+        next_eval = opts.eval_every
+        next_ckpt = opts.checkpoint_every_s if opts.checkpoint_every_s > 0 else math.inf
+        stop_reason: str | None = None
+        while stop_reason is None:
+            now = time.perf_counter() - self.t0
+            time.sleep(max(0.0, min(opts.poll_every, next_eval - now)))
+            self._poll()
+            now = time.perf_counter() - self.t0
+            for r, st in self.status.items():
+                if st.get("error"):
+                    self._fail(r, st)
+            if waiting:
+                st0 = self.status.get(0, {})
+                if not self.alive[0] or st0.get("done") or st0.get("holding"):
+                    self._start(waiting)
+                    self._call([0], "release")
+                    waiting = []
+            errors = sum(sum(st["fetch_errors"]) + sum(st["push_errors"]) for st in self.status.values())
+            if errors > self._errors_seen and now - self._last_probe > 1.0:
+                # Replicas cannot reach a shard: find out whether it was lost (and restore it).
+                self._errors_seen = errors
+                self._last_probe = now
+                with contextlib.suppress(ClusterError):
+                    self._probe()
+            if now >= next_eval:
+                x = self._gather_x() if self.eval_arrays is not None else None
+                progress = self._record(now, x)
+                next_eval = now + opts.eval_every
+                if self.callback is not None:
+                    try:
+                        self.callback(progress)
+                    except StopIteration:
+                        stop_reason = "callback"
+                if not math.isfinite(progress.train_loss) and not math.isnan(progress.train_loss):
+                    stop_reason = "diverged"
+            if now >= next_ckpt:
+                with contextlib.suppress(ClusterError):
+                    self._ps_call(lambda: ps.checkpoint(meta={"step": self._totals()["steps"]}))
+                    self.checkpoints += 1
+                next_ckpt = now + opts.checkpoint_every_s
+            stop_reason = stop_reason or self._stop_condition(now, waiting)
+        return self._finish(stop_reason)
+
+    def _stop_condition(self, now: float, waiting: list[int]) -> str | None:
+        opts = self.opts
+        live = [r for r in range(len(self.actors)) if self.alive[r]]
+        if not live:
+            return "replicas_lost"
+        statuses = [self.status.get(r, {}) for r in live]
+        if any(st.get("diverged") for st in self.status.values()):
+            return "diverged"
+        if opts.time_limit is not None and now >= opts.time_limit:
+            return "time_limit"
+        if opts.max_steps is not None and self._totals()["steps"] >= opts.max_steps:
+            return "max_steps"
+        if not waiting and all(st.get("done") for st in statuses):
+            reasons = {str(st.get("stop_reason", "")).split(" ")[0] for st in statuses}
+            return "epochs" if reasons == {"epochs"} else "max_steps"
+        return None
+
+    def _fail(self, r: int, st: dict[str, Any]) -> None:
+        exc = st.get("error_obj")
+        if isinstance(exc, DistbeliefError):
+            raise exc
+        raise ClusterError(f"replica {r} failed; its traceback:\n{st['error']}")
+
+    def _finish(self, stop_reason: str) -> TrainResult:
+        assert self.ps is not None
+        ps = self.ps
+        live = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r]]
+        stop_timeout = self.opts.call_timeout + 5.0
+        finals = self._call(live, "stop", (self.opts.call_timeout,), timeout=stop_timeout)
+        self.stopped = True
+        for r, (ok, value) in finals.items():
+            if ok:
+                self.status[r] = value
+                self._window_max = max(self._window_max, int(value["staleness_max"]))
+            elif self._is_dead(r):
+                self._lose(r)
+        for r in live:
+            st = self.status.get(r, {})
+            if st.get("error"):
+                self._fail(r, st)
+        wall = time.perf_counter() - self.t0
+        # The store ends up holding the final state (parameters, Adagrad accumulators, shard versions).
+        self._ps_call(lambda: ps.checkpoint(meta={"step": self._totals()["steps"], "final": True}))
+        self.checkpoints += 1
+        x: np.ndarray = self._ps_call(lambda: ps.gather("x"))
+        self._record(wall, x)
+        losses: dict[int, np.ndarray] = {}
+        if self.opts.trace:
+            traced = self._call([r for r in range(len(self.actors)) if self.alive[r]], "losses")
+            losses = {r: np.array(v) for r, (ok, v) in traced.items() if ok}
+        t = self._totals()
+        success = stop_reason in _SUCCESS
+        stats = {
+            "replicas": len(self.actors),
+            "shards": ps.shards,
+            "pushes": int(sum(t["pushes"])),
+            "fetches": int(sum(t["fetches"])),
+            "push_errors": t["push_errors"],
+            "fetch_errors": t["fetch_errors"],
+            "duplicates": t["duplicates"],
+            "staleness_mean": t["staleness_sum"] / t["staleness_count"] if t["staleness_count"] else math.nan,
+            "stale_waits": t["stale_waits"],
+            "steps_per_s": t["steps"] / wall if wall > 0 else math.nan,
+            "lost_replicas": list(self.lost_replicas),
+            "shard_losses": list(self.shard_losses),
+            "recoveries": len(self.shard_losses),
+            "checkpoints": self.checkpoints,
+            "per_replica": {r: {k: st[k] for k in _PER_REPLICA} for r, st in sorted(self.status.items())},
+        }
+        return TrainResult(
+            x=x,
+            history=self._history(),
+            stop_reason=stop_reason,
+            success=success,
+            message=_MESSAGES[stop_reason],
+            steps=int(t["steps"]),
+            wall_time=wall,
+            store=ps.url,
+            stats=stats,
+            losses=losses,
+        )

@@ -1,0 +1,29 @@
+"""``distbelief demo`` (the README's first command) runs both jobs through the REST API, prints a table."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from distributed import Client as DaskClient
+
+from api.cli import main
+
+
+def test_demo_runs_both_jobs_through_the_api(client: DaskClient, capsys: pytest.CaptureFixture[str]) -> None:
+    # On the session's cluster (--scheduler) rather than an embedded one, to keep the test quick.
+    assert main(["demo", "--scheduler", client.scheduler.address]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"dashboard: http://127\.0\.0\.1:\d+/", out)
+    rows = {
+        m.group(1).strip(): m.groups()[1:]
+        for m in re.finditer(r"^(.{28}) (\w+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    }
+    ours, scipy_row = rows["Sandblaster L-BFGS"], rows["SciPy L-BFGS-B, 1 process"]
+    assert ours[0] == scipy_row[0] == "succeeded"
+    # The oracle: SciPy's L-BFGS-B reaches the same objective (6 printed decimals) and accuracy.
+    assert float(ours[3]) == pytest.approx(float(scipy_row[3]), abs=2e-6)
+    assert float(ours[4]) == pytest.approx(float(scipy_row[4]), abs=0.01)
+    downpour = rows["Downpour Adagrad"]
+    assert downpour[0] == "succeeded" and int(downpour[1]) > 0
+    assert float(downpour[3]) < 2.302  # below F(0) = log(10): it learned something

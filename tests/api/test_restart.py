@@ -1,0 +1,146 @@
+"""Stop the server mid-job and start it again on the same store: finished jobs are all there, the running job
+resumes from its last checkpoint, and what cannot resume is marked failed with the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+from distributed import Client as DaskClient
+
+import models
+import sandblaster
+from storage import Dataset, load_digits
+from tests.api.conftest import npz_bytes, running_app, settings_for, wait_final
+
+pytestmark = pytest.mark.anyio
+
+SOFTMAX = {"kind": "softmax", "n_features": 64, "n_classes": 10}
+# A fixed number of iterations: no convergence test may end the run early.
+LONG = {"gtol": 0.0, "ftol": 0.0, "maxiter": 40, "l2": 1e-3, "checkpoint_every": 3}
+
+
+async def test_a_running_job_resumes_from_its_checkpoint_after_a_restart(
+    tmp_path: Path, client: DaskClient
+) -> None:
+    X, y = load_digits()
+    settings = settings_for(tmp_path)
+    async with running_app(settings, client) as (_, http):
+        await http.post("/api/datasets", data={"name": "digits"}, files={"file": ("d.npz", npz_bytes(X, y))})
+        short = (
+            await http.post(
+                "/api/jobs",
+                json={
+                    "algorithm": "sandblaster-lbfgs",
+                    "dataset": "digits",
+                    "model": SOFTMAX,
+                    "options": {"maxiter": 5},
+                },
+            )
+        ).json()
+        finished = await wait_final(http, short["id"])
+        finished_metrics = (await http.get(f"/api/jobs/{short['id']}/metrics")).json()
+        long = (
+            await http.post(
+                "/api/jobs",
+                json={
+                    "algorithm": "sandblaster-lbfgs",
+                    "dataset": "digits",
+                    "model": SOFTMAX,
+                    "options": LONG,
+                },
+            )
+        ).json()
+        for _ in range(600):
+            record = (await http.get(f"/api/jobs/{long['id']}")).json()
+            if (record["checkpoint_iteration"] or 0) >= 6:
+                break
+            await anyio.sleep(0.05)
+        assert record["status"] == "running", record
+    # The app has stopped: the job was interrupted, and the store says it was running.
+    stored = json.loads((tmp_path / "jobs" / long["id"] / "job.json").read_text())
+    assert stored["status"] == "running" and stored["iterations"] < LONG["maxiter"]
+    checkpoint = stored["checkpoint_iteration"]
+    assert checkpoint >= 6
+
+    async with running_app(settings, client) as (_, http):
+        again = (await http.get(f"/api/jobs/{short['id']}")).json()
+        assert again == finished
+        assert (await http.get(f"/api/jobs/{short['id']}/metrics")).json() == finished_metrics
+        resumed = await wait_final(http, long["id"])
+        assert resumed["status"] == "succeeded", resumed["message"]
+        assert resumed["resumed_from"] == checkpoint and resumed["restarts"] == 1
+        assert resumed["result"]["nit"] == LONG["maxiter"]
+        iterations = (await http.get(f"/api/jobs/{long['id']}/metrics")).json()["columns"]["iteration"]
+        assert iterations == list(range(LONG["maxiter"] + 1))
+        w = np.load(__import__("io").BytesIO((await http.get(f"/api/jobs/{long['id']}/params")).content))
+
+    # The oracle: the same run without an interruption.
+    model = models.Softmax(64, 10)
+    ds = Dataset.in_store(tmp_path / "datasets", "digits")
+    opts = {k: v for k, v in LONG.items() if k != "checkpoint_every"}
+    ref = sandblaster.minimize(model, ds, client=client, store=str(tmp_path / "oracle"), **opts)
+    assert resumed["result"]["fun"] == pytest.approx(ref.fun, rel=1e-9)
+    np.testing.assert_allclose(w, ref.x, rtol=1e-6, atol=1e-9)
+
+
+async def test_jobs_that_cannot_resume_are_failed_or_started_over(tmp_path: Path, client: DaskClient) -> None:
+    settings = settings_for(tmp_path)
+    async with running_app(settings, client) as (_, http):
+        X, y = load_digits()
+        await http.post("/api/datasets", data={"name": "digits"}, files={"file": ("d.npz", npz_bytes(X, y))})
+        base = (
+            await http.post(
+                "/api/jobs",
+                json={
+                    "algorithm": "sandblaster-lbfgs",
+                    "dataset": "digits",
+                    "model": SOFTMAX,
+                    "options": {"maxiter": 3},
+                },
+            )
+        ).json()
+        await wait_final(http, base["id"])
+    # What a server killed mid-run leaves: records that still say "running".
+    template = json.loads((tmp_path / "jobs" / base["id"] / "job.json").read_text())
+    for job_id, algorithm, options, status in [
+        ("aaaaaaaaaaaaaaaa", "downpour-sgd", {"epochs": 1}, "running"),
+        ("bbbbbbbbbbbbbbbb", "sandblaster-lbfgs", {"maxiter": 4}, "running"),
+        ("dddddddddddddddd", "sandblaster-gd", {"maxiter": 2}, "queued"),
+    ]:
+        record = {
+            **template,
+            "id": job_id,
+            "algorithm": algorithm,
+            "options": options,
+            "status": status,
+            "result": None,
+            "finished_at": None,
+            "iterations": 2,
+            "checkpoint_iteration": None,
+        }
+        (tmp_path / "jobs" / job_id).mkdir()
+        (tmp_path / "jobs" / job_id / "job.json").write_text(json.dumps(record))
+    (tmp_path / "jobs" / "cccccccccccccccc").mkdir()
+    (tmp_path / "jobs" / "cccccccccccccccc" / "job.json").write_text("{torn")
+
+    async with running_app(settings, client) as (_, http):
+        failed = (await http.get("/api/jobs/aaaaaaaaaaaaaaaa")).json()
+        assert failed["status"] == "failed" and "cannot resume" in failed["message"]
+        assert failed["message"].endswith("submit the job again")
+        rerun = await wait_final(http, "bbbbbbbbbbbbbbbb")
+        assert rerun["status"] == "succeeded" and rerun["restarts"] == 1 and rerun["resumed_from"] is None
+        assert (await http.get("/api/jobs/bbbbbbbbbbbbbbbb/metrics")).json()["columns"]["iteration"] == [
+            0,
+            1,
+            2,
+            3,
+            4,
+        ]
+        queued = await wait_final(http, "dddddddddddddddd")
+        assert queued["status"] == "succeeded" and queued["restarts"] == 0 and queued["result"]["nit"] == 2
+        listed = sorted(j["id"] for j in (await http.get("/api/jobs")).json()["data"])
+        assert listed == sorted([base["id"], "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "dddddddddddddddd"])

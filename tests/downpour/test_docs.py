@@ -1,0 +1,26 @@
+"""The Examples sections of the downpour package are run, so they cannot go stale."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "downpour._batches",
+    "downpour._core",
+    "downpour._options",
+    "downpour._reference",
+    "downpour._replica",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_examples_run(name: str) -> None:
+    module = importlib.import_module(name)
+    result = doctest.testmod(
+        module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False
+    )
+    assert result.attempted > 0, f"{name} has no examples"
+    assert result.failed == 0

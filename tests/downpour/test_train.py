@@ -1,0 +1,210 @@
+"""``downpour.train`` on the session's real LocalCluster (2 worker processes), against numpy references."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import cloudpickle
+import numpy as np
+import pytest
+from distributed import Client
+
+import downpour
+import models
+from downpour import BatchPlan, Progress, sequential_sgd
+from errors import DatasetError, InvalidOptionError
+from storage import Dataset, ParameterServer
+from storage._digits import train_test_split_digits
+from tests.downpour import _helpers
+from tests.downpour._helpers import ConstantGradient
+
+# The test model lives in this test package, which the workers cannot import: ship it by value.
+cloudpickle.register_pickle_by_value(_helpers)
+
+X_TR, Y_TR, X_TE, Y_TE = train_test_split_digits(seed=0)
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
+    # Portions of 512 rows: a replica's rows span several portions (read portion by portion).
+    path = tmp_path_factory.mktemp("downpour") / "digits"
+    return Dataset.from_arrays(X_TR, Y_TR, path=path, portion_rows=512, label_kind="classes", n_classes=10)
+
+
+def reference_batches(
+    ds: Dataset, *, seed: int, steps: int, lo: int = 0, hi: int | None = None
+) -> list[np.ndarray]:
+    plan = BatchPlan.for_rows(ds, lo, ds.n_rows if hi is None else hi, batch_size=32, seed=seed, replica=0)
+    return list(itertools.islice(plan.global_batches(10_000), steps))
+
+
+def test_one_replica_sgd_is_plain_sequential_minibatch_sgd(client: Client, digits: Dataset) -> None:
+    model = models.MLP([64, 16, 10])
+    res = downpour.train(
+        model, digits, replicas=1, shards=2, rule="sgd", lr=0.1, l2=1e-3, max_steps=300, seed=3, trace=True,
+        client=client,
+    )  # fmt: skip
+    ref = sequential_sgd(
+        model, X_TR, Y_TR, model.init_params(3), reference_batches(digits, seed=3, steps=300), lr=0.1, l2=1e-3
+    )
+    assert res.stop_reason == "max_steps" and res.success and res.steps == 300
+    np.testing.assert_allclose(res.losses[0], ref.losses, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(res.x, ref.x, rtol=1e-10, atol=1e-12)
+    # The replica really ran ahead of its fetches (the exactness is not from lock-step).
+    assert res.stats["staleness_mean"] > 0
+
+
+def test_adagrad_on_the_shards_is_single_process_adagrad(client: Client, digits: Dataset) -> None:
+    model = models.Softmax(64, 10)
+    res = downpour.train(
+        model, digits, replicas=1, shards=2, rule="adagrad", lr=0.3, max_steps=200, max_staleness=0,
+        client=client,
+    )  # fmt: skip
+    ref = sequential_sgd(
+        model, X_TR, Y_TR, model.init_params(0), reference_batches(digits, seed=0, steps=200), rule="adagrad",
+        lr=0.3,
+    )  # fmt: skip
+    np.testing.assert_allclose(res.x, ref.x, rtol=1e-10, atol=1e-12)
+    assert np.nanmax(res.history.staleness_max.values) == 0
+    assert res.history.stale_waits.values[-1] > 100  # it waited for a fresh fetch before nearly every step
+
+
+def test_max_staleness_bounds_every_push_and_staleness_scale_is_applied(
+    client: Client, digits: Dataset
+) -> None:
+    model = models.Softmax(64, 10)
+    common = {"replicas": 1, "rule": "sgd", "max_steps": 300, "eval_every": 0.02, "client": client}
+    free = downpour.train(model, digits, **common)  # type: ignore[arg-type]
+    bounded = downpour.train(model, digits, max_staleness=1, **common)  # type: ignore[arg-type]
+    assert np.nanmax(bounded.history.staleness_max.values) <= 1
+    assert bounded.stats["stale_waits"] > 0 and free.stats["stale_waits"] == 0
+    assert free.stats["staleness_mean"] > bounded.stats["staleness_mean"]
+
+
+@pytest.mark.parametrize(("rule", "scale"), [("sgd", False), ("sgd", True), ("adagrad", False)])
+def test_concurrent_pushes_of_known_gradients_sum_exactly(
+    client: Client, tmp_path: Path, rule: str, scale: bool
+) -> None:
+    """4 replicas push to 2 shards of 70,000 parameters (so each shard works on a thread of its own)."""
+    n = 140_000
+    model = ConstantGradient(n)
+    data = (np.zeros((400, 1)), np.zeros(400))
+    res = downpour.train(
+        model, data, replicas=4, shards=2, rule=rule, lr=1e-3, batch_size=5, max_steps=400,  # type: ignore[arg-type]
+        staleness_scale=scale, client=client, store=tmp_path,
+    )  # fmt: skip
+    per = res.stats["per_replica"]
+    steps = res.steps
+    assert sum(st["steps"] for st in per.values()) == steps >= 400
+    assert res.stats["push_errors"] == res.stats["duplicates"] == 0
+    if rule == "adagrad":
+        # Each push's summed gradient went into the accumulators exactly once (a push of k steps: (k c)^2).
+        ps = ParameterServer.open(client, store=res.store)
+        try:
+            acc = ps.gather("x.adagrad")
+            np.testing.assert_array_equal(ps.gather("x"), res.x)
+        finally:
+            ps.close()
+        for i, (lo, hi) in enumerate([(0, n // 2), (n // 2, n)]):
+            k2 = sum(st["applied_steps_sq"][i] for st in per.values())
+            np.testing.assert_allclose(acc[lo:hi], k2 * model.c[lo:hi] ** 2, rtol=1e-12)
+        return
+    weight = np.zeros(n)
+    for i, (lo, hi) in enumerate([(0, n // 2), (n // 2, n)]):
+        weight[lo:hi] = sum(st["applied_weight"][i] for st in per.values())
+    if scale:
+        assert res.stats["staleness_mean"] > 0 and weight.max() < steps
+    else:
+        np.testing.assert_array_equal(weight, steps)  # every step applied once on every shard
+    np.testing.assert_allclose(res.x, -1e-3 * model.c * weight, rtol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("model", "lr"),
+    [(models.Softmax(64, 10), 0.5), (models.MLP([64, 32, 10], activation="tanh"), 0.2)],
+    ids=["softmax", "mlp"],
+)
+def test_digits_reach_093_held_out_accuracy_with_two_replicas(
+    client: Client, digits: Dataset, model: models.Model, lr: float
+) -> None:
+    res = downpour.train(
+        model, digits, replicas=2, rule="adagrad", lr=lr, epochs=30, eval_data=(X_TE, Y_TE), eval_every=0.05,
+        warmstart_steps=50, client=client,
+    )  # fmt: skip
+    assert res.success and res.stop_reason == "epochs"
+    assert res.history.test_accuracy.values[-1] >= 0.93
+    assert model.accuracy(res.x, X_TE, Y_TE) == res.history.test_accuracy.values[-1]  # type: ignore[attr-defined]
+
+
+def test_warm_start_lets_replica_0_train_alone_first(client: Client, digits: Dataset) -> None:
+    # Alone, replica 0 is sequential SGD on its own rows: its first warm-start steps match the reference
+    # exactly; then replica 1 joins and the trajectories part.
+    model = models.Softmax(64, 10)
+    half = digits.n_rows // 2
+    res = downpour.train(
+        model, digits, replicas=2, rule="sgd", lr=0.1, warmstart_steps=150, max_steps=600, trace=True,
+        client=client,
+    )  # fmt: skip
+    ref = sequential_sgd(
+        model, X_TR, Y_TR, model.init_params(0), reference_batches(digits, seed=0, steps=400, hi=half), lr=0.1
+    )
+    losses = res.losses[0]
+    np.testing.assert_allclose(losses[:150], ref.losses[:150], rtol=1e-10)
+    assert len(losses) > 160 and not np.allclose(losses[:400], ref.losses[: len(losses[:400])], rtol=1e-10)
+    assert res.stats["per_replica"][1]["steps"] > 0
+
+
+def test_history_holds_what_the_run_did(client: Client, digits: Dataset) -> None:
+    seen: list[Progress] = []
+
+    def callback(progress: Progress) -> None:
+        seen.append(progress)
+        if progress.step >= 4000:
+            raise StopIteration
+
+    res = downpour.train(
+        models.Softmax(64, 10), digits, replicas=2, shards=2, time_limit=60, eval_data=(X_TE, Y_TE),
+        eval_every=0.02, callback=callback, client=client,
+    )  # fmt: skip
+    h = res.history
+    assert res.stop_reason == "callback" and res.success
+    assert set(h.sizes) == {"time", "shard"} and h.sizes["shard"] == 2
+    for name in (
+        "step",
+        "epoch",
+        "train_loss",
+        "test_loss",
+        "test_accuracy",
+        "staleness_mean",
+        "staleness_max",
+    ):
+        assert h[name].dims == ("time",)
+    for name in ("pushes", "fetches", "version"):
+        assert h[name].dims == ("time", "shard")
+    assert np.all(np.diff(h.time.values) > 0) and np.all(np.diff(h.step.values) >= 0)
+    assert np.all(np.diff(h.pushes.values, axis=0) >= 0)
+    assert h.step.values[0] == 0 and h.step.values[-1] == res.steps
+    assert int(h.pushes.values[-1].sum()) == res.stats["pushes"]
+    # Each push goes to both shards: they applied the same number of updates.
+    assert h.pushes.values[-1, 0] == h.pushes.values[-1, 1] == h.version.values[-1, 0]
+    np.testing.assert_allclose(h.epoch.values[-1] * digits.n_rows, res.steps * 32, rtol=0.05)
+    assert np.isfinite(h.test_loss.values).all() and h.test_loss.values[-1] < h.test_loss.values[0]
+    assert np.nanmean(h.train_loss.values[-3:]) < h.train_loss.values[1]
+    assert len(seen) >= 5 and [p.step for p in seen] == list(h.step.values[1 : len(seen) + 1])
+
+
+def test_bad_input_is_refused_before_anything_runs(client: Client, digits: Dataset) -> None:
+    model = models.Softmax(64, 10)
+    with pytest.raises(InvalidOptionError, match="x0 has 3 values"):
+        downpour.train(model, digits, max_steps=1, x0=np.zeros(3), client=client)
+    with pytest.raises(InvalidOptionError, match="needs a way to stop"):
+        downpour.train(model, digits, client=client)
+    with pytest.raises(InvalidOptionError, match="data must be"):
+        downpour.train(model, [X_TR, Y_TR], max_steps=1, client=client)  # type: ignore[arg-type]
+    with pytest.raises(DatasetError, match="features"):
+        downpour.train(model, digits, max_steps=1, eval_data=(X_TE[:, :3], Y_TE), client=client)
+    with pytest.raises(DatasetError, match="features"):
+        downpour.train(models.Softmax(3, 10), digits, max_steps=1, client=client)
+    with pytest.raises(InvalidOptionError, match="at least one row"):
+        downpour.train(model, (X_TR[:3], Y_TR[:3]), replicas=4, max_steps=1, client=client)
