@@ -23,20 +23,20 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import xarray as xr
-from distributed import Client, Future, LocalCluster
+from distributed import Client, Future
 from distributed.utils import sync
 
 from downpour._batches import split_rows
 from downpour._options import DownpourOptions, Rule
 from downpour._replica import DownpourReplica, ReplicaConfig
 from errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
-from storage import Dataset, ParameterServer
+from storage import Dataset, ParameterServer, as_dataset, embedded_client
 
 __all__ = ["Progress", "TrainResult", "train"]
 
@@ -337,8 +337,8 @@ def train(
         store = tmp.name
     store = str(store)
     try:
-        with _embedded_client(client) as c:
-            dataset = _as_dataset(data, store)
+        with embedded_client(client) as c:
+            dataset = as_dataset(data, store)
             dataset.check_model(model)
             run = _Run(model, dataset, eval_arrays, c, store, opts, x_start, callback)
             try:
@@ -352,36 +352,6 @@ def train(
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-
-
-@contextlib.contextmanager
-def _embedded_client(client: Client | None) -> Iterator[Client]:
-    if client is not None:
-        yield client
-        return
-    n_workers = max(1, min(os.cpu_count() or 1, 4))
-    with (
-        LocalCluster(
-            n_workers=n_workers,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            host="127.0.0.1",
-        ) as cluster,
-        Client(cluster, direct_to_workers=True) as embedded,
-    ):
-        yield embedded
-
-
-def _as_dataset(data: Any, store: str) -> Dataset:
-    if isinstance(data, Dataset):
-        return data
-    if isinstance(data, tuple) and len(data) == 2:
-        X, y = data
-        return Dataset.from_arrays(
-            np.asarray(X), np.asarray(y), path=os.path.join(store, "data"), overwrite=True
-        )
-    raise InvalidOptionError("data must be a storage.Dataset or a tuple (X, y) of arrays")
 
 
 def _eval_arrays(model: Any, eval_data: Any) -> tuple[np.ndarray, np.ndarray] | None:

@@ -14,14 +14,14 @@ from typing import Any, Literal
 
 import numpy as np
 import xarray as xr
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from errors import ClusterError, DatasetError, InvalidOptionError, ShardLostError
 from sandblaster._coordinator import Coordinator, IterationRecord
 from sandblaster._linesearch import LBFGSB_FTOL
 from sandblaster._replica import Replica
 from sandblaster._scheduler import PortionScheduler
-from storage import Dataset, ParameterServer
+from storage import Dataset, ParameterServer, as_dataset, embedded_client
 
 __all__ = ["OptimizeResult", "SandblasterOptions", "minimize", "open_session"]
 
@@ -142,36 +142,6 @@ class OptimizeResult:
             f"OptimizeResult(fun={self.fun:.10g}, nit={self.nit}, nfev={self.nfev}, success={self.success}, "
             f"message={self.message!r})"
         )
-
-
-@contextlib.contextmanager
-def _embedded_client(client: Client | None) -> Iterator[Client]:
-    if client is not None:
-        yield client
-        return
-    n_workers = max(1, min(os.cpu_count() or 1, 4))
-    with (
-        LocalCluster(
-            n_workers=n_workers,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            host="127.0.0.1",
-        ) as cluster,
-        Client(cluster, direct_to_workers=True) as embedded,
-    ):
-        yield embedded
-
-
-def _as_dataset(data: Any, store: str) -> Dataset:
-    if isinstance(data, Dataset):
-        return data
-    if isinstance(data, tuple) and len(data) == 2:
-        X, y = data
-        return Dataset.from_arrays(
-            np.asarray(X), np.asarray(y), path=os.path.join(store, "data"), overwrite=True
-        )
-    raise InvalidOptionError("data must be a storage.Dataset or a tuple (X, y) of arrays")
 
 
 def _status_of(success: bool, message: str) -> int:
@@ -310,8 +280,8 @@ def minimize(
         store = tmp.name
     store = str(store)
     try:
-        with _embedded_client(client) as c:
-            return _run(model, _as_dataset(data, store), x_start, c, store, opts, callback)
+        with embedded_client(client) as c:
+            return _run(model, as_dataset(data, store), x_start, c, store, opts, callback)
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -16,6 +16,7 @@ from storage._digits import digits_dataset, load_digits
 from storage._layout import Layout
 from storage._rules import RULES, adagrad_update, sgd_update
 from storage._server import Batch, ParameterServer, ServerStats, ShardMap, reduce_results
+from storage._session import as_dataset, embedded_client
 from storage._shard import OPS, Shard
 
 __all__ = [
@@ -29,7 +30,9 @@ __all__ = [
     "Shard",
     "ShardMap",
     "adagrad_update",
+    "as_dataset",
     "digits_dataset",
+    "embedded_client",
     "load_digits",
     "reduce_results",
     "resolve_name",

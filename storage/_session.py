@@ -1,0 +1,67 @@
+"""What every front door (``sandblaster.minimize``, ``downpour.train``) needs before it runs: a Dask client
+(the caller's, or an embedded ``LocalCluster`` for the call) and the training rows as a :class:`Dataset`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from distributed import Client, LocalCluster
+
+from errors import InvalidOptionError
+from storage._dataset import Dataset
+
+__all__ = ["as_dataset", "embedded_client"]
+
+
+@contextlib.contextmanager
+def embedded_client(client: Client | None) -> Iterator[Client]:
+    """``client`` itself, or a client of a ``LocalCluster`` started for the ``with`` block.
+
+    The embedded cluster has one single-threaded worker process per core (at most 4) on 127.0.0.1 and a
+    client with direct connections to the workers (~1.1 ms per actor call instead of ~1.7 ms through the
+    scheduler).
+
+    Examples
+    --------
+    >>> with embedded_client(None) as client:   # doctest: +SKIP
+    ...     print(len(client.scheduler_info()["workers"]))
+    2
+    """
+    if client is not None:
+        yield client
+        return
+    n_workers = max(1, min(os.cpu_count() or 1, 4))
+    with (
+        LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            host="127.0.0.1",
+        ) as cluster,
+        Client(cluster, direct_to_workers=True) as embedded,
+    ):
+        yield embedded
+
+
+def as_dataset(data: Any, store: str) -> Dataset:
+    """``data`` if it is a :class:`Dataset`; an ``(X, y)`` pair is first written to ``{store}/data``.
+
+    Examples
+    --------
+    >>> ds = as_dataset((np.ones((4, 2)), np.zeros(4)), tempfile.mkdtemp())   # doctest: +SKIP
+    >>> ds.n_rows                                                             # doctest: +SKIP
+    4
+    """
+    if isinstance(data, Dataset):
+        return data
+    if isinstance(data, tuple) and len(data) == 2:
+        X, y = data
+        return Dataset.from_arrays(
+            np.asarray(X), np.asarray(y), path=os.path.join(store, "data"), overwrite=True
+        )
+    raise InvalidOptionError("data must be a storage.Dataset or a tuple (X, y) of arrays")
