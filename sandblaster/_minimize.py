@@ -309,8 +309,12 @@ def open_session(
     if n_portions_wanted is None:
         # Every portion costs about one round trip: make each carry >= ~10 ms of gradient work
         # (PORTION_WORK row-parameter products), but give every replica a few, for balance and backups.
+        # A batch smaller than one replica's worth of work goes to one replica as one portion: splitting
+        # it would only add messages.
         by_work = math.ceil(dataset.n_rows * n / PORTION_WORK)
-        n_portions_wanted = min(dataset.n_portions, max(2 * n_replicas, by_work))
+        n_portions_wanted = min(
+            dataset.n_portions, by_work if by_work < n_replicas else max(2 * n_replicas, by_work)
+        )
     if n_portions_wanted != dataset.n_portions:
         rows = math.ceil(dataset.n_rows / n_portions_wanted)
         # Portions are whole zarr chunks: round up to the chunk grid (the count may then be a bit lower).

@@ -187,6 +187,10 @@ class PortionScheduler:
             chunk = min(self.push_every, max(1, math.ceil(left / (2 * self.in_flight * n_live))))
             if queues[r]:
                 return [queues[r].popleft() for _ in range(min(chunk, len(queues[r])))], False
+            if outstanding(r) > 0:
+                # Steal only when idle: a busy replica taking a second call's worth from another's queue
+                # would take portions that replica has in memory and this one must first read.
+                return [], False
             donors = sorted((q for x, q in queues.items() if x != r and self.alive[x]), key=len, reverse=True)
             if donors and donors[0]:
                 return [donors[0].pop() for _ in range(min(chunk, len(donors[0])))][::-1], False
