@@ -23,26 +23,25 @@ Run: ``python benchmarks/sandblaster_vs_peers.py [--quick] [--out PATH]`` (defau
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import scipy
 import scipy.optimize
-from distributed import Client, LocalCluster
+from distributed import Client
 from threadpoolctl import ThreadpoolController
 
 import models
 import sandblaster
-from storage import Dataset, load_digits
+from storage import Dataset, embedded_client, load_digits
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -125,21 +124,6 @@ def run_dask_glm(client: Client, X: np.ndarray, y: np.ndarray, l2: float, gtol: 
     beta = np.asarray(beta)
     # Our parameter layout puts the intercept last, as the column of ones above does.
     return {"wall_s": wall, "x": beta}
-
-
-@contextlib.contextmanager
-def cluster(n_workers: int) -> Iterator[Client]:
-    with (
-        LocalCluster(
-            n_workers=n_workers,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            host="127.0.0.1",
-        ) as lc,
-        Client(lc, direct_to_workers=True) as client,
-    ):
-        yield client
 
 
 def run_ours(
@@ -313,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "repeats": repeats,
         "problems": {},
     }
-    with tempfile.TemporaryDirectory(prefix="bench-sandblaster-") as tmp, cluster(2) as client:
+    with tempfile.TemporaryDirectory(prefix="bench-sandblaster-") as tmp, embedded_client(None) as client:
         for name in problems:
             print(f"== {name}", flush=True)
             results["problems"][name] = bench_problem(name, client, tmp, args.quick, repeats)
