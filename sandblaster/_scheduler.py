@@ -104,10 +104,7 @@ class PortionScheduler:
         self._pace: dict[int, float] = {}
         # Data affinity: replica r starts with the r-th contiguous block of portions, then keeps the
         # portions it computed (and so has in memory) for the next evaluation.
-        r_count = len(replicas)
-        self.home: list[list[int]] = [
-            list(range(r * n_portions // r_count, (r + 1) * n_portions // r_count)) for r in range(r_count)
-        ]
+        self.home: list[list[int]] = self.initial_blocks(n_portions, len(replicas))
         self.lost_replicas: list[int] = []
         #: Portions each replica computed (and won) over the run: fast replicas do more.
         self.portions_done: list[int] = [0] * len(replicas)
