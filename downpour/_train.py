@@ -36,7 +36,7 @@ from downpour._batches import split_rows
 from downpour._options import DownpourOptions, Rule
 from downpour._replica import DownpourReplica, ReplicaConfig
 from errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
-from storage import Dataset, ParameterServer, as_dataset, embedded_client
+from storage import Dataset, ParameterServer, as_dataset, embedded_client, start_vector
 
 __all__ = ["Progress", "TrainResult", "train"]
 
@@ -323,13 +323,7 @@ def train(
         trace=trace,
         has_callback=callback is not None,
     )
-    n = int(model.n_params)
-    x_start = np.asarray(model.init_params(seed), dtype=np.float64) if x0 is None else x0
-    x_start = np.array(x_start, dtype=np.float64, copy=True).ravel()
-    if x_start.shape != (n,):
-        raise InvalidOptionError(f"x0 has {x_start.size} values but the model has {n} parameters")
-    if not np.all(np.isfinite(x_start)):
-        raise InvalidOptionError("x0 holds NaN or inf values; pass a finite starting point")
+    x_start = start_vector(model, x0, seed)
     eval_arrays = _eval_arrays(model, eval_data)
     tmp = None
     if store is None:

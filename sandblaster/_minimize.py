@@ -21,7 +21,7 @@ from sandblaster._coordinator import Coordinator, IterationRecord
 from sandblaster._linesearch import LBFGSB_FTOL
 from sandblaster._replica import Replica
 from sandblaster._scheduler import PortionScheduler
-from storage import Dataset, ParameterServer, as_dataset, embedded_client
+from storage import Dataset, ParameterServer, as_dataset, embedded_client, start_vector
 
 __all__ = ["OptimizeResult", "SandblasterOptions", "minimize", "open_session"]
 
@@ -265,15 +265,7 @@ def minimize(
     )
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
-    n = int(model.n_params)
-    if x0 is None:
-        x_start = np.asarray(model.init_params(seed), dtype=np.float64)
-    else:
-        x_start = np.ascontiguousarray(x0, dtype=np.float64).ravel()
-    if x_start.shape != (n,):
-        raise InvalidOptionError(f"x0 has {x_start.size} values but the model has {n} parameters")
-    if not np.all(np.isfinite(x_start)):
-        raise InvalidOptionError("x0 holds NaN or inf values; pass a finite starting point")
+    x_start = start_vector(model, x0, seed)
     tmp = None
     if store is None:
         tmp = tempfile.TemporaryDirectory(prefix="sandblaster-")

@@ -16,7 +16,7 @@ from storage._digits import digits_dataset, load_digits
 from storage._layout import Layout
 from storage._rules import RULES, adagrad_update, sgd_update
 from storage._server import Batch, ParameterServer, ServerStats, ShardMap, reduce_results
-from storage._session import as_dataset, embedded_client
+from storage._session import as_dataset, embedded_client, start_vector
 from storage._shard import OPS, Shard
 
 __all__ = [
@@ -37,4 +37,5 @@ __all__ = [
     "reduce_results",
     "resolve_name",
     "sgd_update",
+    "start_vector",
 ]

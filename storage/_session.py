@@ -14,7 +14,28 @@ from distributed import Client, LocalCluster
 from errors import InvalidOptionError
 from storage._dataset import Dataset
 
-__all__ = ["as_dataset", "embedded_client"]
+__all__ = ["as_dataset", "embedded_client", "start_vector"]
+
+
+def start_vector(model: Any, x0: Any, seed: int | None) -> np.ndarray:
+    """A fresh float64 copy of ``x0`` (default ``model.init_params(seed)``), checked against the model.
+
+    Examples
+    --------
+    >>> class M:
+    ...     n_params = 2
+    ...     def init_params(self, seed): return np.zeros(2)
+    >>> start_vector(M(), None, 0)
+    array([0., 0.])
+    """
+    n = int(model.n_params)
+    source = model.init_params(seed) if x0 is None else x0
+    x = np.array(source, dtype=np.float64, copy=True).ravel()
+    if x.shape != (n,):
+        raise InvalidOptionError(f"x0 has {x.size} values but the model has {n} parameters")
+    if not np.all(np.isfinite(x)):
+        raise InvalidOptionError("x0 holds NaN or inf values; pass a finite starting point")
+    return x
 
 
 @contextlib.contextmanager
