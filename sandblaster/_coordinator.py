@@ -20,7 +20,6 @@ updates differ (with one extra batch of dot products per iteration).
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable
@@ -72,6 +71,8 @@ class IterationRecord:
     time_gradient: float
     time_shard_ops: float
     time_coordinator: float
+    #: Portions read from the store during the iteration (not in a replica's memory yet).
+    portions_read: int = 0
 
 
 @dataclass
@@ -243,6 +244,7 @@ class Coordinator:
             backups_won=sum(s.backups_won for s in stats),
             recomputed=sum(s.recomputed for s in stats),
             fetches=sum(s.fetches for s in stats),
+            portions_read=sum(s.reads for s in stats),
             round_trips=self.ps.stats.round_trips - rt0,
             time_gradient=self._t_grad,
             time_shard_ops=self._t_shard,
@@ -334,7 +336,7 @@ class Coordinator:
                 first = ls is None
                 # Speculative next pair: s = t*d and y = g_t - g go to a free slot, so a rejected trial
                 # never overwrites a kept pair.
-                spec = copy.deepcopy(hist)
+                spec = hist.copy()
                 s_name, y_name = spec.push_pair()
                 requests = spec.dot_requests(g_trial)
                 suffix = [

@@ -304,9 +304,10 @@ def open_session(
         # A batch smaller than one replica's worth of work goes to one replica as one portion: splitting
         # it would only add messages.
         by_work = math.ceil(dataset.n_rows * n / PORTION_WORK)
-        n_portions_wanted = min(
-            dataset.n_portions, by_work if by_work < n_replicas else max(2 * n_replicas, by_work)
-        )
+        if by_work >= n_replicas:
+            # A multiple of the replica count, so every replica starts with an equal share.
+            by_work = max(2 * n_replicas, math.ceil(by_work / n_replicas) * n_replicas)
+        n_portions_wanted = min(dataset.n_portions, by_work)
     if n_portions_wanted != dataset.n_portions:
         rows = math.ceil(dataset.n_rows / n_portions_wanted)
         # Portions are whole zarr chunks: round up to the chunk grid (the count may then be a bit lower).
@@ -347,10 +348,13 @@ def open_session(
                 )
             )
         replicas = [(f.result(), f) for f in replica_futures]
+        asked = [actor.stats() for actor, _ in replicas]
+        held = [answer.result()["cached_portions"] for answer in asked]
         scheduler = PortionScheduler(
             client,
             replicas,
             n_portions,
+            held=held,
             push_every=opts.push_every,
             backups=opts.backups,
             in_flight=opts.in_flight,
@@ -366,6 +370,8 @@ def open_session(
     finally:
         for f in replica_futures:
             with contextlib.suppress(Exception):
+                if f.done() and f.status == "finished":
+                    f.result().close()  # stops its compute thread; not waited for
                 f.release()
         ps.close()
 

@@ -1,28 +1,43 @@
 """A Sandblaster model replica: computes gradient portions and pushes them to the shards (paper, section 4.2).
 
-A replica is a Dask actor. :meth:`Replica.work` is synchronous, so it runs in the worker's actor thread and
-never blocks the worker's event loop, where the shards' ops run. It fetches the parameters once per
-evaluation, computes the loss and gradient of the portions it is given, and pushes their summed gradient to
-the shards before it reports, so what it reports is already safe on the shards: a replica that dies costs
-only the portions it had not pushed. Backup copies and recomputed portions are pushed *solo* (one portion
-per push); the shards count every portion exactly once whichever copies arrive (``Shard.accumulate``).
+A replica is a Dask actor whose methods are ``async``: they run on the worker's event loop, next to the
+shards' ops, and the gradient work runs on a compute thread of the replica's own, so it never blocks the loop.
+Calls overlap: while one call's summed gradient is on its way to the shards, the next call's portions are
+already being computed (a synchronous actor method would hold the worker's one actor thread through the
+push). Work too small to be worth a thread hop (~0.2 ms) runs inline on the loop.
 
-Data affinity: portions read once stay in memory, and the scheduler gives a replica the same portions again.
+It fetches the parameters once per evaluation (every call of the evaluation awaits the same fetch), computes
+the loss and gradient of the portions it is given, and pushes their summed gradient to the shards before it
+reports, so what it reports is already safe on the shards: a replica that dies costs only the portions it had
+not pushed. Backup copies and recomputed portions are pushed *solo* (one portion per push); the shards count
+every portion exactly once whichever copies arrive (``Shard.accumulate``).
+
+Data affinity: portions read once stay in memory (in the worker's :class:`storage.RowCache`, which outlives
+the replica, so the next run on the worker skips the read), and the scheduler gives a replica the same
+portions again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 from scipy.linalg import blas
 
 from errors import ClusterError
-from storage import Dataset, ShardMap
+from storage import Dataset, ShardMap, default_row_cache, keep_loop_responsive
 
-__all__ = ["Replica"]
+__all__ = ["INLINE_WORK", "Replica"]
+
+#: Row-parameter products below which a call's portions are computed inline on the event loop: about
+#: 0.2 ms of work, less than the hop to the compute thread and back costs here.
+INLINE_WORK = 250_000
+
+Portion = tuple[np.ndarray, np.ndarray]
 
 
 class Replica:
@@ -54,33 +69,86 @@ class Replica:
         preload: Sequence[int] = (),
         slowdown: float = 1.0,
     ) -> None:
+        keep_loop_responsive()  # its compute thread must not slow the shards' and its own messages
         self.index = index
         self.model = model
         self.dataset = dataset
         self.shards = shard_map
         self.slowdown = float(slowdown)
-        self.cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._eval_id: int | None = None
-        self._w: np.ndarray | None = None
+        self.cache: dict[int, Portion] = {}
+        self._rows = default_row_cache()
+        # One thread: the portions of overlapping calls are computed one after the other, as fast as the
+        # core allows, while the loop moves parameters and gradients.
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"sandblaster-replica-{index}")
+        self._fetch: tuple[int, asyncio.Future[Any]] | None = None
         self.fetches = 0
         for p in preload:
             self._portion(p)
+        # Portions an earlier run left in the worker's memory are as good as preloaded (views, no read).
+        for p in range(dataset.n_portions):
+            if p not in self.cache and self._rows.holds(dataset, *dataset.portion_bounds(p)):
+                self._portion(p)
 
-    def _portion(self, p: int) -> tuple[np.ndarray, np.ndarray]:
+    def _portion(self, p: int) -> Portion:
         data = self.cache.get(p)
         if data is None:
-            data = self.cache[p] = self.dataset.read_portion(p)
+            data = self.cache[p] = self._rows.rows(self.dataset, *self.dataset.portion_bounds(p))
         return data
 
-    def _push(
-        self, acc_name: str, values: np.ndarray, portions: list[int], epoch: int, solo: bool
-    ) -> list[tuple[int, Any]]:
-        return [
-            (i, self.shards.call(i, "accumulate", acc_name, part, portions, epoch, solo))
-            for i, part in enumerate(self.shards.slices(values))
-        ]
+    def _compute_portions(
+        self, w: np.ndarray, assign: Sequence[int], solo: bool
+    ) -> tuple[list[tuple[int, float, int]], list[tuple[list[int], np.ndarray]], float, float, list[int]]:
+        """Loss of every portion, the gradients to push (one per portion if ``solo``, else their sum), the
+        seconds it took (without the time queued behind other calls), the part of it spent reading
+        portions that were not in memory yet, and those portions."""
+        t0 = time.perf_counter()
+        read_s = 0.0
+        reads: list[int] = []
+        results = []
+        grads: list[tuple[list[int], np.ndarray]] = []
+        total: np.ndarray | None = None
+        for p in assign:
+            if p not in self.cache and not self._rows.holds(self.dataset, *self.dataset.portion_bounds(p)):
+                start = time.perf_counter()
+                self._portion(p)
+                read_s += time.perf_counter() - start
+                reads.append(int(p))
+            start = time.perf_counter()
+            X, y = self._portion(p)
+            loss, grad = self.model.loss_and_grad(w, X, y)
+            grad = np.asarray(grad, dtype=np.float64)
+            if self.slowdown > 1.0:
+                time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
+            results.append((int(p), float(loss), int(X.shape[0])))
+            if solo:
+                grads.append(([int(p)], grad))
+            elif total is None:
+                total = grad.copy()
+            else:
+                blas.daxpy(grad, total, a=1.0)
+        if total is not None:
+            grads.append(([int(p) for p in assign], total))
+        return results, grads, time.perf_counter() - t0, read_s, reads
 
-    def work(
+    async def _params(
+        self, eval_id: int, x_name: str, prep: Sequence[Sequence[Any]]
+    ) -> tuple[np.ndarray, list[Any], bool]:
+        """The parameters of evaluation ``eval_id``: fetched by its first call, awaited by the others."""
+        fetched = self._fetch is None or self._fetch[0] != eval_id
+        if fetched:
+            self._fetch = (
+                eval_id,
+                asyncio.ensure_future(self.shards.prepare_and_fetch(eval_id, prep, [x_name])),
+            )
+            self.fetches += 1
+        assert self._fetch is not None
+        try:
+            (w,), prep_results = await asyncio.shield(self._fetch[1])
+        except Exception as exc:
+            raise ClusterError(f"replica {self.index} could not fetch from the shards: {exc!r}") from exc
+        return w, (prep_results if fetched else []), fetched
+
+    async def work(
         self,
         eval_id: int,
         x_name: str,
@@ -99,53 +167,55 @@ class Replica:
         shard has the gradient.
         """
         t0 = time.perf_counter()
-        fetched = self._eval_id != eval_id
-        prep_results: list[Any] = []
-        if fetched:
-            try:
-                (self._w,), prep_results = self.shards.prepare_and_fetch(eval_id, prep, [x_name])
-            except Exception as exc:
-                raise ClusterError(f"replica {self.index} could not fetch from the shards: {exc!r}") from exc
-            self._eval_id = eval_id
-            self.fetches += 1
-        w = self._w
-        assert w is not None
+        if self._fetch is not None and eval_id < self._fetch[0]:
+            # A backup copy or a late call of an evaluation that is over: its push would be refused.
+            return {
+                "results": [],
+                "prep": [],
+                "final": {},
+                "fetched": False,
+                "fetch_s": 0.0,
+                "compute_s": 0.0,
+                "queued_s": 0.0,
+                "read_s": 0.0,
+                "push_s": 0.0,
+            }
+        w, prep_results, fetched = await self._params(eval_id, x_name, prep)
         t1 = time.perf_counter()
-        results = []
-        total: np.ndarray | None = None
-        calls: list[tuple[int, Any]] = []
-        for p in assign:
-            start = time.perf_counter()
-            X, y = self._portion(p)
-            loss, grad = self.model.loss_and_grad(w, X, y)
-            grad = np.asarray(grad, dtype=np.float64)
-            if self.slowdown > 1.0:
-                time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
-            results.append((int(p), float(loss), int(X.shape[0])))
-            if solo:
-                calls += self._push(acc_name, grad, [int(p)], eval_id, True)
-            elif total is None:
-                total = grad.copy()
-            else:
-                blas.daxpy(grad, total, a=1.0)
+        inline = all(p in self.cache for p in assign) and (
+            sum(self.cache[p][0].shape[0] for p in assign) * w.size <= INLINE_WORK
+        )
+        if inline:
+            results, grads, busy, read_s, reads = self._compute_portions(w, assign, solo)
+        else:
+            loop = asyncio.get_running_loop()
+            results, grads, busy, read_s, reads = await loop.run_in_executor(
+                self._compute, self._compute_portions, w, assign, solo
+            )
         t2 = time.perf_counter()
-        if total is not None:
-            calls += self._push(acc_name, total, [int(p) for p in assign], eval_id, False)
+        pushes = [
+            (shard, self.shards.ask(shard, "accumulate", acc_name, part, portions, eval_id, solo))
+            for portions, grad in grads
+            for shard, part in enumerate(self.shards.slices(grad))
+        ]
         final: dict[int, list[Any]] = {}
         try:
-            for shard, call in calls:
-                _, finalized = self.shards.wait(shard, call)
-                if finalized is not None:
-                    final[shard] = finalized  # this push completed the shard's evaluation
+            answers = await asyncio.gather(*(push for _, push in pushes))
         except Exception as exc:
             raise ClusterError(f"replica {self.index} could not push to the shards: {exc!r}") from exc
+        for (shard, _), (_, finalized) in zip(pushes, answers, strict=True):
+            if finalized is not None:
+                final[shard] = finalized  # this push completed the shard's evaluation
         return {
             "results": results,
             "prep": prep_results,
             "final": final,
             "fetched": fetched,
             "fetch_s": t1 - t0,
-            "compute_s": t2 - t1,
+            "compute_s": busy,
+            "queued_s": t2 - t1 - busy,
+            "read_s": read_s,
+            "reads": reads,
             "push_s": time.perf_counter() - t2,
         }
 
@@ -156,8 +226,12 @@ class Replica:
     async def set_shards(self, shard_map: ShardMap) -> None:
         """Talk to these shards from now on (after lost shards were rebuilt on other workers)."""
         self.shards = shard_map
-        self._eval_id = None
+        self._fetch = None
 
     async def set_slowdown(self, slowdown: float) -> None:
         """Change the injected slowdown (fault injection)."""
         self.slowdown = float(slowdown)
+
+    async def close(self) -> None:
+        """Stop the compute thread (the coordinator calls this before releasing the replica)."""
+        self._compute.shutdown(wait=False, cancel_futures=True)

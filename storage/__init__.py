@@ -11,9 +11,11 @@ Examples
 1000.0
 """
 
+from storage._actor import keep_loop_responsive
 from storage._dataset import Dataset, resolve_name
 from storage._digits import digits_dataset, load_digits
 from storage._layout import Layout
+from storage._rowcache import ROW_CACHE_ENV, RowCache, default_row_cache
 from storage._rules import RULES, adagrad_update, sgd_update
 from storage._server import Batch, ParameterServer, ServerStats, ShardMap, reduce_results
 from storage._session import as_dataset, embedded_client, start_vector
@@ -21,18 +23,22 @@ from storage._shard import OPS, Shard
 
 __all__ = [
     "OPS",
+    "ROW_CACHE_ENV",
     "RULES",
     "Batch",
     "Dataset",
     "Layout",
     "ParameterServer",
+    "RowCache",
     "ServerStats",
     "Shard",
     "ShardMap",
     "adagrad_update",
     "as_dataset",
+    "default_row_cache",
     "digits_dataset",
     "embedded_client",
+    "keep_loop_responsive",
     "load_digits",
     "reduce_results",
     "resolve_name",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -21,13 +22,36 @@ import numpy as np
 from storage._shard import Shard
 from storage._store import open_group
 
-__all__ = ["INLINE_MAX_ELEMENTS", "ShardActor", "read_checkpoint", "write_checkpoint"]
+__all__ = [
+    "INLINE_MAX_ELEMENTS",
+    "LOOP_SWITCH_INTERVAL",
+    "ShardActor",
+    "keep_loop_responsive",
+    "read_checkpoint",
+    "write_checkpoint",
+]
 
 #: Shards up to this many elements run ops inline on the worker's event loop (an op on 64 Ki floats takes
 #: ~10-50 us, less than handing it to a thread would cost).
 INLINE_MAX_ELEMENTS = 1 << 16
 
+#: GIL switch interval for processes hosting shards and replicas (Python's default: 5 ms).
+LOOP_SWITCH_INTERVAL = 0.0005
+
 T = TypeVar("T")
+
+
+def keep_loop_responsive() -> None:
+    """Let this worker's event loop take the GIL within ~0.5 ms while a compute thread runs numpy code.
+
+    A thread looping over many short numpy calls (a row-blocked gradient: ~60 us BLAS calls with Python in
+    between) takes the GIL back the moment each call returns, before the woken event-loop thread gets it;
+    the loop then waits for Python's forced switch, 5 ms by default, for every message it handles. Measured
+    here: an actor call to a worker whose replica computes such a gradient took 5.7 ms (median) instead of
+    1.5 ms; with a 0.5 ms switch interval, 1.7 ms. The interval is process-wide and only ever lowered.
+    """
+    if sys.getswitchinterval() > LOOP_SWITCH_INTERVAL:
+        sys.setswitchinterval(LOOP_SWITCH_INTERVAL)
 
 
 def write_checkpoint(
@@ -67,6 +91,7 @@ class ShardActor:
         names: Sequence[str] = (),
         state: dict[str, Any] | None = None,
     ) -> None:
+        keep_loop_responsive()
         self.core = Shard(index, lo, hi)
         self.url = url
         self._arrays: dict[str, Any] = {}  # opened checkpoint arrays, by "slot/name"

@@ -1109,6 +1109,11 @@ class Dataset:
         return self._meta.n_classes
 
     @property
+    def dataset_id(self) -> str:
+        """A fresh random id given when the dataset was written (rewriting it at the same path changes it)."""
+        return self._meta.dataset_id
+
+    @property
     def created_at(self) -> str:
         """Creation time, ISO 8601 in UTC."""
         return self._meta.created_at

@@ -21,7 +21,6 @@ continues with the restored shard).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import math
 import threading
@@ -183,8 +182,7 @@ class Batch:
 class ShardMap:
     """A picklable map of the shards, for code running *on workers* (replicas) to fetch and push.
 
-    Calls from a synchronous actor method to a shard on the same worker would otherwise return a bare
-    coroutine; :meth:`call` hands it to the worker's event loop instead, and goes over RPC for the others.
+    A shard on the caller's own worker is called in-process (no RPC to itself); the others over RPC.
     """
 
     layout: Layout
@@ -207,47 +205,42 @@ class ShardMap:
                 return asyncio.run_coroutine_threadsafe(coro, worker.loop.asyncio_loop)
         return getattr(actor, method)(*args, **kwargs)
 
-    def wait(self, shard: int, call: Any, *, timeout: float | None = 60.0) -> Any:
-        """The result of ``call`` (from :meth:`call`) on ``shard``, from a thread that may block.
+    async def ask(
+        self, shard: int, method: str, *args: Any, timeout: float | None = 60.0, **kwargs: Any
+    ) -> Any:
+        """Await ``method`` on shard ``shard`` from a worker's event loop.
 
-        Fails fast with :class:`errors.ClusterError` when the shard's worker dies meanwhile (a call to a
-        dead worker can otherwise hang until the timeout).
+        Fails fast with :class:`errors.ClusterError` when the shard's worker dies meanwhile.
         """
+        pending = asyncio.ensure_future(self.call(shard, method, *args, **kwargs))
         deadline = None if timeout is None else time.monotonic() + timeout
-        actor = self.actors[shard]
+        address = getattr(self.actors[shard], "_address", None)
         while True:
-            try:
-                return call.result(timeout=_POLL)
-            except (TimeoutError, concurrent.futures.TimeoutError):
-                # A call to a dead worker can wait forever (distributed awaits the actor's future, which a
-                # worker-side client may never see fail): ask the scheduler whether the worker is there.
-                if not _worker_alive(getattr(actor, "_address", None)):
-                    raise ClusterError(f"shard {shard} was lost with its worker") from None
-                if deadline is not None and time.monotonic() > deadline:
-                    raise ClusterError(f"shard {shard} did not answer within {timeout} s") from None
+            done, _ = await asyncio.wait({pending}, timeout=_POLL)
+            if done:
+                return pending.result()
+            # The scheduler query may block: keep it off the event loop the shards run on.
+            if not await asyncio.to_thread(_worker_alive, address):
+                pending.cancel()
+                raise ClusterError(f"shard {shard} was lost with its worker")
+            if deadline is not None and time.monotonic() > deadline:
+                pending.cancel()
+                raise ClusterError(f"shard {shard} did not answer within {timeout} s")
 
-    def fetch(
-        self, names: Sequence[str], *, timeout: float | None = 60.0
-    ) -> tuple[list[int], list[np.ndarray]]:
-        """Every shard's version and the full vectors ``names`` (one round trip per shard, in parallel)."""
-        futures = [self.call(i, "fetch", list(names)) for i in range(self.layout.shards)]
-        parts = [self.wait(i, f, timeout=timeout) for i, f in enumerate(futures)]
-        versions = [int(v) for v, _ in parts]
-        vectors = [np.concatenate([p[1][k] for p in parts]) for k in range(len(names))]
-        return versions, vectors
-
-    def prepare_and_fetch(
+    async def prepare_and_fetch(
         self, epoch: int, ops: Sequence[Sequence[Any]], names: Sequence[str], *, timeout: float | None = 60.0
     ) -> tuple[list[np.ndarray], list[Any]]:
         """Run ``ops`` once per ``epoch`` on every shard (first caller wins), then fetch ``names``.
 
         Returns the full vectors and the ops' results reduced over shards (as :meth:`ParameterServer.run`).
+        The shards are asked in parallel, from a worker's event loop.
         """
-        futures = [
-            self.call(i, "prepare_and_fetch", epoch, list(ops), list(names))
-            for i in range(self.layout.shards)
-        ]
-        parts = [self.wait(i, f, timeout=timeout) for i, f in enumerate(futures)]
+        parts = await asyncio.gather(
+            *(
+                self.ask(i, "prepare_and_fetch", epoch, list(ops), list(names), timeout=timeout)
+                for i in range(self.layout.shards)
+            )
+        )
         vectors = [np.concatenate([p[1][k] for p in parts]) for k in range(len(names))]
         return vectors, reduce_results(ops, [p[2] for p in parts])
 

@@ -281,3 +281,39 @@ def test_a_ten_times_slower_replica_does_less_work(client: Client, tmp_path: Pat
     # The same iterates, whoever computed which portion.
     assert res.nit == even.nit == 8
     assert res.fun == pytest.approx(even.fun, rel=1e-13)
+
+
+def _row_cache_misses() -> int:
+    from storage import default_row_cache
+
+    return default_row_cache().stats()["misses"]
+
+
+def test_a_second_run_finds_its_rows_in_the_workers_memory(client: Client, tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((4000, 20))
+    y = (X @ rng.standard_normal(20) > 0).astype(float)
+    problem = Problem(models.Logistic(20), X, y, 1e-3, np.zeros(21))
+    ds = dataset(problem, tmp_path / "data", 500)
+    # One replica, so no stealing can make it read a portion legitimately.
+    common = {
+        "x0": problem.x0,
+        "l2": problem.l2,
+        "client": client,
+        "portions": 8,
+        "maxiter": 5,
+        "replicas": 1,
+    }
+    first = sandblaster.minimize(problem.model, ds, store=tmp_path / "a", **common)
+    misses = client.run(_row_cache_misses)
+    second = sandblaster.minimize(problem.model, ds, store=tmp_path / "b", **common)
+    assert client.run(_row_cache_misses) == misses  # no portion was read from zarr again
+    assert int(second.history.portions_read.sum()) == 0
+    # The same iterates (portions may be summed in another order: equal to rounding).
+    assert second.fun == pytest.approx(first.fun, rel=1e-12)
+    np.testing.assert_allclose(second.x, first.x, rtol=1e-9, atol=1e-12)
+    # A dataset rewritten at the same path is new data: it is read again, never served from memory.
+    rewritten = Dataset.from_arrays(2 * X, y, path=str(tmp_path / "data"), portion_rows=500, overwrite=True)
+    third = sandblaster.minimize(problem.model, rewritten, store=tmp_path / "c", **common)
+    assert client.run(_row_cache_misses) != misses
+    assert third.fun != first.fun

@@ -346,3 +346,25 @@ def test_reference_lbfgs_budget_and_bad_input() -> None:
         minimize_lbfgs_reference(fg, x0, maxiter=0)
     with pytest.raises(InvalidOptionError):
         minimize_lbfgs_reference(fg, x0, gtol=-1.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(1, 6), iters=st.integers(0, 12), seed=st.integers(0, 2**32 - 1))
+def test_copy_is_independent_and_equals_deepcopy(m: int, iters: int, seed: int) -> None:
+    import copy
+
+    rng = np.random.default_rng(seed)
+    n = 5
+    vec = {"g": rng.normal(size=n)}
+    hist = VLBFGSHistory(m)
+    for _ in range(iters):
+        _deliver(hist, vec)
+        snapshot = hist.to_state()
+        fast, slow = hist.copy(), copy.deepcopy(hist)
+        assert fast.to_state() == slow.to_state() == snapshot
+        # Push a pair on the copy only: the original must not see it.
+        s_name, y_name = fast.push_pair()
+        vec[s_name], vec[y_name] = rng.normal(size=n), rng.normal(size=n)
+        _deliver(fast, vec)
+        assert hist.to_state() == snapshot
+        hist = fast

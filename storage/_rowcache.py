@@ -1,0 +1,173 @@
+"""A per-process cache of dataset rows, so that replicas on a worker read each portion from zarr once.
+
+Model replicas are created for one run and released after it, but their worker lives on: runs after the
+first on the same dataset (the service's jobs, a regularization path, a benchmark's repeats) find the rows
+already in the worker's memory, as a persisted Dask array would be, instead of reading hundreds of MB from
+the store again. zarr stays the source of truth; this is only a cache.
+
+* Keyed by the dataset's id (a fresh uuid each time a dataset is written, so rewriting a dataset at the same
+  path never serves the old rows) and a row range. A request inside a cached range is served as views.
+* Bounded: least recently used ranges are dropped beyond the byte budget, by default a quarter of the
+  worker's memory limit (a quarter of the machine's memory outside a worker), or
+  ``DISTBELIEF_ROW_CACHE_BYTES`` (0 turns the cache off).
+* The cached arrays are read-only: every replica on the worker shares them, and a model that wrote into
+  its input would corrupt the others' rows, so it fails loudly instead.
+
+Examples
+--------
+>>> import numpy as np, os, tempfile
+>>> from storage import Dataset, RowCache
+>>> path = os.path.join(tempfile.mkdtemp(), "d")
+>>> ds = Dataset.from_arrays(np.arange(8.0).reshape(4, 2), np.zeros(4), path=path)
+>>> cache = RowCache(budget_bytes=1 << 20)
+>>> X, y = cache.rows(ds, 0, 4)      # read from zarr
+>>> X2, _ = cache.rows(ds, 1, 3)     # a view of the cached range
+>>> X2.tolist(), cache.stats()["hits"]
+([[2.0, 3.0], [4.0, 5.0]], 1)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["ROW_CACHE_ENV", "RowCache", "default_row_cache"]
+
+ROW_CACHE_ENV = "DISTBELIEF_ROW_CACHE_BYTES"
+FloatArray = npt.NDArray[np.float64]
+_Key = tuple[str, int, int]
+
+
+class RowCache:
+    """LRU cache of ``(X, y)`` row ranges of datasets, bounded in bytes and safe to share between threads.
+
+    Parameters
+    ----------
+    budget_bytes : int
+        Keep at most this many bytes of rows (0: cache nothing).
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = max(0, int(budget_bytes))
+        self._entries: OrderedDict[_Key, tuple[FloatArray, FloatArray]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def rows(self, dataset: Any, start: int, stop: int) -> tuple[FloatArray, FloatArray]:
+        """``(X[start:stop], y[start:stop])`` of ``dataset``, from memory when a cached range holds them.
+
+        Parameters
+        ----------
+        dataset : storage.Dataset
+            Anything with ``dataset_id`` and ``read_rows(start, stop)``.
+        start, stop : int
+            Row range.
+
+        Returns
+        -------
+        (X, y) : read-only float64 arrays (views of a cached range, or the range just read).
+        """
+        dataset_id = str(dataset.dataset_id)
+        found = self._lookup(dataset_id, start, stop)
+        if found is not None:
+            return found
+        # Read outside the lock: two threads may read the same range at once; the second insert wins.
+        X, y = dataset.read_rows(start, stop)
+        X.flags.writeable = False
+        y.flags.writeable = False
+        self._insert((dataset_id, start, stop), X, y)
+        return X, y
+
+    def holds(self, dataset: Any, start: int, stop: int) -> bool:
+        """Whether rows ``[start, stop)`` of ``dataset`` are in memory (no read, the LRU order unchanged)."""
+        dataset_id = str(dataset.dataset_id)
+        with self._lock:
+            return any(k[0] == dataset_id and k[1] <= start and stop <= k[2] for k in self._entries)
+
+    def _lookup(self, dataset_id: str, start: int, stop: int) -> tuple[FloatArray, FloatArray] | None:
+        with self._lock:
+            for key, (X, y) in self._entries.items():
+                key_id, lo, hi = key
+                if key_id == dataset_id and lo <= start and stop <= hi:
+                    self._entries.move_to_end(key)
+                    self.hits += 1
+                    return X[start - lo : stop - lo], y[start - lo : stop - lo]
+            self.misses += 1
+            return None
+
+    def _insert(self, key: _Key, X: FloatArray, y: FloatArray) -> None:
+        size = X.nbytes + y.nbytes
+        if size > self.budget_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old[0].nbytes + old[1].nbytes
+            self._entries[key] = (X, y)
+            self._bytes += size
+            while self._bytes > self.budget_bytes:
+                _, (X_old, y_old) = self._entries.popitem(last=False)
+                self._bytes -= X_old.nbytes + y_old.nbytes
+
+    def clear(self) -> None:
+        """Drop every cached range."""
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def stats(self) -> dict[str, int]:
+        """``{"entries", "bytes", "budget_bytes", "hits", "misses"}``."""
+        with self._lock:
+            return {
+                "entries": len(self._entries),
+                "bytes": self._bytes,
+                "budget_bytes": self.budget_bytes,
+                "hits": self.hits,
+                "misses": self.misses,
+            }
+
+
+_default: RowCache | None = None
+_default_lock = threading.Lock()
+
+
+def _default_budget() -> int:
+    configured = os.environ.get(ROW_CACHE_ENV)
+    if configured is not None:
+        return int(configured)
+    limit = 0
+    try:
+        from distributed import get_worker
+
+        limit = int(get_worker().memory_manager.memory_limit or 0)
+    except (ValueError, AttributeError):
+        pass
+    if not limit:
+        try:
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            limit = 4 << 30
+    return limit // 4
+
+
+def default_row_cache() -> RowCache:
+    """The process-wide cache that model replicas read their portions through (created on first use).
+
+    Examples
+    --------
+    >>> from storage import default_row_cache
+    >>> default_row_cache() is default_row_cache()
+    True
+    """
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = RowCache(_default_budget())
+        return _default
