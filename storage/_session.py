@@ -88,7 +88,7 @@ def _direct_when_local(client: Client) -> Iterator[None]:
         return
     try:
         info = client.scheduler_info(n_workers=-1)
-        addresses = [client.scheduler.address, *info["workers"]]
+        addresses = [str(getattr(client.scheduler, "address", "")), *info["workers"]]
     except Exception:
         addresses = []
     local = bool(addresses) and all(_on_loopback(str(a)) for a in addresses)

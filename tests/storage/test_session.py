@@ -1,0 +1,72 @@
+"""Tests of storage._session: what both front doors need before they run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from distributed import Client
+
+from errors import InvalidOptionError
+from storage import Dataset, as_dataset, embedded_client, start_vector
+from storage._session import _on_loopback
+
+
+def test_a_callers_loopback_client_talks_to_workers_directly_only_inside_the_block(client: Client) -> None:
+    before = client.direct_to_workers
+    client.direct_to_workers = False
+    try:
+        with embedded_client(client) as c:
+            assert c is client and client.direct_to_workers is True
+        assert client.direct_to_workers is False
+    finally:
+        client.direct_to_workers = before
+
+
+def test_a_remote_cluster_keeps_the_callers_setting() -> None:
+    remote: Any = SimpleNamespace(
+        direct_to_workers=False,
+        scheduler=SimpleNamespace(address="tcp://10.0.0.5:8786"),
+        scheduler_info=lambda n_workers=-1: {"workers": {"tcp://10.0.0.6:40000": {}}},
+    )
+    with embedded_client(remote) as c:
+        assert c.direct_to_workers is False
+
+
+@pytest.mark.parametrize(
+    ("address", "local"),
+    [
+        ("tcp://127.0.0.1:8786", True),
+        ("tls://127.0.0.1:1", True),
+        ("tcp://localhost:1", True),
+        ("tcp://[::1]:1", True),
+        ("inproc://10.1.2.3/1/2", True),
+        ("tcp://10.0.0.5:8786", False),
+        ("tcp://192.168.1.2:1", False),
+    ],
+)
+def test_loopback_addresses(address: str, local: bool) -> None:
+    assert _on_loopback(address) is local
+
+
+def test_start_vector_copies_and_checks() -> None:
+    model: Any = SimpleNamespace(n_params=3, init_params=lambda seed: np.full(3, float(seed)))
+    x0 = np.ones(3)
+    x = start_vector(model, x0, 0)
+    assert x is not x0 and np.array_equal(x, x0)
+    assert np.array_equal(start_vector(model, None, 2), [2.0, 2.0, 2.0])
+    with pytest.raises(InvalidOptionError, match="3 parameters"):
+        start_vector(model, np.ones(2), 0)
+    with pytest.raises(InvalidOptionError, match="NaN or inf"):
+        start_vector(model, [1.0, np.nan, 0.0], 0)
+
+
+def test_as_dataset_writes_arrays_once_and_passes_datasets_through(tmp_path: Path) -> None:
+    X, y = np.arange(8.0).reshape(4, 2), np.zeros(4)
+    ds = as_dataset((X, y), str(tmp_path))
+    np.testing.assert_array_equal(ds.read_all()[0], X)
+    assert as_dataset(ds, str(tmp_path / "other")) is ds
+    assert isinstance(ds, Dataset)
