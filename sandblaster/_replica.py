@@ -178,6 +178,7 @@ class Replica:
                 "compute_s": 0.0,
                 "queued_s": 0.0,
                 "read_s": 0.0,
+                "reads": [],
                 "push_s": 0.0,
             }
         w, prep_results, fetched = await self._params(eval_id, x_name, prep)

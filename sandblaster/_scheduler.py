@@ -37,8 +37,9 @@ __all__ = ["EvaluationStats", "PortionScheduler"]
 _POLL = 0.25
 _LOSS_GRACE = 10.0
 _DEAD = ("error", "lost", "cancelled")
-#: Before any read was timed, reading a portion is assumed to cost this many times computing it (measured:
-#: 4-8x for dense float64 rows on this machine's local disk, page cache warm).
+#: Before any read was timed, reading a portion is assumed to cost this many times computing it. Measured
+#: here: a 67 MB portion (16,768 x 500 float64) takes 30-170 ms to read from the page cache into fresh memory
+#: and ~8 ms to compute; 4 is the cautious end.
 READ_COST_PRIOR = 4.0
 
 
@@ -55,9 +56,7 @@ class EvaluationStats:
     work_calls: int = 0
     fetches: int = 0
     compute_s: float = 0.0
-    fetch_s: float = 0.0
     reads: int = 0
-    push_s: float = 0.0
     wall_s: float = 0.0
     per_replica: dict[int, int] = field(default_factory=dict)
     prep: list[Any] = field(default_factory=list)
@@ -170,7 +169,7 @@ class PortionScheduler:
         """Portions an idle replica ``r`` takes from the others' queues (empty: stealing does not pay).
 
         Portions ``r`` already holds in memory are free to take. Any other must first be read, which can
-        cost several times its compute (a 67 MB portion: ~50 ms to read, ~8 ms to compute): take one only
+        cost several times its compute (see :data:`READ_COST_PRIOR`): take one only
         when ``r`` would finish it, read included, before its owner would reach it.
         """
         donors = [x for x, q in queues.items() if x != r and self.alive[x] and q]
@@ -341,8 +340,6 @@ class PortionScheduler:
                 pace = busy / max(1, len(portions)) + self._call_overhead
                 self._pace[r] = pace if r not in self._pace else 0.5 * (self._pace[r] + pace)
                 stats.compute_s += report["compute_s"]
-                stats.fetch_s += report["fetch_s"]
-                stats.push_s += report["push_s"]
                 stats.fetches += int(report["fetched"])
                 if report["prep"] and not stats.prep:
                     stats.prep = report["prep"]

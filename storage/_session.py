@@ -72,7 +72,7 @@ def embedded_client(client: Client | None) -> Iterator[Client]:
         yield embedded
 
 
-_LOOPBACK_HOSTS = ("127.", "localhost", "[::1]", "inproc://")
+_LOOPBACK_HOSTS = ("127.", "localhost", "[::1]")
 
 
 def _on_loopback(address: str) -> bool:
