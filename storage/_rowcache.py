@@ -91,6 +91,12 @@ class RowCache:
         with self._lock:
             return any(k[0] == dataset_id and k[1] <= start and stop <= k[2] for k in self._entries)
 
+    def ranges(self, dataset: Any) -> list[tuple[int, int]]:
+        """The row ranges of ``dataset`` held in memory, in row order."""
+        dataset_id = str(dataset.dataset_id)
+        with self._lock:
+            return sorted((lo, hi) for key_id, lo, hi in self._entries if key_id == dataset_id)
+
     def _lookup(self, dataset_id: str, start: int, stop: int) -> tuple[FloatArray, FloatArray] | None:
         with self._lock:
             for key, (X, y) in self._entries.items():

@@ -62,6 +62,7 @@ def test_a_range_inside_a_cached_one_is_a_view_and_a_hit(
     # A range sticking out of the cached one is read again.
     cache.rows(ds, 20, 28)
     assert cache.stats()["misses"] == 2
+    assert cache.ranges(ds) == [(8, 24), (20, 28)]
 
 
 def test_least_recently_used_ranges_go_first(data: tuple[Dataset, np.ndarray, np.ndarray]) -> None:
