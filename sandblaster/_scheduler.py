@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -264,7 +265,8 @@ class PortionScheduler:
         def send(r: int, portions: list[int], solo: bool) -> None:
             # Every call carries the prep ops: calls to one replica may arrive in any order (separate
             # connections), and whichever runs first fetches; the shards run the ops once per evaluation.
-            call = self.replicas[r][0].work(eval_id, x_name, acc_name, portions, solo, prep)
+            request = (eval_id, x_name, acc_name, portions, solo, prep)
+            call = self.replicas[r][0].work(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
             fut = asyncio.ensure_future(call._result())
             # A call abandoned below (a lost replica's, a backup still running) may fail later: mark its
             # exception seen so asyncio does not log it as never retrieved.
@@ -332,7 +334,7 @@ class PortionScheduler:
                     raise ClusterError(
                         f"replica {r} failed while computing portions {portions}: {exc!r}"
                     ) from exc
-                report = fut.result()
+                report = pickle.loads(fut.result())
                 reads = len(report["reads"])
                 stats.reads += reads
                 if reads and report["read_s"] > 0:
