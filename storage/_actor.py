@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import pickle
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ import numpy as np
 
 from storage._shard import Shard
 from storage._store import open_group
+from storage._wire import pack_if_small
 
 __all__ = [
     "INLINE_MAX_ELEMENTS",
@@ -106,6 +108,14 @@ class ShardActor:
             return fn(*args, **kwargs)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    async def packed(self, request: bytes) -> Any:
+        """Any method, called as one pickled frame ``(method, args, kwargs)`` (see :mod:`storage._wire`);
+        the answer comes back pickled too when its arrays are small."""
+        method, args, kwargs = pickle.loads(request)
+        if method.startswith("_") or method == "packed":
+            raise AttributeError(f"no shard method {method!r}")
+        return pack_if_small(await getattr(self, method)(*args, **kwargs))
 
     async def ping(self) -> tuple[int, int, int]:
         """``(index, lo, hi)``: a cheap liveness check."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import threading
+import pickle
 import time
 import uuid
 from collections.abc import Sequence
@@ -40,6 +40,7 @@ from storage._actor import ShardActor
 from storage._layout import DEFAULT_TARGET_CHUNK, Layout
 from storage._shard import OPS
 from storage._store import normalize_url, open_group
+from storage._wire import SMALL_BYTES, array_bytes, unpack
 
 __all__ = ["Batch", "ParameterServer", "ServerStats", "ShardMap", "reduce_results"]
 
@@ -188,22 +189,23 @@ class ShardMap:
     layout: Layout
     actors: tuple[Any, ...]
 
-    def call(self, shard: int, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Start ``method`` on shard ``shard``.
+    async def call(self, shard: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` on shard ``shard``, from a worker's event loop.
 
-        Returns an awaitable when called on a worker's event loop, and an object with ``.result(timeout)``
-        from any thread. A shard on the caller's own worker is called directly (no RPC to itself).
+        A shard on the caller's own worker is called in-process (no RPC to itself); a call to another
+        worker with small arrays travels as one pickled frame (:mod:`storage._wire`), a bigger one as
+        Dask sends it.
         """
         actor = self.actors[shard]
         worker = _current_worker()
         if worker is not None and getattr(actor, "_address", None) == worker.address:
             local = worker.state.actors.get(actor.key)
             if local is not None:
-                coro = getattr(local, method)(*args, **kwargs)
-                if threading.get_ident() == worker.thread_id:
-                    return asyncio.ensure_future(coro)
-                return asyncio.run_coroutine_threadsafe(coro, worker.loop.asyncio_loop)
-        return getattr(actor, method)(*args, **kwargs)
+                return await getattr(local, method)(*args, **kwargs)
+        message = (method, args, kwargs)
+        if array_bytes(message) <= SMALL_BYTES:
+            return unpack(await actor.packed(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)))
+        return await getattr(actor, method)(*args, **kwargs)
 
     async def ask(
         self, shard: int, method: str, *args: Any, timeout: float | None = 60.0, **kwargs: Any
