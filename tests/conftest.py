@@ -22,6 +22,14 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture(scope="session")
-def client(cluster: LocalCluster) -> Iterator[Client]:
+def session_client(cluster: LocalCluster) -> Iterator[Client]:
     with Client(cluster, direct_to_workers=True) as client:
         yield client
+
+
+@pytest.fixture
+def client(session_client: Client) -> Client:
+    """The session's client once both workers are up: just after the cluster starts, or after a test killed
+    a worker (the nanny restarts it), the scheduler can briefly list fewer."""
+    session_client.wait_for_workers(2, timeout=60)
+    return session_client

@@ -154,9 +154,10 @@ def live_server(store: Path, dask_client: DaskClient, **overrides: Any) -> Itera
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, client: DaskClient) -> Iterator[str]:
+def server(tmp_path_factory: pytest.TempPathFactory, session_client: DaskClient) -> Iterator[str]:
     """One real server per test module, with the dataset ``tiny`` uploaded."""
-    with live_server(tmp_path_factory.mktemp("server-store"), client) as url:
+    session_client.wait_for_workers(2, timeout=60)
+    with live_server(tmp_path_factory.mktemp("server-store"), session_client) as url:
         with Client(url, TOKEN) as api:
             api.upload_dataset("tiny", *tiny_xy())
         yield url

@@ -122,14 +122,16 @@ def test_concurrent_pushes_of_known_gradients_sum_exactly(
 
 @pytest.mark.parametrize(
     ("model", "lr"),
-    [(models.Softmax(64, 10), 0.5), (models.MLP([64, 32, 10], activation="tanh"), 0.2)],
+    # Asynchronous runs differ from run to run: with lr=0.5 and 30 epochs the softmax ended below 0.93 in
+    # about 1 run in 10 (0.90-0.92); with lr=0.3 and 40 epochs 16 runs of 16 ended at 0.939-0.955.
+    [(models.Softmax(64, 10), 0.3), (models.MLP([64, 32, 10], activation="tanh"), 0.2)],
     ids=["softmax", "mlp"],
 )
 def test_digits_reach_093_held_out_accuracy_with_two_replicas(
     client: Client, digits: Dataset, model: models.Model, lr: float
 ) -> None:
     res = downpour.train(
-        model, digits, replicas=2, rule="adagrad", lr=lr, epochs=30, eval_data=(X_TE, Y_TE), eval_every=0.05,
+        model, digits, replicas=2, rule="adagrad", lr=lr, epochs=40, eval_data=(X_TE, Y_TE), eval_every=0.05,
         warmstart_steps=50, client=client,
     )  # fmt: skip
     assert res.success and res.stop_reason == "epochs"
