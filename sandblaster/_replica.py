@@ -193,8 +193,11 @@ class Replica:
             }
         w, prep_results, fetched = await self._params(eval_id, x_name, prep)
         t1 = time.perf_counter()
-        inline = all(p in self.cache for p in assign) and (
-            sum(self.cache[p][0].shape[0] for p in assign) * w.size <= INLINE_WORK
+        # Never inline with an injected slowdown: its sleep would stall the loop and the shards on it.
+        inline = (
+            self.slowdown <= 1.0
+            and all(p in self.cache for p in assign)
+            and sum(self.cache[p][0].shape[0] for p in assign) * w.size <= INLINE_WORK
         )
         if inline:
             results, grads, busy, read_s, reads = self._compute_portions(w, assign, solo)
