@@ -328,6 +328,7 @@ def open_session(
             client, n, shards=n_shards, store=params, workers=shard_workers, overwrite=True
         )
     replica_futures: list[Any] = []
+    replicas: list[tuple[Any, Any]] = []
     try:
         shard_map = ps.shard_map()
         blocks = PortionScheduler.initial_blocks(n_portions, n_replicas)
@@ -368,10 +369,11 @@ def open_session(
             method=opts.method,
         )
     finally:
+        for actor, _ in replicas:
+            with contextlib.suppress(Exception):
+                actor.close()  # stops its compute thread; not waited for
         for f in replica_futures:
             with contextlib.suppress(Exception):
-                if f.done() and f.status == "finished":
-                    f.result().close()  # stops its compute thread; not waited for
                 f.release()
         ps.close()
 

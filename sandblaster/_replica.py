@@ -166,15 +166,18 @@ class Replica:
         assign: Sequence[int],
         solo: bool = False,
         prep: Sequence[Sequence[Any]] = (),
+        push_every: int | None = None,
     ) -> dict[str, Any]:
         """Compute the portions ``assign`` at the parameters ``x_name`` and push their gradient.
 
         The first call of an evaluation fetches ``x_name`` from the shards (once per evaluation); the
         coordinator's ``prep`` ops for this evaluation (forming ``x_name``, zeroing the accumulator) ride on
-        that fetch and run once on each shard, whichever replica comes first. With ``solo`` every portion
-        is pushed alone (backup copies, recomputations); otherwise their sum is pushed in one message to
-        each shard. Returns ``{"results": [(portion, loss, rows), ...], "prep": [...], ...}`` once every
-        shard has the gradient.
+        that fetch and run once on each shard, whichever replica comes first. The portions are computed in
+        groups of ``push_every`` (default: all of them), and each group's summed gradient is pushed to the
+        shards while the next group is computed, so a replica that dies loses at most one group's work and
+        the coordinator can hand a replica all its portions in one call (few messages). With ``solo`` every
+        portion is pushed alone (backup copies, recomputations). Returns ``{"results": [(portion, loss,
+        rows), ...], "prep": [...], ...}`` once every shard has every group's gradient.
         """
         t0 = time.perf_counter()
         if self._fetch is not None and eval_id < self._fetch[0]:
@@ -193,29 +196,47 @@ class Replica:
             }
         w, prep_results, fetched = await self._params(eval_id, x_name, prep)
         t1 = time.perf_counter()
-        # Never inline with an injected slowdown: its sleep would stall the loop and the shards on it.
-        inline = (
-            self.slowdown <= 1.0
-            and all(p in self.cache for p in assign)
-            and sum(self.cache[p][0].shape[0] for p in assign) * w.size <= INLINE_WORK
-        )
-        if inline:
-            results, grads, busy, read_s, reads = self._compute_portions(w, assign, solo)
-        else:
-            loop = asyncio.get_running_loop()
-            results, grads, busy, read_s, reads = await loop.run_in_executor(
-                self._compute, self._compute_portions, w, assign, solo
+        step = max(1, push_every or len(assign) or 1)
+        groups = [list(assign[k : k + step]) for k in range(0, len(assign), step)]
+        results: list[tuple[int, float, int]] = []
+        reads: list[int] = []
+        busy = read_s = 0.0
+        pushes: list[tuple[int, asyncio.Future[Any]]] = []
+        loop = asyncio.get_running_loop()
+        for group in groups:
+            # Never inline with an injected slowdown: its sleep would stall the loop and the shards on it.
+            inline = (
+                self.slowdown <= 1.0
+                and all(p in self.cache for p in group)
+                and sum(self.cache[p][0].shape[0] for p in group) * w.size <= INLINE_WORK
             )
+            if inline:
+                out = self._compute_portions(w, group, solo)
+            else:
+                out = await loop.run_in_executor(self._compute, self._compute_portions, w, group, solo)
+            group_results, grads, group_busy, group_read_s, group_reads = out
+            results += group_results
+            reads += group_reads
+            busy += group_busy
+            read_s += group_read_s
+            # Sent now, awaited at the end: the push travels while the next group is computed.
+            pushes += [
+                (
+                    shard,
+                    asyncio.ensure_future(
+                        self.shards.ask(shard, "accumulate", acc_name, part, portions, eval_id, solo)
+                    ),
+                )
+                for portions, grad in grads
+                for shard, part in enumerate(self.shards.slices(grad))
+            ]
         t2 = time.perf_counter()
-        pushes = [
-            (shard, self.shards.ask(shard, "accumulate", acc_name, part, portions, eval_id, solo))
-            for portions, grad in grads
-            for shard, part in enumerate(self.shards.slices(grad))
-        ]
         final: dict[int, list[Any]] = {}
         try:
             answers = await asyncio.gather(*(push for _, push in pushes))
         except Exception as exc:
+            for _, push in pushes:
+                push.cancel()
             raise ClusterError(f"replica {self.index} could not push to the shards: {exc!r}") from exc
         for (shard, _), (_, finalized) in zip(pushes, answers, strict=True):
             if finalized is not None:

@@ -6,6 +6,7 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 import numpy as np
@@ -91,6 +92,7 @@ def test_coordinator_only_receives_scalars_and_round_trips_do_not_grow_with_hist
     portion_rows=st.sampled_from([64, 128, 512, 2048]),
     slow=st.sampled_from([1.0, 5.0]),
     backups=st.booleans(),
+    push_every=st.sampled_from([1, 2, 4]),
     seed=st.integers(0, 1000),
 )
 def test_sharded_gradient_equals_single_process_gradient(
@@ -102,23 +104,66 @@ def test_sharded_gradient_equals_single_process_gradient(
     portion_rows: int,
     slow: float,
     backups: bool,
+    push_every: int,
     seed: int,
 ) -> None:
     tmp = tmp_path_factory.mktemp("grad")
     problem = softmax_digits
     ds = dataset(problem, tmp / "data", portion_rows=portion_rows)
     opts = SandblasterOptions(
-        shards=shards, replicas=replicas, portions=ds.n_portions, backups=backups, slowdown={0: slow}, l2=0.01
+        shards=shards,
+        replicas=replicas,
+        portions=ds.n_portions,
+        backups=backups,
+        slowdown={0: slow},
+        l2=0.01,
+        push_every=push_every,
     )
     x = np.random.default_rng(seed).standard_normal(problem.model.n_params)
+    f_ref, g_ref = models.objective(problem.model, x, problem.X, problem.y, l2=0.01)
     with open_session(problem.model, ds, client, str(tmp / "run"), opts, n=x.size) as coord:
         coord.ps.scatter(coord.state.x, x)
-        coord.start()
-        g = coord.ps.gather(coord.state.g)
-        f = coord.state.f
+        # The first evaluation hands out chunks; the second knows the replicas' paces and, when they are
+        # balanced, gives each replica its whole queue in one call that pushes every push_every portions.
+        for _ in range(2):
+            coord.start()
+            g = coord.ps.gather(coord.state.g)
+            assert coord.state.f == pytest.approx(f_ref, rel=1e-12)
+            np.testing.assert_allclose(g, g_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_balanced_replicas_get_one_call_each_per_evaluation(
+    client: Client, tmp_path: Path, logistic_digits: Problem
+) -> None:
+    """Once the replicas' paces are known and even, an evaluation costs one work call per replica; each
+    call still pushes every push_every portions, and the gradient is exact."""
+    problem = logistic_digits
+    ds = dataset(problem, tmp_path / "data", portion_rows=128)  # 15 portions
+    opts = SandblasterOptions(replicas=2, portions=ds.n_portions, push_every=2, l2=0.01)
+    x = np.random.default_rng(0).standard_normal(problem.model.n_params)
     f_ref, g_ref = models.objective(problem.model, x, problem.X, problem.y, l2=0.01)
-    assert f == pytest.approx(f_ref, rel=1e-12)
-    np.testing.assert_allclose(g, g_ref, rtol=1e-10, atol=1e-12)
+    with open_session(problem.model, ds, client, str(tmp_path / "run"), opts, n=x.size) as coord:
+        coord.ps.scatter(coord.state.x, x)
+        scheduler = coord.scheduler
+        calls: list[int] = []
+        evaluate = scheduler.evaluate
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            stats = evaluate(*args, **kwargs)
+            calls.append(stats.work_calls)
+            return stats
+
+        scheduler.evaluate = counted  # type: ignore[method-assign]
+        for balanced in (False, True, True):
+            # Even paces, or none known yet: whatever this noisy machine measured.
+            scheduler._pace = dict.fromkeys(range(2), 0.01) if balanced else {}
+            assert scheduler.balanced() == balanced
+            coord.start()
+            assert coord.state.f == pytest.approx(f_ref, rel=1e-12)
+            np.testing.assert_allclose(coord.ps.gather(coord.state.g), g_ref, rtol=1e-10, atol=1e-12)
+    # Unknown paces: each replica's 7-8 portions go in calls of at most push_every; balanced: one call.
+    assert calls[0] >= 8
+    assert calls[1:] == [2, 2]
 
 
 @pytest.mark.parametrize("method", ["cg", "gd"])

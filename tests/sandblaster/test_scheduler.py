@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sandblaster._scheduler import READ_COST_PRIOR, PortionScheduler
+from sandblaster._scheduler import BALANCED_PACE, READ_COST_PRIOR, PortionScheduler
 
 
 def scheduler(n_portions: int, held: list[list[int]] | None = None) -> PortionScheduler:
@@ -99,3 +99,31 @@ def test_stealing_only_moves_portions_between_queues(
 def test_held_portions_default_to_the_initial_blocks(n_portions: int) -> None:
     s = scheduler(n_portions)
     assert [sorted(c) for c in s._cached] == PortionScheduler.initial_blocks(n_portions, 2)
+
+
+@given(
+    paces=st.lists(st.one_of(st.none(), st.floats(1e-4, 1.0)), min_size=2, max_size=2),
+    alive=st.lists(st.booleans(), min_size=2, max_size=2).filter(any),
+)
+def test_replicas_are_balanced_when_every_live_pace_is_known_and_close(
+    paces: list[float | None], alive: list[bool]
+) -> None:
+    s = scheduler(8)
+    s._pace = {r: p for r, p in enumerate(paces) if p is not None}
+    s.alive = alive
+    live = [p for p, a in zip(paces, alive, strict=True) if a]
+    expected = None not in live and max(live) <= BALANCED_PACE * min(live)  # type: ignore[type-var]
+    assert s.balanced() == expected
+
+
+def test_a_straggler_unbalances_and_an_unknown_pace_is_not_balanced() -> None:
+    s = scheduler(8)
+    assert not s.balanced()
+    s._pace = {0: 0.01}
+    assert not s.balanced()
+    s._pace = {0: 0.01, 1: 0.012}
+    assert s.balanced()
+    s._pace = {0: 0.01, 1: 0.1}
+    assert not s.balanced()
+    s.alive = [True, False]  # the straggler was lost: the survivor is balanced on its own
+    assert s.balanced()
