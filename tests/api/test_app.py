@@ -260,7 +260,9 @@ async def test_downpour_adagrad_job_runs_through_the_api(asgi: httpx.AsyncClient
     if not hasattr(downpour, "train"):
         pytest.skip("module downpour has no train() yet (being written): nothing to run")
     X, y = tiny_xy()
-    options = {"rule": "adagrad", "lr": 0.5, "replicas": 2, "epochs": 20, "l2": 1e-2}
+    # 40 epochs: with 20, the objective ended between 0.29 and 0.47 in 12 runs and once at 0.53 in CI (how
+    # far stale pushes set Adagrad back varies with timing); with 40, between 0.26 and 0.33 in 12 runs.
+    options = {"rule": "adagrad", "lr": 0.5, "replicas": 2, "epochs": 40, "l2": 1e-2}
     job = {
         "algorithm": "downpour-sgd",
         "dataset": "tiny",
