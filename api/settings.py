@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import ipaddress
 import secrets
 from typing import Annotated
 
@@ -11,6 +10,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from errors import InvalidOptionError
+from storage import is_loopback
 
 __all__ = ["MIN_TOKEN_LENGTH", "Settings", "check_exposure", "is_loopback", "tokens_equal", "version"]
 
@@ -109,22 +109,6 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [s.strip().lower() for s in value.split(",") if s.strip()]
         return value
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` only accepts connections from this machine.
-
-    Examples
-    --------
-    >>> is_loopback("127.0.0.1"), is_loopback("localhost"), is_loopback("0.0.0.0")
-    (True, True, False)
-    """
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything
 
 
 def check_exposure(settings: Settings, host: str | None = None) -> None:

@@ -243,13 +243,14 @@ class PortionScheduler:
             # batch by backing up overdue portions; with backups off, stealing queued portions is the only
             # balance, so a slot's worth stays queued. Measured (benchmarks/sandblaster_vs_peers.py's
             # straggler case, 60k x 500, 16 portions): 39-41 ms per batch instead of 45-50 with a reserve.
-            free = max(1, self.in_flight - outstanding(r))
-            chunk = min(self.push_every, max(1, math.ceil(len(queues[r]) / (free + int(not self.backups)))))
             if self.balanced():
                 # Every replica keeps pace with the others: nothing to balance, so each gets its whole
                 # queue in one call (it still pushes every push_every portions). Measured on 200,000 x 500
                 # (12 portions, 2 replicas): 42-43 ms per evaluation against 46-50 ms with two calls each.
-                chunk = len(queues[r])
+                chunk = max(1, len(queues[r]))  # at least 1: it also bounds what an idle replica steals
+            else:
+                slots = max(1, self.in_flight - outstanding(r)) + int(not self.backups)
+                chunk = min(self.push_every, max(1, math.ceil(len(queues[r]) / slots)))
             if queues[r]:
                 return [queues[r].popleft() for _ in range(min(chunk, len(queues[r])))], False
             if outstanding(r) > 0:

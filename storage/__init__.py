@@ -18,7 +18,7 @@ from storage._layout import Layout
 from storage._rowcache import ROW_CACHE_ENV, RowCache, default_row_cache
 from storage._rules import RULES, adagrad_update, sgd_update
 from storage._server import Batch, ParameterServer, ServerStats, ShardMap, reduce_results
-from storage._session import as_dataset, embedded_client, start_vector
+from storage._session import as_dataset, embedded_client, is_loopback, start_vector
 from storage._shard import OPS, Shard
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "default_row_cache",
     "digits_dataset",
     "embedded_client",
+    "is_loopback",
     "keep_loop_responsive",
     "load_digits",
     "reduce_results",

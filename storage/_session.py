@@ -4,17 +4,19 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 from distributed import Client, LocalCluster
+from distributed.comm import get_address_host
 
 from errors import InvalidOptionError
 from storage._dataset import Dataset
 
-__all__ = ["as_dataset", "embedded_client", "start_vector"]
+__all__ = ["as_dataset", "embedded_client", "is_loopback", "start_vector"]
 
 
 def start_vector(model: Any, x0: Any, seed: int | None) -> np.ndarray:
@@ -72,12 +74,25 @@ def embedded_client(client: Client | None) -> Iterator[Client]:
         yield embedded
 
 
-_LOOPBACK_HOSTS = ("127.", "localhost", "[::1]")
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine.
+
+    Examples
+    --------
+    >>> is_loopback("127.0.0.1"), is_loopback("localhost"), is_loopback("0.0.0.0")
+    (True, True, False)
+    """
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
 
 
 def _on_loopback(address: str) -> bool:
-    host = address.split("://", 1)[-1]
-    return address.startswith("inproc://") or host.startswith(_LOOPBACK_HOSTS)
+    """Whether the Dask ``address`` (``tcp://host:port``, ``inproc://...``) is on this machine's loopback."""
+    return address.startswith("inproc://") or is_loopback(get_address_host(address))
 
 
 @contextlib.contextmanager
