@@ -139,12 +139,14 @@ def test_balanced_replicas_get_one_call_each_per_evaluation(
     call still pushes every push_every portions, and the gradient is exact."""
     problem = logistic_digits
     ds = dataset(problem, tmp_path / "data", portion_rows=128)  # 15 portions
-    opts = SandblasterOptions(replicas=2, portions=ds.n_portions, push_every=2, l2=0.01)
+    # Backups off: a backup copy, issued when this noisy machine stalls a replica, would be one more call.
+    opts = SandblasterOptions(replicas=2, portions=ds.n_portions, push_every=2, l2=0.01, backups=False)
     x = np.random.default_rng(0).standard_normal(problem.model.n_params)
     f_ref, g_ref = models.objective(problem.model, x, problem.X, problem.y, l2=0.01)
     with open_session(problem.model, ds, client, str(tmp_path / "run"), opts, n=x.size) as coord:
         coord.ps.scatter(coord.state.x, x)
         scheduler = coord.scheduler
+        assert scheduler.in_flight == 2
         calls: list[int] = []
         evaluate = scheduler.evaluate
 
@@ -161,8 +163,10 @@ def test_balanced_replicas_get_one_call_each_per_evaluation(
             coord.start()
             assert coord.state.f == pytest.approx(f_ref, rel=1e-12)
             np.testing.assert_allclose(coord.ps.gather(coord.state.g), g_ref, rtol=1e-10, atol=1e-12)
-    # Unknown paces: each replica's 7-8 portions go in calls of at most push_every; balanced: one call.
-    assert calls[0] >= 8
+    # Unknown paces: each replica's 7-8 portions start as in_flight = 2 calls of push_every = 2 portions.
+    # The first results measure the paces, so the evaluation may turn balanced midway and send each
+    # replica's remaining 3-4 portions in one call: at least 2 * 2 + 2 calls. Balanced from the start: one.
+    assert calls[0] >= 6
     assert calls[1:] == [2, 2]
 
 
