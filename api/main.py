@@ -27,6 +27,7 @@ from api.routes import cluster, datasets, health, jobs
 from api.routes import models as models_route
 from api.runner import JobRunner
 from api.settings import Settings, check_exposure, version
+from storage import scheduler_identity
 
 __all__ = ["Backend", "create_app"]
 
@@ -106,7 +107,7 @@ def _dashboard_url(settings: Settings, client: Client) -> str | None:
     if settings.dask_dashboard_url:
         return settings.dask_dashboard_url
     try:
-        info = client.scheduler_info()
+        info = scheduler_identity(client)
     except Exception:
         return None
     port = (info.get("services") or {}).get("dashboard")

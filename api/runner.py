@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import gc
+import logging
 import math
 import threading
 import time
@@ -36,6 +37,8 @@ from api.schemas import FINAL_STATUSES, JobCreate
 from api.settings import Settings
 from errors import DatasetError, DistbeliefError, InvalidOptionError, StoreError
 from storage import Dataset, resolve_name
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "ANNOTATION",
@@ -741,6 +744,8 @@ class JobRunner:
                 )
             if not isinstance(exc, DistbeliefError | ValueError):
                 reason = f"{type(exc).__name__}: {reason}"
+                # Not an error the user can act on: the traceback is for whoever runs the service.
+                _log.error("job %s failed", job_id, exc_info=exc)
             with job.lock:
                 rec.update(status="failed", finished_at=_now(), message=reason)
             return

@@ -46,7 +46,7 @@ from threadpoolctl import ThreadpoolController
 
 import models
 import sandblaster
-from storage import Dataset, embedded_client, load_digits
+from storage import Dataset, embedded_client, load_digits, worker_addresses
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -121,7 +121,7 @@ def run_dask_glm(client: Client, X: np.ndarray, y: np.ndarray, l2: float, gtol: 
     from dask_glm.regularizers import L2
 
     n = X.shape[0]
-    chunk = max(1, n // (2 * len(client.scheduler_info()["workers"])))
+    chunk = max(1, n // (2 * len(worker_addresses(client))))
     Xi = da.from_array(np.hstack([X, np.ones((n, 1))]), chunks=(chunk, X.shape[1] + 1))
     yd = da.from_array(y, chunks=chunk)
     Xi, yd = client.persist([Xi, yd])
@@ -268,7 +268,7 @@ def bench_problem(
     }
     # The floor under our evaluation: every worker computing the gradient of the rows it holds, at once,
     # with no message, fetch, push or coordinator (client.run runs on all workers concurrently).
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = worker_addresses(client)
     kernel = client.run(_kernel_pass_ms, ds, model, workers, ours[0]["stats"]["portions"])
     out["per_evaluation_ms"] = {
         "scipy": 1e3 * out["scipy"][best]["wall_s_median"] / ref["nfev"],

@@ -36,7 +36,7 @@ from downpour._batches import split_rows
 from downpour._options import DownpourOptions, Rule
 from downpour._replica import DownpourReplica, ReplicaConfig
 from errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
-from storage import Dataset, ParameterServer, as_dataset, embedded_client, start_vector
+from storage import Dataset, ParameterServer, as_dataset, embedded_client, start_vector, worker_addresses
 
 __all__ = ["Progress", "TrainResult", "train"]
 
@@ -445,7 +445,7 @@ class _Run:
     # -- setup / teardown ----------------------------------------------------------------------------------
     def setup(self) -> None:
         opts, client = self.opts, self.client
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = worker_addresses(client)
         if not workers:
             raise ClusterError("the Dask cluster has no workers; start some (or wait for them) and try again")
         shard_workers = list(opts.shard_workers or workers)
@@ -548,7 +548,7 @@ class _Run:
         if self.futures[r].status in _DEAD:
             return True
         address = getattr(self.actors[r], "_address", None)
-        return address not in self.client.scheduler_info(n_workers=-1)["workers"]
+        return address not in worker_addresses(self.client)
 
     def _start(self, which: Sequence[int]) -> None:
         for r, (ok, value) in self._call(which, "start").items():

@@ -21,7 +21,7 @@ from sandblaster._coordinator import Coordinator, IterationRecord
 from sandblaster._linesearch import LBFGSB_FTOL
 from sandblaster._replica import Replica
 from sandblaster._scheduler import PortionScheduler
-from storage import Dataset, ParameterServer, as_dataset, embedded_client, start_vector
+from storage import Dataset, ParameterServer, as_dataset, embedded_client, start_vector, worker_addresses
 
 __all__ = ["OptimizeResult", "SandblasterOptions", "minimize", "open_session"]
 
@@ -290,7 +290,9 @@ def open_session(
         raise DatasetError(
             f"the model expects {model.n_features} features, the data has {dataset.n_features}"
         )
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = worker_addresses(client)
+    if not workers:
+        raise ClusterError("the Dask cluster has no workers; start some (or wait for them) and try again")
     shard_workers = list(opts.shard_workers or workers)
     replica_workers = list(opts.replica_workers or workers)
     # Sharding pays once a vector op costs more than the extra round trip per shard (~1-2 ms here): below

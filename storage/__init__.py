@@ -18,7 +18,14 @@ from storage._layout import Layout
 from storage._rowcache import ROW_CACHE_ENV, RowCache, default_row_cache
 from storage._rules import RULES, adagrad_update, sgd_update
 from storage._server import Batch, ParameterServer, ServerStats, ShardMap, reduce_results
-from storage._session import as_dataset, embedded_client, is_loopback, start_vector
+from storage._session import (
+    as_dataset,
+    embedded_client,
+    is_loopback,
+    scheduler_identity,
+    start_vector,
+    worker_addresses,
+)
 from storage._shard import OPS, Shard
 
 __all__ = [
@@ -43,6 +50,8 @@ __all__ = [
     "load_digits",
     "reduce_results",
     "resolve_name",
+    "scheduler_identity",
     "sgd_update",
     "start_vector",
+    "worker_addresses",
 ]

@@ -38,6 +38,7 @@ from distributed.utils import sync
 from errors import ClusterError, InvalidOptionError, ShardLostError, StoreError
 from storage._actor import ShardActor
 from storage._layout import DEFAULT_TARGET_CHUNK, Layout
+from storage._session import worker_addresses
 from storage._shard import OPS
 from storage._store import normalize_url, open_group
 from storage._wire import SMALL_BYTES, array_bytes, unpack
@@ -533,7 +534,7 @@ class ParameterServer:
         while time.monotonic() < deadline:
             if self._futures[shard].status in ("error", "lost", "cancelled"):
                 return True
-            if address not in self.client.scheduler_info(n_workers=-1)["workers"]:
+            if address not in worker_addresses(self.client):
                 return True
             time.sleep(_POLL)
         return False
@@ -795,7 +796,7 @@ def _worker_alive(address: str | None) -> bool:
     try:
         from distributed import get_client
 
-        return address in get_client().scheduler_info(n_workers=-1)["workers"]
+        return address in worker_addresses(get_client())
     except Exception:
         return True
 
@@ -842,7 +843,7 @@ def _read_attrs(url: str) -> dict[str, Any]:
 def _placement(client: Client, count: int, workers: Sequence[str] | None) -> list[str]:
     """``count`` worker addresses, round robin over ``workers`` (default: all live workers, sorted)."""
     if workers is None:
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = worker_addresses(client)
     workers = list(workers)
     if not workers:
         raise ClusterError("the Dask cluster has no workers; start some (or wait for them) and try again")

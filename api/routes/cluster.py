@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 
 from api.deps import RunnerDep, SettingsDep
 from api.schemas import ActorPublic, ClusterPublic, WorkerPublic
+from storage import scheduler_identity
 
 __all__ = ["router"]
 
@@ -18,7 +17,7 @@ router = APIRouter(prefix="/cluster", tags=["cluster"])
 def cluster_state(request: Request, runner: RunnerDep, settings: SettingsDep) -> ClusterPublic:
     """Workers (threads, memory, actors held) and every parameter-server shard and model replica."""
     backend = request.app.state.backend
-    info: dict[str, Any] = runner.client.scheduler_info(n_workers=-1)
+    info = scheduler_identity(runner.client)
     actors = [ActorPublic(**a) for a in runner.actors()]
     per_worker: dict[str, int] = {}
     for a in actors:

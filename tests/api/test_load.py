@@ -34,6 +34,7 @@ def test_fifty_submissions_and_two_hundred_reads_lose_nothing(tmp_path: Path, cl
     assert result["submit"]["errors"] == 0 and result["status_read"]["errors"] == 0
     assert len(set(result["job_ids"])) == 50
     assert result["lost"] == 0 and result["not_final"] == 0
-    assert result["final_statuses"] == {"succeeded": 50}
+    failures = {i: jobs[i].get("message") for i in result["job_ids"] if jobs[i]["status"] != "succeeded"}
+    assert result["final_statuses"] == {"succeeded": 50}, failures
     assert all(jobs[i]["status"] == "succeeded" and jobs[i]["result"]["nit"] == 3 for i in result["job_ids"])
     assert result["submit"]["p99_ms"] < 60_000 and result["status_read"]["p99_ms"] < 60_000

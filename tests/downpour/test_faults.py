@@ -14,6 +14,7 @@ from distributed import Client, LocalCluster
 import downpour
 import models
 from downpour import Progress
+from storage import worker_addresses
 from storage._digits import train_test_split_digits
 
 X_TR, Y_TR, X_TE, Y_TE = train_test_split_digits(seed=0)
@@ -48,7 +49,7 @@ def test_a_killed_replica_worker_leaves_the_others_training(
 ) -> None:
     cluster, client = cluster3
     client.wait_for_workers(3, timeout=60)  # the nanny restarts a worker killed by an earlier test
-    a, b, c = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    a, b, c = worker_addresses(client)
     killed: list[float] = []
     res = downpour.train(
         models.Softmax(64, 10), (X_TR, Y_TR), replicas=3, lr=0.5, time_limit=3.0, eval_data=(X_TE, Y_TE),
@@ -69,7 +70,7 @@ def test_a_lost_shard_is_restored_from_its_checkpoint_and_training_continues(
 ) -> None:
     cluster, client = cluster3
     client.wait_for_workers(3, timeout=60)  # the nanny restarts a worker killed by an earlier test
-    a, b, c = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    a, b, c = worker_addresses(client)
     killed: list[float] = []
     res = downpour.train(
         models.Softmax(64, 10), (X_TR, Y_TR), replicas=2, lr=0.5, time_limit=4.0, eval_data=(X_TE, Y_TE),

@@ -19,7 +19,7 @@ import models
 import sandblaster
 from errors import InvalidOptionError
 from sandblaster._minimize import SandblasterOptions, open_session
-from storage import Dataset
+from storage import Dataset, worker_addresses
 from tests.sandblaster import conftest
 from tests.sandblaster.conftest import Problem
 
@@ -260,7 +260,7 @@ def three_workers() -> Iterator[tuple[LocalCluster, Client, list[str]]]:
         LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
         Client(cluster, direct_to_workers=True) as client,
     ):
-        yield cluster, client, sorted(client.scheduler_info()["workers"])
+        yield cluster, client, worker_addresses(client)
 
 
 def test_a_replica_lost_mid_run_costs_only_its_unpushed_portions(

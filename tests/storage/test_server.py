@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from errors import InvalidOptionError, ShardLostError, StoreError
-from storage import ParameterServer
+from storage import ParameterServer, worker_addresses
 
 slow_settings = settings(
     max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -125,7 +125,7 @@ def test_a_lost_shard_is_named_and_rebuilt_from_the_checkpoint(tmp_path: Path) -
         LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
         Client(cluster, direct_to_workers=True) as client,
     ):
-        workers = sorted(client.scheduler_info()["workers"])
+        workers = worker_addresses(client)
         n = 1000
         x = np.arange(n, dtype=float)
         ps = ParameterServer.create(client, n, shards=2, store=str(tmp_path / "ps"), workers=workers)

@@ -12,7 +12,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 from errors import ShardLostError
-from storage import ParameterServer
+from storage import ParameterServer, worker_addresses
 
 
 def test_more_shards_than_workers_cost_one_call_per_worker(client: Client, tmp_path: Path) -> None:
@@ -39,7 +39,7 @@ def test_a_lost_worker_with_two_shards_loses_both_and_both_come_back(tmp_path: P
         LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
         Client(cluster, direct_to_workers=True) as client,
     ):
-        workers = sorted(client.scheduler_info()["workers"])
+        workers = worker_addresses(client)
         n = 1000
         x = np.arange(n, dtype=float)
         ps = ParameterServer.create(client, n, shards=4, store=str(tmp_path / "ps"), workers=workers)

@@ -6,12 +6,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import dask
 import numpy as np
 import pytest
-from distributed import Client
+from distributed import Client, LocalCluster
 
 from errors import InvalidOptionError
-from storage import Dataset, as_dataset, embedded_client, start_vector
+from storage import Dataset, as_dataset, embedded_client, scheduler_identity, start_vector, worker_addresses
 from storage._session import _on_loopback
 
 
@@ -29,8 +30,11 @@ def test_a_callers_loopback_client_talks_to_workers_directly_only_inside_the_blo
 def test_a_remote_cluster_keeps_the_callers_setting() -> None:
     remote: Any = SimpleNamespace(
         direct_to_workers=False,
-        scheduler=SimpleNamespace(address="tcp://10.0.0.5:8786"),
-        scheduler_info=lambda n_workers=-1: {"workers": {"tcp://10.0.0.6:40000": {}}},
+        scheduler=SimpleNamespace(
+            address="tcp://10.0.0.5:8786",
+            identity=lambda n_workers=0: {"workers": {"tcp://10.0.0.6:40000": {}} if n_workers else {}},
+        ),
+        sync=lambda func, **kwargs: func(**kwargs),
     )
     with embedded_client(remote) as c:
         assert c.direct_to_workers is False
@@ -70,3 +74,39 @@ def test_as_dataset_writes_arrays_once_and_passes_datasets_through(tmp_path: Pat
     np.testing.assert_array_equal(ds.read_all()[0], X)
     assert as_dataset(ds, str(tmp_path / "other")) is ds
     assert isinstance(ds, Dataset)
+
+
+def test_worker_addresses_never_sees_an_empty_cluster_while_the_client_refreshes(
+    cluster: LocalCluster, client: Client
+) -> None:
+    """``Client.scheduler_info()`` races the client's periodic refresh, which caches no workers: with a 5 ms
+    refresh it answered "no workers" to 219 of 3000 calls here. The helpers ask the scheduler instead."""
+    expected = worker_addresses(client)
+    assert len(expected) >= 2
+    with (
+        dask.config.set({"distributed.client.scheduler-info-interval": "5ms"}),
+        Client(cluster, set_as_default=False) as fast_refresh,
+    ):
+        answers = [worker_addresses(fast_refresh) for _ in range(300)]
+        identities = [sorted(scheduler_identity(fast_refresh)["workers"]) for _ in range(100)]
+    assert all(a == expected for a in answers)
+    assert all(a == expected for a in identities)
+
+
+def test_both_front_doors_refuse_a_cluster_without_workers() -> None:
+    # Imported here: storage's tests otherwise need neither algorithm package.
+    import downpour
+    import models
+    import sandblaster
+    from errors import ClusterError
+
+    X, y = np.random.default_rng(0).normal(size=(40, 3)), np.zeros(40)
+    model = models.LeastSquares(n_features=3)
+    with (
+        LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as empty,
+        Client(empty, set_as_default=False) as c,
+    ):
+        with pytest.raises(ClusterError, match="no workers"):
+            sandblaster.minimize(model, (X, y), client=c, maxiter=2)
+        with pytest.raises(ClusterError, match="no workers"):
+            downpour.train(model, (X, y), client=c, epochs=1)
