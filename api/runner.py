@@ -79,7 +79,9 @@ class UnknownDatasetError(DatasetError):
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
+    # Microseconds: jobs are listed newest first by creation time, and two submissions can share a
+    # millisecond (the id, a random tie-break, would then order them by chance).
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds")
 
 
 # ----------------------------------------------------------------------------------------- adapters

@@ -7,6 +7,12 @@ from collections.abc import Iterator
 import dask
 import pytest
 from distributed import Client, LocalCluster
+from hypothesis import settings
+
+# No per-example deadline: the examples take microseconds to milliseconds, and on a loaded 2-core machine
+# a GC pause or a preemption would fail one as "unreliable timing" though the code is right.
+settings.register_profile("distbelief", deadline=None)
+settings.load_profile("distbelief")
 
 # The scheduler runs in this process; its log of recent messages would keep actor handles (and so every
 # test's shards) alive on the workers until the session ends.

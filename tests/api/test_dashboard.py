@@ -56,9 +56,9 @@ def test_submit_from_the_page_and_watch_the_curve_grow(tmp_path: Path, client: D
             assert page.input_value("#f-model-fields input[name=n_features]") == "64"
             assert page.input_value("#f-model-fields input[name=n_classes]") == "10"
             page.fill("input[name=name]", "from the browser")
-            # A checkpoint every iteration and one-portion calls: the job lasts ~1 s, so the curve can be
-            # seen growing (60 plain iterations on the digits now take ~0.3 s).
-            options = {"maxiter": 60, "gtol": 0, "ftol": 0, "l2": 0.001}
+            # A checkpoint every iteration and one-portion calls: the job lasts a few seconds, so the curve
+            # can be seen growing even when a loaded machine renders slowly (and it converges only at 162).
+            options = {"maxiter": 150, "gtol": 0, "ftol": 0, "l2": 0.001}
             options |= {"checkpoint_every": 1, "portions": 7, "push_every": 1}
             page.fill("#f-options", json.dumps(options))
             page.select_option("#f-eval", "digits")
@@ -78,11 +78,11 @@ def test_submit_from_the_page_and_watch_the_curve_grow(tmp_path: Path, client: D
                     break
                 time.sleep(0.03)
             assert status == "succeeded", page.text_content("#job-message")
-            page.wait_for_function("document.querySelector('#chart-a polyline').dataset.n === '61'")
+            page.wait_for_function("document.querySelector('#chart-a polyline').dataset.n === '151'")
             assert len(seen) >= 3 and seen == sorted(seen), seen  # it grew while the job ran
             assert page.text_content("#job-title") == "from the browser"
             # The gradient-norm chart (log scale) and the job's options are on the page too.
-            assert page.eval_on_selector("#chart-b polyline", "e => +e.dataset.n") == 61
+            assert page.eval_on_selector("#chart-b polyline", "e => +e.dataset.n") == 151
             assert "maxiter" in page.text_content("#options-table")
             assert "eval_accuracy" in page.text_content("#result-table")
             shot = tmp_path / "dashboard-job.png"

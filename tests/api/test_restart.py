@@ -20,7 +20,9 @@ pytestmark = pytest.mark.anyio
 
 SOFTMAX = {"kind": "softmax", "n_features": 64, "n_classes": 10}
 # A fixed number of iterations: no convergence test may end the run early.
-LONG = {"gtol": 0.0, "ftol": 0.0, "maxiter": 40, "l2": 1e-3, "checkpoint_every": 3}
+# 120 iterations (the run would converge at 162): the app stops at checkpoint 6, and over 100 iterations
+# (~1 s) are left to keep the job running while it does, even on a loaded machine.
+LONG = {"gtol": 0.0, "ftol": 0.0, "maxiter": 120, "l2": 1e-3, "checkpoint_every": 3}
 
 
 async def test_a_running_job_resumes_from_its_checkpoint_after_a_restart(

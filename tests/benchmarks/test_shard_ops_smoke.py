@@ -62,8 +62,9 @@ def test_main_runs_a_minimal_config_and_writes_consistent_json(
     variants = {(v, o) for v in ("thread", "inline") for o in ("dot", "axpy")}
     assert {(d["variant"], d["op"]) for d in breakdown} == variants
     for d in breakdown:
-        # Compute timed inside the workers is part of what the caller waits for.
-        assert 0 < d["compute_in_worker_ms"] < d["observed_median_ms"] + d["bare_ping_ms"]
+        # Compute timed inside the workers is part of what the caller waits for. The fastest repetition:
+        # the compute is timed in calls of its own, and one preemption of either would decide a median.
+        assert 0 < d["compute_in_worker_min_ms"] < d["observed_median_ms"] + d["bare_ping_ms"]
     assert {d["op"] for d in result["diagnostics"]["ping_during_op"]} == {"dots", "axpy", "scale"}
     assert result["machine"]["cpu_count"] >= 1 and result["machine"]["workers"]
     assert len(result["aims"]["summary"]) == 2

@@ -149,12 +149,14 @@ def test_warm_start_lets_replica_0_train_alone_first(client: Client, digits: Dat
         client=client,
     )  # fmt: skip
     ref = sequential_sgd(
-        model, X_TR, Y_TR, model.init_params(0), reference_batches(digits, seed=0, steps=400, hi=half), lr=0.1
+        model, X_TR, Y_TR, model.init_params(0), reference_batches(digits, seed=0, steps=600, hi=half), lr=0.1
     )
     losses = res.losses[0]
-    np.testing.assert_allclose(losses[:150], ref.losses[:150], rtol=1e-10)
-    assert len(losses) > 160 and not np.allclose(losses[:400], ref.losses[: len(losses[:400])], rtol=1e-10)
     assert res.stats["per_replica"][1]["steps"] > 0
+    np.testing.assert_allclose(losses[:150], ref.losses[:150], rtol=1e-10)
+    # Replica 0's whole trajectory, not a prefix: on a loaded machine replica 1's first push may land only
+    # after replica 0's step 400.
+    assert len(losses) > 160 and not np.allclose(losses, ref.losses[: len(losses)], rtol=1e-10)
 
 
 def test_history_holds_what_the_run_did(client: Client, digits: Dataset) -> None:
@@ -192,7 +194,9 @@ def test_history_holds_what_the_run_did(client: Client, digits: Dataset) -> None
     assert h.pushes.values[-1, 0] == h.pushes.values[-1, 1] == h.version.values[-1, 0]
     np.testing.assert_allclose(h.epoch.values[-1] * digits.n_rows, res.steps * 32, rtol=0.05)
     assert np.isfinite(h.test_loss.values).all() and h.test_loss.values[-1] < h.test_loss.values[0]
-    assert np.nanmean(h.train_loss.values[-3:]) < h.train_loss.values[1]
+    # The first rows may have no train loss yet (no replica had finished a step when they were taken).
+    first_loss = h.train_loss.values[np.isfinite(h.train_loss.values)][0]
+    assert np.nanmean(h.train_loss.values[-3:]) < first_loss
     assert len(seen) >= 5 and [p.step for p in seen] == list(h.step.values[1 : len(seen) + 1])
 
 
