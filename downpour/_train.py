@@ -445,9 +445,7 @@ class _Run:
     # -- setup / teardown ----------------------------------------------------------------------------------
     def setup(self) -> None:
         opts, client = self.opts, self.client
-        workers = worker_addresses(client)
-        if not workers:
-            raise ClusterError("the Dask cluster has no workers; start some (or wait for them) and try again")
+        workers = worker_addresses(client, required=True)
         shard_workers = list(opts.shard_workers or workers)
         replica_workers = list(opts.replica_workers or workers)
         n = self.x_start.size

@@ -290,9 +290,7 @@ def open_session(
         raise DatasetError(
             f"the model expects {model.n_features} features, the data has {dataset.n_features}"
         )
-    workers = worker_addresses(client)
-    if not workers:
-        raise ClusterError("the Dask cluster has no workers; start some (or wait for them) and try again")
+    workers = worker_addresses(client, required=True)
     shard_workers = list(opts.shard_workers or workers)
     replica_workers = list(opts.replica_workers or workers)
     # Sharding pays once a vector op costs more than the extra round trip per shard (~1-2 ms here): below

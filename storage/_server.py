@@ -38,7 +38,7 @@ from distributed.utils import sync
 from errors import ClusterError, InvalidOptionError, ShardLostError, StoreError
 from storage._actor import ShardActor
 from storage._layout import DEFAULT_TARGET_CHUNK, Layout
-from storage._session import worker_addresses
+from storage._session import NO_WORKERS, worker_addresses
 from storage._shard import OPS
 from storage._store import normalize_url, open_group
 from storage._wire import SMALL_BYTES, array_bytes, unpack
@@ -843,8 +843,8 @@ def _read_attrs(url: str) -> dict[str, Any]:
 def _placement(client: Client, count: int, workers: Sequence[str] | None) -> list[str]:
     """``count`` worker addresses, round robin over ``workers`` (default: all live workers, sorted)."""
     if workers is None:
-        workers = worker_addresses(client)
+        workers = worker_addresses(client, required=True)
     workers = list(workers)
     if not workers:
-        raise ClusterError("the Dask cluster has no workers; start some (or wait for them) and try again")
+        raise ClusterError(NO_WORKERS)
     return [workers[i % len(workers)] for i in range(count)]

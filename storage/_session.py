@@ -26,6 +26,10 @@ __all__ = [
 ]
 
 
+#: What a run on a cluster without workers is told.
+NO_WORKERS = "the Dask cluster has no workers; start some (or wait for them) and try again"
+
+
 def scheduler_identity(client: Client) -> dict[str, Any]:
     """The scheduler's identity (address, services, every worker), asked of the scheduler now.
 
@@ -46,15 +50,20 @@ def scheduler_identity(client: Client) -> dict[str, Any]:
     return dict(client.sync(scheduler.identity, n_workers=-1))
 
 
-def worker_addresses(client: Client) -> list[str]:
+def worker_addresses(client: Client, *, required: bool = False) -> list[str]:
     """The addresses of the workers the scheduler lists now, sorted (see :func:`scheduler_identity`).
+
+    With ``required``, an empty cluster raises :class:`errors.ClusterError` (a run cannot be placed).
 
     Examples
     --------
     >>> worker_addresses(client)  # doctest: +SKIP
     ['tcp://127.0.0.1:40575', 'tcp://127.0.0.1:40577']
     """
-    return sorted(scheduler_identity(client)["workers"])
+    workers = sorted(scheduler_identity(client)["workers"])
+    if required and not workers:
+        raise ClusterError(NO_WORKERS)
+    return workers
 
 
 def start_vector(model: Any, x0: Any, seed: int | None) -> np.ndarray:
