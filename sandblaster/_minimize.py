@@ -17,7 +17,7 @@ import xarray as xr
 from distributed import Client
 
 from errors import ClusterError, DatasetError, InvalidOptionError, ShardLostError
-from sandblaster._coordinator import Coordinator, IterationRecord
+from sandblaster._coordinator import Coordinator, IterationRecord, RunState
 from sandblaster._linesearch import LBFGSB_FTOL
 from sandblaster._replica import Replica
 from sandblaster._scheduler import PortionScheduler
@@ -281,9 +281,20 @@ def minimize(
 
 @contextlib.contextmanager
 def open_session(
-    model: Any, dataset: Dataset, client: Client, store: str, opts: SandblasterOptions, *, n: int
+    model: Any,
+    dataset: Dataset,
+    client: Client,
+    store: str,
+    opts: SandblasterOptions,
+    *,
+    n: int,
+    x0: np.ndarray | None = None,
 ) -> Iterator[Coordinator]:
-    """Shards, replicas and scheduler for one run, wired into a :class:`Coordinator`; torn down on exit."""
+    """Shards, replicas and scheduler for one run, wired into a :class:`Coordinator`; torn down on exit.
+
+    New shards start with ``x0`` as the coordinator's ``x`` when it is given (``opts.resume`` restores
+    every vector from the store instead).
+    """
     if hasattr(dataset, "check_model"):
         dataset.check_model(model)
     elif dataset.n_features != getattr(model, "n_features", dataset.n_features):
@@ -315,22 +326,13 @@ def open_session(
         dataset = dataset.with_portion_rows(rows)
     n_portions = dataset.n_portions
     params = str(Path(store) / "params")
-    if opts.resume:
-        ps = ParameterServer.open(client, store=params, workers=shard_workers)
-        if ps.n != n or not ps.checkpoint_id:
-            ps.close()
-            raise InvalidOptionError(
-                f"{params!r} holds no checkpoint of a run with {n} parameters; "
-                "start runs with checkpoint_every=k to be able to resume them"
-            )
-    else:
-        ps = ParameterServer.create(
-            client, n, shards=n_shards, store=params, workers=shard_workers, overwrite=True
-        )
     replica_futures: list[Any] = []
     replicas: list[tuple[Any, Any]] = []
+    ps: ParameterServer | None = None
     try:
-        shard_map = ps.shard_map()
+        # The replicas first, told their shards only once those exist (attach): each is built (its rows
+        # found in its worker's memory, or read) while the client creates the shards, instead of after.
+        # Measured on 200,000 x 500: 13 ms for the shards, then 13 ms for the replicas, one after the other.
         blocks = PortionScheduler.initial_blocks(n_portions, n_replicas)
         for r in range(n_replicas):
             replica_futures.append(
@@ -339,7 +341,7 @@ def open_session(
                     r,
                     model,
                     dataset,
-                    shard_map,
+                    None,
                     blocks[r],
                     opts.slowdown.get(r, 1.0),
                     actor=True,
@@ -348,9 +350,27 @@ def open_session(
                     pure=False,
                 )
             )
+        if opts.resume:
+            ps = ParameterServer.open(client, store=params, workers=shard_workers)
+            if ps.n != n or not ps.checkpoint_id:
+                raise InvalidOptionError(
+                    f"{params!r} holds no checkpoint of a run with {n} parameters; "
+                    "start runs with checkpoint_every=k to be able to resume them"
+                )
+        else:
+            ps = ParameterServer.create(
+                client,
+                n,
+                shards=n_shards,
+                store=params,
+                workers=shard_workers,
+                overwrite=True,
+                vectors=None if x0 is None else {RunState().x: x0},
+            )
+        shard_map = ps.shard_map()
         replicas = [(f.result(), f) for f in replica_futures]
-        asked = [actor.stats() for actor, _ in replicas]
-        held = [answer.result()["cached_portions"] for answer in asked]
+        attached = [actor.attach(shard_map) for actor, _ in replicas]
+        held = [answer.result()["cached_portions"] for answer in attached]
         scheduler = PortionScheduler(
             client,
             replicas,
@@ -375,7 +395,8 @@ def open_session(
         for f in replica_futures:
             with contextlib.suppress(Exception):
                 f.release()
-        ps.close()
+        if ps is not None:
+            ps.close()
 
 
 def _run(
@@ -389,13 +410,11 @@ def _run(
 ) -> OptimizeResult:
     t_start = time.perf_counter()
     n = x_start.size
-    with open_session(model, dataset, client, store, opts, n=n) as coord:
+    with open_session(model, dataset, client, store, opts, n=n, x0=x_start) as coord:
         ps, scheduler = coord.ps, coord.scheduler
         resume_meta: dict[str, Any] | None = None
         if opts.resume:
             resume_meta = coord.resume_from(ps.checkpoint_meta)
-        else:
-            ps.scatter(coord.state.x, x_start)
         ps.stats.reset()
         recoveries = 0
         while True:

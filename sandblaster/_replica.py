@@ -52,8 +52,9 @@ class Replica:
         Anything with ``loss_and_grad(w, X, y)``.
     dataset : storage.Dataset
         The training rows, split into portions.
-    shard_map : storage.ShardMap
-        Where to fetch parameters from and push gradients to.
+    shard_map : storage.ShardMap or None
+        Where to fetch parameters from and push gradients to; ``None`` until :meth:`attach` tells (so a
+        replica can be built while the shards are still being created).
     preload : sequence of int
         Portions to read into memory now (the ones this replica will most likely be given).
     slowdown : float
@@ -66,7 +67,7 @@ class Replica:
         index: int,
         model: Any,
         dataset: Dataset,
-        shard_map: ShardMap,
+        shard_map: ShardMap | None,
         preload: Sequence[int] = (),
         slowdown: float = 1.0,
     ) -> None:
@@ -74,7 +75,7 @@ class Replica:
         self.index = index
         self.model = model
         self.dataset = dataset
-        self.shards = shard_map
+        self._shards = shard_map
         self.slowdown = float(slowdown)
         self.cache: dict[int, Portion] = {}
         self._rows = default_row_cache()
@@ -89,6 +90,13 @@ class Replica:
         for p in range(dataset.n_portions):
             if p not in self.cache and self._rows.holds(dataset, *dataset.portion_bounds(p)):
                 self._portion(p)
+
+    @property
+    def shards(self) -> ShardMap:
+        """The shards this replica fetches from and pushes to (set at construction or by :meth:`attach`)."""
+        if self._shards is None:
+            raise ClusterError(f"replica {self.index} was given work before attach() told it the shards")
+        return self._shards
 
     def _portion(self, p: int) -> Portion:
         data = self.cache.get(p)
@@ -258,10 +266,12 @@ class Replica:
         """Counters for tests and benchmarks."""
         return {"fetches": self.fetches, "cached_portions": sorted(self.cache)}
 
-    async def set_shards(self, shard_map: ShardMap) -> None:
-        """Talk to these shards from now on (after lost shards were rebuilt on other workers)."""
-        self.shards = shard_map
+    async def attach(self, shard_map: ShardMap) -> dict[str, Any]:
+        """Talk to these shards from now on (the run's new shards, or lost shards rebuilt on other
+        workers); returns :meth:`stats`, so a new replica reports the portions it holds in the same call."""
+        self._shards = shard_map
         self._fetch = None
+        return await self.stats()
 
     async def set_slowdown(self, slowdown: float) -> None:
         """Change the injected slowdown (fault injection)."""

@@ -156,7 +156,7 @@ class PortionScheduler:
         """Point every live replica at ``shard_map`` (after the parameter server rebuilt lost shards)."""
         for r, (actor, _) in enumerate(self.replicas):
             if self.alive[r] and not self._dead(r):
-                actor.set_shards(shard_map).result()
+                actor.attach(shard_map).result()
 
     async def _confirm_dead(self, r: int, exc: BaseException) -> bool:
         """Whether replica ``r``'s worker died (a connection error may come before the scheduler knows)."""

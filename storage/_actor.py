@@ -81,7 +81,8 @@ def read_checkpoint(url: str, slot: str, lo: int, hi: int, names: Sequence[str])
 
 
 class ShardActor:
-    """Dask actor holding one shard; restored from checkpoint ``slot`` of ``url`` when ``slot`` is given."""
+    """Dask actor holding one shard; restored from checkpoint ``slot`` of ``url`` when ``slot`` is given,
+    else starting with ``vectors`` (this shard's slices, by name)."""
 
     def __init__(
         self,
@@ -92,9 +93,12 @@ class ShardActor:
         slot: str | None = None,
         names: Sequence[str] = (),
         state: dict[str, Any] | None = None,
+        vectors: dict[str, np.ndarray] | None = None,
     ) -> None:
         keep_loop_responsive()
         self.core = Shard(index, lo, hi)
+        for name, values in (vectors or {}).items():
+            self.core.set(name, lo, hi, values)
         self.url = url
         self._arrays: dict[str, Any] = {}  # opened checkpoint arrays, by "slot/name"
         inline = hi - lo <= INLINE_MAX_ELEMENTS

@@ -26,7 +26,7 @@ import math
 import pickle
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,6 +297,7 @@ class ParameterServer:
         target_chunk: int = DEFAULT_TARGET_CHUNK,
         overwrite: bool = False,
         timeout: float = 120.0,
+        vectors: Mapping[str, np.ndarray] | None = None,
     ) -> ParameterServer:
         """Create a new server for ``n`` parameters in ``shards`` shards, persisted at ``store``.
 
@@ -318,8 +319,15 @@ class ParameterServer:
             Replace a parameter server already stored at ``store``.
         timeout : float
             Seconds a single shard call may take before it is reported as failed.
+        vectors : mapping of str to numpy.ndarray, optional
+            Vectors of ``n`` values the shards start with (as :meth:`scatter` would set them, without its
+            round trip: each slice travels with its shard's construction).
         """
         layout = Layout.split(n, shards, target_chunk=target_chunk)
+        initial = {name: _as_vector(values) for name, values in (vectors or {}).items()}
+        for name, values in initial.items():
+            if values.size != n:
+                raise InvalidOptionError(f"vector {name!r} has {values.size} values, the server holds {n}")
         url = normalize_url(store)
         group = zarr.open_group(store=_store_for(url), mode="a")
         if ATTR in group.attrs and not overwrite:
@@ -347,6 +355,7 @@ class ParameterServer:
                 lo,
                 hi,
                 url,
+                vectors={name: values[lo:hi] for name, values in initial.items()},
                 actor=True,
                 workers=[placement[i]],
                 allow_other_workers=False,

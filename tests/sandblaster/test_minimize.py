@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import Iterator
@@ -17,8 +18,9 @@ from hypothesis import strategies as st
 
 import models
 import sandblaster
-from errors import InvalidOptionError
+from errors import ClusterError, InvalidOptionError
 from sandblaster._minimize import SandblasterOptions, open_session
+from sandblaster._replica import Replica
 from storage import Dataset, worker_addresses
 from tests.sandblaster import conftest
 from tests.sandblaster.conftest import Problem
@@ -130,6 +132,36 @@ def test_sharded_gradient_equals_single_process_gradient(
             g = coord.ps.gather(coord.state.g)
             assert coord.state.f == pytest.approx(f_ref, rel=1e-12)
             np.testing.assert_allclose(g, g_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_a_session_starts_at_x0_with_no_coordinator_round_trip(
+    client: Client, tmp_path: Path, logistic_digits: Problem
+) -> None:
+    """The replicas are built while the shards are created, the shards start holding x0, and the first
+    evaluation at x0 is exact: the coordinator spends no round trip of its own before it."""
+    problem = logistic_digits
+    ds = dataset(problem, tmp_path / "data", portion_rows=256)
+    opts = SandblasterOptions(replicas=2, portions=ds.n_portions, l2=0.01)
+    x = np.random.default_rng(1).standard_normal(problem.model.n_params)
+    f_ref, g_ref = models.objective(problem.model, x, problem.X, problem.y, l2=0.01)
+    with open_session(problem.model, ds, client, str(tmp_path / "run"), opts, n=x.size, x0=x) as coord:
+        assert coord.ps.stats.round_trips == 0
+        coord.start()
+        assert coord.ps.stats.round_trips == 0
+        assert coord.state.f == pytest.approx(f_ref, rel=1e-12)
+        np.testing.assert_allclose(coord.ps.gather(coord.state.g), g_ref, rtol=1e-10, atol=1e-12)
+        np.testing.assert_array_equal(coord.ps.gather(coord.state.x), x)
+
+
+def test_a_replica_given_work_before_it_knows_its_shards_says_so(
+    logistic_digits: Problem, tmp_path: Path
+) -> None:
+    replica = Replica(0, logistic_digits.model, dataset(logistic_digits, tmp_path / "data"), None)
+    try:
+        with pytest.raises(ClusterError, match="before attach"):
+            asyncio.run(replica.compute(1, "x", "acc", [0]))
+    finally:
+        asyncio.run(replica.close())
 
 
 def test_balanced_replicas_get_one_call_each_per_evaluation(
