@@ -16,10 +16,11 @@ Peers, each run for real in this process on this machine:
 Problems: logistic regression on the digits (digit 0 against the rest), on a seeded synthetic 200,000 x 500
 dense set, and on a correlated-features variant of it that needs more iterations. Every optimizer stops on
 L-BFGS-B's rules (``gtol``, relative decrease ``ftol``), with history 10. Reported: wall time (median of
-5 repeats, interleaved: a round runs every scipy variant, then ours; and the median of the rounds' own
-ratios), the final objective (evaluated by the same numpy code for every peer), iterations, ratios; for
-ours a breakdown per iteration (gradient portions, shard ops, coordinator logic, round trips), round trips
-per iteration for m = 5, 10, 20, and batch times with a 10x straggler, backups on and off.
+5 repeats, interleaved: a round runs every scipy variant, then ours, each after a pause of SETTLE_S; and
+the median of the rounds' own ratios), the final objective (evaluated by the same numpy code for every
+peer), iterations, ratios; for ours a breakdown per iteration (gradient portions, shard ops, coordinator
+logic, round trips), round trips per iteration for m = 5, 10, 20, and batch times with a 10x straggler,
+backups on and off.
 
 Run: ``python benchmarks/sandblaster_vs_peers.py [--quick] [--out PATH]`` (default
 ``benchmarks/results/sandblaster_vs_peers.json`` and a PNG beside it).
@@ -50,6 +51,15 @@ import sandblaster
 from storage import Dataset, embedded_client, load_digits, worker_addresses
 
 RESULTS = Path(__file__).parent / "results"
+#: Seconds of quiet before every timed run, whichever peer's: on 2 cores a run's leftovers take CPU from
+#: the next one. Right after SciPy returns, OpenBLAS's threads spin for ~0.2 s (measured: 0.52 cores busy
+#: through an idle sleep), and the run that followed it took 0.458 s against 0.433 s after a pause.
+SETTLE_S = 0.5
+
+
+def settle() -> None:
+    """Let the previous run's threads go idle before the next timed run starts."""
+    time.sleep(SETTLE_S)
 
 
 def make_problem(name: str, quick: bool) -> tuple[np.ndarray, np.ndarray, float]:
@@ -236,6 +246,7 @@ def bench_problem(
         "fused_model_kernel": (True, "models"),
     }
     # Cold: the first run on the freshly written dataset, its replicas reading every row from zarr.
+    settle()
     cold = run_ours(client, model, ds, l2, m, f"{tmp}/cold")
     out["sandblaster_cold"] = {
         "wall_s": cold["wall_s"],
@@ -251,7 +262,9 @@ def bench_problem(
     ours: list[dict[str, Any]] = []
     for k in range(repeats):
         for label, (limit, kernel) in variants.items():
+            settle()
             scipy_runs[label].append(run_scipy(model, X, y, l2, m, limit, kernel))
+        settle()
         ours.append(run_ours(client, model, ds, l2, m, f"{tmp}/run{k}"))
     # The reported reference is the fastest numpy-gradient variant; the fused-kernel row gets its own ratio.
     best = min(("as_installed", "scipy_blas_1_thread"), key=lambda k: median_of(scipy_runs[k], "wall_s"))
@@ -281,7 +294,10 @@ def bench_problem(
         "gradient_kernel_only_all_workers_at_once": max(kernel.values()),
     }
     glm_repeats = 1 if name != "digits" else min(repeats, 3)
-    glm = [run_dask_glm(client, X, y, l2, gtol) for _ in range(glm_repeats)]
+    glm = []
+    for _ in range(glm_repeats):
+        settle()
+        glm.append(run_dask_glm(client, X, y, l2, gtol))
     out["dask_glm"] = {
         "wall_s_median": median_of(glm, "wall_s"),
         "fun": objective(glm[0]["x"]),

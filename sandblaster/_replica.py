@@ -260,6 +260,7 @@ class Replica:
             "read_s": read_s,
             "reads": reads,
             "push_s": time.perf_counter() - t2,
+            "T": (t0, t1, t2, time.perf_counter()),
         }
 
     async def stats(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import pickle
 import time
@@ -272,6 +273,7 @@ class ParameterServer:
         futures: list[Future],
         *,
         timeout: float,
+        meta: dict[str, Any],
     ) -> None:
         self.client = client
         self.url = url
@@ -280,7 +282,7 @@ class ParameterServer:
         self._actors = [f.result() for f in futures]
         self.timeout = timeout
         self.stats = ServerStats()
-        self._meta = self._read_meta()
+        self._meta = meta  # what the store's attributes hold now (written or read by the caller)
         self._slot_arrays: dict[str, set[str]] = {}
         self._group: Any = None
 
@@ -335,19 +337,8 @@ class ParameterServer:
                 f"{url!r} already holds a parameter server; open it with ParameterServer.open, "
                 "or pass overwrite=True to replace it"
             )
-        for slot in ("slot0", "slot1"):
-            if slot in group:
-                del group[slot]
-        group.attrs[ATTR] = {
-            "format": FORMAT_VERSION,
-            "layout": layout.to_dict(),  # type: ignore[dict-item]
-            "current": None,
-            "checkpoint_id": 0,
-            "names": [],
-            "states": [],
-            "meta": {},
-        }
         placement = _placement(client, layout.shards, workers)
+        # The actors are built while the store is prepared below: a new shard reads nothing from it.
         futures = [
             client.submit(
                 ShardActor,
@@ -364,7 +355,26 @@ class ParameterServer:
             )
             for i, (lo, hi) in enumerate(layout.ranges())
         ]
-        return cls(client, url, layout, futures, timeout=timeout)
+        meta: dict[str, Any] = {
+            "format": FORMAT_VERSION,
+            "layout": layout.to_dict(),
+            "current": None,
+            "checkpoint_id": 0,
+            "names": [],
+            "states": [],
+            "meta": {},
+        }
+        try:
+            for slot in ("slot0", "slot1"):
+                if slot in group:
+                    del group[slot]
+            group.attrs[ATTR] = meta
+        except BaseException:
+            for f in futures:
+                f.release()
+            raise
+        return cls(client, url, layout, futures, timeout=timeout, meta=json.loads(json.dumps(meta)))
+
 
     @classmethod
     def open(
@@ -399,7 +409,7 @@ class ParameterServer:
             )
             for i, (lo, hi) in enumerate(layout.ranges())
         ]
-        return cls(client, url, layout, futures, timeout=timeout)
+        return cls(client, url, layout, futures, timeout=timeout, meta=meta)
 
     # -- introspection ---------------------------------------------------------------------------------
     @property
