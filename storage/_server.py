@@ -375,7 +375,6 @@ class ParameterServer:
             raise
         return cls(client, url, layout, futures, timeout=timeout, meta=json.loads(json.dumps(meta)))
 
-
     @classmethod
     def open(
         cls,
