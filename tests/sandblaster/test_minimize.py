@@ -153,6 +153,20 @@ def test_a_session_starts_at_x0_with_no_coordinator_round_trip(
         np.testing.assert_array_equal(coord.ps.gather(coord.state.x), x)
 
 
+def test_the_replica_that_reported_last_gets_its_work_first_next_time(
+    client: Client, tmp_path: Path, logistic_digits: Problem
+) -> None:
+    """The replica on an evaluation's critical path (here made 5x slower) is sent its call first next."""
+    problem = logistic_digits
+    ds = dataset(problem, tmp_path / "data", portion_rows=256)
+    opts = SandblasterOptions(replicas=2, portions=ds.n_portions, backups=False, slowdown={1: 5.0})
+    x = np.zeros(problem.model.n_params)
+    with open_session(problem.model, ds, client, str(tmp_path / "run"), opts, n=x.size, x0=x) as coord:
+        assert coord.scheduler.dispatch_order == [0, 1]
+        coord.start()
+        assert coord.scheduler.dispatch_order == [1, 0]
+
+
 def test_a_replica_given_work_before_it_knows_its_shards_says_so(
     logistic_digits: Problem, tmp_path: Path
 ) -> None:
