@@ -6,16 +6,36 @@ memory twice. :meth:`models._linear._Linear._fused_pass` reads it once, in ~512 
 ~10-30 us of Python and ufunc calls per block, which keeps it at ~12 GB/s. The kernels here are that pass
 compiled, with no Python per block:
 
-* least squares and logistic regression (:func:`_glm_pass`): four rows at a time, the four dot products
-  ``z_i = x_i . coef + b`` in one sweep over the rows, then their loss and residual ``r_i``, then
-  ``grad += r_i x_i`` while the four rows are still in the cache. ``X`` is read from memory once, at
-  about the speed of a single BLAS ``X @ coef``;
+* least squares and logistic regression (:func:`_glm_pass`): row after row, ``z_i = x_i . coef + b``, the
+  row's loss and residual ``r_i``, then ``grad += r_i x_i`` while the row is still in the L1 cache. ``X`` is
+  read from memory once, as one sequential stream, at about the machine's streaming bandwidth;
 * softmax regression (:func:`_softmax_pass`): the row blocks of the numpy pass, with the two products still
   done by BLAS (through numba's ``np.dot``) and the softmax between them compiled, with a vectorizable
   ``exp`` (:func:`_exp_nonpositive`). The gain there is the per-block Python and ufunc overhead.
 
-Measured on the development machine (2-core Xeon with AVX-512, 2 MiB L2 per core, numba 0.68), 100,000 x 500
-float64 (400 MB), one BLAS thread, medians of 7 interleaved runs of ``loss_and_grad``:
+Least squares and logistic regression, ``loss_and_grad`` on 100,000 x 500 float64 (400 MB), medians of 9,
+on the current development machine (2-core AMD EPYC, 2 MiB L2 per core, 32 MiB L3, numba 0.68), one
+process alone and two processes at once (as the two workers of a run compute):
+
+=============  =============  =====================  ======================  =========================
+model          numpy blocked  compiled, row by row   earlier 4-row kernel    two processes at once
+=============  =============  =====================  ======================  =========================
+least squares  30.9 ms        15.1-15.5 ms           28.7 ms                 22 ms (4-row: 30.5 ms)
+logistic       34.3 ms        17.2-17.5 ms           31.2-31.6 ms            22.5 ms (4-row: 33 ms)
+=============  =============  =====================  ======================  =========================
+
+For scale, ``X.sum()`` streams the same 400 MB in 13 ms alone and 23 ms two at once (~31 and ~35 GB/s):
+the row-by-row pass reaches the machine's bandwidth when both cores run it. Why rows one at a time: the
+earlier kernel took four rows at a time (four dot products in one sweep, reading ``coef`` once for four
+rows), which makes four streams 4000 bytes apart, each crossing a 4 KiB page every row, where the L2
+stream prefetcher stops; one sequential stream it follows. Measured alternatives (logistic, one process /
+two at once): four rows 31.2 / 35.4 ms, two rows 28.0 / 33.5 ms, blocks of 32 rows (all dot products, then
+all ``grad`` updates from L2) 24.0 / 26.7 ms, one row 16.5 / 22.6 ms. In the L2 cache the four-row kernel
+ran at ~42 GB/s: memory latency, not arithmetic, was its limit.
+
+Softmax, measured earlier on a 2-core Xeon with AVX-512 (2 MiB L2 per core, numba 0.68), 100,000 x 500
+float64, one BLAS thread, medians of 7 interleaved runs of ``loss_and_grad`` (the first two rows are that
+machine's, with the four-row kernel):
 
 ====================  =============  ========  ===============================================
 model                 numpy blocked  compiled  notes
@@ -29,14 +49,13 @@ softmax, 50 classes   265 ms         237 ms
 softmax, 100 classes  494 ms         470 ms    libm's scalar ``exp`` made it 516 ms: slower
 ====================  =============  ========  ===============================================
 
-Two threads of one process (as a Dask worker with two threads), logistic on 2 x 100,000 x 500: 37 ms
+On that Xeon, with the four-row kernel: two threads of one process (as a Dask worker with two threads),
+logistic on 2 x 100,000 x 500: 37 ms
 compiled against 91 ms for the numpy blocks, whose many short calls serialize on the GIL (least squares:
 40 against 103 ms; softmax, 10 classes: 94 against 169 ms). While one thread runs logistic on
 200,000 rows, a pure-Python loop in another one (an event loop) stalls for at most 1.3 ms, against 9 ms.
 
-Rows per group, 4 or 8 (least squares / logistic, interleaved runs): 31.5 / 33.8 ms with 4 rows,
-31.6 / 34.5 ms with 8: the same (the pass is bound by memory bandwidth either way), so 4 (less code, a
-shorter tail). For softmax, compiled matrix products (a micro-kernel of 4 rows x C classes) lost to BLAS:
+For softmax, compiled matrix products (a micro-kernel of 4 rows x C classes) lost to BLAS:
 for 10 classes 152 ms with C = 4 and 91 ms with C = 5, against 86 ms, and LLVM's code for them varies
 erratically with the micro-kernel's shape; so the products stay BLAS calls.
 
@@ -123,7 +142,7 @@ def _glm_row(z: float, y: float, logistic: bool) -> tuple[float, float]:
     >>> _glm_row(3.0, 1.0, False)
     (2.0, 2.0)
     >>> loss, r = _glm_row(0.0, 1.0, True)
-    >>> round(loss, 6), r
+    >>> round(float(loss), 6), float(r)
     (0.693147, -0.5)
     """
     if logistic:
@@ -142,9 +161,10 @@ def _glm_pass(
 ) -> tuple[float, float]:
     """Summed loss of least squares or logistic regression over the rows of ``X``, in one pass.
 
-    Four rows at a time: their dot products with ``coef`` in one sweep, then their losses and residuals
-    (:func:`_glm_row`), then ``grad += r_i x_i`` while the rows are in the cache; the ``n % 4`` last rows
-    one by one.
+    Row after row: its dot product with ``coef``, its loss and residual ``r_i`` (:func:`_glm_row`), then
+    ``grad += r_i x_i`` while the row (4 KB at 500 features) is still in the L1 cache. Memory is read as
+    one sequential stream, which the hardware prefetcher follows; see the module docstring for why this
+    beats interleaving several rows.
 
     Parameters
     ----------
@@ -169,31 +189,7 @@ def _glm_pass(
     n, d = X.shape
     loss = 0.0
     r_sum = 0.0
-    n4 = n - n % 4
-    for i in range(0, n4, 4):
-        x0 = X[i]
-        x1 = X[i + 1]
-        x2 = X[i + 2]
-        x3 = X[i + 3]
-        z0 = 0.0
-        z1 = 0.0
-        z2 = 0.0
-        z3 = 0.0
-        for j in range(d):
-            c = coef[j]
-            z0 += x0[j] * c
-            z1 += x1[j] * c
-            z2 += x2[j] * c
-            z3 += x3[j] * c
-        l0, r0 = _glm_row(z0 + intercept, y[i], logistic)
-        l1, r1 = _glm_row(z1 + intercept, y[i + 1], logistic)
-        l2, r2 = _glm_row(z2 + intercept, y[i + 2], logistic)
-        l3, r3 = _glm_row(z3 + intercept, y[i + 3], logistic)
-        loss += (l0 + l1) + (l2 + l3)
-        r_sum += (r0 + r1) + (r2 + r3)
-        for j in range(d):
-            grad[j] += (r0 * x0[j] + r1 * x1[j]) + (r2 * x2[j] + r3 * x3[j])
-    for i in range(n4, n):
+    for i in range(n):
         xi = X[i]
         z = 0.0
         for j in range(d):
@@ -217,7 +213,7 @@ def _exp_nonpositive(x: float) -> float:
 
     Examples
     --------
-    >>> _exp_nonpositive(0.0), float(np.float64(_exp_nonpositive(-1.0)) / np.exp(-1.0))
+    >>> float(_exp_nonpositive(0.0)), float(np.float64(_exp_nonpositive(-1.0)) / np.exp(-1.0))
     (1.0, 1.0)
     """
     xc = x if x > -746.0 else -746.0  # NaN -> -746 too, so that the table index stays defined

@@ -363,7 +363,7 @@ class _Linear(ModelBase):
         """The least squares or logistic loss and gradient by the compiled kernel, or None without numba.
 
         ``X`` must be C-contiguous float64 (as :func:`_block_rows` makes sure), ``y`` float64. ``rows`` is
-        not used: the kernel works on four rows at a time.
+        not used: the kernel works row by row.
         """
         kernel = _compiled.fused_kernel(kind)
         if kernel is None:
