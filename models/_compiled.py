@@ -28,9 +28,10 @@ For scale, ``X.sum()`` streams the same 400 MB in 13 ms alone and 23 ms two at o
 the row-by-row pass reaches the machine's bandwidth when both cores run it. Why rows one at a time: the
 earlier kernel took four rows at a time (four dot products in one sweep, reading ``coef`` once for four
 rows), which makes four streams 4000 bytes apart, each crossing a 4 KiB page every row, where the L2
-stream prefetcher stops; one sequential stream it follows. Measured alternatives (logistic, one process /
-two at once): four rows 31.2 / 35.4 ms, two rows 28.0 / 33.5 ms, blocks of 32 rows (all dot products, then
-all ``grad`` updates from L2) 24.0 / 26.7 ms, one row 16.5 / 22.6 ms. In the L2 cache the four-row kernel
+stream prefetcher stops; one sequential stream it follows. The alternatives, measured in another run on
+the kernels themselves (logistic, one process / two at once, medians of 9): four rows 31.2 / 35.4 ms, two
+rows 28.0 / 33.5 ms, blocks of 32 rows (all dot products, then all ``grad`` updates from L2) 24.0 /
+26.7 ms, one row 16.5 / 22.6 ms. In the L2 cache the four-row kernel
 ran at ~42 GB/s: memory latency, not arithmetic, was its limit.
 
 Softmax, measured earlier on a 2-core Xeon with AVX-512 (2 MiB L2 per core, numba 0.68), 100,000 x 500

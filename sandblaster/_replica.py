@@ -105,11 +105,14 @@ class Replica:
         return data
 
     def _compute_portions(
-        self, w: np.ndarray, assign: Sequence[int], solo: bool
+        self, w: np.ndarray, assign: Sequence[int], solo: bool, eval_id: int | None = None
     ) -> tuple[list[tuple[int, float, int]], list[tuple[list[int], np.ndarray]], float, float, list[int]]:
         """Loss of every portion, the gradients to push (one per portion if ``solo``, else their sum), the
         seconds it took (without the time queued behind other calls), the part of it spent reading
-        portions that were not in memory yet, and those portions."""
+        portions that were not in memory yet, and those portions. Nothing at all once a later evaluation
+        than ``eval_id`` has begun: the shards would refuse the gradient, and the thread is wanted there."""
+        if eval_id is not None and self._fetch is not None and self._fetch[0] > eval_id:
+            return [], [], 0.0, 0.0, []
         t0 = time.perf_counter()
         read_s = 0.0
         reads: list[int] = []
@@ -222,33 +225,34 @@ class Replica:
         # without waiting for the loop to hand it the next one (a thread hop each, ~0.3-0.6 ms on 2 busy
         # cores), while the loop pushes each group's gradient as it lands.
         queued = {
-            k: loop.run_in_executor(self._compute, self._compute_portions, w, group, solo)
+            k: loop.run_in_executor(self._compute, self._compute_portions, w, group, solo, eval_id)
             for k, group in enumerate(groups)
             if not inline[k]
         }
-        for k, group in enumerate(groups):
-            try:
+        try:
+            for k, group in enumerate(groups):
                 out = self._compute_portions(w, group, solo) if inline[k] else await queued[k]
-            except BaseException:
-                for pending in queued.values():
-                    pending.cancel()
-                raise
-            group_results, grads, group_busy, group_read_s, group_reads = out
-            results += group_results
-            reads += group_reads
-            busy += group_busy
-            read_s += group_read_s
-            # Sent now, awaited at the end: the push travels while the next group is computed.
-            pushes += [
-                (
-                    shard,
-                    asyncio.ensure_future(
-                        self.shards.ask(shard, "accumulate", acc_name, part, portions, eval_id, solo)
-                    ),
-                )
-                for portions, grad in grads
-                for shard, part in enumerate(self.shards.slices(grad))
-            ]
+                group_results, grads, group_busy, group_read_s, group_reads = out
+                results += group_results
+                reads += group_reads
+                busy += group_busy
+                read_s += group_read_s
+                # Sent now, awaited at the end: the push travels while the next group is computed.
+                pushes += [
+                    (
+                        shard,
+                        asyncio.ensure_future(
+                            self.shards.ask(shard, "accumulate", acc_name, part, portions, eval_id, solo)
+                        ),
+                    )
+                    for portions, grad in grads
+                    for shard, part in enumerate(self.shards.slices(grad))
+                ]
+        except BaseException:
+            # Nothing of this call will be reported: its queued groups and sent pushes are abandoned.
+            for pending in [*queued.values(), *(push for _, push in pushes)]:
+                pending.cancel()
+            raise
         t2 = time.perf_counter()
         final: dict[int, list[Any]] = {}
         try:
@@ -267,7 +271,8 @@ class Replica:
             "fetched": fetched,
             "fetch_s": t1 - t0,
             "compute_s": busy,
-            "queued_s": t2 - t1 - busy,
+            # An inline group can overlap a queued one: the wait is never negative.
+            "queued_s": max(0.0, t2 - t1 - busy),
             "read_s": read_s,
             "reads": reads,
             "push_s": time.perf_counter() - t2,

@@ -1207,7 +1207,8 @@ class Dataset:
         return self.read_rows(0, self.n_rows)
 
     def read_labels(self) -> FloatArray:
-        """All labels ``y`` (without reading ``X``), read once per object; the array is read-only.
+        """All labels ``y`` (without reading ``X``), read once per object, which keeps them (8 bytes a row);
+        the array is read-only (copy it to change it).
 
         Examples
         --------

@@ -253,6 +253,11 @@ class ShardMap:
         return [vector[lo:hi] for lo, hi in self.layout.ranges()]
 
 
+#: Initial vectors up to this many bytes per shard travel with the shards' construction (see
+#: :meth:`ParameterServer.create`); the arguments of a construction stay in the scheduler's task graph.
+INLINE_VECTOR_BYTES = 1 << 20
+
+
 class ParameterServer:
     """A vector space of ``n`` float64 parameters sharded over Dask actors and checkpointed to zarr.
 
@@ -322,8 +327,10 @@ class ParameterServer:
         timeout : float
             Seconds a single shard call may take before it is reported as failed.
         vectors : mapping of str to numpy.ndarray, optional
-            Vectors of ``n`` values the shards start with (as :meth:`scatter` would set them, without its
-            round trip: each slice travels with its shard's construction).
+            Vectors of ``n`` values the shards start with, as :meth:`scatter` would set them. When they
+            come to at most :data:`INLINE_VECTOR_BYTES` per shard, each shard's slices travel with its
+            construction (no round trip of their own); bigger ones are scattered once the shards exist
+            (a construction's arguments stay in the scheduler's task graph).
         """
         layout = Layout.split(n, shards, target_chunk=target_chunk)
         initial = {name: _as_vector(values) for name, values in (vectors or {}).items()}
@@ -338,6 +345,8 @@ class ParameterServer:
                 "or pass overwrite=True to replace it"
             )
         placement = _placement(client, layout.shards, workers)
+        largest = max((hi - lo for lo, hi in layout.ranges()), default=0)
+        inline = 8 * largest * len(initial) <= INLINE_VECTOR_BYTES
         # The actors are built while the store is prepared below: a new shard reads nothing from it.
         futures = [
             client.submit(
@@ -346,7 +355,7 @@ class ParameterServer:
                 lo,
                 hi,
                 url,
-                vectors={name: values[lo:hi] for name, values in initial.items()},
+                vectors={name: values[lo:hi] for name, values in initial.items()} if inline else None,
                 actor=True,
                 workers=[placement[i]],
                 allow_other_workers=False,
@@ -369,11 +378,18 @@ class ParameterServer:
                 if slot in group:
                     del group[slot]
             group.attrs[ATTR] = meta
+            server = cls(client, url, layout, futures, timeout=timeout, meta=json.loads(json.dumps(meta)))
         except BaseException:
-            for f in futures:
-                f.release()
+            _release(futures)
             raise
-        return cls(client, url, layout, futures, timeout=timeout, meta=json.loads(json.dumps(meta)))
+        if not inline:
+            try:
+                for name, values in initial.items():
+                    server.scatter(name, values)
+            except BaseException:
+                server.close()
+                raise
+        return server
 
     @classmethod
     def open(
@@ -408,7 +424,11 @@ class ParameterServer:
             )
             for i, (lo, hi) in enumerate(layout.ranges())
         ]
-        return cls(client, url, layout, futures, timeout=timeout, meta=meta)
+        try:
+            return cls(client, url, layout, futures, timeout=timeout, meta=meta)
+        except BaseException:
+            _release(futures)  # e.g. a shard that could not be restored: the others must not linger
+            raise
 
     # -- introspection ---------------------------------------------------------------------------------
     @property
@@ -805,6 +825,13 @@ class ParameterServer:
 
     def __repr__(self) -> str:
         return f"ParameterServer(n={self.n}, shards={self.shards}, store={self.url!r})"
+
+
+def _release(futures: Sequence[Future]) -> None:
+    """Let go of shard actors whose server was never made (their construction or the store failed)."""
+    for f in futures:
+        with contextlib.suppress(Exception):
+            f.release()
 
 
 def _worker_alive(address: str | None) -> bool:

@@ -156,15 +156,22 @@ def test_a_session_starts_at_x0_with_no_coordinator_round_trip(
 def test_the_replica_that_reported_last_gets_its_work_first_next_time(
     client: Client, tmp_path: Path, logistic_digits: Problem
 ) -> None:
-    """The replica on an evaluation's critical path (here made 5x slower) is sent its call first next."""
+    """The replica on an evaluation's critical path (here made 200x slower) is sent its call first next;
+    the order follows the slow replica when the slowdown moves, and stays while it does not."""
     problem = logistic_digits
     ds = dataset(problem, tmp_path / "data", portion_rows=256)
-    opts = SandblasterOptions(replicas=2, portions=ds.n_portions, backups=False, slowdown={1: 5.0})
+    opts = SandblasterOptions(replicas=2, portions=ds.n_portions, backups=False, slowdown={1: 200.0})
     x = np.zeros(problem.model.n_params)
     with open_session(problem.model, ds, client, str(tmp_path / "run"), opts, n=x.size, x0=x) as coord:
-        assert coord.scheduler.dispatch_order == [0, 1]
-        coord.start()
-        assert coord.scheduler.dispatch_order == [1, 0]
+        scheduler = coord.scheduler
+        assert scheduler.dispatch_order == [0, 1]
+        orders = []
+        for slow in (1, 1, 0, 0):
+            for r, (actor, _) in enumerate(scheduler.replicas):
+                actor.set_slowdown(200.0 if r == slow else 1.0).result()
+            coord.start()
+            orders.append(scheduler.dispatch_order)
+        assert orders == [[1, 0], [1, 0], [0, 1], [0, 1]]
 
 
 def test_a_replica_given_work_before_it_knows_its_shards_says_so(
@@ -174,6 +181,25 @@ def test_a_replica_given_work_before_it_knows_its_shards_says_so(
     try:
         with pytest.raises(ClusterError, match="before attach"):
             asyncio.run(replica.compute(1, "x", "acc", [0]))
+    finally:
+        asyncio.run(replica.close())
+
+
+def test_queued_groups_of_an_evaluation_that_is_over_are_skipped(
+    logistic_digits: Problem, tmp_path: Path
+) -> None:
+    """A call's groups are queued on the compute thread at once; those of an evaluation that is over
+    (a straggler's backup copy) give the thread back at once instead of delaying the next evaluation."""
+    problem = logistic_digits
+    replica = Replica(0, problem.model, dataset(problem, tmp_path / "data", portion_rows=256), None)
+    try:
+        w = np.zeros(problem.model.n_params)
+        loop = asyncio.new_event_loop()
+        replica._fetch = (5, loop.create_future())  # evaluation 5 has begun
+        assert replica._compute_portions(w, [0, 1], False, eval_id=4) == ([], [], 0.0, 0.0, [])
+        results, grads, *_ = replica._compute_portions(w, [0, 1], False, eval_id=5)
+        assert [p for p, _, _ in results] == [0, 1] and len(grads) == 1
+        loop.close()
     finally:
         asyncio.run(replica.close())
 

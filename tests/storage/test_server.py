@@ -13,6 +13,7 @@ from distributed import Client, LocalCluster
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import storage._server as server_module
 from errors import InvalidOptionError, ShardLostError, StoreError
 from storage import ParameterServer, worker_addresses
 
@@ -55,6 +56,17 @@ def test_ops_match_numpy_for_any_size_and_shard_count(
         assert sorted(ps.names()) == ["a", "b", "c"]
     finally:
         ps.close()
+
+
+def test_big_vectors_are_scattered_once_the_shards_exist(
+    client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past INLINE_VECTOR_BYTES a vector does not ride in the task graph: it is scattered (a round trip)."""
+    monkeypatch.setattr(server_module, "INLINE_VECTOR_BYTES", 0)
+    x = np.random.default_rng(3).standard_normal(1000)
+    with ParameterServer.create(client, 1000, shards=3, store=str(tmp_path / "ps"), vectors={"x": x}) as ps:
+        assert ps.stats.round_trips >= 1
+        assert np.array_equal(ps.gather("x"), x)
 
 
 def test_vectors_of_the_wrong_size_are_refused_before_anything_is_stored(
