@@ -365,7 +365,7 @@ def open_session(
                 store=params,
                 workers=shard_workers,
                 overwrite=True,
-                vectors=None if x0 is None else {RunState().x: x0},
+                vectors=None if x0 is None else {RunState.x: x0},
             )
         shard_map = ps.shard_map()
         replicas = [(f.result(), f) for f in replica_futures]

@@ -234,9 +234,7 @@ class PortionScheduler:
         copies: dict[int, set[int]] = {}  # portion -> replicas computing it now
         work: dict[asyncio.Future[Any], tuple[int, list[int], bool]] = {}
         computed_by: dict[int, list[int]] = {r: [] for r in live}
-        order = [r for r in self.dispatch_order if r in queues] + [
-            r for r in live if r not in self.dispatch_order
-        ]
+        order = [r for r in self.dispatch_order if r in queues]  # every live replica, lost ones dropped
         reported_at: dict[int, float] = {}
 
         def outstanding(r: int) -> int:

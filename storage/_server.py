@@ -809,9 +809,7 @@ class ParameterServer:
         """Release the actors (the store stays; :meth:`open` brings the server back)."""
         with contextlib.suppress(Exception):
             self._call_all("close", [()] * self.shards)
-        for f in self._futures:
-            with contextlib.suppress(Exception):
-                f.release()
+        _release(self._futures)
         self._actors = []
 
     def __enter__(self) -> ParameterServer:
@@ -828,7 +826,7 @@ class ParameterServer:
 
 
 def _release(futures: Sequence[Future]) -> None:
-    """Let go of shard actors whose server was never made (their construction or the store failed)."""
+    """Let go of shard actors (the server's at close, or those of a server that was never made)."""
     for f in futures:
         with contextlib.suppress(Exception):
             f.release()
