@@ -213,6 +213,16 @@ class PortionScheduler:
         known = [p for p in paces if p is not None]
         return bool(known) and len(known) == len(paces) and max(known) <= BALANCED_PACE * min(known)
 
+    def lagging(self, r: int) -> bool:
+        """Whether replica ``r``'s known pace is more than :data:`BALANCED_PACE` times the fastest live one's.
+
+        A lagging replica takes one portion at a time, one call in flight: whatever it would hold queued
+        the others do sooner (they steal it, or back it up once it is overdue).
+        """
+        pace = self._pace.get(r)
+        fastest = min((p for x, p in self._pace.items() if self.alive[x]), default=None)
+        return pace is not None and fastest is not None and pace > BALANCED_PACE * fastest
+
     def _dead(self, r: int) -> bool:
         return self.replicas[r][1].status in _DEAD
 
@@ -257,6 +267,8 @@ class PortionScheduler:
             else:
                 slots = max(1, self.in_flight - outstanding(r)) + int(not self.backups)
                 chunk = min(self.push_every, max(1, math.ceil(len(queues[r]) / slots)))
+                if self.lagging(r):
+                    chunk = 1
             if queues[r]:
                 return [queues[r].popleft() for _ in range(min(chunk, len(queues[r])))], False
             if outstanding(r) > 0:
@@ -333,7 +345,8 @@ class PortionScheduler:
                 if self.alive[r] and self._dead(r):
                     lose(r)
             for r in order:
-                while self.alive[r] and outstanding(r) < self.in_flight:
+                limit = 1 if self.lagging(r) else self.in_flight
+                while self.alive[r] and outstanding(r) < limit:
                     portions, solo = next_assignment(r)
                     if not portions:
                         break

@@ -127,3 +127,16 @@ def test_a_straggler_unbalances_and_an_unknown_pace_is_not_balanced() -> None:
     assert not s.balanced()
     s.alive = [True, False]  # the straggler was lost: the survivor is balanced on its own
     assert s.balanced()
+
+
+def test_a_replica_is_lagging_only_past_the_balanced_pace_of_the_fastest_live_one() -> None:
+    s = scheduler(8)
+    assert not s.lagging(0)  # no pace known yet
+    s._pace = {0: 0.010}
+    assert not s.lagging(0)
+    s._pace = {0: 0.010 * BALANCED_PACE, 1: 0.010}
+    assert not s.lagging(0) and not s.lagging(1)
+    s._pace = {0: 0.100, 1: 0.010}  # a 10x straggler takes one portion at a time
+    assert s.lagging(0) and not s.lagging(1)
+    s.alive[1] = False  # the fast one is gone: the straggler is the fastest left
+    assert not s.lagging(0)
