@@ -8,7 +8,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /src
-COPY pyproject.toml README.md errors.py ./
+COPY pyproject.toml README.md ./
+COPY distbelief ./distbelief
 COPY storage ./storage
 COPY models ./models
 COPY sandblaster ./sandblaster

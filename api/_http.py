@@ -11,8 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.runner import JobNotFoundError, JobStateError, QueueFullError
-from errors import (
+from distbelief.api.runner import JobNotFoundError, JobStateError, QueueFullError
+from distbelief.errors import (
     ClusterError,
     DatasetError,
     DistbeliefError,
@@ -25,7 +25,7 @@ from errors import (
 
 __all__ = ["BodyLimitMiddleware", "install_error_handlers", "status_of"]
 
-log = logging.getLogger("api")
+log = logging.getLogger("distbelief.api")
 
 # Most specific first: the first class an error is an instance of decides its status.
 _STATUS: list[tuple[type[DistbeliefError], int]] = [

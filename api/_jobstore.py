@@ -27,32 +27,15 @@ from typing import Any
 
 import fsspec
 import numpy as np
-import numpy.typing as npt
 import xarray as xr
 
-from errors import StoreError
-from storage import resolve_name
+from distbelief.api._metrics import metrics_to_dataset
+from distbelief.errors import StoreError
+from distbelief.storage import resolve_name
 
 __all__ = ["JobStore", "json_safe", "metrics_to_dataset"]
 
 METRICS_FORMAT = "distbelief.metrics"
-
-
-def metrics_to_dataset(dim: str, columns: Sequence[str], rows: npt.ArrayLike) -> xr.Dataset:
-    """Rows of metrics (the first column indexes them) as an ``xarray.Dataset`` with one variable each.
-
-    Examples
-    --------
-    >>> ds = metrics_to_dataset("iteration", ["iteration", "objective"], [[0, 2.0], [1, 1.5]])
-    >>> ds.objective.values.tolist(), ds.iteration.values.tolist()
-    ([2.0, 1.5], [0, 1])
-    """
-    values = np.asarray(rows, dtype=np.float64).reshape(-1, len(columns))
-    index = values[:, 0].astype(np.int64)
-    return xr.Dataset(
-        {name: (dim, values[:, j]) for j, name in enumerate(columns) if j > 0},
-        coords={dim: index},
-    )
 
 
 class JobStore:
@@ -198,7 +181,7 @@ class JobStore:
 
         Raises
         ------
-        errors.StoreError
+        distbelief.errors.StoreError
             The metrics are there but unreadable.
         """
         final = self._path("jobs", job_id, "metrics.zarr")

@@ -10,7 +10,7 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
-from errors import ClusterError
+from distbelief.errors import ClusterError
 
 __all__ = ["BackgroundServer"]
 
@@ -31,7 +31,7 @@ class BackgroundServer:
 
     Examples
     --------
-    >>> from api import create_app, Settings
+    >>> from distbelief.api import create_app, Settings
     >>> with BackgroundServer(create_app(Settings(store="/tmp/s"))) as url:   # doctest: +SKIP
     ...     print(url)
     http://127.0.0.1:41237

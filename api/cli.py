@@ -23,7 +23,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Any:
-    from api.settings import Settings
+    from distbelief.api.settings import Settings
 
     overrides = {
         k: getattr(args, k)
@@ -37,7 +37,7 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from api.main import create_app
+    from distbelief.api.main import create_app
 
     settings = _settings(args)
     app = create_app(settings)  # refuses a non-loopback host without a token
@@ -49,7 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from api.client import Client
+    from distbelief.api.client import Client
 
     return Client(args.url, token=os.environ.get("DISTBELIEF_API_TOKEN") or None)
 
@@ -106,11 +106,11 @@ def _demo(args: argparse.Namespace) -> int:
     import scipy.optimize
     from threadpoolctl import threadpool_limits
 
-    import models
-    from api._server import BackgroundServer
-    from api.client import Client
-    from api.main import create_app
-    from storage import digits_dataset
+    from distbelief import models
+    from distbelief.api._server import BackgroundServer
+    from distbelief.api.client import Client
+    from distbelief.api.main import create_app
+    from distbelief.storage import digits_dataset
 
     with tempfile.TemporaryDirectory(prefix="distbelief-digits-") as tmp:
         X_tr, y_tr = digits_dataset(f"{tmp}/train", subset="train").read_all()
@@ -215,7 +215,7 @@ def _seconds(start: str | None, end: str | None) -> float:
 def _print_table(rows: list[Any], model: Any, X_tr: Any, y_tr: Any, X_te: Any, y_te: Any, l2: float) -> None:
     import numpy as np
 
-    import models
+    from distbelief import models
 
     print()
     titles = ("status", "iter/steps", "wall s", "F(w) train", "held-out acc")
@@ -281,8 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from pydantic import ValidationError
 
-    from api.client import ApiError
-    from errors import DistbeliefError
+    from distbelief.api.client import ApiError
+    from distbelief.errors import DistbeliefError
 
     try:
         return int(args.func(args))

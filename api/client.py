@@ -2,8 +2,8 @@
 
 Examples
 --------
->>> from api.client import Client
->>> from storage import load_digits
+>>> from distbelief.api.client import Client
+>>> from distbelief.storage import load_digits
 >>> X, y = load_digits()
 >>> with Client("http://127.0.0.1:8000") as c:                                      # doctest: +SKIP
 ...     c.upload_dataset("digits", X, y)
@@ -26,8 +26,8 @@ import numpy as np
 import numpy.typing as npt
 import xarray as xr
 
-from api._jobstore import metrics_to_dataset
-from errors import DistbeliefError
+from distbelief.api._metrics import metrics_to_dataset
+from distbelief.errors import DistbeliefError
 
 __all__ = ["ApiError", "Client"]
 

@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.runner import JobRunner
-from api.settings import Settings, tokens_equal
+from distbelief.api.runner import JobRunner
+from distbelief.api.settings import Settings, tokens_equal
 
 # The dependencies are async on purpose: a plain ``def`` dependency costs every request a trip through the
 # thread pool, and under load (hundreds of concurrent status reads) that queue dominates the latency.

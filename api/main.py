@@ -20,18 +20,18 @@ from distributed import Client, LocalCluster
 from fastapi import APIRouter, Depends, FastAPI, HTTPException
 from fastapi.responses import FileResponse, RedirectResponse
 
-from api._http import BodyLimitMiddleware, install_error_handlers
-from api._jobstore import JobStore
-from api.deps import require_token
-from api.routes import cluster, datasets, health, jobs
-from api.routes import models as models_route
-from api.runner import JobRunner
-from api.settings import Settings, check_exposure, version
-from storage import scheduler_identity
+from distbelief.api._http import BodyLimitMiddleware, install_error_handlers
+from distbelief.api._jobstore import JobStore
+from distbelief.api.deps import require_token
+from distbelief.api.routes import cluster, datasets, health, jobs
+from distbelief.api.routes import models as models_route
+from distbelief.api.runner import JobRunner
+from distbelief.api.settings import Settings, check_exposure, version
+from distbelief.storage import scheduler_identity
 
 __all__ = ["Backend", "create_app"]
 
-log = logging.getLogger("api")
+log = logging.getLogger("distbelief.api")
 
 DASHBOARD = Path(__file__).parent / "dashboard"
 _DASHBOARD_FILES = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html"}
@@ -130,7 +130,7 @@ def create_app(settings: Settings | None = None, *, client: Client | None = None
 
     Raises
     ------
-    errors.InvalidOptionError
+    distbelief.errors.InvalidOptionError
         ``settings.host`` is not a loopback address and no ``api_token`` is set.
 
     Examples

@@ -31,12 +31,12 @@ import numpy as np
 import xarray as xr
 from distributed import Client
 
-import models
-from api._jobstore import JobStore, json_safe
-from api.schemas import FINAL_STATUSES, JobCreate
-from api.settings import Settings
-from errors import DatasetError, DistbeliefError, InvalidOptionError, StoreError
-from storage import Dataset, resolve_name
+from distbelief import models
+from distbelief.api._jobstore import JobStore, json_safe
+from distbelief.api.schemas import FINAL_STATUSES, JobCreate
+from distbelief.api.settings import Settings
+from distbelief.errors import DatasetError, DistbeliefError, InvalidOptionError, StoreError
+from distbelief.storage import Dataset, resolve_name
 
 _log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class RunOutcome:
 
 def run_sandblaster(ctx: RunContext) -> RunOutcome:
     """Run a ``sandblaster-*`` job with :func:`sandblaster.minimize`."""
-    import sandblaster
+    from distbelief import sandblaster
 
     res = sandblaster.minimize(
         ctx.model,
@@ -142,7 +142,7 @@ def run_sandblaster(ctx: RunContext) -> RunOutcome:
 def run_downpour(ctx: RunContext) -> RunOutcome:
     """Run a ``downpour-sgd`` job with :func:`downpour.train` (the one place that knows its signature)."""
     try:
-        import downpour
+        from distbelief import downpour
     except ImportError as exc:  # pragma: no cover - the package is part of the distribution
         raise InvalidOptionError(f"Downpour is not installed ({exc}); use a sandblaster-* algorithm") from exc
     train = getattr(downpour, "train", None)
@@ -486,7 +486,7 @@ class JobRunner:
 
     def dataset_names(self) -> list[str]:
         """Names of every dataset (uploaded and registered)."""
-        from storage._dataset import list_datasets
+        from distbelief.storage._dataset import list_datasets
 
         return sorted(set(list_datasets(self.store.datasets_root)) | set(self.store.links()))
 
@@ -505,9 +505,9 @@ class JobRunner:
 
         Raises
         ------
-        errors.DatasetError
+        distbelief.errors.DatasetError
             A dataset is missing, or does not fit the model (feature count, labels).
-        errors.InvalidOptionError
+        distbelief.errors.InvalidOptionError
             The algorithm refuses an option.
         QueueFullError
             ``max_queued_jobs`` jobs are waiting already.
@@ -522,7 +522,7 @@ class JobRunner:
         options = dict(create.options)
         if create.algorithm.startswith("sandblaster-"):
             options.setdefault("checkpoint_every", self.settings.checkpoint_every)
-            import sandblaster
+            from distbelief import sandblaster
 
             # The algorithm's own checks, now rather than when the job starts.
             sandblaster.SandblasterOptions(
@@ -531,7 +531,7 @@ class JobRunner:
             )
         else:
             with contextlib.suppress(ImportError, AttributeError):  # no Downpour: the job fails, saying so
-                import downpour
+                from distbelief import downpour
 
                 downpour.DownpourOptions(**options, has_callback=True)
         queued = sum(1 for j in list(self._jobs.values()) if j.record["status"] == "queued")

@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-import models
-from storage import resolve_name
+from distbelief import models
+from distbelief.storage import resolve_name
 
 __all__ = [
     "ALGORITHMS",

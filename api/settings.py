@@ -9,8 +9,8 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from errors import InvalidOptionError
-from storage import is_loopback
+from distbelief.errors import InvalidOptionError
+from distbelief.storage import is_loopback
 
 __all__ = ["MIN_TOKEN_LENGTH", "Settings", "check_exposure", "is_loopback", "tokens_equal", "version"]
 
@@ -116,7 +116,7 @@ def check_exposure(settings: Settings, host: str | None = None) -> None:
 
     Raises
     ------
-    errors.InvalidOptionError
+    distbelief.errors.InvalidOptionError
         If ``host`` (default ``settings.host``) is reachable from other machines and no token is set.
 
     Examples
@@ -124,7 +124,7 @@ def check_exposure(settings: Settings, host: str | None = None) -> None:
     >>> check_exposure(Settings(host="0.0.0.0"))
     Traceback (most recent call last):
     ...
-    errors.InvalidOptionError: refusing to listen on 0.0.0.0 without a token: ...
+    distbelief.errors.InvalidOptionError: refusing to listen on 0.0.0.0 without a token: ...
     """
     host = settings.host if host is None else host
     if settings.api_token is None and not is_loopback(host):

@@ -184,7 +184,16 @@ def main(argv: list[str] | None = None) -> int:
             "DISTBELIEF_MAX_CONCURRENT_JOBS": str(args.concurrent_jobs),
             "DISTBELIEF_N_WORKERS": "2",
         }
-        cmd = [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "distbelief.api.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
         cmd += ["--store", store, "--log-level", "warning"]
         server = subprocess.Popen(cmd, env=env, cwd=Path(__file__).resolve().parents[1])
         try:

@@ -54,11 +54,9 @@ from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import downpour
-import models
-import sandblaster
-from storage import Dataset
-from storage._digits import train_test_split_digits
+from distbelief import downpour, models, sandblaster
+from distbelief.storage import Dataset
+from distbelief.storage._digits import train_test_split_digits
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -383,7 +381,7 @@ def run_throughput(client: Client, *, quick: bool) -> dict[str, Any]:
 
 
 def _bounds(n: int, shards: int) -> list[int]:
-    from storage import Layout
+    from distbelief.storage import Layout
 
     layout = Layout.split(n, shards)
     return list(layout.bounds)

@@ -46,9 +46,8 @@ from distributed import Client
 from scipy.special import expit
 from threadpoolctl import ThreadpoolController
 
-import models
-import sandblaster
-from storage import Dataset, embedded_client, load_digits, worker_addresses
+from distbelief import models, sandblaster
+from distbelief.storage import Dataset, embedded_client, load_digits, worker_addresses
 
 RESULTS = Path(__file__).parent / "results"
 #: Seconds of quiet before every timed run, whichever peer's: on 2 cores a run's leftovers take CPU from
@@ -195,7 +194,7 @@ def _kernel_pass_ms(
     """On a worker: the gradient of its share of the rows, in the run's ``portions`` (median ms over
     repeats, the first one reading them into memory), and nothing else: no message, fetch, push or
     coordinator."""
-    from storage import default_row_cache
+    from distbelief.storage import default_row_cache
 
     k, share = workers.index(dask_worker.address), ds.n_rows // len(workers) + 1
     lo, hi = k * share, min(ds.n_rows, (k + 1) * share)

@@ -57,8 +57,8 @@ from distributed import Client, LocalCluster
 from scipy.linalg import blas
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from errors import InvalidOptionError, ProtocolError
-from storage import ParameterServer
+from distbelief.errors import InvalidOptionError, ProtocolError
+from distbelief.storage import ParameterServer
 
 __all__ = ["LATENCY_BUDGET_MS", "Config", "bytes_touched", "format_table", "main", "run"]
 
@@ -398,7 +398,7 @@ def _lincomb_call(ps: ParameterServer, k: int) -> Callable[[], None]:
 # -- diagnostics ----------------------------------------------------------------------------------------
 def _set_inline_max(value: int) -> int:
     """On a worker: set ``storage._actor.INLINE_MAX_ELEMENTS`` (read when a shard actor is created)."""
-    import storage._actor as actor_module
+    import distbelief.storage._actor as actor_module
 
     old = actor_module.INLINE_MAX_ELEMENTS
     actor_module.INLINE_MAX_ELEMENTS = value
@@ -425,7 +425,7 @@ def _breakdown_diagnostic(client: Client, config: Config, store: Path) -> list[d
     """Where the time of a large op goes: the op as the caller sees it, its compute on the workers, and a
     bare round trip, with each shard's ops on a thread of its own (default) and inline on the event loop.
     """
-    from storage._actor import INLINE_MAX_ELEMENTS
+    from distbelief.storage._actor import INLINE_MAX_ELEMENTS
 
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(config.seed + 1)
@@ -548,7 +548,7 @@ def _blas_pools() -> list[dict[str, Any]]:
 
 
 def _worker_env() -> dict[str, Any]:
-    import storage
+    from distbelief import storage
 
     env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     # Which storage package the workers run (an A/B run of a patched tree sets PYTHONPATH).

@@ -7,8 +7,8 @@ with no Dask in it, and :func:`sequential_sgd` the single-process reference it r
 
 Examples
 --------
->>> import downpour, models
->>> from storage._digits import train_test_split_digits
+>>> from distbelief import downpour, models
+>>> from distbelief.storage._digits import train_test_split_digits
 >>> X, y, Xt, yt = train_test_split_digits(seed=0)
 >>> res = downpour.train(models.Softmax(64, 10), (X, y), replicas=2, epochs=5,
 ...                      eval_data=(Xt, yt))                                   # doctest: +SKIP
@@ -16,11 +16,11 @@ Examples
 'epochs'
 """
 
-from downpour._batches import BatchPlan, split_rows
-from downpour._core import FetchRequest, PushMessage, ReplicaCore, ReplicaCounters
-from downpour._options import DEFAULT_LR, DownpourOptions
-from downpour._reference import ReferenceResult, sequential_sgd
-from downpour._train import Progress, TrainResult, train
+from distbelief.downpour._batches import BatchPlan, split_rows
+from distbelief.downpour._core import FetchRequest, PushMessage, ReplicaCore, ReplicaCounters
+from distbelief.downpour._options import DEFAULT_LR, DownpourOptions
+from distbelief.downpour._reference import ReferenceResult, sequential_sgd
+from distbelief.downpour._train import Progress, TrainResult, train
 
 __all__ = [
     "DEFAULT_LR",

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from errors import InvalidOptionError
+from distbelief.errors import InvalidOptionError
 
 __all__ = ["BatchPlan", "split_rows"]
 

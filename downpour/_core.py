@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 from scipy.linalg import blas
 
-from errors import InvalidOptionError
+from distbelief.errors import InvalidOptionError
 
 __all__ = ["FetchRequest", "PushMessage", "ReplicaCore", "ReplicaCounters"]
 
@@ -160,8 +160,8 @@ class ReplicaCore:
 
     Examples
     --------
-    >>> from storage import Shard
-    >>> import models
+    >>> from distbelief.storage import Shard
+    >>> from distbelief import models
     >>> core = ReplicaCore([(0, 3)], rule="sgd", lr=0.1)
     >>> shard = Shard(0, 0, 3); shard.set("x", 0, 3, np.zeros(3))
     >>> req = core.start_fetch(); version, (x,) = 0, [shard.get("x")]

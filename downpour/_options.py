@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from errors import InvalidOptionError
+from distbelief.errors import InvalidOptionError
 
 __all__ = ["DEFAULT_LR", "DownpourOptions", "Rule"]
 
@@ -49,7 +49,7 @@ class DownpourOptions:
     >>> DownpourOptions(n_fetch=0, max_steps=1)
     Traceback (most recent call last):
     ...
-    errors.InvalidOptionError: option n_fetch=0 is invalid: expected an int >= 1
+    distbelief.errors.InvalidOptionError: option n_fetch=0 is invalid: expected an int >= 1
     """
 
     replicas: int | None = None

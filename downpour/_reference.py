@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 from scipy.linalg import blas
 
-from errors import InvalidOptionError
-from storage import adagrad_update, sgd_update
+from distbelief.errors import InvalidOptionError
+from distbelief.storage import adagrad_update, sgd_update
 
 __all__ = ["ReferenceResult", "sequential_sgd"]
 
@@ -28,7 +28,7 @@ class ReferenceResult:
 
     Examples
     --------
-    >>> import models
+    >>> from distbelief import models
     >>> res = sequential_sgd(models.LeastSquares(1), np.ones((2, 1)), np.ones(2), np.zeros(2), [[0, 1]])
     >>> res.steps, res.stop_reason
     (1, 'batches')
@@ -110,7 +110,7 @@ def sequential_sgd(
 
     Examples
     --------
-    >>> import models
+    >>> from distbelief import models
     >>> X = np.array([[1.0], [2.0]]); y = np.array([1.0, 2.0])
     >>> res = sequential_sgd(models.LeastSquares(1, fit_intercept=False), X, y, np.zeros(1),
     ...                      [np.array([0, 1])] * 50, lr=0.3)

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from downpour._batches import BatchPlan
-from downpour._core import FetchRequest, PushMessage, ReplicaCore
-from storage import Dataset, ShardMap
+from distbelief.downpour._batches import BatchPlan
+from distbelief.downpour._core import FetchRequest, PushMessage, ReplicaCore
+from distbelief.storage import Dataset, ShardMap
 
 __all__ = ["DownpourReplica", "ReplicaConfig"]
 

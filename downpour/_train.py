@@ -32,11 +32,18 @@ import xarray as xr
 from distributed import Client, Future
 from distributed.utils import sync
 
-from downpour._batches import split_rows
-from downpour._options import DownpourOptions, Rule
-from downpour._replica import DownpourReplica, ReplicaConfig
-from errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
-from storage import Dataset, ParameterServer, as_dataset, embedded_client, start_vector, worker_addresses
+from distbelief.downpour._batches import split_rows
+from distbelief.downpour._options import DownpourOptions, Rule
+from distbelief.downpour._replica import DownpourReplica, ReplicaConfig
+from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
+from distbelief.storage import (
+    Dataset,
+    ParameterServer,
+    as_dataset,
+    embedded_client,
+    start_vector,
+    worker_addresses,
+)
 
 __all__ = ["Progress", "TrainResult", "train"]
 
@@ -279,17 +286,17 @@ def train(
 
     Raises
     ------
-    errors.InvalidOptionError
+    distbelief.errors.InvalidOptionError
         A bad option (including none of ``epochs``, ``max_steps``, ``time_limit``, ``callback``).
-    errors.DatasetError
+    distbelief.errors.DatasetError
         Data the model cannot train on.
-    errors.ClusterError
+    distbelief.errors.ClusterError
         No workers, or a replica failed (its error is in the message).
 
     Examples
     --------
-    >>> import downpour, models
-    >>> from storage._digits import train_test_split_digits
+    >>> from distbelief import downpour, models
+    >>> from distbelief.storage._digits import train_test_split_digits
     >>> X, y, Xt, yt = train_test_split_digits(seed=0)
     >>> res = downpour.train(models.Softmax(64, 10), (X, y), replicas=2, epochs=5,
     ...                      eval_data=(Xt, yt))                                   # doctest: +SKIP

@@ -12,7 +12,7 @@ can serve as request bodies.
 Examples
 --------
 >>> import numpy as np
->>> import models
+>>> from distbelief import models
 >>> m = models.from_spec({"kind": "logistic", "n_features": 2})
 >>> X, y = np.array([[1.0, 2.0], [-1.0, -2.0]]), np.array([1.0, 0.0])
 >>> value, grad = models.objective(m, m.init_params(), X, y, l2=0.1)
@@ -20,11 +20,11 @@ Examples
 0.693147
 """
 
-from models._base import Model, objective
-from models._factory import from_spec
-from models._linear import LeastSquares, Logistic, Softmax
-from models._mlp import MLP
-from models._specs import (
+from distbelief.models._base import Model, objective
+from distbelief.models._factory import from_spec
+from distbelief.models._linear import LeastSquares, Logistic, Softmax
+from distbelief.models._mlp import MLP
+from distbelief.models._specs import (
     ACTIVATIONS,
     MODEL_KINDS,
     SPEC_SCHEMAS,

@@ -14,9 +14,9 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from errors import DatasetError, InvalidOptionError
-from models import _checks
-from models._checks import LabelKind
+from distbelief.errors import DatasetError, InvalidOptionError
+from distbelief.models import _checks
+from distbelief.models._checks import LabelKind
 
 __all__ = ["Model", "objective"]
 
@@ -38,7 +38,7 @@ class Model(Protocol):
 
     Examples
     --------
-    >>> from models import Logistic
+    >>> from distbelief.models import Logistic
     >>> isinstance(Logistic(3), Model)
     True
     """
@@ -98,17 +98,17 @@ class ModelBase:
 
         Raises
         ------
-        errors.DatasetError
+        distbelief.errors.DatasetError
             Saying which labels were expected and where the first bad one is.
 
         Examples
         --------
-        >>> from models import Logistic
+        >>> from distbelief.models import Logistic
         >>> Logistic(2).check_labels([0, 1, 1])
         >>> Logistic(2).check_labels([0, 2])
         Traceback (most recent call last):
         ...
-        errors.DatasetError: logistic regression expects binary labels 0 or 1; ...
+        distbelief.errors.DatasetError: logistic regression expects binary labels 0 or 1; ...
         """
         arr = np.asarray(y)
         if arr.ndim != 1:
@@ -187,14 +187,14 @@ def objective(
 
     Raises
     ------
-    errors.InvalidOptionError
+    distbelief.errors.InvalidOptionError
         If ``l2`` is negative or not finite, or ``n_total`` is not a positive integer (or X is empty and
         ``n_total`` is not given).
 
     Examples
     --------
     >>> import numpy as np
-    >>> from models import LeastSquares
+    >>> from distbelief.models import LeastSquares
     >>> m = LeastSquares(1, fit_intercept=False)
     >>> objective(m, np.array([2.0]), np.array([[1.0], [1.0]]), np.array([0.0, 0.0]), l2=1.0)
     (4.0, array([4.]))

@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from errors import DatasetError, InvalidOptionError
+from distbelief.errors import DatasetError, InvalidOptionError
 
 __all__ = [
     "LabelKind",

@@ -7,10 +7,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from models._base import ModelBase
-from models._linear import LeastSquares, Logistic, Softmax
-from models._mlp import MLP
-from models._specs import LeastSquaresSpec, LogisticSpec, MLPSpec, SoftmaxSpec, validate_spec
+from distbelief.models._base import ModelBase
+from distbelief.models._linear import LeastSquares, Logistic, Softmax
+from distbelief.models._mlp import MLP
+from distbelief.models._specs import LeastSquaresSpec, LogisticSpec, MLPSpec, SoftmaxSpec, validate_spec
 
 __all__ = ["from_spec"]
 
@@ -40,7 +40,7 @@ def from_spec(spec: Mapping[str, Any] | BaseModel) -> LeastSquares | Logistic | 
 
     Raises
     ------
-    errors.ModelSpecError
+    distbelief.errors.ModelSpecError
         For an unknown kind, an unknown or missing field, a value of the wrong type or out of range; the
         message names the field and lists the valid choices.
 
@@ -54,7 +54,7 @@ def from_spec(spec: Mapping[str, Any] | BaseModel) -> LeastSquares | Logistic | 
     >>> from_spec({"kind": "svm", "n_features": 3})
     Traceback (most recent call last):
     ...
-    errors.ModelSpecError: unknown model kind 'svm' in field 'kind'; valid kinds: 'least_squares', ...
+    distbelief.errors.ModelSpecError: unknown model kind 'svm' in field 'kind'; ...
     """
     checked = validate_spec(spec)
     model: ModelBase

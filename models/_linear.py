@@ -24,10 +24,10 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy.special import expit
 
-from models import _checks, _compiled
-from models._base import ModelBase
-from models._checks import LabelKind
-from models._specs import LeastSquaresSpec, LogisticSpec, SoftmaxSpec, validate_spec
+from distbelief.models import _checks, _compiled
+from distbelief.models._base import ModelBase
+from distbelief.models._checks import LabelKind
+from distbelief.models._specs import LeastSquaresSpec, LogisticSpec, SoftmaxSpec, validate_spec
 
 __all__ = ["LeastSquares", "Logistic", "Softmax", "softmax_xent_"]
 
@@ -206,7 +206,7 @@ class _Linear(ModelBase):
 
         Examples
         --------
-        >>> from models import Logistic
+        >>> from distbelief.models import Logistic
         >>> Logistic(2).init_params(seed=0)
         array([0., 0., 0.])
         """
@@ -438,7 +438,7 @@ class LeastSquares(_Linear):
 
     Raises
     ------
-    errors.ModelSpecError
+    distbelief.errors.ModelSpecError
         If a size is not a positive integer or ``fit_intercept`` is not a bool.
 
     Examples
@@ -547,7 +547,7 @@ class Logistic(_Linear):
 
     Raises
     ------
-    errors.ModelSpecError
+    distbelief.errors.ModelSpecError
         If a size is not a positive integer or ``fit_intercept`` is not a bool.
 
     Examples
@@ -601,7 +601,7 @@ class Logistic(_Linear):
 
         Raises
         ------
-        errors.DatasetError
+        distbelief.errors.DatasetError
             If a label is not 0 or 1, or shapes do not match.
 
         Examples
@@ -709,7 +709,7 @@ class Softmax(_Linear):
 
     Raises
     ------
-    errors.ModelSpecError
+    distbelief.errors.ModelSpecError
         If a size is out of range or ``fit_intercept`` is not a bool.
 
     Examples
@@ -786,7 +786,7 @@ class Softmax(_Linear):
 
         Raises
         ------
-        errors.DatasetError
+        distbelief.errors.DatasetError
             If a label is not an integer in range, or shapes do not match.
 
         Examples

@@ -17,11 +17,11 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy.special import expit
 
-from models import _checks
-from models._base import ModelBase
-from models._checks import LabelKind
-from models._linear import softmax_xent_
-from models._specs import MLPSpec, validate_spec
+from distbelief.models import _checks
+from distbelief.models._base import ModelBase
+from distbelief.models._checks import LabelKind
+from distbelief.models._linear import softmax_xent_
+from distbelief.models._specs import MLPSpec, validate_spec
 
 __all__ = ["MLP"]
 
@@ -49,7 +49,7 @@ class MLP(ModelBase):
 
     Raises
     ------
-    errors.ModelSpecError
+    distbelief.errors.ModelSpecError
         If a size is not a positive integer, there are fewer than two sizes, fewer than two classes, or the
         activation is unknown.
 
@@ -233,7 +233,7 @@ class MLP(ModelBase):
 
         Raises
         ------
-        errors.DatasetError
+        distbelief.errors.DatasetError
             If a label is not an integer in range, or shapes do not match.
 
         Examples

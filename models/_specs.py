@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
 
-from errors import ModelSpecError
+from distbelief.errors import ModelSpecError
 
 __all__ = [
     "ACTIVATIONS",
@@ -159,7 +159,7 @@ def spec_schema(kind: str) -> dict[str, Any]:
 
     Raises
     ------
-    errors.ModelSpecError
+    distbelief.errors.ModelSpecError
         If ``kind`` is not a known model kind.
 
     Examples
@@ -231,7 +231,7 @@ def validate_spec(spec: Mapping[str, Any] | BaseModel) -> _SpecBase:
 
     Raises
     ------
-    errors.ModelSpecError
+    distbelief.errors.ModelSpecError
         Naming every bad field and the valid choices.
     """
     if isinstance(spec, _SpecBase):

@@ -5,14 +5,14 @@ shards and model replicas compute the objective portion by portion, with backup 
 
 Examples
 --------
->>> import sandblaster
->>> from models import Logistic
->>> from storage import load_digits
+>>> from distbelief import sandblaster
+>>> from distbelief.models import Logistic
+>>> from distbelief.storage import load_digits
 >>> X, y = load_digits()
 >>> res = sandblaster.minimize(Logistic(64), (X, (y == 0).astype(float)), l2=1e-3)  # doctest: +SKIP
 """
 
-from sandblaster._coordinator import IterationRecord
-from sandblaster._minimize import OptimizeResult, SandblasterOptions, minimize
+from distbelief.sandblaster._coordinator import IterationRecord
+from distbelief.sandblaster._minimize import OptimizeResult, SandblasterOptions, minimize
 
 __all__ = ["IterationRecord", "OptimizeResult", "SandblasterOptions", "minimize"]

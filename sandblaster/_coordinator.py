@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from errors import DatasetError, InvalidOptionError, ProtocolError
-from sandblaster._cg import CG_C1, CG_C2, polak_ribiere_plus
-from sandblaster._linesearch import (
+from distbelief.errors import DatasetError, InvalidOptionError, ProtocolError
+from distbelief.sandblaster._cg import CG_C1, CG_C2, polak_ribiere_plus
+from distbelief.sandblaster._linesearch import (
     LBFGSB_C1,
     LBFGSB_C2,
     LBFGSB_STPMAX,
@@ -39,9 +39,9 @@ from sandblaster._linesearch import (
     lbfgsb_initial_step,
     relative_reduction_converged,
 )
-from sandblaster._scheduler import EvaluationStats, PortionScheduler
-from sandblaster._vlbfgs import VLBFGSHistory
-from storage import ParameterServer, reduce_results
+from distbelief.sandblaster._scheduler import EvaluationStats, PortionScheduler
+from distbelief.sandblaster._vlbfgs import VLBFGSHistory
+from distbelief.storage import ParameterServer, reduce_results
 
 __all__ = ["Coordinator", "IterationRecord", "StopRun"]
 

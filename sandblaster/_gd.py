@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from errors import DatasetError, InvalidOptionError
-from sandblaster._linesearch import (
+from distbelief.errors import DatasetError, InvalidOptionError
+from distbelief.sandblaster._linesearch import (
     LBFGSB_FTOL,
     ArmijoBacktracking,
     ReferenceResult,

@@ -22,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 
-from errors import InvalidOptionError, ProtocolError
+from distbelief.errors import InvalidOptionError, ProtocolError
 
 __all__ = [
     "LBFGSB_C1",

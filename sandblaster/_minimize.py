@@ -16,12 +16,19 @@ import numpy as np
 import xarray as xr
 from distributed import Client
 
-from errors import ClusterError, DatasetError, InvalidOptionError, ShardLostError
-from sandblaster._coordinator import Coordinator, IterationRecord, RunState
-from sandblaster._linesearch import LBFGSB_FTOL
-from sandblaster._replica import Replica
-from sandblaster._scheduler import PortionScheduler
-from storage import Dataset, ParameterServer, as_dataset, embedded_client, start_vector, worker_addresses
+from distbelief.errors import ClusterError, DatasetError, InvalidOptionError, ShardLostError
+from distbelief.sandblaster._coordinator import Coordinator, IterationRecord, RunState
+from distbelief.sandblaster._linesearch import LBFGSB_FTOL
+from distbelief.sandblaster._replica import Replica
+from distbelief.sandblaster._scheduler import PortionScheduler
+from distbelief.storage import (
+    Dataset,
+    ParameterServer,
+    as_dataset,
+    embedded_client,
+    start_vector,
+    worker_addresses,
+)
 
 __all__ = ["OptimizeResult", "SandblasterOptions", "minimize", "open_session"]
 
@@ -237,8 +244,8 @@ def minimize(
 
     Examples
     --------
-    >>> from models import Logistic
-    >>> from storage import load_digits
+    >>> from distbelief.models import Logistic
+    >>> from distbelief.storage import load_digits
     >>> X, y = load_digits()
     >>> res = minimize(Logistic(64), (X, (y == 0).astype(float)), l2=1e-3)   # doctest: +SKIP
     >>> res.success                                                           # doctest: +SKIP

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 from scipy.linalg import blas
 
-from errors import ClusterError
-from storage import Dataset, ShardMap, default_row_cache, keep_loop_responsive
+from distbelief.errors import ClusterError
+from distbelief.storage import Dataset, ShardMap, default_row_cache, keep_loop_responsive
 
 __all__ = ["INLINE_WORK", "Replica"]
 

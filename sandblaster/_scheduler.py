@@ -34,7 +34,7 @@ from typing import Any
 from distributed import Client, Future
 from distributed.utils import sync
 
-from errors import ClusterError
+from distbelief.errors import ClusterError
 
 __all__ = ["BALANCED_PACE", "EvaluationStats", "PortionScheduler"]
 

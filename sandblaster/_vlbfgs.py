@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from errors import DatasetError, InvalidOptionError, ProtocolError
-from sandblaster._linesearch import (
+from distbelief.errors import DatasetError, InvalidOptionError, ProtocolError
+from distbelief.sandblaster._linesearch import (
     LBFGSB_C1,
     LBFGSB_C2,
     LBFGSB_FTOL,

@@ -4,21 +4,21 @@ Examples
 --------
 >>> import numpy as np
 >>> from distributed import Client, LocalCluster
->>> from storage import ParameterServer
+>>> from distbelief.storage import ParameterServer
 >>> client = Client(LocalCluster(n_workers=2, processes=False))            # doctest: +SKIP
 >>> ps = ParameterServer.create(client, 1_000, shards=2, store="/tmp/ps")  # doctest: +SKIP
 >>> ps.scatter("x", np.ones(1_000)); ps.dot("x", "x")                      # doctest: +SKIP
 1000.0
 """
 
-from storage._actor import keep_loop_responsive
-from storage._dataset import Dataset, resolve_name
-from storage._digits import digits_dataset, load_digits
-from storage._layout import Layout
-from storage._rowcache import ROW_CACHE_ENV, RowCache, default_row_cache
-from storage._rules import RULES, adagrad_update, sgd_update
-from storage._server import Batch, ParameterServer, ServerStats, ShardMap, reduce_results
-from storage._session import (
+from distbelief.storage._actor import keep_loop_responsive
+from distbelief.storage._dataset import Dataset, resolve_name
+from distbelief.storage._digits import digits_dataset, load_digits
+from distbelief.storage._layout import Layout
+from distbelief.storage._rowcache import ROW_CACHE_ENV, RowCache, default_row_cache
+from distbelief.storage._rules import RULES, adagrad_update, sgd_update
+from distbelief.storage._server import Batch, ParameterServer, ServerStats, ShardMap, reduce_results
+from distbelief.storage._session import (
     as_dataset,
     embedded_client,
     is_loopback,
@@ -26,7 +26,7 @@ from storage._session import (
     start_vector,
     worker_addresses,
 )
-from storage._shard import OPS, Shard
+from distbelief.storage._shard import OPS, Shard
 
 __all__ = [
     "OPS",

@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from storage._shard import Shard
-from storage._store import open_group
-from storage._wire import pack_if_small
+from distbelief.storage._shard import Shard
+from distbelief.storage._store import open_group
+from distbelief.storage._wire import pack_if_small
 
 __all__ = [
     "INLINE_MAX_ELEMENTS",

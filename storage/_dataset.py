@@ -44,7 +44,7 @@ import zarr
 from zarr.errors import BaseZarrError
 from zarr.storage import FsspecStore, LocalStore
 
-from errors import DatasetError, InvalidOptionError, StoreError
+from distbelief.errors import DatasetError, InvalidOptionError, StoreError
 
 __all__ = [
     "FORMAT_NAME",
@@ -240,7 +240,7 @@ def resolve_name(root: PathLike, name: str) -> str:
     >>> resolve_name("/srv/store/datasets", "../etc")
     Traceback (most recent call last):
     ...
-    errors.DatasetError: dataset name '../etc' contains a path separator; ...
+    distbelief.errors.DatasetError: dataset name '../etc' contains a path separator; ...
     """
     if not isinstance(name, str):
         raise DatasetError(f"dataset name must be a string, got {type(name).__name__}")
@@ -1257,7 +1257,7 @@ class Dataset:
         >>> ds.check_model(SimpleNamespace(n_features=4))
         Traceback (most recent call last):
         ...
-        errors.DatasetError: the model expects 4 features but the dataset has 3; ...
+        distbelief.errors.DatasetError: the model expects 4 features but the dataset has 3; ...
         """
         m_features = getattr(model, "n_features", None)
         if m_features is not None and int(m_features) != self.n_features:

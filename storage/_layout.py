@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from errors import InvalidOptionError
+from distbelief.errors import InvalidOptionError
 
 __all__ = ["DEFAULT_TARGET_CHUNK", "Layout"]
 

@@ -16,7 +16,7 @@ the store again. zarr stays the source of truth; this is only a cache.
 Examples
 --------
 >>> import numpy as np, os, tempfile
->>> from storage import Dataset, RowCache
+>>> from distbelief.storage import Dataset, RowCache
 >>> path = os.path.join(tempfile.mkdtemp(), "d")
 >>> ds = Dataset.from_arrays(np.arange(8.0).reshape(4, 2), np.zeros(4), path=path)
 >>> cache = RowCache(budget_bytes=1 << 20)
@@ -168,7 +168,7 @@ def default_row_cache() -> RowCache:
 
     Examples
     --------
-    >>> from storage import default_row_cache
+    >>> from distbelief.storage import default_row_cache
     >>> default_row_cache() is default_row_cache()
     True
     """

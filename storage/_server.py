@@ -36,13 +36,13 @@ import zarr
 from distributed import Client, Future
 from distributed.utils import sync
 
-from errors import ClusterError, InvalidOptionError, ShardLostError, StoreError
-from storage._actor import ShardActor
-from storage._layout import DEFAULT_TARGET_CHUNK, Layout
-from storage._session import NO_WORKERS, worker_addresses
-from storage._shard import OPS
-from storage._store import normalize_url, open_group
-from storage._wire import SMALL_BYTES, array_bytes, unpack
+from distbelief.errors import ClusterError, InvalidOptionError, ShardLostError, StoreError
+from distbelief.storage._actor import ShardActor
+from distbelief.storage._layout import DEFAULT_TARGET_CHUNK, Layout
+from distbelief.storage._session import NO_WORKERS, worker_addresses
+from distbelief.storage._shard import OPS
+from distbelief.storage._store import normalize_url, open_group
+from distbelief.storage._wire import SMALL_BYTES, array_bytes, unpack
 
 __all__ = ["Batch", "ParameterServer", "ServerStats", "ShardMap", "reduce_results"]
 
@@ -861,7 +861,7 @@ def _as_vector(values: Any) -> np.ndarray:
 
 
 def _store_for(url: str) -> Any:
-    from storage._store import open_store
+    from distbelief.storage._store import open_store
 
     return open_store(url)
 

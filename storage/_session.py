@@ -13,8 +13,8 @@ import numpy as np
 from distributed import Client, LocalCluster
 from distributed.comm import get_address_host
 
-from errors import ClusterError, InvalidOptionError
-from storage._dataset import Dataset
+from distbelief.errors import ClusterError, InvalidOptionError
+from distbelief.storage._dataset import Dataset
 
 __all__ = [
     "as_dataset",

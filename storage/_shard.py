@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 from scipy.linalg import blas
 
-from errors import InvalidOptionError, ProtocolError
-from storage._rules import adagrad_update, sgd_update
+from distbelief.errors import InvalidOptionError, ProtocolError
+from distbelief.storage._rules import adagrad_update, sgd_update
 
 __all__ = ["OPS", "Shard"]
 

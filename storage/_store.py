@@ -9,7 +9,7 @@ from typing import Any
 import zarr
 import zarr.storage
 
-from errors import StoreError
+from distbelief.errors import StoreError
 
 __all__ = ["normalize_url", "open_group", "open_store"]
 

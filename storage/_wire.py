@@ -9,7 +9,7 @@ path, which sends their buffers without copying them into a pickle.
 Examples
 --------
 >>> import numpy as np
->>> from storage._wire import pack_if_small, unpack
+>>> from distbelief.storage._wire import pack_if_small, unpack
 >>> unpack(pack_if_small(("accumulate", (np.zeros(3),), {})))[1][0].tolist()
 [0.0, 0.0, 0.0]
 >>> big = np.zeros(SMALL_BYTES)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from api.deps import RunnerDep, SettingsDep
-from api.schemas import ActorPublic, ClusterPublic, WorkerPublic
-from storage import scheduler_identity
+from distbelief.api.deps import RunnerDep, SettingsDep
+from distbelief.api.schemas import ActorPublic, ClusterPublic, WorkerPublic
+from distbelief.storage import scheduler_identity
 
 __all__ = ["router"]
 

@@ -17,11 +17,11 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from api.deps import RunnerDep, SettingsDep
-from api.runner import JobRunner, UnknownDatasetError
-from api.schemas import DatasetPublic, DatasetRegister, DatasetsPublic
-from errors import DatasetError, StoreError
-from storage import Dataset, resolve_name
+from distbelief.api.deps import RunnerDep, SettingsDep
+from distbelief.api.runner import JobRunner, UnknownDatasetError
+from distbelief.api.schemas import DatasetPublic, DatasetRegister, DatasetsPublic
+from distbelief.errors import DatasetError, StoreError
+from distbelief.storage import Dataset, resolve_name
 
 __all__ = ["router"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.schemas import HealthPublic
-from api.settings import version
+from distbelief.api.schemas import HealthPublic
+from distbelief.api.settings import version
 
 __all__ = ["router"]
 

@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
-from api._jobstore import json_safe
-from api.deps import RunnerDep
-from api.schemas import FINAL_STATUSES, JobCreate, JobPublic, JobsPublic, JobStatus, MetricsPublic
+from distbelief.api._jobstore import json_safe
+from distbelief.api.deps import RunnerDep
+from distbelief.api.schemas import FINAL_STATUSES, JobCreate, JobPublic, JobsPublic, JobStatus, MetricsPublic
 
 __all__ = ["HEARTBEAT_SECONDS", "router"]
 

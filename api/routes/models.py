@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-import models
-from api.schemas import ModelKindPublic, ModelsPublic
+from distbelief import models
+from distbelief.api.schemas import ModelKindPublic, ModelsPublic
 
 __all__ = ["router"]
 

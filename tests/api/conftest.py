@@ -21,9 +21,9 @@ import scipy.optimize
 from distributed import Client as DaskClient
 from fastapi import FastAPI
 
-import models
-from api import BackgroundServer, Client, Settings, create_app
-from storage import load_digits
+from distbelief import models
+from distbelief.api import BackgroundServer, Client, Settings, create_app
+from distbelief.storage import load_digits
 
 TOKEN = "test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

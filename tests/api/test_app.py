@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from distributed import Client as DaskClient
 
-import models
-from storage import Dataset, worker_addresses
+from distbelief import models
+from distbelief.storage import Dataset, worker_addresses
 from tests.api.conftest import (
     LOGISTIC,
     TOKEN,
@@ -239,7 +239,7 @@ async def test_a_dataset_in_use_cannot_be_deleted_or_replaced(asgi: httpx.AsyncC
 async def test_downpour_job_fails_with_a_clear_reason_when_downpour_is_missing(
     asgi: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import downpour
+    from distbelief import downpour
 
     monkeypatch.delattr(downpour, "train", raising=False)
     job = {
@@ -256,7 +256,7 @@ async def test_downpour_job_fails_with_a_clear_reason_when_downpour_is_missing(
 
 
 async def test_downpour_adagrad_job_runs_through_the_api(asgi: httpx.AsyncClient) -> None:
-    downpour = pytest.importorskip("downpour")
+    downpour = pytest.importorskip("distbelief.downpour")
     if not hasattr(downpour, "train"):
         pytest.skip("module downpour has no train() yet (being written): nothing to run")
     X, y = tiny_xy()
@@ -293,16 +293,16 @@ async def test_downpour_adagrad_job_runs_through_the_api(asgi: httpx.AsyncClient
 async def test_token_guards_every_route_but_health(
     tmp_path: Path, client: DaskClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import api.settings
+    from distbelief.api import settings as api_settings
 
     seen: list[tuple[bytes, bytes]] = []
-    real = api.settings.secrets.compare_digest
+    real = api_settings.secrets.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         seen.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(api.settings.secrets, "compare_digest", spy)
+    monkeypatch.setattr(api_settings.secrets, "compare_digest", spy)
     async with running_app(settings_for(tmp_path), client) as (_, http):
         anonymous = httpx.AsyncClient(transport=http._transport, base_url="http://testserver")
         async with anonymous:

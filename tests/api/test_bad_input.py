@@ -14,7 +14,7 @@ from distributed import Client as DaskClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from storage import Dataset
+from distbelief.storage import Dataset
 from tests.api.conftest import AUTH, LOGISTIC, npz_bytes, running_app, settings_for, tiny_xy, wait_final
 
 LBFGS = {"algorithm": "sandblaster-lbfgs", "dataset": "tiny", "model": LOGISTIC}

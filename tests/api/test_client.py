@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import xarray as xr
 
-import models
-from api import ApiError, Client
-from api.cli import main
-from storage import load_digits
+from distbelief import models
+from distbelief.api import ApiError, Client
+from distbelief.api.cli import main
+from distbelief.storage import load_digits
 from tests.api.conftest import LOGISTIC, TOKEN, scipy_logistic, tiny_xy
 
 

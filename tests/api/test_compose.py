@@ -26,9 +26,9 @@ import pytest
 import yaml
 from distributed import Client as DaskClient
 
-import models
-from api import ApiError, Client
-from storage import load_digits
+from distbelief import models
+from distbelief.api import ApiError, Client
+from distbelief.storage import load_digits
 from tests.api.conftest import LOGISTIC, scipy_logistic, tiny_xy
 
 ROOT = Path(__file__).resolve().parents[2]

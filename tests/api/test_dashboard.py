@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from distributed import Client as DaskClient
 
-from api import Client
-from storage import load_digits
+from distbelief.api import Client
+from distbelief.storage import load_digits
 from tests.api.conftest import TOKEN, live_server
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -31,7 +31,12 @@ def test_submit_from_the_page_and_watch_the_curve_grow(tmp_path: Path, client: D
     from playwright.sync_api import sync_playwright
 
     if not Path(CHROMIUM).exists():
-        pytest.fail("Debian's chromium is missing: apt-get install -y chromium (.ci/run does)")
+        # A newcomer's machine may have no browser; CI installs one and sets DISTBELIEF_REQUIRE_BROWSER=1
+        # so that the test cannot silently skip there.
+        message = "Debian's chromium is missing: apt-get install -y chromium (.ci/run does)"
+        if os.environ.get("DISTBELIEF_REQUIRE_BROWSER") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
     with live_server(tmp_path / "store", client) as url, sync_playwright() as pw:
         with Client(url, TOKEN) as api:
             X, y = load_digits()

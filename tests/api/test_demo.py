@@ -7,7 +7,7 @@ import re
 import pytest
 from distributed import Client as DaskClient
 
-from api.cli import main
+from distbelief.api.cli import main
 
 
 def test_demo_runs_both_jobs_through_the_api(client: DaskClient, capsys: pytest.CaptureFixture[str]) -> None:

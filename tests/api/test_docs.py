@@ -7,7 +7,14 @@ import importlib
 
 import pytest
 
-MODULES = ["api.settings", "api.schemas", "api._jobstore", "api._http", "api.client", "api.main"]
+MODULES = [
+    "distbelief.api.settings",
+    "distbelief.api.schemas",
+    "distbelief.api._jobstore",
+    "distbelief.api._http",
+    "distbelief.api.client",
+    "distbelief.api.main",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

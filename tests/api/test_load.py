@@ -9,7 +9,7 @@ from types import ModuleType
 
 from distributed import Client as DaskClient
 
-from api import Client
+from distbelief.api import Client
 from tests.api.conftest import TOKEN, live_server, tiny_xy
 
 

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from distributed import Client as DaskClient
 
-import models
-import sandblaster
-from storage import Dataset, load_digits
+from distbelief import models, sandblaster
+from distbelief.storage import Dataset, load_digits
 from tests.api.conftest import npz_bytes, running_app, settings_for, wait_final
 
 pytestmark = pytest.mark.anyio

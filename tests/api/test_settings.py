@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from api import Settings, create_app
-from api.cli import main
-from api.settings import check_exposure, is_loopback, tokens_equal
-from errors import InvalidOptionError
+from distbelief.api import Settings, create_app
+from distbelief.api.cli import main
+from distbelief.api.settings import check_exposure, is_loopback, tokens_equal
+from distbelief.errors import InvalidOptionError
 
 
 def test_settings_come_from_distbelief_variables(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,7 +84,7 @@ def test_serve_refuses_a_public_address_without_a_token(
 
 
 def test_tokens_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    import api.settings
+    from distbelief.api import settings as api_settings
 
     calls: list[tuple[bytes, bytes]] = []
 
@@ -92,6 +92,6 @@ def test_tokens_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -
         calls.append((a, b))
         return a == b
 
-    monkeypatch.setattr(api.settings.secrets, "compare_digest", spy)
+    monkeypatch.setattr(api_settings.secrets, "compare_digest", spy)
     assert tokens_equal("é" * 16, SecretStr("é" * 16)) and not tokens_equal("a" * 16, SecretStr("b" * 16))
     assert calls == [(("é" * 16).encode(), ("é" * 16).encode()), (b"a" * 16, b"b" * 16)]

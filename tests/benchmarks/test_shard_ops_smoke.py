@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks import shard_ops
-from errors import InvalidOptionError, ProtocolError
-from storage import ParameterServer
+from distbelief.errors import InvalidOptionError, ProtocolError
+from distbelief.storage import ParameterServer
 
 OPS = {"bare_ping", "ping", "dot", "dots", "axpy", "lincomb"}
 

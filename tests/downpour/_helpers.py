@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from downpour import BatchPlan, FetchRequest, PushMessage, ReplicaCore
-from storage import Layout, Shard
+from distbelief.downpour import BatchPlan, FetchRequest, PushMessage, ReplicaCore
+from distbelief.storage import Layout, Shard
 
 
 class ConstantGradient:

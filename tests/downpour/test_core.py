@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import models
-from downpour import BatchPlan, DownpourOptions, ReplicaCore, sequential_sgd, split_rows
-from errors import InvalidOptionError
-from storage._digits import train_test_split_digits
+from distbelief import models
+from distbelief.downpour import BatchPlan, DownpourOptions, ReplicaCore, sequential_sgd, split_rows
+from distbelief.errors import InvalidOptionError
+from distbelief.storage._digits import train_test_split_digits
 from tests.downpour._helpers import ConstantGradient, Simulator, plan_batches
 
 X_TR, Y_TR, _, _ = train_test_split_digits(seed=0)

@@ -8,11 +8,11 @@ import importlib
 import pytest
 
 MODULES = [
-    "downpour._batches",
-    "downpour._core",
-    "downpour._options",
-    "downpour._reference",
-    "downpour._replica",
+    "distbelief.downpour._batches",
+    "distbelief.downpour._core",
+    "distbelief.downpour._options",
+    "distbelief.downpour._reference",
+    "distbelief.downpour._replica",
 ]
 
 

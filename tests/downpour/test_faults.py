@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
-import downpour
-import models
-from downpour import Progress
-from storage import worker_addresses
-from storage._digits import train_test_split_digits
+from distbelief import downpour, models
+from distbelief.downpour import Progress
+from distbelief.storage import worker_addresses
+from distbelief.storage._digits import train_test_split_digits
 
 X_TR, Y_TR, X_TE, Y_TE = train_test_split_digits(seed=0)
 

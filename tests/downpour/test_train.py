@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 from distributed import Client
 
-import downpour
-import models
-from downpour import BatchPlan, Progress, sequential_sgd
-from errors import DatasetError, InvalidOptionError
-from storage import Dataset, ParameterServer
-from storage._digits import train_test_split_digits
+from distbelief import downpour, models
+from distbelief.downpour import BatchPlan, Progress, sequential_sgd
+from distbelief.errors import DatasetError, InvalidOptionError
+from distbelief.storage import Dataset, ParameterServer
+from distbelief.storage._digits import train_test_split_digits
 from tests.downpour import _helpers
 from tests.downpour._helpers import ConstantGradient
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from models import Model
+from distbelief.models import Model
 
 FloatArray = NDArray[np.float64]
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 from scipy.special import expit, logsumexp
 
-from errors import DatasetError
-from models import LeastSquares, Logistic, Softmax, _linear
+from distbelief.errors import DatasetError
+from distbelief.models import LeastSquares, Logistic, Softmax, _linear
 
 FloatArray = NDArray[np.float64]
 LinearModel = LeastSquares | Logistic | Softmax

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 from scipy.special import expit, logsumexp
 
-from errors import DatasetError
-from models import LeastSquares, Logistic, Softmax, _compiled, _linear
+from distbelief.errors import DatasetError
+from distbelief.models import LeastSquares, Logistic, Softmax, _compiled, _linear
 
 FloatArray = NDArray[np.float64]
 LinearModel = LeastSquares | Logistic | Softmax
@@ -425,7 +425,7 @@ def test_small_problems_never_import_numba() -> None:
         """
         import sys
         import numpy as np
-        from models import LeastSquares, Logistic, Softmax
+        from distbelief.models import LeastSquares, Logistic, Softmax
         X = np.random.default_rng(0).normal(size=(1797, 64))
         y = np.arange(1797) % 2
         for model in (LeastSquares(64), Logistic(64), Softmax(64, 10)):

@@ -7,7 +7,14 @@ import importlib
 
 import pytest
 
-MODULES = ["models", "models._base", "models._factory", "models._linear", "models._mlp", "models._specs"]
+MODULES = [
+    "distbelief.models",
+    "distbelief.models._base",
+    "distbelief.models._factory",
+    "distbelief.models._linear",
+    "distbelief.models._mlp",
+    "distbelief.models._specs",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

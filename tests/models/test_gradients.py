@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 from scipy.special import logsumexp
 
-from models import MLP, LeastSquares, Logistic, Softmax
+from distbelief.models import MLP, LeastSquares, Logistic, Softmax
 from tests.models._helpers import assert_gradient_matches
 
 FAST = settings(max_examples=25, deadline=None)

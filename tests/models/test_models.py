@@ -11,8 +11,8 @@ import scipy.optimize
 from numpy.typing import NDArray
 from sklearn.metrics import log_loss
 
-from errors import DatasetError, InvalidOptionError
-from models import MLP, LeastSquares, Logistic, Model, Softmax, objective
+from distbelief.errors import DatasetError, InvalidOptionError
+from distbelief.models import MLP, LeastSquares, Logistic, Model, Softmax, objective
 from tests.models._helpers import assert_gradient_matches
 
 FloatArray = NDArray[np.float64]

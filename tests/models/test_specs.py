@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
-import models
-from errors import ModelSpecError
-from models import (
+from distbelief import models
+from distbelief.errors import ModelSpecError
+from distbelief.models import (
     MLP,
     MODEL_KINDS,
     SPEC_SCHEMAS,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import scipy.optimize
 
-import models
-from storage import load_digits
+from distbelief import models
+from distbelief.storage import load_digits
 
 
 @dataclass

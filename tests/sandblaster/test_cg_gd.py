@@ -15,9 +15,9 @@ from scipy.special import expit
 from sklearn.datasets import load_digits
 from threadpoolctl import threadpool_limits
 
-from errors import DatasetError, InvalidOptionError
-from sandblaster._cg import minimize_cg_reference, polak_ribiere_plus
-from sandblaster._gd import minimize_gd_reference
+from distbelief.errors import DatasetError, InvalidOptionError
+from distbelief.sandblaster._cg import minimize_cg_reference, polak_ribiere_plus
+from distbelief.sandblaster._gd import minimize_gd_reference
 
 
 @pytest.fixture(autouse=True)

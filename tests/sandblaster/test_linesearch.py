@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize._dcsrch import DCSRCH
 
-from errors import InvalidOptionError, ProtocolError
-from sandblaster._linesearch import (
+from distbelief.errors import InvalidOptionError, ProtocolError
+from distbelief.sandblaster._linesearch import (
     LBFGSB_FTOL,
     ArmijoBacktracking,
     LineSearchResult,

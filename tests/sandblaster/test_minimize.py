@@ -16,12 +16,11 @@ from distributed import Client, LocalCluster
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import models
-import sandblaster
-from errors import ClusterError, InvalidOptionError
-from sandblaster._minimize import SandblasterOptions, open_session
-from sandblaster._replica import Replica
-from storage import Dataset, worker_addresses
+from distbelief import models, sandblaster
+from distbelief.errors import ClusterError, InvalidOptionError
+from distbelief.sandblaster._minimize import SandblasterOptions, open_session
+from distbelief.sandblaster._replica import Replica
+from distbelief.storage import Dataset, worker_addresses
 from tests.sandblaster import conftest
 from tests.sandblaster.conftest import Problem
 
@@ -410,7 +409,7 @@ def test_a_ten_times_slower_replica_does_less_work(client: Client, tmp_path: Pat
 
 
 def _row_cache_misses() -> int:
-    from storage import default_row_cache
+    from distbelief.storage import default_row_cache
 
     return default_row_cache().stats()["misses"]
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sandblaster._scheduler import BALANCED_PACE, READ_COST_PRIOR, PortionScheduler
+from distbelief.sandblaster._scheduler import BALANCED_PACE, READ_COST_PRIOR, PortionScheduler
 
 
 def scheduler(n_portions: int, held: list[list[int]] | None = None) -> PortionScheduler:

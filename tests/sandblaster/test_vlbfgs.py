@@ -15,8 +15,8 @@ from scipy.special import expit
 from sklearn.datasets import load_digits
 from threadpoolctl import threadpool_limits
 
-from errors import DatasetError, InvalidOptionError, ProtocolError
-from sandblaster._vlbfgs import (
+from distbelief.errors import DatasetError, InvalidOptionError, ProtocolError
+from distbelief.sandblaster._vlbfgs import (
     VLBFGSHistory,
     minimize_lbfgs_reference,
     two_loop_reference,

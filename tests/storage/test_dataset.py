@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import storage._dataset as dsmod
-from errors import DatasetError, InvalidOptionError, StoreError
-from storage._dataset import FORMAT_NAME, Dataset, list_datasets, resolve_name
+import distbelief.storage._dataset as dsmod
+from distbelief.errors import DatasetError, InvalidOptionError, StoreError
+from distbelief.storage._dataset import FORMAT_NAME, Dataset, list_datasets, resolve_name
 
 
 def _rng_data(n: int, d: int, seed: int = 0, labels: str = "real") -> tuple[np.ndarray, np.ndarray]:

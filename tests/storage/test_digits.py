@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import sklearn.datasets
 
-from errors import InvalidOptionError
-from storage._digits import digits_dataset, load_digits, train_test_split_digits
+from distbelief.errors import InvalidOptionError
+from distbelief.storage._digits import digits_dataset, load_digits, train_test_split_digits
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from errors import InvalidOptionError
-from storage import Layout
+from distbelief.errors import InvalidOptionError
+from distbelief.storage import Layout
 
 
 @settings(max_examples=300, deadline=None)

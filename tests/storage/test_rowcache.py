@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import storage._rowcache as rcmod
-from storage import Dataset, RowCache, default_row_cache
+import distbelief.storage._rowcache as rcmod
+from distbelief.storage import Dataset, RowCache, default_row_cache
 
 N, D = 40, 3
 

@@ -13,9 +13,9 @@ from distributed import Client, LocalCluster
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import storage._server as server_module
-from errors import InvalidOptionError, ShardLostError, StoreError
-from storage import ParameterServer, worker_addresses
+import distbelief.storage._server as server_module
+from distbelief.errors import InvalidOptionError, ShardLostError, StoreError
+from distbelief.storage import ParameterServer, worker_addresses
 
 slow_settings = settings(
     max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
-from errors import ShardLostError
-from storage import ParameterServer, worker_addresses
+from distbelief.errors import ShardLostError
+from distbelief.storage import ParameterServer, worker_addresses
 
 
 def test_more_shards_than_workers_cost_one_call_per_worker(client: Client, tmp_path: Path) -> None:

@@ -11,9 +11,16 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
-from errors import InvalidOptionError
-from storage import Dataset, as_dataset, embedded_client, scheduler_identity, start_vector, worker_addresses
-from storage._session import _on_loopback
+from distbelief.errors import InvalidOptionError
+from distbelief.storage import (
+    Dataset,
+    as_dataset,
+    embedded_client,
+    scheduler_identity,
+    start_vector,
+    worker_addresses,
+)
+from distbelief.storage._session import _on_loopback
 
 
 def test_a_callers_loopback_client_talks_to_workers_directly_only_inside_the_block(client: Client) -> None:
@@ -95,10 +102,8 @@ def test_worker_addresses_never_sees_an_empty_cluster_while_the_client_refreshes
 
 def test_both_front_doors_refuse_a_cluster_without_workers() -> None:
     # Imported here: storage's tests otherwise need neither algorithm package.
-    import downpour
-    import models
-    import sandblaster
-    from errors import ClusterError
+    from distbelief import downpour, models, sandblaster
+    from distbelief.errors import ClusterError
 
     X, y = np.random.default_rng(0).normal(size=(40, 3)), np.zeros(40)
     model = models.LeastSquares(n_features=3)

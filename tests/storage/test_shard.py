@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from errors import InvalidOptionError, ProtocolError
-from storage import Shard, adagrad_update, sgd_update
+from distbelief.errors import InvalidOptionError, ProtocolError
+from distbelief.storage import Shard, adagrad_update, sgd_update
 
 
 def make(size: int, seed: int = 0) -> tuple[Shard, dict[str, np.ndarray]]:

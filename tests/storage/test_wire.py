@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from storage._actor import ShardActor
-from storage._wire import SMALL_BYTES, array_bytes, pack_if_small, unpack
+from distbelief.storage._actor import ShardActor
+from distbelief.storage._wire import SMALL_BYTES, array_bytes, pack_if_small, unpack
 
 
 @given(sizes=st.lists(st.integers(0, 4000), max_size=5), nested=st.booleans())
