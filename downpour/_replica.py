@@ -36,6 +36,7 @@ from threadpoolctl import threadpool_limits
 from distbelief.downpour._batches import BatchPlan
 from distbelief.downpour._core import FetchRequest, PushMessage, ReplicaCore
 from distbelief.storage import Dataset, ShardMap
+from distbelief.storage._calls import await_call
 
 __all__ = ["DownpourReplica", "ReplicaConfig"]
 
@@ -239,7 +240,9 @@ class DownpourReplica:
             op = await q.get()
             if op is None:
                 return
-            task = asyncio.ensure_future(asyncio.wait_for(self._send(i, op), self.config.call_timeout))
+            task = asyncio.ensure_future(
+                await_call(self._send(i, op), timeout=self.config.call_timeout, what=f"shard {i}")
+            )
             self._current[i] = task
             try:
                 result = await task

@@ -16,7 +16,6 @@ where shards restart from checkpoints).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import os
@@ -30,7 +29,6 @@ from typing import Any
 import numpy as np
 import xarray as xr
 from distributed import Client, Future
-from distributed.utils import sync
 
 from distbelief.downpour._batches import split_rows
 from distbelief.downpour._options import DownpourOptions, Rule
@@ -44,6 +42,7 @@ from distbelief.storage import (
     start_vector,
     worker_addresses,
 )
+from distbelief.storage._calls import ShardRecovery, actor_gone, gather_calls, start_call
 
 __all__ = ["Progress", "TrainResult", "train"]
 
@@ -53,7 +52,6 @@ MAX_RECOVERIES = 5
 SHARD_MIN_PARAMS = 1 << 17
 #: Stop reasons that mean the run did what it was asked.
 _SUCCESS = ("max_steps", "epochs", "time_limit", "callback")
-_DEAD = ("error", "lost", "cancelled")
 _PER_REPLICA = (
     "steps",
     "pushes",
@@ -439,7 +437,7 @@ class _Run:
         self.status: dict[int, dict[str, Any]] = {}
         self.lost_replicas: list[int] = []
         self.shard_losses: list[tuple[float, int]] = []
-        self.recoveries = 0
+        self.recovery: ShardRecovery | None = None
         self.checkpoints = 0
         self.rows: list[_Row] = []
         self.t0 = 0.0
@@ -469,6 +467,7 @@ class _Run:
             timeout=opts.call_timeout,
         )
         self.ps = ps
+        self.recovery = ShardRecovery(ps, max_recoveries=MAX_RECOVERIES, on_restored=self._restored)
         ps.scatter("x", self.x_start)
         if opts.rule == "adagrad":
             # The accumulators exist from the start, so every checkpoint (and a restored shard) holds them.
@@ -533,27 +532,12 @@ class _Run:
     ) -> dict[int, tuple[bool, Any]]:
         """Call ``method`` on the replicas ``which`` at once; ``{r: (ok, result or exception)}``."""
         limit = self.opts.call_timeout if timeout is None else timeout
-
-        async def one(r: int) -> tuple[int, bool, Any]:
-            try:
-                call = getattr(self.actors[r], method)(*args)
-                return r, True, await asyncio.wait_for(call._result(), limit)
-            except Exception as exc:
-                return r, False, exc
-
-        async def many() -> list[tuple[int, bool, Any]]:
-            return list(await asyncio.gather(*(one(r) for r in which)))
-
-        loop = self.client.loop
-        assert loop is not None
-        out: list[tuple[int, bool, Any]] = sync(loop, many)
-        return {r: (ok, value) for r, ok, value in out}
+        calls = [start_call(self.actors[r], method, *args) for r in which]
+        out = gather_calls(self.client, calls, timeout=limit)
+        return dict(zip(which, out, strict=True))
 
     def _is_dead(self, r: int) -> bool:
-        if self.futures[r].status in _DEAD:
-            return True
-        address = getattr(self.actors[r], "_address", None)
-        return address not in worker_addresses(self.client)
+        return actor_gone(self.client, self.futures[r], self.actors[r])
 
     def _start(self, which: Sequence[int]) -> None:
         for r, (ok, value) in self._call(which, "start").items():
@@ -584,33 +568,16 @@ class _Run:
     # -- parameter server ------------------------------------------------------------------------------
     def _ps_call(self, fn: Callable[[], Any]) -> Any:
         """Run a parameter-server op; a lost shard is restored (and the replicas told) and the op retried."""
-        for _ in range(MAX_RECOVERIES + 1):
-            try:
-                return fn()
-            except ShardLostError as err:
-                self._recover(err)
-            except ClusterError:
-                lost = self._probe()
-                if lost is None:
-                    raise
-        raise ClusterError(
-            f"parameter-server shards kept being lost ({self.recoveries} recoveries); check the workers"
-        )
+        assert self.recovery is not None
+        return self.recovery.run(fn)
 
     def _probe(self) -> ShardLostError | None:
-        assert self.ps is not None
-        try:
-            self.ps.ping()
-        except ShardLostError as err:
-            self._recover(err)
-            return err
-        return None
+        assert self.recovery is not None
+        return self.recovery.probe()
 
-    def _recover(self, err: ShardLostError) -> None:
+    def _restored(self, err: ShardLostError) -> None:
+        """A shard came back from its checkpoint: the replicas are handed the new shard map."""
         assert self.ps is not None
-        self.recoveries += 1
-        if not err.restored or self.recoveries > MAX_RECOVERIES:
-            raise err
         self.shard_losses.append((time.perf_counter() - self.t0, err.shard))
         shard_map = self.ps.shard_map()
         live = [r for r in range(len(self.actors)) if self.alive[r]]

@@ -16,7 +16,7 @@ import numpy as np
 import xarray as xr
 from distributed import Client
 
-from distbelief.errors import ClusterError, DatasetError, InvalidOptionError, ShardLostError
+from distbelief.errors import DatasetError, InvalidOptionError, ShardLostError
 from distbelief.sandblaster._coordinator import Coordinator, IterationRecord, RunState
 from distbelief.sandblaster._linesearch import LBFGSB_FTOL
 from distbelief.sandblaster._replica import Replica
@@ -29,6 +29,7 @@ from distbelief.storage import (
     start_vector,
     worker_addresses,
 )
+from distbelief.storage._calls import ShardRecovery
 
 __all__ = ["OptimizeResult", "SandblasterOptions", "minimize", "open_session"]
 
@@ -423,25 +424,24 @@ def _run(
         if opts.resume:
             resume_meta = coord.resume_from(ps.checkpoint_meta)
         ps.stats.reset()
-        recoveries = 0
-        while True:
-            try:
-                if resume_meta is None:
-                    coord.start()
-                success, message = _run_method(coord, opts, n, callback, resume_meta)
-                break
-            except StopIteration:
-                success, message = False, "stopped by the callback"
-                break
-            except (ShardLostError, ClusterError) as exc:
-                lost = exc if isinstance(exc, ShardLostError) else _probe_shards(ps)
-                if lost is None or not lost.restored or recoveries >= MAX_RECOVERIES:
-                    raise
-                # A shard came back from the last checkpoint: bring the others back to it too, go on.
-                recoveries += 1
-                ps.rollback()
-                scheduler.refresh_shards(ps.shard_map())
-                resume_meta = coord.resume_from(ps.checkpoint_meta)
+        attempt: dict[str, Any] = {"resume": resume_meta}
+
+        def run_method() -> tuple[bool, str]:
+            if attempt["resume"] is None:
+                coord.start()
+            return _run_method(coord, opts, n, callback, attempt["resume"])
+
+        def roll_back(lost: ShardLostError) -> None:
+            # A shard came back from the last checkpoint: bring the others back to it too, go on.
+            ps.rollback()
+            scheduler.refresh_shards(ps.shard_map())
+            attempt["resume"] = coord.resume_from(ps.checkpoint_meta)
+
+        recovery = ShardRecovery(ps, max_recoveries=MAX_RECOVERIES, on_restored=roll_back)
+        try:
+            success, message = recovery.run(run_method)
+        except StopIteration:
+            success, message = False, "stopped by the callback"
         # Counted before the final gather: during the run the coordinator only ever received scalars.
         stats = {
             "round_trips": ps.stats.round_trips,
@@ -451,7 +451,7 @@ def _run(
             "shards": ps.shards,
             "replicas": len(scheduler.replicas),
             "portions": scheduler.n_portions,
-            "recoveries": recoveries,
+            "recoveries": recovery.recoveries,
             "portions_per_replica": list(scheduler.portions_done),
         }
         x = ps.gather(coord.state.x)
@@ -507,15 +507,6 @@ def _run_method(
         step=opts.step,
         callback=callback,
     )
-
-
-def _probe_shards(ps: ParameterServer) -> ShardLostError | None:
-    """Ping every shard: a lost one is rebuilt from the checkpoint, and its error returned."""
-    try:
-        ps.ping()
-    except ShardLostError as lost:
-        return lost
-    return None
 
 
 def _history(records: list[IterationRecord]) -> xr.Dataset:

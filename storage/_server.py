@@ -34,10 +34,17 @@ from typing import Any
 import numpy as np
 import zarr
 from distributed import Client, Future
-from distributed.utils import sync
 
 from distbelief.errors import ClusterError, InvalidOptionError, ShardLostError, StoreError
 from distbelief.storage._actor import ShardActor
+from distbelief.storage._calls import (
+    DEAD_STATES,
+    actor_gone,
+    await_call,
+    confirm_dead,
+    gather_calls,
+    start_call,
+)
 from distbelief.storage._layout import DEFAULT_TARGET_CHUNK, Layout
 from distbelief.storage._session import NO_WORKERS, worker_addresses
 from distbelief.storage._shard import OPS
@@ -48,10 +55,6 @@ __all__ = ["Batch", "ParameterServer", "ServerStats", "ShardMap", "reduce_result
 
 ATTR = "distbelief_ps"
 FORMAT_VERSION = 1
-#: How often a wait re-checks whether the worker of a shard is still alive (seconds).
-_POLL = 0.25
-#: How long a connection error may take to be confirmed as a dead worker by the scheduler (seconds).
-_LOSS_GRACE = 10.0
 
 
 @dataclass
@@ -216,20 +219,15 @@ class ShardMap:
 
         Fails fast with :class:`errors.ClusterError` when the shard's worker dies meanwhile.
         """
-        pending = asyncio.ensure_future(self.call(shard, method, *args, **kwargs))
-        deadline = None if timeout is None else time.monotonic() + timeout
         address = getattr(self.actors[shard], "_address", None)
-        while True:
-            done, _ = await asyncio.wait({pending}, timeout=_POLL)
-            if done:
-                return pending.result()
+
+        async def gone() -> bool:
             # The scheduler query may block: keep it off the event loop the shards run on.
-            if not await asyncio.to_thread(_worker_alive, address):
-                pending.cancel()
-                raise ClusterError(f"shard {shard} was lost with its worker")
-            if deadline is not None and time.monotonic() > deadline:
-                pending.cancel()
-                raise ClusterError(f"shard {shard} did not answer within {timeout} s")
+            return not await asyncio.to_thread(_worker_alive, address)
+
+        return await await_call(
+            self.call(shard, method, *args, **kwargs), timeout=timeout, gone=gone, what=f"shard {shard}"
+        )
 
     async def prepare_and_fetch(
         self, epoch: int, ops: Sequence[Sequence[Any]], names: Sequence[str], *, timeout: float | None = 60.0
@@ -497,16 +495,21 @@ class ParameterServer:
         lost: list[int] = []
         futures: list[Any] = []
         for i, a in zip(which, args, strict=True):
-            try:
-                futures.append(getattr(self._actors[i], method)(*a, **kwargs))
-            except RuntimeError:  # "Worker holding Actor was lost"
+            call = start_call(self._actors[i], method, *a, **kwargs)
+            if isinstance(call, RuntimeError):  # "Worker holding Actor was lost"
                 lost.extend(group.get(i, [i]))
-                futures.append(None)
+            elif isinstance(call, Exception):
+                raise call
+            futures.append(call)
         results: list[Any] = [None] * len(which)
         if not lost:
-            loop = self.client.loop
-            assert loop is not None
-            outcome = sync(loop, self._gather, which, futures)
+            outcome = gather_calls(
+                self.client,
+                futures,
+                timeout=self.timeout,
+                gone=lambda k: self._futures[which[k]].status in DEAD_STATES,
+                timeout_error=lambda k: self._timeout_error(which[k]),
+            )
             for k, (ok, value) in enumerate(outcome):
                 if ok:
                     results[k] = value
@@ -530,30 +533,6 @@ class ParameterServer:
             by_worker.setdefault(getattr(actor, "_address", None) or f"unknown-{i}", []).append(i)
         return list(by_worker.values())
 
-    async def _gather(self, which: list[int], futures: list[Any]) -> list[tuple[bool, Any]]:
-        """Await every call; stop waiting for a call whose shard's worker has died."""
-        pending = {asyncio.ensure_future(f._result()): k for k, f in enumerate(futures)}
-        out: list[tuple[bool, Any]] = [(False, None)] * len(futures)
-        deadline = time.monotonic() + self.timeout
-        while pending:
-            done, _ = await asyncio.wait(list(pending), timeout=_POLL, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                k = pending.pop(task)
-                exc = task.exception()
-                out[k] = (False, exc) if exc is not None else (True, task.result())
-            if not done:
-                for task, k in list(pending.items()):
-                    if self._futures[which[k]].status in ("error", "lost", "cancelled"):
-                        task.cancel()
-                        pending.pop(task)
-                        out[k] = (False, ClusterError(f"the worker of shard {which[k]} is gone"))
-                if time.monotonic() > deadline:
-                    for task, k in pending.items():
-                        task.cancel()
-                        out[k] = (False, self._timeout_error(which[k]))
-                    pending = {}
-        return out
-
     def _timeout_error(self, shard: int) -> ClusterError:
         return ClusterError(
             f"shard {shard} did not answer within {self.timeout:.0f} s; its worker may be overloaded or "
@@ -562,20 +541,7 @@ class ParameterServer:
 
     def _is_lost(self, shard: int, error: BaseException | None = None) -> bool:
         """Whether ``shard``'s worker is gone (as opposed to the op itself having failed)."""
-        if self._futures[shard].status in ("error", "lost", "cancelled"):
-            return True
-        if not isinstance(error, OSError | ClusterError):
-            return False
-        # A connection error can arrive before the scheduler has noticed the death: give it a moment.
-        address = getattr(self._actors[shard], "_address", None)
-        deadline = time.monotonic() + _LOSS_GRACE
-        while time.monotonic() < deadline:
-            if self._futures[shard].status in ("error", "lost", "cancelled"):
-                return True
-            if address not in worker_addresses(self.client):
-                return True
-            time.sleep(_POLL)
-        return False
+        return confirm_dead(lambda: actor_gone(self.client, self._futures[shard], self._actors[shard]), error)
 
     def _recover(self, lost: list[int], method: str) -> None:
         """Rebuild the lost shards from the last checkpoint on live workers, then raise ShardLostError."""
