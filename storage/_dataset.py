@@ -17,6 +17,12 @@ Default layout (when ``portion_rows`` is not given)
 Writing is all-or-nothing: the input is validated first, the dataset is written to a hidden temporary
 sibling of the target, and only then renamed into place (for fsspec URLs the final move is not atomic on
 every filesystem, but a failed write never leaves anything behind).
+
+The code is split by concern: :mod:`storage._dataset_meta` (the format and its attributes),
+:mod:`storage._dataset_location` (where a dataset lives: paths, fsspec URLs, names),
+:mod:`storage._dataset_validation` (checks of the inputs, the default layout),
+:mod:`storage._dataset_readers` (opening and reading the arrays) and this module (the :class:`Dataset`
+class and writing). The names they define stay importable from here.
 """
 
 from __future__ import annotations
@@ -26,25 +32,50 @@ import csv
 import datetime as _dt
 import functools
 import io
-import json
-import math
 import os
-import re
-import shutil
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import IO, Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
 import zarr
-from zarr.errors import BaseZarrError
-from zarr.storage import FsspecStore, LocalStore
 
 from distbelief.errors import DatasetError, InvalidOptionError, StoreError
+from distbelief.storage._dataset_location import (
+    PathLike,
+    _Location,
+    _location,
+    list_datasets,
+    resolve_name,
+)
+from distbelief.storage._dataset_meta import (
+    _LABEL_KINDS,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    FloatArray,
+    LabelKind,
+    _Meta,
+)
+from distbelief.storage._dataset_readers import (
+    _open_checked,
+    _plain_layout,
+    _read_exact,
+    _ShortReadError,
+)
+from distbelief.storage._dataset_validation import (
+    _as_labels,
+    _as_matrix,
+    _block_rows,
+    _check_finite,
+    _check_int,
+    _check_portion_rows,
+    _detect_labels,
+    _is_number,
+    _layout,
+)
 
 __all__ = [
     "FORMAT_NAME",
@@ -54,519 +85,6 @@ __all__ = [
     "list_datasets",
     "resolve_name",
 ]
-
-LabelKind = Literal["real", "binary", "classes"]
-FloatArray = npt.NDArray[np.float64]
-PathLike = str | os.PathLike[str]
-
-#: Value of the ``format`` group attribute that marks a zarr group as a distbelief dataset.
-FORMAT_NAME = "distbelief.dataset"
-#: Layout version written by this code; ``open`` refuses newer versions.
-FORMAT_VERSION = 1
-
-_TARGET_PORTIONS = 64
-_MIN_PORTION_ROWS = 1024
-_MAX_PORTION_BYTES = 8 * 2**20
-_CHUNKS_PER_PORTION = 4
-# Validation and writing walk X in blocks of about this size, so a dtype conversion never copies all of X.
-_BLOCK_BYTES = 64 * 2**20
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_LABEL_KINDS = ("real", "binary", "classes")
-
-
-# --------------------------------------------------------------------------------------------- locations
-
-
-def _is_url(path: str) -> bool:
-    # Same rule as zarr's own store handling (zarr.storage._common._is_fsspec_uri).
-    return "://" in path or ("::" in path and "local://" not in path)
-
-
-@dataclass(frozen=True)
-class _Location:
-    """Where a dataset lives: an absolute local directory, or an fsspec URL (plus its storage options)."""
-
-    url: str
-    local: bool
-    storage_options: dict[str, Any] | None = None
-
-    def store(self, *, read_only: bool) -> LocalStore | FsspecStore:
-        if self.local:
-            return LocalStore(self.url, read_only=read_only)
-        return FsspecStore.from_url(self.url, storage_options=self.storage_options, read_only=read_only)
-
-    def _fs(self) -> tuple[Any, str]:
-        from fsspec.core import url_to_fs
-
-        fs, path = url_to_fs(self.url, **(self.storage_options or {}))
-        return fs, cast(str, path)
-
-    def sibling(self, name: str) -> _Location:
-        if self.local:
-            return _Location(os.path.join(os.path.dirname(self.url), name), True)
-        head = self.url.rstrip("/").rpartition("/")[0]
-        return _Location(f"{head}/{name}", False, self.storage_options)
-
-    def child(self, name: str) -> _Location:
-        if self.local:
-            return _Location(os.path.join(self.url, name), True)
-        return _Location(f"{self.url.rstrip('/')}/{name}", False, self.storage_options)
-
-    @property
-    def basename(self) -> str:
-        return self.url.rstrip("/").rpartition("/")[2] or "dataset"
-
-    def probe(self) -> Literal["missing", "empty", "dataset", "other"]:
-        """Say what the location holds, without trusting it to be well formed."""
-        if self.local:
-            if not os.path.lexists(self.url):
-                return "missing"
-            if not os.path.isdir(self.url) or os.path.islink(self.url):
-                return "other"
-            if not os.listdir(self.url):
-                return "empty"
-            try:
-                with open(os.path.join(self.url, "zarr.json"), "rb") as f:
-                    raw = f.read()
-            except OSError:
-                return "other"
-        else:
-            fs, path = self._fs()
-            if not fs.exists(path):
-                return "missing"
-            if not fs.isdir(path):
-                return "other"
-            if not fs.ls(path, detail=False):
-                return "empty"
-            try:
-                raw = fs.cat_file(path.rstrip("/") + "/zarr.json")
-            except (OSError, KeyError):
-                return "other"
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            return "other"
-        ok = isinstance(doc, dict) and (doc.get("attributes") or {}).get("format") == FORMAT_NAME
-        return "dataset" if ok else "other"
-
-    def make_parents(self) -> list[str]:
-        """Create missing parent directories (local only); return the ones created, deepest first."""
-        if not self.local:
-            return []
-        missing: list[str] = []
-        parent = os.path.dirname(self.url)
-        while parent and not os.path.exists(parent):
-            missing.append(parent)
-            parent = os.path.dirname(parent)
-        for d in reversed(missing):
-            os.mkdir(d)
-        return missing
-
-    def remove(self) -> None:
-        if self.local:
-            if os.path.lexists(self.url):
-                if os.path.isdir(self.url) and not os.path.islink(self.url):
-                    shutil.rmtree(self.url)
-                else:
-                    os.remove(self.url)
-        else:
-            fs, path = self._fs()
-            if fs.exists(path):
-                fs.rm(path, recursive=True)
-
-    def rename(self, target: _Location) -> None:
-        if self.local:
-            os.rename(self.url, target.url)
-        else:
-            fs, path = self._fs()
-            _, target_path = target._fs()
-            fs.mv(path, target_path, recursive=True)
-
-
-def _location(path: object, storage_options: dict[str, Any] | None) -> _Location:
-    if isinstance(path, os.PathLike):
-        path = os.fspath(path)
-    if not isinstance(path, str) or not path.strip():
-        raise InvalidOptionError(
-            f"path must be a directory path or an fsspec URL (a non-empty string), got {path!r}"
-        )
-    if storage_options is not None and not isinstance(storage_options, dict):
-        raise InvalidOptionError(
-            f"storage_options must be a dict or None, got {type(storage_options).__name__}"
-        )
-    for prefix in ("file://", "local://"):
-        if path.startswith(prefix):
-            path = path[len(prefix) :]
-            break
-    else:
-        if _is_url(path):
-            return _Location(path.rstrip("/") or path, False, storage_options or None)
-    if storage_options:
-        raise InvalidOptionError(
-            "storage_options only apply to fsspec URLs (such as 's3://bucket/data'); "
-            f"{path!r} is a local path, so drop storage_options"
-        )
-    return _Location(os.path.abspath(os.path.expanduser(path)), True)
-
-
-def resolve_name(root: PathLike, name: str) -> str:
-    """Map a dataset *name* to its location directly under the directory (or URL) ``root``.
-
-    This is how untrusted names (from the REST service) become paths: the name must be one plain path
-    component, so it can never point outside ``root``.
-
-    Parameters
-    ----------
-    root : str or os.PathLike
-        Directory (or fsspec URL) that holds datasets, for example ``<store>/datasets``.
-    name : str
-        Dataset name: 1 to 128 characters from ``A-Z a-z 0-9 . _ -``, starting with a letter or digit.
-
-    Returns
-    -------
-    str
-        The absolute local path (or the URL) of the dataset.
-
-    Raises
-    ------
-    DatasetError
-        If the name is empty, contains a path separator, is ``.``/``..`` or otherwise does not match
-        ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``.
-
-    Examples
-    --------
-    >>> resolve_name("/srv/store/datasets", "digits-train")
-    '/srv/store/datasets/digits-train'
-    >>> resolve_name("/srv/store/datasets", "../etc")
-    Traceback (most recent call last):
-    ...
-    distbelief.errors.DatasetError: dataset name '../etc' contains a path separator; ...
-    """
-    if not isinstance(name, str):
-        raise DatasetError(f"dataset name must be a string, got {type(name).__name__}")
-    rule = "use 1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
-    if not name:
-        raise DatasetError(f"dataset name is empty; {rule}")
-    if "/" in name or "\\" in name or os.sep in name or (os.altsep and os.altsep in name):
-        raise DatasetError(f"dataset name {name!r} contains a path separator; {rule}")
-    if name in (".", ".."):
-        raise DatasetError(f"dataset name {name!r} would leave the dataset directory; {rule}")
-    if not _NAME_RE.fullmatch(name):
-        raise DatasetError(f"dataset name {name!r} is not allowed; {rule}")
-    return _location(root, None).child(name).url
-
-
-def list_datasets(root: PathLike, *, storage_options: dict[str, Any] | None = None) -> list[str]:
-    """Names of the datasets directly under ``root`` (sorted); temporary and foreign entries are skipped.
-
-    Parameters
-    ----------
-    root : str or os.PathLike
-        Directory (or fsspec URL) that holds datasets. A missing directory holds none.
-    storage_options : dict, optional
-        fsspec options when ``root`` is a URL.
-
-    Returns
-    -------
-    list of str
-        Names that :func:`resolve_name` maps back to the datasets.
-
-    Examples
-    --------
-    >>> import numpy as np, tempfile
-    >>> root = tempfile.mkdtemp()
-    >>> _ = Dataset.from_arrays(np.ones((3, 2)), np.zeros(3), path=resolve_name(root, "ones"))
-    >>> list_datasets(root)
-    ['ones']
-    """
-    loc = _location(root, storage_options)
-    if loc.local:
-        names = os.listdir(loc.url) if os.path.isdir(loc.url) else []
-    else:
-        fs, path = loc._fs()
-        names = (
-            [p.rstrip("/").rpartition("/")[2] for p in fs.ls(path, detail=False)] if fs.isdir(path) else []
-        )
-    return sorted(n for n in names if _NAME_RE.fullmatch(n) and loc.child(n).probe() == "dataset")
-
-
-# ------------------------------------------------------------------------------------------ validation
-
-
-def _check_int(value: object, what: str, *, minimum: int = 1, allow_none: bool = True) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or int(value) < minimum:
-        raise InvalidOptionError(f"{what} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _as_matrix(X: object) -> np.ndarray[Any, Any]:
-    """``X`` as a 2-D numeric ndarray (any real dtype; converted to float64 block by block later)."""
-    try:
-        arr = np.asarray(X)
-    except (TypeError, ValueError) as exc:
-        raise DatasetError(
-            f"X cannot be read as a numeric array ({exc}); pass a 2-D array of numbers"
-        ) from exc
-    if arr.ndim != 2:
-        hint = " (for a single feature use X.reshape(-1, 1))" if arr.ndim == 1 else ""
-        raise DatasetError(f"X must be 2-D (rows x features); got shape {arr.shape}{hint}")
-    arr = _numeric(arr, "X", "values")
-    if arr.shape[0] == 0 or arr.shape[1] == 0:
-        raise DatasetError(
-            f"X is empty (shape {arr.shape}); a dataset needs at least one row and one feature"
-        )
-    return arr
-
-
-def _numeric(arr: np.ndarray[Any, Any], what: str, noun: str) -> np.ndarray[Any, Any]:
-    if arr.dtype.kind in "biuf":
-        return arr
-    if arr.dtype.kind == "c":
-        raise DatasetError(f"{what} holds complex numbers; {noun} must be real numbers")
-    if arr.dtype.kind == "O":
-        try:
-            return arr.astype(np.float64)
-        except (TypeError, ValueError) as exc:
-            raise DatasetError(
-                f"{what} holds {noun} that are not numbers ({exc}); convert them first"
-            ) from exc
-    hint = (
-        "; encode class labels as integers 0..K-1 first, e.g. with numpy.unique(y, return_inverse=True)"
-        if what == "y"
-        else "; convert them to numbers first"
-    )
-    raise DatasetError(f"{what} must hold numbers, got dtype {arr.dtype}{hint}")
-
-
-def _as_labels(y: object, n_rows: int) -> FloatArray:
-    try:
-        arr = np.asarray(y)
-    except (TypeError, ValueError) as exc:
-        raise DatasetError(f"y cannot be read as an array of labels ({exc})") from exc
-    if arr.ndim == 2 and arr.shape[1] == 1:
-        arr = arr[:, 0]
-    if arr.ndim != 1:
-        raise DatasetError(f"y must be 1-D (one label per row); got shape {arr.shape}")
-    arr = _numeric(arr, "y", "labels")
-    if arr.shape[0] != n_rows:
-        raise DatasetError(
-            f"X has {n_rows} rows but y has {arr.shape[0]} labels; give exactly one label per row"
-        )
-    out = np.ascontiguousarray(arr, dtype=np.float64)
-    bad = ~np.isfinite(out)
-    if bad.any():
-        idx = np.flatnonzero(bad)
-        raise DatasetError(
-            f"y has {idx.size} non-finite labels (NaN or inf), the first at row {idx[0]}; "
-            "every label must be a finite number: drop or fix those rows"
-        )
-    return out
-
-
-def _block_rows(n_features: int, chunk_rows: int) -> int:
-    rows = max(1, _BLOCK_BYTES // (8 * n_features))
-    return max(chunk_rows, rows - rows % chunk_rows)
-
-
-def _check_finite(X: np.ndarray[Any, Any], block: int) -> None:
-    if X.dtype.kind in "biu":
-        return
-    n = X.shape[0]
-    for r0 in range(0, n, block):
-        part = X[r0 : r0 + block]
-        # A sum is finite exactly when no value is NaN/inf, unless finite values overflow: then look closer.
-        # Summing needs no temporary, unlike isfinite, so the common (clean) case costs one pass.
-        with np.errstate(over="ignore", invalid="ignore"):
-            total = np.sum(part, dtype=np.float64)
-        if np.isfinite(total):
-            continue
-        bad = ~np.isfinite(np.asarray(part, dtype=np.float64))
-        if not bad.any():
-            continue
-        first = np.argwhere(bad)[0]
-        count = int(bad.sum())
-        for r1 in range(r0 + block, n, block):
-            count += int((~np.isfinite(np.asarray(X[r1 : r1 + block], dtype=np.float64))).sum())
-        raise DatasetError(
-            f"X has {count} non-finite values (NaN or inf), the first at row {r0 + first[0]}, column "
-            f"{first[1]}; remove or impute them before building a dataset"
-        )
-
-
-def _detect_labels(y: FloatArray, label_kind: object, n_classes: object) -> tuple[LabelKind, int | None]:
-    if label_kind is not None and label_kind not in _LABEL_KINDS:
-        raise InvalidOptionError(f"label_kind must be one of {_LABEL_KINDS} or None, got {label_kind!r}")
-    k_opt = _check_int(n_classes, "n_classes", minimum=2)
-    if k_opt is not None:
-        if label_kind is None:
-            label_kind = "classes"
-        elif label_kind == "real":
-            raise InvalidOptionError("n_classes does not apply to label_kind='real'; drop it")
-        elif label_kind == "binary" and k_opt != 2:
-            raise InvalidOptionError(f"label_kind='binary' means n_classes=2, got n_classes={k_opt}")
-    is01 = (y == 0.0) | (y == 1.0)
-    isint = y == np.floor(y)
-    if label_kind is None:
-        if is01.all():
-            return "binary", 2
-        if isint.all() and y.min() >= 0:
-            k = int(y.max()) + 1
-            # Integers are classes only when every class 0..K-1 occurs: integer-valued regression targets
-            # (counts, ratings starting at 1) stay real. Pass label_kind="classes" to override.
-            if k > 2 and np.unique(y).size == k:
-                return "classes", k
-        return "real", None
-    if label_kind == "real":
-        return "real", None
-    if label_kind == "binary":
-        if not is01.all():
-            i = int(np.flatnonzero(~is01)[0])
-            raise DatasetError(
-                f"label_kind='binary' needs every label to be 0 or 1, but row {i} has {y[i]!r}; "
-                "map the labels first (for -1/+1 labels use (y + 1) / 2)"
-            )
-        return "binary", 2
-    ok = isint & (y >= 0)
-    if not ok.all():
-        i = int(np.flatnonzero(~ok)[0])
-        raise DatasetError(
-            f"label_kind='classes' needs integer labels 0..K-1, but row {i} has {y[i]!r}; "
-            "encode the classes first, e.g. with numpy.unique(y, return_inverse=True)"
-        )
-    k = max(2, int(y.max()) + 1)
-    if k_opt is not None:
-        if k > k_opt:
-            raise DatasetError(
-                f"labels go up to {k - 1} ({k} classes) but n_classes={k_opt}; pass n_classes>={k}"
-            )
-        k = k_opt
-    return "classes", k
-
-
-def _layout(n_rows: int, n_features: int, portion_rows: object, chunk_rows: object) -> tuple[int, int]:
-    """Return ``(chunk_rows, portion_rows)``; see the module docstring for the defaults."""
-    p = _check_int(portion_rows, "portion_rows")
-    c = _check_int(chunk_rows, "chunk_rows")
-    if p is None:
-        auto = max(_MIN_PORTION_ROWS, math.ceil(n_rows / _TARGET_PORTIONS))
-        auto = max(1, min(auto, _MAX_PORTION_BYTES // (8 * n_features)))
-        if c is None:
-            c = max(1, auto // _CHUNKS_PER_PORTION)
-        # Round down to whole chunks, so the byte cap holds (unless a single chunk already exceeds it).
-        p = c * max(1, auto // c)
-    elif c is None:
-        c = p
-    c = min(c, n_rows)
-    p = min(p, n_rows)
-    _check_portion_rows(p, c, n_rows)
-    return c, p
-
-
-def _check_portion_rows(p: int, c: int, n_rows: int) -> None:
-    if p % c != 0 and p != n_rows:
-        raise InvalidOptionError(
-            f"portion_rows={p} is not a multiple of the dataset's chunk_rows={c}; a portion must be whole "
-            f"chunks: use a multiple of {c}"
-        )
-
-
-# ------------------------------------------------------------------------------------------- metadata
-
-
-@dataclass(frozen=True)
-class _Meta:
-    dataset_id: str
-    n_rows: int
-    n_features: int
-    chunk_rows: int
-    portion_rows: int
-    label_kind: LabelKind
-    n_classes: int | None
-    created_at: str
-    format_version: int = FORMAT_VERSION
-
-    def to_attrs(self) -> dict[str, Any]:
-        return {"format": FORMAT_NAME, **asdict(self)}
-
-    @classmethod
-    def from_attrs(cls, attrs: dict[str, Any], where: str) -> _Meta:
-        fmt = attrs.get("format")
-        if fmt != FORMAT_NAME:
-            raise StoreError(
-                f"{where} holds a zarr group that is not a distbelief dataset (format attribute {fmt!r}); "
-                "build a dataset there with Dataset.from_arrays / from_npz / from_csv, or open another path"
-            )
-        version = attrs.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
-            raise StoreError(
-                f"{where} holds dataset format version {version!r}, but this distbelief reads version "
-                f"{FORMAT_VERSION}; upgrade distbelief or rebuild the dataset"
-            )
-        try:
-            meta = cls(
-                dataset_id=str(attrs["dataset_id"]),
-                n_rows=int(attrs["n_rows"]),
-                n_features=int(attrs["n_features"]),
-                chunk_rows=int(attrs["chunk_rows"]),
-                portion_rows=int(attrs["portion_rows"]),
-                label_kind=attrs["label_kind"],
-                n_classes=None if attrs["n_classes"] is None else int(attrs["n_classes"]),
-                created_at=str(attrs["created_at"]),
-                format_version=version,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StoreError(f"{where}: dataset metadata is damaged ({exc!r}); rebuild the dataset") from exc
-        if meta.label_kind not in _LABEL_KINDS or min(meta.n_rows, meta.n_features, meta.chunk_rows) < 1:
-            raise StoreError(f"{where}: dataset metadata is damaged ({meta}); rebuild the dataset")
-        return meta
-
-
-def _plain_layout(arr: zarr.Array, chunk_shape: tuple[int, ...]) -> bool:
-    """True when chunks are raw little-endian float64 at the standard keys, so they can be read directly."""
-    try:
-        # zarr's internals may move between versions: on any surprise, use zarr's own reader instead.
-        from zarr.codecs import BytesCodec
-        from zarr.core.chunk_key_encodings import DefaultChunkKeyEncoding
-        from zarr.core.metadata import ArrayV3Metadata
-
-        meta = arr.metadata
-        if not isinstance(meta, ArrayV3Metadata):
-            return False
-        codecs = meta.codecs
-        return (
-            sys.byteorder == "little"
-            and arr.dtype == np.dtype("<f8")
-            and tuple(arr.chunks) == chunk_shape
-            and len(codecs) == 1
-            and isinstance(codecs[0], BytesCodec)
-            and codecs[0].endian is not None
-            and codecs[0].endian.value == "little"
-            and isinstance(meta.chunk_key_encoding, DefaultChunkKeyEncoding)
-            and meta.chunk_key_encoding.separator == "/"
-        )
-    except (AttributeError, ImportError, TypeError):
-        return False
-
-
-class _ShortReadError(Exception):
-    """A chunk file is missing or shorter than the metadata says: fall back to zarr."""
-
-
-def _read_exact(path: str, offset: int, buf: memoryview) -> None:
-    try:
-        with open(path, "rb", buffering=0) as f:
-            f.seek(offset)
-            done = 0
-            while done < len(buf):
-                got = f.readinto(buf[done:])
-                if not got:
-                    raise _ShortReadError(path)
-                done += got
-    except FileNotFoundError as exc:
-        raise _ShortReadError(path) from exc
-
 
 # -------------------------------------------------------------------------------------------- Dataset
 
@@ -1388,37 +906,6 @@ class Dataset:
 # ------------------------------------------------------------------------------------- store helpers
 
 
-def _open_checked(loc: _Location, *, expected_id: str | None) -> tuple[_Meta, tuple[zarr.Array, zarr.Array]]:
-    where = loc.url
-    hint = "build one with Dataset.from_arrays / from_npz / from_csv, or check the path"
-    try:
-        group = zarr.open_group(loc.store(read_only=True), mode="r")
-    except FileNotFoundError as exc:
-        raise StoreError(f"no dataset at {where}: {hint}") from exc
-    except (BaseZarrError, OSError, ValueError, KeyError, TypeError) as exc:
-        raise StoreError(f"cannot open {where} as a dataset ({exc}); {hint}") from exc
-    meta = _Meta.from_attrs(dict(group.attrs), where)
-    if expected_id is not None and meta.dataset_id != expected_id:
-        raise StoreError(
-            f"the dataset at {where} was replaced after this Dataset object was made; open it again"
-        )
-    try:
-        X, y = group["X"], group["y"]
-    except KeyError as exc:
-        raise StoreError(f"{where}: the dataset is damaged (missing array {exc}); rebuild it") from exc
-    n, d = meta.n_rows, meta.n_features
-    if not isinstance(X, zarr.Array) or not isinstance(y, zarr.Array):
-        raise StoreError(f"{where}: the dataset is damaged (X or y is not an array); rebuild it")
-    if X.shape != (n, d) or y.shape != (n,) or X.dtype != np.float64 or y.dtype != np.float64:
-        raise StoreError(
-            f"{where}: the dataset is damaged (X {X.shape} {X.dtype}, y {y.shape} {y.dtype} do not match "
-            f"the metadata n_rows={n}, n_features={d}, float64); rebuild it"
-        )
-    if X.chunks != (meta.chunk_rows, d) or y.chunks != (meta.chunk_rows,):
-        raise StoreError(f"{where}: the dataset is damaged (chunks do not match chunk_rows); rebuild it")
-    return meta, (X, y)
-
-
 def _write_arrays(group: zarr.Group, X: np.ndarray[Any, Any], y: FloatArray, meta: _Meta, block: int) -> None:
     n, d, c = meta.n_rows, meta.n_features, meta.chunk_rows
     # No compressor: random floats barely compress, and raw chunks read at disk speed. write_empty_chunks
@@ -1506,11 +993,3 @@ def _with_context(name: str, build: Callable[[], Dataset]) -> Dataset:
         return build()
     except DatasetError as exc:
         raise DatasetError(f"{name}: {exc}") from exc
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True

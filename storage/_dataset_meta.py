@@ -1,0 +1,74 @@
+"""The on-disk format of a dataset: its group attributes (``_Meta``), format name and version.
+
+Part of :mod:`storage._dataset` (split by concern: metadata, location, validation, readers, the class).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from distbelief.errors import StoreError
+
+LabelKind = Literal["real", "binary", "classes"]
+FloatArray = npt.NDArray[np.float64]
+
+#: Value of the ``format`` group attribute that marks a zarr group as a distbelief dataset.
+FORMAT_NAME = "distbelief.dataset"
+#: Layout version written by this code; ``open`` refuses newer versions.
+FORMAT_VERSION = 1
+_LABEL_KINDS = ("real", "binary", "classes")
+
+
+# ------------------------------------------------------------------------------------------- metadata
+
+
+@dataclass(frozen=True)
+class _Meta:
+    dataset_id: str
+    n_rows: int
+    n_features: int
+    chunk_rows: int
+    portion_rows: int
+    label_kind: LabelKind
+    n_classes: int | None
+    created_at: str
+    format_version: int = FORMAT_VERSION
+
+    def to_attrs(self) -> dict[str, Any]:
+        return {"format": FORMAT_NAME, **asdict(self)}
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any], where: str) -> _Meta:
+        fmt = attrs.get("format")
+        if fmt != FORMAT_NAME:
+            raise StoreError(
+                f"{where} holds a zarr group that is not a distbelief dataset (format attribute {fmt!r}); "
+                "build a dataset there with Dataset.from_arrays / from_npz / from_csv, or open another path"
+            )
+        version = attrs.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+            raise StoreError(
+                f"{where} holds dataset format version {version!r}, but this distbelief reads version "
+                f"{FORMAT_VERSION}; upgrade distbelief or rebuild the dataset"
+            )
+        try:
+            meta = cls(
+                dataset_id=str(attrs["dataset_id"]),
+                n_rows=int(attrs["n_rows"]),
+                n_features=int(attrs["n_features"]),
+                chunk_rows=int(attrs["chunk_rows"]),
+                portion_rows=int(attrs["portion_rows"]),
+                label_kind=attrs["label_kind"],
+                n_classes=None if attrs["n_classes"] is None else int(attrs["n_classes"]),
+                created_at=str(attrs["created_at"]),
+                format_version=version,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"{where}: dataset metadata is damaged ({exc!r}); rebuild the dataset") from exc
+        if meta.label_kind not in _LABEL_KINDS or min(meta.n_rows, meta.n_features, meta.chunk_rows) < 1:
+            raise StoreError(f"{where}: dataset metadata is damaged ({meta}); rebuild the dataset")
+        return meta
