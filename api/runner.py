@@ -37,6 +37,7 @@ from distbelief.api.schemas import FINAL_STATUSES, JobCreate
 from distbelief.api.settings import Settings
 from distbelief.errors import DatasetError, DistbeliefError, InvalidOptionError, StoreError
 from distbelief.storage import Dataset, resolve_name
+from distbelief.storage._calls import task_result
 
 _log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ ANNOTATION = "distbelief_job"
 _GC_EVERY = 2.0
 #: Held-out / training evaluation at the end of a job reads at most this many values of X.
 _EVAL_MAX_VALUES = 100_000_000
+#: Seconds the evaluation of a finished job's final loss (a task on a worker) may take.
+_EVAL_TIMEOUT = 600.0
 
 
 class JobNotFoundError(DistbeliefError):
@@ -126,16 +129,7 @@ def run_sandblaster(ctx: RunContext) -> RunOutcome:
         resume=ctx.resume,
         **ctx.options,
     )
-    summary = {
-        "fun": res.fun,
-        "grad_norm": res.grad_norm,
-        "nit": res.nit,
-        "nfev": res.nfev,
-        "success": res.success,
-        "status": res.status,
-        "message": res.message,
-        "stats": res.stats,
-    }
+    summary = _summary(res, "fun", "grad_norm", "nit", "nfev", "success", "status", "message", "stats")
     return RunOutcome(x=res.x, history=res.history, summary=summary)
 
 
@@ -160,15 +154,39 @@ def run_downpour(ctx: RunContext) -> RunOutcome:
         callback=ctx.callback,
         **ctx.options,
     )
-    summary = {
-        "stop_reason": res.stop_reason,
-        "success": res.success,
-        "message": res.message,
-        "steps": res.steps,
-        "wall_time": res.wall_time,
-        "stats": res.stats,
-    }
+    summary = _summary(res, "stop_reason", "success", "message", "steps", "wall_time", "stats")
     return RunOutcome(x=np.asarray(res.x, dtype=np.float64), history=res.history, summary=summary)
+
+
+def _summary(result: Any, *fields: str) -> dict[str, Any]:
+    """The named attributes of an algorithm's result, as a job's summary."""
+    return {name: getattr(result, name) for name in fields}
+
+
+def evaluate_rows(model: Any, x: np.ndarray, datasets: Mapping[str, Dataset | None]) -> dict[str, float]:
+    """Mean data loss (and accuracy, for classifiers) of ``x`` on each dataset, read portion by portion.
+
+    Runs as a task on a worker (see :meth:`JobRunner._evaluate`): the rows are read there, never by the
+    web process. A dataset of more than ``_EVAL_MAX_VALUES`` values of X is skipped.
+
+    Examples
+    --------
+    >>> evaluate_rows(model, x, {"train": data, "eval": None})   # doctest: +SKIP
+    {'train_loss': 0.31, 'train_accuracy': 0.9}
+    """
+    out: dict[str, float] = {}
+    for prefix, ds in datasets.items():
+        if ds is None or ds.n_rows * ds.n_features > _EVAL_MAX_VALUES:
+            continue
+        loss = correct = 0.0
+        for _, X, y in ds.iter_portions():
+            loss += float(model.loss_and_grad(x, X, y)[0])
+            if model.n_classes is not None:
+                correct += float(np.sum(model.predict(x, X) == y))
+        out[f"{prefix}_loss"] = loss / ds.n_rows
+        if model.n_classes is not None:
+            out[f"{prefix}_accuracy"] = correct / ds.n_rows
+    return out
 
 
 _ADAPTERS: dict[str, Callable[[RunContext], RunOutcome]] = {
@@ -241,6 +259,7 @@ class _Job:
     last_flush: float = 0.0
     dirty_metrics: bool = False
     stopped: bool = False  # the callback stopped the run (cancel or shutdown)
+    model: Any = None  # built once from record["model"] (see JobRunner._model)
 
     @classmethod
     def of(cls, record: dict[str, Any], **kwargs: Any) -> _Job:
@@ -563,7 +582,7 @@ class JobRunner:
             "restarts": 0,
             "cancel_requested": False,
         }
-        job = _Job.of(record, rows=[])
+        job = _Job.of(record, rows=[], model=model)
         self.store.save_record(record)
         with self._jobs_lock:
             self._jobs[job_id] = job
@@ -712,12 +731,19 @@ class JobRunner:
             self._last_gc = time.monotonic()
         gc.collect()
 
+    @staticmethod
+    def _model(job: _Job) -> Any:
+        """The job's model, built from its spec once (at submission, or on its first run after a restart)."""
+        if job.model is None:
+            job.model = models.from_spec(job.record["model"])
+        return job.model
+
     def _run(self, job: _Job) -> None:
         rec = job.record
         job_id = rec["id"]
         resume = job.resume
         try:
-            model = models.from_spec(rec["model"])
+            model = self._model(job)
             data = self.open_dataset(rec["dataset"])
             eval_data = self.open_dataset(rec["eval_dataset"]) if rec.get("eval_dataset") else None
             options = dict(rec["options"])
@@ -790,20 +816,20 @@ class JobRunner:
     def _evaluate(
         self, model: Any, x: np.ndarray, data: Dataset, eval_data: Dataset | None
     ) -> dict[str, Any]:
-        """Mean data loss (and accuracy, for classifiers) on the training and held-out rows, by portion."""
-        out: dict[str, Any] = {}
-        for prefix, ds in (("train", data), ("eval", eval_data)):
-            if ds is None or ds.n_rows * ds.n_features > _EVAL_MAX_VALUES:
-                continue
-            loss = correct = 0.0
-            for _, X, y in ds.iter_portions():
-                loss += float(model.loss_and_grad(x, X, y)[0])
-                if model.n_classes is not None:
-                    correct += float(np.sum(model.predict(x, X) == y))
-            out[f"{prefix}_loss"] = loss / ds.n_rows
-            if model.n_classes is not None:
-                out[f"{prefix}_accuracy"] = correct / ds.n_rows
-        return out
+        """Mean data loss (and accuracy, for classifiers) on the training and held-out rows, computed by a
+        task on a worker: the rows are read where the cluster can read them, not into the web process."""
+        task = self.client.submit(
+            evaluate_rows,
+            model,
+            x,
+            {"train": data, "eval": eval_data},
+            pure=False,
+            key=f"evaluate-{uuid.uuid4().hex}",
+        )
+        result: dict[str, Any] = task_result(
+            task, timeout=_EVAL_TIMEOUT, what="the evaluation of the final loss"
+        )
+        return result
 
     # -- cluster ------------------------------------------------------------------------------------
     def actors(self) -> list[dict[str, Any]]:
