@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, Protocol, TypeVar
 
 from distributed import Client
@@ -91,6 +91,27 @@ def actor_gone(client: Client, future: Any, actor: Any = None) -> bool:
     return getattr(actor, "_address", None) not in worker_addresses(client)
 
 
+def _grace(
+    gone: Callable[[], bool],
+    error: BaseException | None,
+    grace: float,
+    poll: float,
+    errors: tuple[type[BaseException], ...],
+) -> Generator[float, None, bool]:
+    """The one rule of :func:`confirm_dead` and :func:`confirm_dead_async`: yields how long to sleep
+    before looking again, returns the verdict (each caller sleeps its own way)."""
+    if gone():
+        return True
+    if not isinstance(error, errors):
+        return False
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        yield poll
+        if gone():
+            return True
+    return False
+
+
 def confirm_dead(
     gone: Callable[[], bool],
     error: BaseException | None = None,
@@ -111,16 +132,12 @@ def confirm_dead(
     >>> confirm_dead(lambda: True, OSError("connection reset"))
     True
     """
-    if gone():
-        return True
-    if not isinstance(error, errors):
-        return False
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        time.sleep(poll)
-        if gone():
-            return True
-    return False
+    steps = _grace(gone, error, grace, poll, errors)
+    try:
+        while True:
+            time.sleep(next(steps))
+    except StopIteration as verdict:
+        return bool(verdict.value)
 
 
 async def confirm_dead_async(
@@ -140,16 +157,12 @@ async def confirm_dead_async(
     >>> asyncio.run(confirm_dead_async(lambda: True, OSError()))
     True
     """
-    if gone():
-        return True
-    if not isinstance(error, errors):
-        return False
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        await asyncio.sleep(poll)
-        if gone():
-            return True
-    return False
+    steps = _grace(gone, error, grace, poll, errors)
+    try:
+        while True:
+            await asyncio.sleep(next(steps))
+    except StopIteration as verdict:
+        return bool(verdict.value)
 
 
 # ------------------------------------------------------------------------------------------- timed calls

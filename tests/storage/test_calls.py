@@ -10,7 +10,6 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -212,17 +211,6 @@ def test_a_probe_that_finds_a_loss_handles_it() -> None:
 # ------------------------------------------------------------------------------------------- a real cluster
 
 
-@pytest.fixture(scope="module")
-def cluster2() -> Iterator[tuple[LocalCluster, Client]]:
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
-        ) as cluster,
-        Client(cluster, direct_to_workers=True) as client,
-    ):
-        yield cluster, client
-
-
 def _kill(cluster: LocalCluster, address: str) -> None:
     nanny = next(w for w in cluster.workers.values() if w.worker_address == address)
     assert nanny.process is not None and nanny.process.pid is not None
@@ -241,10 +229,9 @@ class Echo:
 
 
 def test_a_killed_shard_is_restored_from_its_checkpoint_and_the_work_retried(
-    cluster2: tuple[LocalCluster, Client], tmp_path: Path
+    cluster: LocalCluster, client: Client, tmp_path: Path
 ) -> None:
-    cluster, client = cluster2
-    client.wait_for_workers(2, timeout=60)
+    # The session's cluster: its nanny restarts the killed worker, and the client fixture waits for it.
     a, b = worker_addresses(client)
     ps = ParameterServer.create(client, 100, shards=2, store=str(tmp_path / "ps"), workers=[a, b], timeout=30)
     try:
@@ -269,10 +256,8 @@ def test_a_killed_shard_is_restored_from_its_checkpoint_and_the_work_retried(
 
 
 def test_a_call_to_a_killed_worker_fails_without_waiting_for_the_time_limit(
-    cluster2: tuple[LocalCluster, Client],
+    cluster: LocalCluster, client: Client
 ) -> None:
-    cluster, client = cluster2
-    client.wait_for_workers(2, timeout=60)
     a, b = worker_addresses(client)
     futures = [client.submit(Echo, actor=True, workers=[w], pure=False) for w in (a, b)]
     actors = [f.result() for f in futures]
