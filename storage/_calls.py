@@ -86,9 +86,10 @@ def actor_gone(client: Client, future: Any, actor: Any = None) -> bool:
     """
     if future.status in DEAD_STATES:
         return True
-    if actor is None:
-        return False
-    return getattr(actor, "_address", None) not in worker_addresses(client)
+    address = getattr(actor, "_address", None)
+    if address is None:
+        return False  # no actor, or one that cannot tell where it lives: only the status can say
+    return address not in worker_addresses(client)
 
 
 def _grace(

@@ -68,6 +68,17 @@ def test_confirm_dead_async_is_the_same_on_an_event_loop() -> None:
     assert not asyncio.run(confirm_dead_async(lambda: False, OSError(), grace=0.05, poll=0.01))
 
 
+def test_actor_gone_trusts_a_dead_status_and_asks_no_one_without_an_actor() -> None:
+    class Future:
+        def __init__(self, status: str) -> None:
+            self.status = status
+
+    never = Client.__new__(Client)  # any scheduler query would fail on this unconnected client
+    assert actor_gone(never, Future("lost"))
+    assert not actor_gone(never, Future("finished"))
+    assert not actor_gone(never, Future("finished"), object())  # no address: only the status can tell
+
+
 # ------------------------------------------------------------------------------------------- timed calls
 
 
