@@ -67,6 +67,8 @@ class Backend:
                     client = _connect(settings, closers)
                 closers.append(client.close)
             store = JobStore(settings.store)
+            for leftover in store.clean_leftovers():  # of writes a killed server did not finish
+                log.info("removed %s, left by an interrupted write", leftover)
             runner = JobRunner(settings, store, client)
             runner.start()
         except BaseException:

@@ -34,6 +34,8 @@ import shutil
 import sys
 import threading
 import uuid
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import IO, Any, Literal, cast
@@ -762,7 +764,8 @@ class Dataset:
                 X, y = npz[x_key], npz[y_key]
         except DatasetError:
             raise
-        except (OSError, ValueError, EOFError) as exc:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+            # BadZipFile / zlib.error: a truncated or corrupted archive (an interrupted upload).
             raise DatasetError(f"cannot read {name} as an .npz file: {exc}") from exc
         return _with_context(
             name,
