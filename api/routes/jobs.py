@@ -13,9 +13,10 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
+from distbelief.api._admission import WorkerMemory, admit
 from distbelief.api._http import error_responses
 from distbelief.api._jobstore import json_safe
-from distbelief.api.deps import RunnerDep
+from distbelief.api.deps import RunnerDep, SettingsDep
 from distbelief.api.schemas import FINAL_STATUSES, JobCreate, JobPublic, JobsPublic, JobStatus, MetricsPublic
 
 __all__ = ["HEARTBEAT_SECONDS", "router"]
@@ -32,7 +33,7 @@ HEARTBEAT_SECONDS = 15.0
     status_code=status.HTTP_201_CREATED,
     responses=error_responses(400, 413, 422),
 )
-def create_job(body: JobCreate, runner: RunnerDep) -> dict[str, Any]:
+def create_job(body: JobCreate, runner: RunnerDep, settings: SettingsDep) -> dict[str, Any]:
     """Queue a job: an algorithm, a built-in model by spec, a dataset (and a held-out one), options.
 
     Bad input (an unknown model kind, a model that does not fit the dataset, an option out of range, a job
@@ -42,6 +43,16 @@ def create_job(body: JobCreate, runner: RunnerDep) -> dict[str, Any]:
     # Admitted under the datasets lock: a dataset cannot be deleted or replaced between the check that it
     # is there and the moment the queued job holds it (DELETE /api/datasets/{name} then gets 409).
     with runner.store.datasets_lock:
+        data = runner.open_dataset(body.dataset)
+        admit(
+            body.model.model_dump(),
+            body.algorithm,
+            body.options,
+            n_rows=data.n_rows,
+            portion_rows=data.portion_rows,
+            settings=settings,
+            memory=WorkerMemory.of(runner.client),
+        )
         return runner.submit(body)
 
 
