@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from distbelief.api.runner import JobNotFoundError, JobStateError, QueueFullError
@@ -179,6 +180,21 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+async def _method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette answers 405 with the methods of the first route whose path matched; list every route's
+    # (GET and DELETE of /api/jobs/{job_id} are two routes), so Allow says what the resource supports.
+    allowed: set[str] = set()
+    for route in request.app.routes:
+        if isinstance(route, Route) and route.methods and route.matches(request.scope)[0] != Match.NONE:
+            allowed |= route.methods
+    methods = ", ".join(sorted(allowed))
+    return JSONResponse(
+        {"detail": f"{request.method} is not allowed on {request.url.path}; it supports {methods}"},
+        status_code=status.HTTP_405_METHOD_NOT_ALLOWED,
+        headers={"Allow": methods},
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map validation errors, domain errors and anything unexpected to JSON ``{"detail": message}``.
 
@@ -187,6 +203,7 @@ def install_error_handlers(app: FastAPI) -> None:
     >>> app = FastAPI(); install_error_handlers(app)
     """
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(status.HTTP_405_METHOD_NOT_ALLOWED, _method_not_allowed)
     app.add_exception_handler(DistbeliefError, _domain_error)
     app.add_exception_handler(Exception, _unexpected)
 

@@ -171,7 +171,20 @@ class JobCreate(BaseModel):
     'logistic'
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "algorithm": "sandblaster-lbfgs",
+                    "dataset": "digits",
+                    "model": {"kind": "softmax", "n_features": 64, "n_classes": 10},
+                    "options": {"maxiter": 20, "l2": 1e-4},
+                    "name": "digits, L-BFGS",
+                }
+            ]
+        },
+    )
 
     algorithm: Algorithm = Field(description="Which optimizer runs the job.")
     model: models.ModelSpec = Field(description='A built-in model by spec, e.g. {"kind": "softmax", ...}.')

@@ -26,7 +26,7 @@ from distbelief.storage import Dataset, resolve_name
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/datasets", tags=["datasets"], responses=error_responses(401, 503))
+router = APIRouter(prefix="/datasets", tags=["datasets"], responses=error_responses(401, 422, 503))
 
 _Name = Annotated[str, Path(description=f"The dataset's name: {NAME_DOC}.", json_schema_extra=NAME_SCHEMA)]
 
@@ -173,7 +173,18 @@ def _upload(
                 "application/json": {"schema": DatasetRegister.model_json_schema()},
             },
             "required": True,
-        }
+        },
+        "responses": {
+            "201": {
+                "links": {
+                    name: {"operationId": op, "parameters": {"name": "$response.body#/name"}}
+                    for name, op in {
+                        "GetDataset": "get_dataset_api_datasets__name__get",
+                        "DeleteDataset": "delete_dataset_api_datasets__name__delete",
+                    }.items()
+                }
+            }
+        },
     },
 )
 async def create_dataset(request: Request, runner: RunnerDep, settings: SettingsDep) -> DatasetPublic:

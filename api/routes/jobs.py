@@ -21,7 +21,19 @@ from distbelief.api.schemas import FINAL_STATUSES, JobCreate, JobPublic, JobsPub
 
 __all__ = ["HEARTBEAT_SECONDS", "router"]
 
-router = APIRouter(prefix="/jobs", tags=["jobs"], responses=error_responses(401, 503))
+router = APIRouter(prefix="/jobs", tags=["jobs"], responses=error_responses(401, 422, 503))
+
+# OpenAPI links from a created job to what can be done with it (tools such as schemathesis follow them).
+_JOB_LINKS = {
+    name: {"operationId": op, "parameters": {"job_id": "$response.body#/id"}}
+    for name, op in {
+        "GetJob": "get_job_api_jobs__job_id__get",
+        "GetMetrics": "get_metrics_api_jobs__job_id__metrics_get",
+        "CancelJob": "cancel_job_api_jobs__job_id__cancel_post",
+        "GetParams": "get_params_api_jobs__job_id__params_get",
+        "DeleteJob": "delete_job_api_jobs__job_id__delete",
+    }.items()
+}
 
 #: An idle event stream sends a comment this often, so proxies and clients see it is alive.
 HEARTBEAT_SECONDS = 15.0
@@ -32,6 +44,7 @@ HEARTBEAT_SECONDS = 15.0
     response_model=JobPublic,
     status_code=status.HTTP_201_CREATED,
     responses=error_responses(400, 413, 422),
+    openapi_extra={"responses": {"201": {"links": _JOB_LINKS}}},
 )
 def create_job(body: JobCreate, runner: RunnerDep, settings: SettingsDep) -> dict[str, Any]:
     """Queue a job: an algorithm, a built-in model by spec, a dataset (and a held-out one), options.
