@@ -16,6 +16,7 @@ about once a second.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -48,6 +49,69 @@ _DELETED = ".del-"
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]+")
 
 
+class SharedLock:
+    """A lock with a shared side (many holders at once) and an exclusive side (one holder, re-entrant for its
+    thread, which may also take the shared side). A waiting exclusive holder goes before new shared ones.
+
+    Examples
+    --------
+    >>> lock = SharedLock()
+    >>> with lock.shared(), lock.shared():
+    ...     pass
+    >>> with lock.exclusive(), lock.exclusive(), lock.shared():
+    ...     pass
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._owner: int | None = None
+        self._depth = 0
+        self._waiting = 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        """Hold the shared side."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+            else:
+                self._cond.wait_for(lambda: self._owner is None and not self._waiting)
+                self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                if self._owner == me:
+                    self._depth -= 1
+                else:
+                    self._readers -= 1
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the exclusive side."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner != me:
+                self._waiting += 1
+                try:
+                    self._cond.wait_for(lambda: self._owner is None and not self._readers)
+                finally:
+                    self._waiting -= 1
+                self._owner = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._owner = None
+                    self._cond.notify_all()
+
+
 class JobStore:
     """Reads and writes the service's state under one root directory or fsspec URL.
 
@@ -72,9 +136,10 @@ class JobStore:
         except (ValueError, ImportError) as exc:
             raise StoreError(f"cannot open the store {url!r}: {exc}; check DISTBELIEF_STORE") from exc
         self.local = "file" in _protocols(self.fs)
-        #: Held while the set of dataset names changes (an upload installed, a dataset deleted or registered)
-        #: and while a job is admitted, so a job is never accepted on a dataset that is going away.
-        self.datasets_lock = threading.RLock()
+        #: Held exclusively while the set of dataset names changes (an upload installed, a dataset deleted or
+        #: registered), shared while a job is admitted: a job is never accepted on a dataset that is going
+        #: away, and submissions do not wait for each other.
+        self.datasets_lock = SharedLock()
         self._writing: set[str] = set()
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
         try:
@@ -303,7 +368,7 @@ class JobStore:
 
     def release_name(self, name: str) -> None:
         """Give up the claim of :meth:`reserve_name`."""
-        with self.datasets_lock:
+        with self.datasets_lock.exclusive():
             self._writing.discard(name)
 
     def is_being_written(self, name: str) -> bool:

@@ -129,13 +129,13 @@ def _upload(
     409 at once), and checked again before the new copy goes in (a job may have taken up the old one).
     """
     store = runner.store
-    with store.datasets_lock:
+    with store.datasets_lock.exclusive():
         _check_free(runner, name, overwrite)
         store.reserve_name(name)
     staged = store.staging_url(name)
     try:
         _build(file, filename, staged, label_column)
-        with store.datasets_lock:
+        with store.datasets_lock.exclusive():
             store.release_name(name)
             _check_free(runner, name, overwrite)
             store.install_dataset(name, staged)
@@ -242,13 +242,13 @@ def _register(runner: JobRunner, schemes: list[str], body: DatasetRegister) -> D
             f"cannot register {url!r}: the service only reads datasets inside its store or in remote object "
             f"stores ({allowed}); upload the data instead (multipart POST /api/datasets)"
         )
-    with runner.store.datasets_lock:
+    with runner.store.datasets_lock.exclusive():
         _check_free(runner, body.name, overwrite=False)
     try:
         ds = Dataset.open(url if not inside or "://" in url else runner.store.url(url))
     except StoreError as exc:
         raise DatasetError(f"cannot register {url!r}: {exc}") from exc
-    with runner.store.datasets_lock:
+    with runner.store.datasets_lock.exclusive():
         _check_free(runner, body.name, overwrite=False)  # again: another request may have taken the name
         runner.store.save_link(body.name, ds.url)
     return _public(body.name, ds, ds.url)
@@ -276,7 +276,7 @@ def delete_dataset(name: _Name, runner: RunnerDep) -> Response:
     """Delete an uploaded dataset, or forget a registered one (its data stays where it is).
 
     409 while a queued or running job uses it, or while an upload under its name is in progress."""
-    with runner.store.datasets_lock:
+    with runner.store.datasets_lock.exclusive():
         _describe(runner, name)
         users = runner.jobs_using(name)
         if users:

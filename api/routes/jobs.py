@@ -53,9 +53,10 @@ def create_job(body: JobCreate, runner: RunnerDep, settings: SettingsDep) -> dic
     too big for the cluster or the limits of the settings) gets a 4xx whose ``detail`` says what to fix;
     nothing is stored then.
     """
-    # Admitted under the datasets lock: a dataset cannot be deleted or replaced between the check that it
-    # is there and the moment the queued job holds it (DELETE /api/datasets/{name} then gets 409).
-    with runner.store.datasets_lock:
+    # Admitted under the datasets lock, shared (submissions do not wait for each other): a dataset cannot be
+    # deleted or replaced between the check that it is there and the moment the queued job holds it
+    # (DELETE /api/datasets/{name} then gets 409).
+    with runner.store.datasets_lock.shared():
         data = runner.open_dataset(body.dataset)
         admit(
             body.model.model_dump(),

@@ -244,3 +244,35 @@ async def test_a_form_with_unknown_fields_is_422_naming_them(asgi: httpx.AsyncCl
     r = await asgi.post("/api/datasets", data=fields, files={"file": ("t.npz", npz_bytes(X, y))})
     assert r.status_code == 400, r.text
     assert (await asgi.get("/api/datasets/f")).status_code == 404
+
+
+def test_the_datasets_lock_lets_submissions_share_it_and_a_delete_wait_for_them() -> None:
+    import threading
+    import time
+
+    from distbelief.api._jobstore import SharedLock
+
+    lock = SharedLock()
+    order: list[str] = []
+    with lock.shared():
+        both = threading.Event()
+
+        def second_reader() -> None:
+            with lock.shared():  # does not wait for the first reader
+                both.set()
+
+        reader = threading.Thread(target=second_reader)
+        reader.start()
+        assert both.wait(5)
+        reader.join()
+
+        def writer() -> None:
+            with lock.exclusive():
+                order.append("exclusive")
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        time.sleep(0.2)
+        order.append("shared released")  # the writer is still waiting for this reader
+    thread.join(5)
+    assert order == ["shared released", "exclusive"]
