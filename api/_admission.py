@@ -96,9 +96,9 @@ def _vectors(algorithm: str, options: Mapping[str, Any]) -> int:
         return 2 * int(options.get("history", 10)) + 6
     if algorithm == "sandblaster-cg":
         return 7
-    if algorithm == "sandblaster-gd":
-        return 5
-    return 5  # downpour: x, the Adagrad accumulator, pending pushes, a checkpoint copy
+    # sandblaster-gd: x, g, d, the trial point and its gradient; downpour-sgd: x, the Adagrad accumulator,
+    # pending pushes and a checkpoint copy (with room to spare).
+    return 5
 
 
 def estimate_cost(

@@ -12,6 +12,8 @@ import http.client
 import io
 import json
 import os
+import threading
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 from distributed import Client as DaskClient
 
-from distbelief.api._jobstore import JobStore
+from distbelief.api._jobstore import JobStore, SharedLock
 from distbelief.storage import Dataset
 from tests.api.conftest import (
     AUTH,
@@ -247,11 +249,6 @@ async def test_a_form_with_unknown_fields_is_422_naming_them(asgi: httpx.AsyncCl
 
 
 def test_the_datasets_lock_lets_submissions_share_it_and_a_delete_wait_for_them() -> None:
-    import threading
-    import time
-
-    from distbelief.api._jobstore import SharedLock
-
     lock = SharedLock()
     order: list[str] = []
     with lock.shared():

@@ -98,3 +98,39 @@ def test_the_api_conforms_to_its_openapi_schema(served: str, tmp_path: Path) -> 
     assert all(p["status"] == "success" for p in result["phases"].values()), result["phases"]
     assert result["test_cases"]["generated"] >= 500, result["test_cases"]
     assert run.returncode == 0, output
+
+
+def test_the_schema_documents_the_error_statuses_and_the_name_rule(tmp_path: Path) -> None:
+    from distbelief.api import Settings, create_app
+    from distbelief.api.schemas import DATASET_NAME_PATTERN
+
+    schema = create_app(Settings(store=str(tmp_path))).openapi()
+    paths = schema["paths"]
+    expected = {
+        ("post", "/api/jobs"): {"201", "400", "401", "413", "422", "503"},
+        ("delete", "/api/jobs/{job_id}"): {"204", "401", "404", "409", "422", "503"},
+        ("post", "/api/jobs/{job_id}/cancel"): {"200", "401", "404", "409", "422", "503"},
+        ("post", "/api/datasets"): {"201", "400", "401", "409", "413", "415", "422", "503"},
+        ("delete", "/api/datasets/{name}"): {"204", "401", "404", "409", "422", "503"},
+    }
+    for (method, path), codes in expected.items():
+        responses = paths[path][method]["responses"]
+        assert set(responses) == codes, (method, path, sorted(responses))
+        for code in codes - {"200", "201", "204"}:
+            ref = responses[code]["content"]["application/json"]["schema"]["$ref"]
+            assert ref == "#/components/schemas/ErrorPublic", (method, path, code)
+    assert "HTTPValidationError" not in schema["components"]["schemas"]  # 422 bodies are ErrorPublic
+    error = schema["components"]["schemas"]["ErrorPublic"]
+    assert error["properties"]["detail"]["type"] == "string"
+
+    def pattern(s: dict[str, Any]) -> str:
+        return str(s.get("pattern") or next(a["pattern"] for a in s["anyOf"] if "pattern" in a))
+
+    upload = paths["/api/datasets"]["post"]["requestBody"]["content"]
+    assert pattern(upload["multipart/form-data"]["schema"]["properties"]["name"]) == DATASET_NAME_PATTERN
+    assert upload["multipart/form-data"]["schema"]["additionalProperties"] is False
+    assert pattern(upload["application/json"]["schema"]["properties"]["name"]) == DATASET_NAME_PATTERN
+    job = schema["components"]["schemas"]["JobCreate"]["properties"]
+    assert pattern(job["dataset"]) == pattern(job["eval_dataset"]) == DATASET_NAME_PATTERN
+    (name,) = paths["/api/datasets/{name}"]["get"]["parameters"]
+    assert pattern(name["schema"]) == DATASET_NAME_PATTERN
