@@ -9,11 +9,13 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from distbelief.api.runner import JobNotFoundError, JobStateError, QueueFullError
 from distbelief.errors import (
     ClusterError,
+    ConflictError,
     DatasetError,
     DistbeliefError,
     InvalidOptionError,
@@ -23,7 +25,47 @@ from distbelief.errors import (
     StoreError,
 )
 
-__all__ = ["BodyLimitMiddleware", "install_error_handlers", "status_of"]
+__all__ = [
+    "MAX_LISTED_ERRORS",
+    "BodyLimitMiddleware",
+    "error_responses",
+    "install_error_handlers",
+    "status_of",
+]
+
+#: A 422 lists at most this many problems (and says how many there were): 60,000 bad keys in one body
+#: must not make a response of megabytes.
+MAX_LISTED_ERRORS = 20
+#: ... and its ``detail`` is at most this long.
+MAX_DETAIL_CHARS = 4000
+
+_WHY: dict[int, str] = {
+    400: "The body is malformed: not valid JSON, not JSON where JSON is expected, a broken multipart "
+    "form, or a form with too many fields.",
+    401: "No bearer token, or the wrong one (only when the server has DISTBELIEF_API_TOKEN).",
+    404: "No such job or dataset.",
+    409: "It clashes with the current state: a name that is taken or being uploaded, a dataset a queued or "
+    "running job uses, a job that is not finished (or finished already).",
+    413: "The body is larger than DISTBELIEF_MAX_BODY_BYTES (DISTBELIEF_MAX_UPLOAD_BYTES for uploads).",
+    415: "The content type is neither multipart/form-data nor application/json.",
+    422: "The request is well formed but invalid: a field out of range, an unknown option, a bad dataset "
+    "name, a model that does not fit the dataset, or a job too big for the cluster and the settings.",
+    503: "The service is starting or shutting down, the queue is full, or the cluster cannot take the work.",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for the error statuses a route returns (each body an ``ErrorPublic``).
+
+    Examples
+    --------
+    >>> sorted(error_responses(404, 409))
+    [404, 409]
+    """
+    from distbelief.api.schemas import ErrorPublic
+
+    return {code: {"model": ErrorPublic, "description": _WHY[code]} for code in codes}
+
 
 log = logging.getLogger("distbelief.api")
 
@@ -31,6 +73,7 @@ log = logging.getLogger("distbelief.api")
 _STATUS: list[tuple[type[DistbeliefError], int]] = [
     (JobNotFoundError, status.HTTP_404_NOT_FOUND),
     (JobStateError, status.HTTP_409_CONFLICT),
+    (ConflictError, status.HTTP_409_CONFLICT),
     (QueueFullError, status.HTTP_503_SERVICE_UNAVAILABLE),
     (ModelSpecError, status.HTTP_422_UNPROCESSABLE_CONTENT),
     (DatasetError, status.HTTP_422_UNPROCESSABLE_CONTENT),
@@ -100,16 +143,25 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
             {"detail": "the request body must be a JSON object sent with 'Content-Type: application/json'"},
             status_code=status.HTTP_400_BAD_REQUEST,
         )
-    problems = [_describe(e) for e in errors]
+    shown = errors[:MAX_LISTED_ERRORS]
+    problems = [_bounded(_describe(e), MAX_DETAIL_CHARS // 2) for e in shown]
+    detail = "; ".join(problems)
+    if len(errors) > len(shown):
+        detail += f"; and {len(errors) - len(shown)} more problem(s) ({len(errors)} in all): fix these first"
     return JSONResponse(
         {
-            "detail": "; ".join(problems),
+            "detail": _bounded(detail, MAX_DETAIL_CHARS),
             "errors": [
-                {"loc": list(e.get("loc", ())), "msg": p} for e, p in zip(errors, problems, strict=True)
+                {"loc": [p if isinstance(p, int) else str(p) for p in e.get("loc", ())], "msg": p}
+                for e, p in zip(shown, problems, strict=True)
             ],
         },
         status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
     )
+
+
+def _bounded(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 20] + " ... (cut short)"
 
 
 async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
@@ -117,7 +169,7 @@ async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     code = status_of(exc)
     if code >= 500:
         log.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
-    return JSONResponse({"detail": str(exc)}, status_code=code)
+    return JSONResponse({"detail": _bounded(str(exc), MAX_DETAIL_CHARS)}, status_code=code)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -125,6 +177,21 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(
         {"detail": f"internal error ({type(exc).__name__}); the server log has the details"},
         status_code=status.HTTP_500_INTERNAL_SERVER_ERROR,
+    )
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette answers 405 with the methods of the first route whose path matched; list every route's
+    # (GET and DELETE of /api/jobs/{job_id} are two routes), so Allow says what the resource supports.
+    allowed: set[str] = set()
+    for route in request.app.routes:
+        if isinstance(route, Route) and route.methods and route.matches(request.scope)[0] != Match.NONE:
+            allowed |= route.methods
+    methods = ", ".join(sorted(allowed))
+    return JSONResponse(
+        {"detail": f"{request.method} is not allowed on {request.url.path}; it supports {methods}"},
+        status_code=status.HTTP_405_METHOD_NOT_ALLOWED,
+        headers={"Allow": methods},
     )
 
 
@@ -136,6 +203,7 @@ def install_error_handlers(app: FastAPI) -> None:
     >>> app = FastAPI(); install_error_handlers(app)
     """
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(status.HTTP_405_METHOD_NOT_ALLOWED, _method_not_allowed)
     app.add_exception_handler(DistbeliefError, _domain_error)
     app.add_exception_handler(Exception, _unexpected)
 

@@ -16,11 +16,15 @@ about once a second.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import os
 import posixpath
+import re
+import shutil
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,12 +34,82 @@ import numpy as np
 import xarray as xr
 
 from distbelief.api._metrics import metrics_to_dataset
-from distbelief.errors import StoreError
+from distbelief.errors import ConflictError, StoreError
 from distbelief.storage import resolve_name
 
 __all__ = ["JobStore", "json_safe", "metrics_to_dataset"]
 
 METRICS_FORMAT = "distbelief.metrics"
+
+# Markers in the hidden names of interrupted writes (see JobStore.clean_leftovers): ``.NAME.tmp-*`` is a copy
+# being written, ``.NAME.old-*`` the copy it replaces, ``.NAME.del-*`` one being deleted.
+_STAGED = ".tmp-"
+_REPLACED = ".old-"
+_DELETED = ".del-"
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]+")
+
+
+class SharedLock:
+    """A lock with a shared side (many holders at once) and an exclusive side (one holder, re-entrant for its
+    thread, which may also take the shared side). A waiting exclusive holder goes before new shared ones.
+
+    Examples
+    --------
+    >>> lock = SharedLock()
+    >>> with lock.shared(), lock.shared():
+    ...     pass
+    >>> with lock.exclusive(), lock.exclusive(), lock.shared():
+    ...     pass
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._owner: int | None = None
+        self._depth = 0
+        self._waiting = 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        """Hold the shared side."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+            else:
+                self._cond.wait_for(lambda: self._owner is None and not self._waiting)
+                self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                if self._owner == me:
+                    self._depth -= 1
+                else:
+                    self._readers -= 1
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the exclusive side."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner != me:
+                self._waiting += 1
+                try:
+                    self._cond.wait_for(lambda: self._owner is None and not self._readers)
+                finally:
+                    self._waiting -= 1
+                self._owner = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._owner = None
+                    self._cond.notify_all()
 
 
 class JobStore:
@@ -62,6 +136,11 @@ class JobStore:
         except (ValueError, ImportError) as exc:
             raise StoreError(f"cannot open the store {url!r}: {exc}; check DISTBELIEF_STORE") from exc
         self.local = "file" in _protocols(self.fs)
+        #: Held exclusively while the set of dataset names changes (an upload installed, a dataset deleted or
+        #: registered), shared while a job is admitted: a job is never accepted on a dataset that is going
+        #: away, and submissions do not wait for each other.
+        self.datasets_lock = SharedLock()
+        self._writing: set[str] = set()
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
         try:
             self.fs.makedirs(self._path("jobs"), exist_ok=True)
@@ -94,6 +173,8 @@ class JobStore:
         text = url[len("file://") :] if url.startswith("file://") else url
         if "://" in text:
             return False
+        if "\x00" in text:
+            return False  # no path holds a NUL byte
         real_root = os.path.realpath(self.root)
         target = os.path.realpath(os.path.join(self.root, text))
         return os.path.commonpath([real_root, target]) == real_root and target != real_root
@@ -102,7 +183,7 @@ class JobStore:
     def _write_atomic(self, path: str, data: bytes) -> None:
         # Write aside, then rename: a reader (or a crash) never sees half a record.
         self.fs.makedirs(posixpath.dirname(path) if not self.local else os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp = f"{path}{_STAGED}{uuid.uuid4().hex[:8]}"
         self.fs.pipe_file(tmp, data)
         if self.local:
             os.replace(tmp, path)
@@ -133,10 +214,56 @@ class JobStore:
         return out
 
     def delete_job(self, job_id: str) -> None:
-        """Remove everything the store holds for a job."""
+        """Remove everything the store holds for a job, all at once: the folder is first renamed to a hidden
+        name (a reader, or a restart after a crash, sees the whole job or none of it), then removed."""
         path = self._path("jobs", job_id)
         if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
+            doomed = self._path("jobs", f".{job_id}{_DELETED}{uuid.uuid4().hex[:8]}")
+            self._rename(path, doomed)
+            self._remove(doomed)
+
+    def _remove(self, path: str) -> None:
+        # Best effort: what is left of a hidden folder is removed again by clean_leftovers on the next start.
+        try:
+            if self.local and os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            elif self.fs.exists(path):
+                self.fs.rm(path, recursive=True)
+        except OSError:
+            pass
+
+    def clean_leftovers(self) -> list[str]:
+        """Remove what interrupted writes left behind (a server killed mid-upload, mid-delete, mid-record);
+        run once when the service starts, before anything else writes. Returns what was removed.
+
+        A dataset that was being replaced when the server died (its old copy set aside, the new one not yet
+        in place) is put back.
+        """
+        removed: list[str] = []
+        for entry in list(self._children("datasets")):
+            match = _LEFTOVER.fullmatch(entry)
+            if match is None:
+                continue
+            path = self._path("datasets", entry)
+            name, kind = match["name"], match["kind"]
+            if kind == _REPLACED[1:-1] and not self.fs.exists(self._path("datasets", name)):
+                self._rename(path, self._path("datasets", name))  # the old copy, back in its place
+                continue
+            self._remove(path)
+            removed.append(path)
+        for entry in list(self._children("jobs")):
+            path = self._path("jobs", entry)
+            if _LEFTOVER.fullmatch(entry):
+                self._remove(path)
+                removed.append(path)
+                continue
+            for leftover in self.fs.glob(self._path("jobs", entry, f"*{_STAGED}*")):
+                self._remove(str(leftover))
+                removed.append(str(leftover))
+        for leftover in self.fs.glob(self._path("dataset-links", f"*{_STAGED}*")):
+            self._remove(str(leftover))
+            removed.append(str(leftover))
+        return removed
 
     def _children(self, *parts: str) -> Iterator[str]:
         path = self._path(*parts)
@@ -160,8 +287,8 @@ class JobStore:
         # (as metrics.zarr, or as metrics.zarr.old between the two renames).
         final = self._path("jobs", job_id, "metrics.zarr")
         old = final + ".old"
-        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
-        for leftover in self.fs.glob(f"{final}.tmp-*"):
+        tmp = f"{final}{_STAGED}{uuid.uuid4().hex[:8]}"
+        for leftover in self.fs.glob(f"{final}{_STAGED}*"):
             self.fs.rm(leftover, recursive=True)
         ds.to_zarr(tmp if self.local else self.fs.unstrip_protocol(tmp), mode="w", consolidated=False)
         if self.fs.exists(final):
@@ -223,11 +350,67 @@ class JobStore:
         except FileNotFoundError:
             return None
 
+    # -- uploaded datasets --------------------------------------------------------------------------
+    def reserve_name(self, name: str) -> None:
+        """Claim ``name`` for an upload in progress (call with :attr:`datasets_lock` held).
+
+        Raises
+        ------
+        distbelief.errors.ConflictError
+            Another upload under that name is in progress.
+        """
+        if name in self._writing:
+            raise ConflictError(
+                f"another request is uploading a dataset named {name!r} right now; wait for it to finish "
+                "(GET /api/datasets/{name}), then choose another name or send overwrite=true"
+            )
+        self._writing.add(name)
+
+    def release_name(self, name: str) -> None:
+        """Give up the claim of :meth:`reserve_name`."""
+        with self.datasets_lock.exclusive():
+            self._writing.discard(name)
+
+    def is_being_written(self, name: str) -> bool:
+        """Whether an upload under ``name`` is in progress."""
+        return name in self._writing
+
+    def staging_url(self, name: str) -> str:
+        """A fresh hidden location beside the dataset ``name`` to build a new copy in (see
+        :meth:`install_dataset`); a hidden name never matches a dataset name, so nothing lists it."""
+        resolve_name(self.datasets_root, name)
+        return self.url("datasets", f".{name}{_STAGED}{uuid.uuid4().hex[:12]}")
+
+    def install_dataset(self, name: str, staged: str) -> None:
+        """Move a dataset built at ``staged`` (from :meth:`staging_url`) into place as ``name``, replacing
+        the one there: the old copy is renamed aside first and removed once the new one is in place."""
+        final = self._path("datasets", posixpath.basename(resolve_name(self.datasets_root, name)))
+        source = self._path("datasets", posixpath.basename(staged.rstrip("/")))
+        old = None
+        if self.fs.exists(final):
+            old = self._path("datasets", f".{name}{_REPLACED}{uuid.uuid4().hex[:8]}")
+            self._rename(final, old)
+        try:
+            self._rename(source, final)
+        except BaseException:
+            if old is not None:
+                self._rename(old, final)
+            raise
+        if old is not None:
+            self._remove(old)
+
+    def discard_staged(self, staged: str) -> None:
+        """Remove a staged copy that will not be installed."""
+        self._remove(self._path("datasets", posixpath.basename(staged.rstrip("/"))))
+
     def delete_dataset(self, name: str) -> None:
-        """Remove an uploaded dataset (``name`` is checked by :func:`storage.resolve_name`)."""
-        path = resolve_name(self.datasets_root, name)
-        if self.fs.exists(self._path("datasets", posixpath.basename(path))):
-            self.fs.rm(self._path("datasets", posixpath.basename(path)), recursive=True)
+        """Remove an uploaded dataset (``name`` is checked by :func:`storage.resolve_name`) all at once: it is
+        renamed to a hidden name first, so no reader ever sees half of it."""
+        final = self._path("datasets", posixpath.basename(resolve_name(self.datasets_root, name)))
+        if self.fs.exists(final):
+            doomed = self._path("datasets", f".{name}{_DELETED}{uuid.uuid4().hex[:8]}")
+            self._rename(final, doomed)
+            self._remove(doomed)
 
     # -- registered datasets ------------------------------------------------------------------------
     def save_link(self, name: str, url: str) -> None:

@@ -23,10 +23,13 @@ from distbelief.storage import resolve_name
 
 __all__ = [
     "ALGORITHMS",
+    "DATASET_NAME_PATTERN",
     "FINAL_STATUSES",
     "JOB_STATUSES",
     "MAX_REPLICAS",
     "MAX_SHARDS",
+    "NAME_DOC",
+    "NAME_SCHEMA",
     "ActorPublic",
     "Algorithm",
     "ClusterPublic",
@@ -34,6 +37,8 @@ __all__ = [
     "DatasetRegister",
     "DatasetsPublic",
     "DownpourJobOptions",
+    "ErrorItem",
+    "ErrorPublic",
     "HealthPublic",
     "JobCreate",
     "JobPublic",
@@ -58,6 +63,14 @@ MAX_SHARDS = 64
 _MAX_ITER = 1_000_000
 
 _Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+#: The rule of :func:`storage.resolve_name` for dataset names, as a regular expression for the OpenAPI
+#: schema (the validators below apply the rule itself, with messages that say what to fix).
+DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+NAME_DOC = "1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+NAME_SCHEMA: dict[str, Any] = {"pattern": DATASET_NAME_PATTERN, "minLength": 1, "maxLength": 128}
+#: A registered URL holds no control characters (a NUL byte cannot be in any path).
+URL_PATTERN = r"^[^\x00-\x1f\x7f]+$"
 
 
 class _Options(BaseModel):
@@ -139,6 +152,15 @@ def _check_name(name: str) -> str:
     return name
 
 
+#: Problems (or unknown option names) listed in one error message; the rest are counted.
+_LISTED = 10
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class JobCreate(BaseModel):
     """Body of ``POST /api/jobs``.
 
@@ -149,12 +171,32 @@ class JobCreate(BaseModel):
     'logistic'
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "algorithm": "sandblaster-lbfgs",
+                    "dataset": "digits",
+                    "model": {"kind": "softmax", "n_features": 64, "n_classes": 10},
+                    "options": {"maxiter": 20, "l2": 1e-4},
+                    "name": "digits, L-BFGS",
+                }
+            ]
+        },
+    )
 
     algorithm: Algorithm = Field(description="Which optimizer runs the job.")
     model: models.ModelSpec = Field(description='A built-in model by spec, e.g. {"kind": "softmax", ...}.')
-    dataset: str = Field(description="Name of the training dataset (see GET /api/datasets).")
-    eval_dataset: str | None = Field(None, description="Name of a held-out dataset (optional).")
+    dataset: str = Field(
+        description=f"Name of the training dataset (see GET /api/datasets): {NAME_DOC}.",
+        json_schema_extra=NAME_SCHEMA,
+    )
+    eval_dataset: str | None = Field(
+        None,
+        description=f"Name of a held-out dataset (optional): {NAME_DOC}.",
+        json_schema_extra={"anyOf": [{"type": "string", **NAME_SCHEMA}, {"type": "null"}]},
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="The algorithm's options.")
     name: Annotated[str, Field(max_length=200)] | None = Field(None, description="A label for people.")
 
@@ -177,17 +219,27 @@ class JobCreate(BaseModel):
         try:
             parsed = schema.model_validate(self.options)
         except ValidationError as exc:
-            problems = []
+            problems, unknown = [], []
             for err in exc.errors(include_url=False):
                 field = ".".join(str(p) for p in err["loc"])
                 if err["type"] == "extra_forbidden":
-                    valid = ", ".join(sorted(schema.model_fields))
-                    problems.append(f"unknown option {field!r} for {self.algorithm}; valid options: {valid}")
+                    unknown.append(field)
                 elif not field:
                     problems.append(str(err["msg"]).removeprefix("Value error, "))
                 else:
-                    problems.append(f"option {field!r}: {err['msg']}, got {err.get('input')!r}")
-            raise ValueError("; ".join(problems)) from None
+                    problems.append(f"option {field!r}: {err['msg']}, got {_short(err.get('input'))}")
+            if unknown:
+                # One message however many there are: 60,000 unknown keys must not make a 21 MB response.
+                named = ", ".join(_short(k) for k in unknown[:_LISTED])
+                more = f" and {len(unknown) - _LISTED} more" if len(unknown) > _LISTED else ""
+                valid = ", ".join(sorted(schema.model_fields))
+                word = "option" if len(unknown) == 1 else "options"
+                text = f"unknown {word} {named}{more} for {self.algorithm}; valid options: {valid}"
+                problems.insert(0, text)
+            shown = problems[:_LISTED]
+            if len(problems) > _LISTED:
+                shown.append(f"and {len(problems) - _LISTED} more problems")
+            raise ValueError("; ".join(shown)) from None
         self.options = parsed.model_dump(exclude_none=True)
         return self
 
@@ -237,8 +289,16 @@ class DatasetRegister(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
-    url: Annotated[str, Field(min_length=1, max_length=2000)]
+    name: str = Field(description=f"The dataset's name: {NAME_DOC}.", json_schema_extra=NAME_SCHEMA)
+    url: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=2000,
+            pattern=URL_PATTERN,
+            description="A remote object store URL (see DISTBELIEF_REGISTER_SCHEMES) or a path in the store.",
+        ),
+    ]
 
     @field_validator("name")
     @classmethod
@@ -321,3 +381,19 @@ class HealthPublic(BaseModel):
 
     status: Literal["ok"]
     version: str
+
+
+class ErrorItem(BaseModel):
+    """One problem of a request that failed validation."""
+
+    loc: list[str | int] = Field(description="Where: ['body', 'options', 'maxiter'], ['query', 'limit'], ...")
+    msg: str = Field(description="What is wrong and what to do.")
+
+
+class ErrorPublic(BaseModel):
+    """The body of every 4xx and 5xx response."""
+
+    detail: str = Field(description="What went wrong and what to do about it.")
+    errors: list[ErrorItem] | None = Field(
+        None, description="422 from validation only: each problem on its own (at most the first 20)."
+    )

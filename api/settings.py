@@ -50,6 +50,18 @@ class Settings(BaseSettings):
         A running job writes its metrics to the store at most this often (and once at the end).
     dask_dashboard_url : str or None
         Link to the Dask dashboard shown by the web dashboard (default: found from the scheduler).
+    max_params : int
+        Largest model (parameters) a job may train; a bigger one is refused at submit with 422.
+    max_layers : int
+        Most entries of an MLP's ``layer_sizes`` (input, hidden and output layers).
+    max_layer_width : int
+        Widest layer (entry of ``layer_sizes``, feature or class count) a model may have.
+    max_pass_flops : float
+        Most floating-point operations one pass over a job's training data may take (about
+        ``6 * n_rows * n_params``): a bound on the time of one iteration.
+    job_memory_fraction : float
+        A job is refused if one of its parameter-server shards or model replicas would need more than this
+        fraction of the smallest worker's ``memory_limit``.
     register_schemes : list of str
         URL schemes of existing datasets that ``POST /api/datasets`` may register (remote object stores
         only: a local path outside the store is never accepted).
@@ -75,6 +87,11 @@ class Settings(BaseSettings):
     checkpoint_every: Annotated[int, Field(ge=0)] = 20
     metrics_flush_seconds: Annotated[float, Field(gt=0)] = 1.0
     dask_dashboard_url: str | None = None
+    max_params: Annotated[int, Field(ge=1)] = 100_000_000
+    max_layers: Annotated[int, Field(ge=2)] = 100
+    max_layer_width: Annotated[int, Field(ge=2)] = 1_000_000
+    max_pass_flops: Annotated[float, Field(gt=0)] = 1e13
+    job_memory_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5
     register_schemes: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["s3", "gs", "gcs", "abfs", "az"]
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "ClusterError",
+    "ConflictError",
     "DatasetError",
     "DistbeliefError",
     "InvalidOptionError",
@@ -57,3 +58,7 @@ class ClusterError(DistbeliefError):
 
 class ProtocolError(DistbeliefError):
     """Two parts of the system disagreed about the protocol (a bug, or mixed versions)."""
+
+
+class ConflictError(DistbeliefError):
+    """The request clashes with the current state: a name taken or being written, a resource in use."""

@@ -35,6 +35,8 @@ import io
 import os
 import threading
 import uuid
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import IO, Any, Literal, cast
@@ -280,7 +282,8 @@ class Dataset:
                 X, y = npz[x_key], npz[y_key]
         except DatasetError:
             raise
-        except (OSError, ValueError, EOFError) as exc:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+            # BadZipFile / zlib.error: a truncated or corrupted archive (an interrupted upload).
             raise DatasetError(f"cannot read {name} as an .npz file: {exc}") from exc
         return _with_context(
             name,

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from distbelief.api._http import error_responses
 from distbelief.api.deps import RunnerDep, SettingsDep
 from distbelief.api.schemas import ActorPublic, ClusterPublic, WorkerPublic
 from distbelief.storage import scheduler_identity
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/cluster", tags=["cluster"])
+router = APIRouter(prefix="/cluster", tags=["cluster"], responses=error_responses(401, 503))
 
 
 @router.get("", response_model=ClusterPublic)

@@ -9,29 +9,40 @@ or a location inside the store, never another local path.
 from __future__ import annotations
 
 import contextlib
-from typing import IO, Any
+from typing import IO, Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Request, Response, status
+from fastapi import APIRouter, HTTPException, Path, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from distbelief.api._http import error_responses
 from distbelief.api.deps import RunnerDep, SettingsDep
 from distbelief.api.runner import JobRunner, UnknownDatasetError
-from distbelief.api.schemas import DatasetPublic, DatasetRegister, DatasetsPublic
-from distbelief.errors import DatasetError, StoreError
+from distbelief.api.schemas import NAME_DOC, NAME_SCHEMA, DatasetPublic, DatasetRegister, DatasetsPublic
+from distbelief.errors import ConflictError, DatasetError, StoreError
 from distbelief.storage import Dataset, resolve_name
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/datasets", tags=["datasets"])
+router = APIRouter(prefix="/datasets", tags=["datasets"], responses=error_responses(401, 422, 503))
+
+_Name = Annotated[str, Path(description=f"The dataset's name: {NAME_DOC}.", json_schema_extra=NAME_SCHEMA)]
 
 _UPLOAD_HELP = (
     "send multipart/form-data with fields 'name' and 'file' (an .npz file holding arrays X and y, or a CSV "
     "file of numbers whose last column, or the column named by 'label_column', holds the labels), or JSON "
     '{"name": ..., "url": ...} to register an existing dataset'
 )
+
+
+_FORM_FIELDS = ("name", "file", "label_column", "overwrite")
+# Parts a form may have before it is refused with 400 (a few more than the fields, so a form with an unknown
+# field gets the 422 that names it).
+_MAX_FORM_PARTS = 16
+# The first bytes of a .npy file (numpy.lib.format.MAGIC_PREFIX).
+_NPY_MAGIC = b"\x93NUMPY"
 
 
 def _public(name: str, ds: Dataset, url: str | None) -> DatasetPublic:
@@ -51,28 +62,39 @@ def _public(name: str, ds: Dataset, url: str | None) -> DatasetPublic:
 
 def _describe(runner: JobRunner, name: str) -> DatasetPublic:
     resolve_name("/", name)  # a bad name is a 422 that says what names may hold
-    url = runner.store.links().get(name)
-    try:
-        ds = runner.open_dataset(name)
-    except UnknownDatasetError as exc:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-    return _public(name, ds, url)
+    for attempt in range(3):
+        url = runner.store.links().get(name)
+        try:
+            return _public(name, runner.open_dataset(name), url)
+        except UnknownDatasetError as exc:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+        except StoreError:
+            # Replaced or deleted while it was being read (both rename the folder first, so it is whole
+            # again a moment later, or gone): look again rather than report it damaged.
+            if attempt == 2 or url is not None:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _check_free(runner: JobRunner, name: str, overwrite: bool) -> None:
-    exists = name in runner.store.links() or Dataset.exists(resolve_name(runner.store.datasets_root, name))
+    """Refuse (409) to write ``name`` if it is taken, in use or being uploaded; hold ``datasets_lock``."""
+    store = runner.store
+    if store.is_being_written(name):
+        raise ConflictError(
+            f"another request is uploading a dataset named {name!r} right now; wait for it to finish, then "
+            "choose another name or send overwrite=true"
+        )
+    exists = name in store.links() or Dataset.exists(resolve_name(store.datasets_root, name))
     if exists and not overwrite:
-        raise HTTPException(
-            status.HTTP_409_CONFLICT,
+        raise ConflictError(
             f"a dataset named {name!r} exists already; choose another name, delete it first, or send "
-            "overwrite=true",
+            "overwrite=true"
         )
     users = runner.jobs_using(name)
     if exists and users:
-        raise HTTPException(
-            status.HTTP_409_CONFLICT,
+        raise ConflictError(
             f"dataset {name!r} is used by queued or running job(s) {', '.join(users)}; wait for them or "
-            "cancel them first",
+            "cancel them first"
         )
 
 
@@ -83,25 +105,55 @@ def _flag(value: Any, field: str) -> bool:
     return text in ("true", "1", "yes")
 
 
-def _build(file: IO[bytes], filename: str, path: str, label_column: str | None, overwrite: bool) -> Dataset:
-    head = file.read(4)
+def _build(file: IO[bytes], filename: str, path: str, label_column: str | None) -> Dataset:
+    head = file.read(len(_NPY_MAGIC))
     file.seek(0)
+    if head.startswith(_NPY_MAGIC):
+        raise DatasetError(f"{filename or 'the file'!r} is a single .npy array; {_UPLOAD_HELP}")
     if filename.lower().endswith(".npz") or head.startswith(b"PK"):
         if label_column is not None:
             raise DatasetError("label_column applies to CSV files only; an .npz file holds X and y by name")
-        return Dataset.from_npz(file, path=path, overwrite=overwrite)
-    if filename.lower().endswith((".csv", ".txt")) or not head.startswith(b"\x93NUMPY"):
-        column: int | str = -1
-        if label_column is not None:
-            column = int(label_column) if label_column.lstrip("-").isdigit() else label_column
-        return Dataset.from_csv(file, path=path, label_column=column, overwrite=overwrite)
-    raise DatasetError(f"{filename!r} is a single .npy array; {_UPLOAD_HELP}")
+        return Dataset.from_npz(file, path=path)
+    column: int | str = -1
+    if label_column is not None:
+        column = int(label_column) if label_column.lstrip("-").isdigit() else label_column
+    return Dataset.from_csv(file, path=path, label_column=column)
+
+
+def _upload(
+    runner: JobRunner, name: str, file: IO[bytes], filename: str, label_column: str | None, overwrite: bool
+) -> DatasetPublic:
+    """Build the dataset aside, then install it under ``name`` in one rename.
+
+    The name is claimed first, so of concurrent uploads under one name exactly one goes on (the others get
+    409 at once), and checked again before the new copy goes in (a job may have taken up the old one).
+    """
+    store = runner.store
+    with store.datasets_lock.exclusive():
+        _check_free(runner, name, overwrite)
+        store.reserve_name(name)
+    staged = store.staging_url(name)
+    try:
+        _build(file, filename, staged, label_column)
+        with store.datasets_lock.exclusive():
+            store.release_name(name)
+            _check_free(runner, name, overwrite)
+            store.install_dataset(name, staged)
+            if overwrite:
+                store.delete_link(name)
+    except BaseException:
+        store.discard_staged(staged)
+        raise
+    finally:
+        store.release_name(name)
+    return _public(name, Dataset.open(resolve_name(store.datasets_root, name)), None)
 
 
 @router.post(
     "",
     response_model=DatasetPublic,
     status_code=status.HTTP_201_CREATED,
+    responses=error_responses(400, 409, 413, 415, 422),
     openapi_extra={
         "requestBody": {
             "content": {
@@ -109,8 +161,9 @@ def _build(file: IO[bytes], filename: str, path: str, label_column: str | None, 
                     "schema": {
                         "type": "object",
                         "required": ["name", "file"],
+                        "additionalProperties": False,
                         "properties": {
-                            "name": {"type": "string"},
+                            "name": {"type": "string", "description": NAME_DOC, **NAME_SCHEMA},
                             "file": {"type": "string", "format": "binary"},
                             "label_column": {"type": "string", "description": "CSV only: index or name"},
                             "overwrite": {"type": "boolean", "default": False},
@@ -120,7 +173,18 @@ def _build(file: IO[bytes], filename: str, path: str, label_column: str | None, 
                 "application/json": {"schema": DatasetRegister.model_json_schema()},
             },
             "required": True,
-        }
+        },
+        "responses": {
+            "201": {
+                "links": {
+                    name: {"operationId": op, "parameters": {"name": "$response.body#/name"}}
+                    for name, op in {
+                        "GetDataset": "get_dataset_api_datasets__name__get",
+                        "DeleteDataset": "delete_dataset_api_datasets__name__delete",
+                    }.items()
+                }
+            }
+        },
     },
 )
 async def create_dataset(request: Request, runner: RunnerDep, settings: SettingsDep) -> DatasetPublic:
@@ -138,7 +202,18 @@ async def create_dataset(request: Request, runner: RunnerDep, settings: Settings
         raise HTTPException(
             status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"content type {content_type!r}: {_UPLOAD_HELP}"
         )
-    async with request.form(max_files=1, max_fields=8) as form:
+    async with request.form(max_files=_MAX_FORM_PARTS, max_fields=_MAX_FORM_PARTS) as form:
+        unknown = sorted(set(form.keys()) - set(_FORM_FIELDS))
+        if unknown:
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_CONTENT,
+                f"unknown form field(s) {', '.join(map(repr, unknown[:10]))}; the fields are "
+                f"{', '.join(_FORM_FIELDS)}",
+            )
+        if len(form.getlist("file")) > 1 or len(form.getlist("name")) > 1:
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_CONTENT, f"send one 'name' and one 'file'; {_UPLOAD_HELP}"
+            )
         name, file = form.get("name"), form.get("file")
         if not isinstance(name, str) or not name:
             raise HTTPException(
@@ -151,14 +226,10 @@ async def create_dataset(request: Request, runner: RunnerDep, settings: Settings
         label = form.get("label_column")
         label_column = label if isinstance(label, str) and label.strip() else None
         overwrite = _flag(form.get("overwrite"), "overwrite")
-        path = resolve_name(runner.store.datasets_root, name)
-        _check_free(runner, name, overwrite)
-        filename = file.filename or ""
-        ds = await run_in_threadpool(_build, file.file, filename, path, label_column, overwrite)
-    if overwrite:
-        with contextlib.suppress(Exception):
-            runner.store.delete_link(name)
-    return _public(name, ds, None)
+        resolve_name(runner.store.datasets_root, name)
+        return await run_in_threadpool(
+            _upload, runner, name, file.file, file.filename or "", label_column, overwrite
+        )
 
 
 def _register(runner: JobRunner, schemes: list[str], body: DatasetRegister) -> DatasetPublic:
@@ -171,12 +242,15 @@ def _register(runner: JobRunner, schemes: list[str], body: DatasetRegister) -> D
             f"cannot register {url!r}: the service only reads datasets inside its store or in remote object "
             f"stores ({allowed}); upload the data instead (multipart POST /api/datasets)"
         )
-    _check_free(runner, body.name, overwrite=False)
+    with runner.store.datasets_lock.exclusive():
+        _check_free(runner, body.name, overwrite=False)
     try:
         ds = Dataset.open(url if not inside or "://" in url else runner.store.url(url))
     except StoreError as exc:
         raise DatasetError(f"cannot register {url!r}: {exc}") from exc
-    runner.store.save_link(body.name, ds.url)
+    with runner.store.datasets_lock.exclusive():
+        _check_free(runner, body.name, overwrite=False)  # again: another request may have taken the name
+        runner.store.save_link(body.name, ds.url)
     return _public(body.name, ds, ds.url)
 
 
@@ -185,27 +259,35 @@ def list_datasets(runner: RunnerDep) -> DatasetsPublic:
     """Every dataset: uploaded ones and registered ones."""
     data = []
     for name in runner.dataset_names():
-        with contextlib.suppress(DatasetError, StoreError):  # a registered URL that went away is skipped
+        # A registered URL that went away, or a dataset deleted since the names were listed, is skipped.
+        with contextlib.suppress(DatasetError, StoreError, HTTPException):
             data.append(_describe(runner, name))
     return DatasetsPublic(data=data, count=len(data))
 
 
-@router.get("/{name}", response_model=DatasetPublic)
-def get_dataset(name: str, runner: RunnerDep) -> DatasetPublic:
+@router.get("/{name}", response_model=DatasetPublic, responses=error_responses(404, 422))
+def get_dataset(name: _Name, runner: RunnerDep) -> DatasetPublic:
     """One dataset's shape, labels and portions."""
     return _describe(runner, name)
 
 
-@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_dataset(name: str, runner: RunnerDep) -> Response:
-    """Delete an uploaded dataset, or forget a registered one (its data stays where it is)."""
-    _describe(runner, name)
-    users = runner.jobs_using(name)
-    if users:
-        raise HTTPException(
-            status.HTTP_409_CONFLICT,
-            f"dataset {name!r} is used by queued or running job(s) {', '.join(users)}; cancel them first",
-        )
-    if not runner.store.delete_link(name):
-        runner.store.delete_dataset(name)
+@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(404, 409, 422))
+def delete_dataset(name: _Name, runner: RunnerDep) -> Response:
+    """Delete an uploaded dataset, or forget a registered one (its data stays where it is).
+
+    409 while a queued or running job uses it, or while an upload under its name is in progress."""
+    with runner.store.datasets_lock.exclusive():
+        _describe(runner, name)
+        users = runner.jobs_using(name)
+        if users:
+            raise ConflictError(
+                f"dataset {name!r} is used by queued or running job(s) {', '.join(users)}; cancel them "
+                "first (POST /api/jobs/{{id}}/cancel) or wait for them to finish"
+            )
+        if runner.store.is_being_written(name):
+            raise ConflictError(
+                f"an upload is replacing dataset {name!r} right now; wait for it to finish, then delete it"
+            )
+        if not runner.store.delete_link(name):
+            runner.store.delete_dataset(name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

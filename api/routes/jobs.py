@@ -13,29 +13,64 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
+from distbelief.api._admission import WorkerMemory, admit
+from distbelief.api._http import error_responses
 from distbelief.api._jobstore import json_safe
-from distbelief.api.deps import RunnerDep
+from distbelief.api.deps import RunnerDep, SettingsDep
 from distbelief.api.schemas import FINAL_STATUSES, JobCreate, JobPublic, JobsPublic, JobStatus, MetricsPublic
 
 __all__ = ["HEARTBEAT_SECONDS", "router"]
 
-router = APIRouter(prefix="/jobs", tags=["jobs"])
+router = APIRouter(prefix="/jobs", tags=["jobs"], responses=error_responses(401, 422, 503))
+
+# OpenAPI links from a created job to what can be done with it (tools such as schemathesis follow them).
+_JOB_LINKS = {
+    name: {"operationId": op, "parameters": {"job_id": "$response.body#/id"}}
+    for name, op in {
+        "GetJob": "get_job_api_jobs__job_id__get",
+        "GetMetrics": "get_metrics_api_jobs__job_id__metrics_get",
+        "CancelJob": "cancel_job_api_jobs__job_id__cancel_post",
+        "GetParams": "get_params_api_jobs__job_id__params_get",
+        "DeleteJob": "delete_job_api_jobs__job_id__delete",
+    }.items()
+}
 
 #: An idle event stream sends a comment this often, so proxies and clients see it is alive.
 HEARTBEAT_SECONDS = 15.0
 
 
-@router.post("", response_model=JobPublic, status_code=status.HTTP_201_CREATED)
-def create_job(body: JobCreate, runner: RunnerDep) -> dict[str, Any]:
+@router.post(
+    "",
+    response_model=JobPublic,
+    status_code=status.HTTP_201_CREATED,
+    responses=error_responses(400, 413, 422),
+    openapi_extra={"responses": {"201": {"links": _JOB_LINKS}}},
+)
+def create_job(body: JobCreate, runner: RunnerDep, settings: SettingsDep) -> dict[str, Any]:
     """Queue a job: an algorithm, a built-in model by spec, a dataset (and a held-out one), options.
 
-    Bad input (an unknown model kind, a model that does not fit the dataset, an option out of range) gets a
-    4xx whose ``detail`` says what to fix; nothing is stored then.
+    Bad input (an unknown model kind, a model that does not fit the dataset, an option out of range, a job
+    too big for the cluster or the limits of the settings) gets a 4xx whose ``detail`` says what to fix;
+    nothing is stored then.
     """
-    return runner.submit(body)
+    # Admitted under the datasets lock, shared (submissions do not wait for each other): a dataset cannot be
+    # deleted or replaced between the check that it is there and the moment the queued job holds it
+    # (DELETE /api/datasets/{name} then gets 409).
+    with runner.store.datasets_lock.shared():
+        data = runner.open_dataset(body.dataset)
+        admit(
+            body.model.model_dump(),
+            body.algorithm,
+            body.options,
+            n_rows=data.n_rows,
+            portion_rows=data.portion_rows,
+            settings=settings,
+            memory=WorkerMemory.of(runner.client),
+        )
+        return runner.submit(body)
 
 
-@router.get("", response_model=JobsPublic)
+@router.get("", response_model=JobsPublic, responses=error_responses(422))
 async def list_jobs(
     runner: RunnerDep,
     status: JobStatus | None = None,
@@ -47,13 +82,17 @@ async def list_jobs(
     return {"data": data, "count": count}
 
 
-@router.get("/{job_id}", response_model=JobPublic)
+@router.get("/{job_id}", response_model=JobPublic, responses=error_responses(404))
 async def get_job(job_id: str, runner: RunnerDep) -> dict[str, Any]:
     """One job: status, progress, latest metrics, and the result once it has finished."""
     return runner.get(job_id)
 
 
-@router.get("/{job_id}/metrics", response_model=MetricsPublic, responses={200: {"content": {"text/csv": {}}}})
+@router.get(
+    "/{job_id}/metrics",
+    response_model=MetricsPublic,
+    responses={200: {"content": {"text/csv": {}}}, **error_responses(404, 422)},
+)
 def get_metrics(job_id: str, runner: RunnerDep, format: Literal["json", "csv"] = "json") -> Any:
     """One row per iteration (Sandblaster) or step (Downpour); ``?format=csv`` for a CSV file."""
     dim, columns, rows = runner.metrics(job_id)
@@ -78,7 +117,10 @@ def _event(name: str, data: Any) -> str:
     return f"event: {name}\ndata: {json.dumps(json_safe(data), separators=(',', ':'))}\n\n"
 
 
-@router.get("/{job_id}/events", responses={200: {"content": {"text/event-stream": {}}}})
+@router.get(
+    "/{job_id}/events",
+    responses={200: {"content": {"text/event-stream": {}}}, **error_responses(404)},
+)
 async def job_events(job_id: str, request: Request, runner: RunnerDep) -> StreamingResponse:
     """Server-sent events: ``status`` (the job, on every change of status), ``metrics`` (new rows; ``reset``
     means they replace all earlier ones), and ``end`` once the job has finished."""
@@ -125,7 +167,7 @@ async def job_events(job_id: str, request: Request, runner: RunnerDep) -> Stream
     )
 
 
-@router.post("/{job_id}/cancel", response_model=JobPublic)
+@router.post("/{job_id}/cancel", response_model=JobPublic, responses=error_responses(404, 409))
 def cancel_job(job_id: str, runner: RunnerDep) -> dict[str, Any]:
     """Cancel a queued job now, or stop a running one after its current iteration (409 if finished)."""
     return runner.cancel(job_id)
@@ -134,7 +176,10 @@ def cancel_job(job_id: str, runner: RunnerDep) -> dict[str, Any]:
 @router.get(
     "/{job_id}/params",
     response_class=Response,
-    responses={200: {"content": {"application/octet-stream": {}}, "description": "a .npy file"}},
+    responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "a .npy file"},
+        **error_responses(404, 409),
+    },
 )
 def get_params(job_id: str, runner: RunnerDep) -> Response:
     """The parameters the job ended with, as a ``.npy`` file (``numpy.load`` reads it)."""
@@ -145,7 +190,7 @@ def get_params(job_id: str, runner: RunnerDep) -> Response:
     )
 
 
-@router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT)
+@router.delete("/{job_id}", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(404, 409))
 def delete_job(job_id: str, runner: RunnerDep) -> Response:
     """Forget a finished job and what it stored (409 while it is queued or running: cancel it first)."""
     runner.delete(job_id)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from distbelief import models
+from distbelief.api._http import error_responses
 from distbelief.api.schemas import ModelKindPublic, ModelsPublic
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/models", tags=["models"])
+router = APIRouter(prefix="/models", tags=["models"], responses=error_responses(401))
 
 
 @router.get("", response_model=ModelsPublic, response_model_by_alias=True)
