@@ -93,7 +93,7 @@ from typing import Any, Literal, overload
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["GLMKernel", "SoftmaxKernel", "fused_kernel"]
+__all__ = ["GLMKernel", "SoftmaxKernel", "fused_kernel", "sparse_kernel"]
 
 logger = logging.getLogger(__name__)
 
@@ -329,17 +329,107 @@ def _softmax_pass(
     return loss
 
 
+def _glm_csr_pass(
+    indptr: IntArray,
+    indices: IntArray,
+    data: FloatArray,
+    y: FloatArray,
+    coef: FloatArray,
+    intercept: float,
+    grad: FloatArray,
+    logistic: bool,
+) -> tuple[float, float]:
+    """:func:`_glm_pass` on CSR rows: one pass over the nonzeros, row after row.
+
+    Row ``i``'s nonzeros ``indptr[i]:indptr[i + 1]`` give ``z_i`` (a gather from ``coef``), then its loss and
+    residual (:func:`_glm_row`), then ``grad[indices] += r_i * data`` (a scatter) while the row's nonzeros
+    are still in the L1 cache. ``data``/``indices`` are read once, sequentially; ``coef`` and ``grad`` are
+    touched only at the row's columns. Duplicate columns in a row add up, as in scipy.
+    """
+    n = indptr.shape[0] - 1
+    loss = 0.0
+    r_sum = 0.0
+    for i in range(n):
+        a, b = indptr[i], indptr[i + 1]
+        z = 0.0
+        for t in range(a, b):
+            z += data[t] * coef[indices[t]]
+        li, ri = _glm_row(z + intercept, y[i], logistic)
+        loss += li
+        r_sum += ri
+        for t in range(a, b):
+            grad[indices[t]] += ri * data[t]
+    return loss, r_sum
+
+
+def _softmax_csr_pass(
+    indptr: IntArray,
+    indices: IntArray,
+    data: FloatArray,
+    labels: IntArray,
+    W: FloatArray,
+    intercept: FloatArray,
+    grad_W: FloatArray,
+    grad_b: FloatArray,
+    rows: int,
+) -> float:
+    """:func:`_softmax_pass` on CSR rows, in blocks of ``rows`` rows.
+
+    Per block: ``Z_b = X_b @ W`` by gathering the rows ``W[j]`` of the nonzeros' columns, the softmax of
+    :func:`_softmax_block` (the same arithmetic as the dense kernel), then ``grad_W[j] += x_ij * R_i`` by
+    scattering into the same rows. Parameters as :func:`fused_kernel`'s softmax kernel, with ``X`` as
+    ``(indptr, indices, data)``.
+    """
+    n = indptr.shape[0] - 1
+    k = W.shape[1]
+    step = max(1, min(rows, n))
+    flat = np.empty(step * k)
+    Z = flat.reshape(step, k)
+    top = np.empty(step, np.intp)
+    loss = 0.0
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        Z_b = Z[: stop - start]
+        for i in range(stop - start):
+            z = Z_b[i]
+            z[:] = 0.0
+            for t in range(indptr[start + i], indptr[start + i + 1]):
+                v = data[t]
+                w_row = W[indices[t]]
+                for c in range(k):
+                    z[c] += v * w_row[c]
+        loss += _softmax_block(Z_b, flat, labels[start:stop], intercept, grad_b, top)
+        for i in range(stop - start):
+            z = Z_b[i]
+            for t in range(indptr[start + i], indptr[start + i + 1]):
+                v = data[t]
+                g_row = grad_W[indices[t]]
+                for c in range(k):
+                    g_row[c] += v * z[c]
+    return loss
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Compilation
 # ----------------------------------------------------------------------------------------------------------
 
 #: The plain Python kernels, by name, before _build() rebinds the module globals to dispatchers.
 _PY_FUNCS: dict[str, Callable[..., Any]] = {
-    f.__name__: f for f in (_glm_row, _glm_pass, _exp_nonpositive, _softmax_block, _softmax_pass)
+    f.__name__: f
+    for f in (
+        _glm_row,
+        _glm_pass,
+        _exp_nonpositive,
+        _softmax_block,
+        _softmax_pass,
+        _glm_csr_pass,
+        _softmax_csr_pass,
+    )
 }
 
 _lock = threading.Lock()
-#: Built kernels by family ("glm", "softmax"); None once building failed or numba is unavailable.
+#: Built kernels by family ("glm", "softmax", "glm_csr", "softmax_csr"); None once building failed or numba
+#: is unavailable.
 _built: dict[str, Any] = {}
 
 
@@ -365,6 +455,8 @@ def _jit(nb: Any, name: str, signature: Any = None, *, cache: bool, fastmath: An
         "fastmath": _FASTMATH if fastmath is None else fastmath,
     }
     py_func = _PY_FUNCS[name]
+    if signature is None and hasattr(globals()[name], "py_func"):
+        return globals()[name]  # a helper another family already compiled
     jit = nb.njit(signature, **options) if signature is not None else nb.njit(**options)
     dispatcher = jit(py_func)
     globals()[name] = dispatcher
@@ -384,6 +476,28 @@ def _build(nb: Any, family: str, cache: bool) -> Any:
         # a buffer by a Dask worker) are taken as they are, by the one compiled version.
         return array(dtype, ndim, layout, readonly=True)
 
+    if family in ("glm_csr", "softmax_csr"):
+        # One version for int32 and one for int64 indices (scipy picks int32 while they fit).
+        if family == "glm_csr":
+            _jit(nb, "_glm_row", cache=cache)
+            sigs = [
+                nb.types.Tuple((f8, f8))(
+                    given(it, 1, "C"), given(it, 1, "C"), given(f8, 1, "C"), given(f8, 1, "A"),
+                    given(f8, 1, "C"), f8, f8[::1], nb.boolean,
+                )
+                for it in (nb.int32, nb.int64)
+            ]  # fmt: skip
+            return _jit(nb, "_glm_csr_pass", sigs, cache=cache)
+        _jit(nb, "_exp_nonpositive", cache=cache, fastmath={"contract"})
+        _jit(nb, "_softmax_block", cache=cache)
+        sigs = [
+            f8(
+                given(it, 1, "C"), given(it, 1, "C"), given(f8, 1, "C"), given(i8, 1, "A"), given(f8, 2, "C"),
+                given(f8, 1, "C"), f8[:, ::1], f8[::1], i8,
+            )
+            for it in (nb.int32, nb.int64)
+        ]  # fmt: skip
+        return _jit(nb, "_softmax_csr_pass", sigs, cache=cache)
     if family == "glm":
         _jit(nb, "_glm_row", cache=cache)
         signature = nb.types.Tuple((f8, f8))(
@@ -499,4 +613,67 @@ def fused_kernel(kind: KernelKind) -> GLMKernel | SoftmaxKernel | None:
     if kind == "softmax":
         softmax: SoftmaxKernel | None = _family_kernel("softmax")
         return softmax
+    raise ValueError(f"no compiled kernel for model kind {kind!r}; expected least_squares, logistic, softmax")
+
+
+#: ``kernel(X, y, coef, intercept, grad_coef) -> (loss, residual_sum)`` with ``X`` a CSR matrix.
+CSRGLMKernel = Callable[[Any, FloatArray, FloatArray, float, FloatArray], tuple[float, float]]
+#: ``kernel(X, labels, W, intercept, grad_W, grad_b, rows) -> loss`` with ``X`` a CSR matrix.
+CSRSoftmaxKernel = Callable[[Any, IntArray, FloatArray, FloatArray, FloatArray, FloatArray, int], float]
+
+
+@overload
+def sparse_kernel(kind: Literal["least_squares", "logistic"]) -> CSRGLMKernel | None: ...
+
+
+@overload
+def sparse_kernel(kind: Literal["softmax"]) -> CSRSoftmaxKernel | None: ...
+
+
+def sparse_kernel(kind: KernelKind) -> CSRGLMKernel | CSRSoftmaxKernel | None:
+    """The compiled one-pass loss-and-gradient kernel of a linear model on CSR rows, or None without numba.
+
+    As :func:`fused_kernel`, with ``X`` a ``scipy.sparse`` CSR matrix or array (float64 ``data``, int32 or
+    int64 ``indices``/``indptr``, sorted or not; duplicates add up). One pass over the nonzeros: per row a
+    gather from the coefficients, the loss and residual, and a scatter into the gradient.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> kernel = sparse_kernel("least_squares")
+    >>> X, y, grad = sp.csr_array(np.array([[1.0, 0.0], [0.0, 4.0]])), np.array([1.0, 0.0]), np.zeros(2)
+    >>> if kernel is not None:  # numba is installed
+    ...     loss, r_sum = kernel(X, y, np.array([1.0, 0.0]), 0.5, grad)
+    ...     assert (loss, r_sum) == (0.25, 1.0) and grad.tolist() == [0.5, 2.0]
+    """
+    if kind in ("least_squares", "logistic"):
+        glm = _family_kernel("glm_csr")
+        if glm is None:
+            return None
+        logistic = kind == "logistic"
+
+        def kernel(
+            X: Any, y: FloatArray, coef: FloatArray, intercept: float, grad_coef: FloatArray
+        ) -> tuple[float, float]:
+            loss, r_sum = glm(X.indptr, X.indices, X.data, y, coef, intercept, grad_coef, logistic)
+            return float(loss), float(r_sum)
+
+        return kernel
+    if kind == "softmax":
+        softmax = _family_kernel("softmax_csr")
+        if softmax is None:
+            return None
+
+        def softmax_kernel(
+            X: Any,
+            labels: IntArray,
+            W: FloatArray,
+            intercept: FloatArray,
+            grad_W: FloatArray,
+            grad_b: FloatArray,
+            rows: int,
+        ) -> float:
+            return float(softmax(X.indptr, X.indices, X.data, labels, W, intercept, grad_W, grad_b, rows))
+
+        return softmax_kernel
     raise ValueError(f"no compiled kernel for model kind {kind!r}; expected least_squares, logistic, softmax")

@@ -94,7 +94,7 @@ def index_dtype(n_features: int) -> type[np.integer[Any]]:
 
 
 def _as_csr(X: Any) -> CSR:
-    """``X`` as a checked canonical CSR (sorted, no duplicates, no stored zeros, float64); X is not changed."""
+    """``X`` as a checked canonical CSR (sorted, no duplicates, no stored zeros, float64); X is unchanged."""
     if X.ndim != 2:
         raise DatasetError(f"X must be 2-D (rows x features); got a sparse array of shape {X.shape}")
     if X.dtype.kind not in "biuf":
