@@ -408,7 +408,9 @@ def _parse(numbers: list[int], lines: list[bytes], where: str, ignore_qid: bool)
     bad = ~np.isfinite(y)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise DatasetError(f"{where}, line {rows_at[i]}: label {y[i]!r} is not finite; fix or drop that line")
+        raise DatasetError(
+            f"{where}, line {rows_at[i]}: label {float(y[i])!r} is not finite; fix or drop that line"
+        )
     if not feats:
         return _Parsed(indptr, np.zeros(0, np.int64), np.zeros(0), y, rows_at)
     tokens = np.array(feats)
@@ -430,7 +432,7 @@ def _parse(numbers: list[int], lines: list[bytes], where: str, ignore_qid: bool)
     if bad.any():
         k = int(np.flatnonzero(bad)[0])
         raise DatasetError(
-            f"{where}, line {line_of(k)}: the value of feature {int(indices[k])} is {data[k]!r}; every value "
+            f"{where}, line {line_of(k)}: the value of feature {int(indices[k])} is {float(data[k])!r}; every value "
             "must be finite: remove or impute it"
         )
     # Sorted within each row, no duplicates (scipy's canonical CSR): sort stably by (row, index).
@@ -485,12 +487,17 @@ def _shift(p: _Parsed, zero_based: bool, n_features: int | None, where: str) -> 
                 "pass zero_based=True or 'auto'"
             )
         p.indices -= 1
-    if n_features is not None and p.indices.size and int(p.indices.max()) >= n_features:
-        k = int(np.flatnonzero(p.indices >= n_features)[0])
-        shown = int(p.indices[k]) + (0 if zero_based else 1)
+    if n_features is not None:
+        _check_past(p, n_features, n_features, where, shown_offset=0 if zero_based else 1)
+
+
+def _check_past(p: _Parsed, limit: int, n_features: int, where: str, *, shown_offset: int = 0) -> None:
+    """Refuse an index ``>= limit`` (as shown in the file: ``+ shown_offset``), naming its line."""
+    if p.indices.size and int(p.indices.max()) >= limit:
+        k = int(np.flatnonzero(p.indices >= limit)[0])
         raise DatasetError(
-            f"{where}, line {p.line_of(k)}: feature index {shown} is past n_features={n_features}; pass a "
-            "larger n_features (or None to take it from the file)"
+            f"{where}, line {p.line_of(k)}: feature index {int(p.indices[k]) + shown_offset} is past "
+            f"n_features={n_features}; pass a larger n_features (or None to take it from the file)"
         )
 
 
@@ -534,8 +541,10 @@ def from_svmlight(
     scan = _Scan()
     for numbers, lines in _batches(opener, batch, where):
         parsed = _parse(numbers, lines, where, ignore_qid)
-        if zero_based != "auto":  # with "auto" the base is known only at the end
+        if zero_based != "auto":
             _shift(dataclasses.replace(parsed, indices=parsed.indices.copy()), bool(zero_based), d_opt, where)
+        elif d_opt is not None:  # the base is known only at the end, but past d is too large either way
+            _check_past(parsed, d_opt + 1, d_opt, where)
         scan.n_rows += len(parsed.y)
         scan.nnz += parsed.indices.size
         if parsed.indices.size:
