@@ -432,8 +432,8 @@ def _parse(numbers: list[int], lines: list[bytes], where: str, ignore_qid: bool)
     if bad.any():
         k = int(np.flatnonzero(bad)[0])
         raise DatasetError(
-            f"{where}, line {line_of(k)}: the value of feature {int(indices[k])} is {float(data[k])!r}; every value "
-            "must be finite: remove or impute it"
+            f"{where}, line {line_of(k)}: the value of feature {int(indices[k])} is {float(data[k])!r}; "
+            "every value must be finite: remove or impute it"
         )
     # Sorted within each row, no duplicates (scipy's canonical CSR): sort stably by (row, index).
     row = np.repeat(np.arange(n), counts)

@@ -22,8 +22,7 @@ from sklearn.datasets import dump_svmlight_file, load_svmlight_file
 
 import distbelief.storage._dataset as dsmod
 from distbelief.errors import DatasetError, InvalidOptionError, StoreError
-from distbelief.storage import Dataset, RowCache
-from distbelief.storage import _sparse
+from distbelief.storage import Dataset, RowCache, _sparse
 
 SETTINGS = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -105,7 +104,7 @@ def test_a_portion_reads_only_its_own_bytes(tmp_path: Path, monkeypatch: pytest.
     by_array: dict[str, int] = {}
     for rel, _, size in reads:
         by_array[rel.split(os.sep)[0]] = by_array.get(rel.split(os.sep)[0], 0) + size
-    # indptr: its 1001 entries (8 bytes); indices (int32) and data: exactly the portion's nonzeros; y: 1000 rows.
+    # indptr: its 1001 entries (8 bytes); indices (int32), data: exactly the portion's nonzeros; y: 1000 rows.
     assert by_array == {"indptr": 8 * 1001, "indices": 4 * nnz, "data": 8 * nnz, "y": 8 * 1000}
     first_nz = int(X.indptr[2000])
     assert {int(rel.split(os.sep)[-1]) for rel, _, _ in reads if rel.startswith("data")} == set(
@@ -135,7 +134,7 @@ def test_canonical_form_is_stored_and_the_input_is_not_changed(tmp_path: Path) -
 
 def test_all_zero_rows_and_int_values(tmp_path: Path) -> None:
     ds = Dataset.from_arrays(sp.csr_array((3, 4), dtype=np.int64), [0, 1, 2], path=tmp_path / "z")
-    X, y = ds.read_all()
+    X, _ = ds.read_all()
     assert X.nnz == 0 and X.shape == (3, 4) and ds.label_kind == "classes"
     ints = sp.csr_array(np.array([[0, 5], [7, 0]], dtype=np.int16))
     assert Dataset.from_arrays(ints, [1, 2], path=tmp_path / "i").read_all()[0].toarray().tolist() == [
@@ -269,7 +268,12 @@ def test_comments_blank_lines_qid_and_labels(tmp_path: Path) -> None:
     ds = Dataset.from_svmlight(f, path=tmp_path / "x", ignore_qid=True)
     ref_X, ref_y, _ = load_svmlight_file(str(f), query_id=True)
     X, y = ds.read_all()
-    assert _same(X, ref_X) and y.tolist() == [1.0, -1.0, 1.0] and ds.label_kind == "real"
+    assert (
+        _same(X, ref_X)
+        and np.array_equal(y, ref_y)
+        and y.tolist() == [1.0, -1.0, 1.0]
+        and ds.label_kind == "real"
+    )
     # -1/+1 labels are not 0/1: asking for binary says how to map them (and writes nothing).
     with pytest.raises(DatasetError, match=r"\(y \+ 1\) / 2"):
         Dataset.from_svmlight(f, path=tmp_path / "b", ignore_qid=True, label_kind="binary")
