@@ -73,6 +73,19 @@ def as_csr(X: Any, n_features: int, model: str) -> Any:
         if X.dtype.kind not in "biuf":
             raise DatasetError(f"{model} expects real-valued rows X, got a sparse matrix of dtype {X.dtype}")
         X = X.astype(np.float64)
+    if X.indptr.dtype != X.indices.dtype:  # scipy keeps them alike, but a hand-built matrix may not
+        X = X.copy()
+        X.indptr = X.indptr.astype(X.indices.dtype)
+    # The compiled passes do not check bounds, and scipy only checks indices on request: one O(nnz) look
+    # (a few % of a pass) instead of a wrong result or a crash. Viewed unsigned, a negative index is huge.
+    nnz = int(X.indptr[-1])
+    if nnz:
+        unsigned = X.indices[:nnz].view(np.uint32 if X.indices.dtype.itemsize == 4 else np.uint64)
+        if int(unsigned.max()) >= n_features:
+            raise DatasetError(
+                f"{model} got sparse rows X with a column index outside 0..{n_features - 1}; the matrix is "
+                "malformed: rebuild it (e.g. scipy.sparse.csr_array((data, (rows, cols)), shape=...))"
+            )
     return X
 
 

@@ -50,7 +50,16 @@ import zarr
 from distbelief.errors import DatasetError, InvalidOptionError, StoreError
 from distbelief.storage import _dataset as _d
 
-__all__ = ["LAYOUT", "SparseDataset", "freeze", "from_sparse", "from_svmlight", "is_sparse", "nbytes"]
+__all__ = [
+    "LAYOUT",
+    "SparseDataset",
+    "as_csr",
+    "freeze",
+    "from_sparse",
+    "from_svmlight",
+    "is_sparse",
+    "nbytes",
+]
 
 #: ``layout`` attribute of a sparse dataset (a dense one has ``"dense"``).
 LAYOUT = "csr"
@@ -93,7 +102,7 @@ def index_dtype(n_features: int) -> type[np.integer[Any]]:
 # ------------------------------------------------------------------------------------------ validation
 
 
-def _as_csr(X: Any) -> CSR:
+def as_csr(X: Any) -> CSR:
     """``X`` as a checked canonical CSR (sorted, no duplicates, no stored zeros, float64); X is unchanged."""
     if X.ndim != 2:
         raise DatasetError(f"X must be 2-D (rows x features); got a sparse array of shape {X.shape}")
@@ -287,7 +296,7 @@ def from_sparse(
     """:meth:`Dataset.from_arrays` for a ``scipy.sparse`` ``X`` (see there); returns a sparse dataset."""
     loc = _d._location(path, storage_options)
     _d._precheck(loc, overwrite)
-    csr = _as_csr(X)
+    csr = as_csr(X)
     n, d = csr.shape
     ya = _d._as_labels(y, n)
     kind, k = _d._detect_labels(ya, label_kind, n_classes)

@@ -55,18 +55,20 @@ kinds = st.sampled_from(["least_squares", "logistic", "softmax"])
     intercept=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
     index_dtype=st.sampled_from([np.int32, np.int64]),
-    compiled=st.booleans(),
+    compiled=st.sampled_from(["fused", "two sweeps", "scipy"]),
 )
 def test_sparse_rows_give_the_dense_loss_and_gradient(
     kind: str, n: int, d: int, k: int, density: float, intercept: bool, seed: int, index_dtype: Any,
-    compiled: bool,
+    compiled: str,
 ) -> None:  # fmt: skip
     model, w, y = _problem(kind, n, d, k, intercept, seed)
     X = _sparse(n, d, density, seed, index_dtype)
     dense_loss, dense_grad = model.loss_and_grad(w, X.toarray(), y)
     with pytest.MonkeyPatch.context() as mp:
-        if not compiled:  # the fallback without numba: scipy's sparse products
+        if compiled == "scipy":  # the fallback without numba: scipy's sparse products
             mp.setattr(_compiled, "sparse_kernel", lambda kind: None)
+        elif compiled == "two sweeps":  # what wide models (coef + grad past the cache) take
+            mp.setattr(_compiled, "_CSR_FUSED_MAX_BYTES", 0)
         loss, grad = model.loss_and_grad(w, X, y)
     assert loss == pytest.approx(dense_loss, rel=1e-10, abs=1e-12)
     np.testing.assert_allclose(grad, dense_grad, rtol=1e-10, atol=1e-12 * max(1.0, np.abs(dense_grad).max()))
@@ -142,6 +144,15 @@ def test_bad_sparse_rows_are_refused_with_a_message() -> None:
     nan_rows = sp.csr_array(np.array([[1.0, 0, 0, 0], [0, np.nan, 0, 0]]))
     with pytest.raises(DatasetError, match="NaN or inf \\(first at row 1\\)"):
         model.loss_and_grad(w, nan_rows, y)
+
+
+def test_out_of_range_indices_are_refused_before_the_unchecked_kernel_runs() -> None:
+    for bad in (7, -1):
+        X = sp.csr_array(
+            (np.ones(2), np.array([0, bad], np.int32), np.array([0, 1, 2], np.int32)), shape=(2, 4)
+        )
+        with pytest.raises(DatasetError, match=r"column index outside 0..3.*malformed"):
+            Logistic(4).loss_and_grad(np.zeros(5), X, np.array([0.0, 1.0]))
 
 
 def test_mlp_refuses_sparse_rows_and_says_what_to_do() -> None:
