@@ -1030,7 +1030,7 @@ class Dataset:
         --------
         >>> import tempfile, os
         >>> d = tempfile.mkdtemp(); f = os.path.join(d, "a.svm")
-        >>> _ = open(f, "w").write("1 1:0.5 3:2\n0 2:1  # a comment\n")
+        >>> _ = open(f, "w").write("1 1:0.5 3:2\\n0 2:1  # a comment\\n")
         >>> ds = Dataset.from_svmlight(f, path=os.path.join(d, "ds"))
         >>> ds.layout, ds.n_features, ds.read_all()[0].toarray().tolist()
         ('csr', 3, [[0.5, 0.0, 2.0], [0.0, 1.0, 0.0]])

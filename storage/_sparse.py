@@ -33,6 +33,7 @@ row, to detect their kind, as :meth:`Dataset.read_labels` would hold them anyway
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import gzip
@@ -349,17 +350,21 @@ class _Scan:
 def _open_source(source: str, storage_options: dict[str, Any] | None) -> Callable[[], Any]:
     """A function opening ``source`` (a local path or an fsspec URL) as binary lines, gunzipped if needed."""
 
-    def opener() -> Any:
+    @contextlib.contextmanager
+    def opener() -> Iterator[Any]:
         import fsspec
 
         try:
             raw = fsspec.open(source, "rb", **(storage_options or {})).open()
         except (OSError, ValueError) as exc:
             raise DatasetError(f"cannot read {source!r}: {exc}") from exc
-        head = raw.read(2)
-        raw.seek(0)
-        # By content, not by name: a gzipped file need not end in .gz.
-        return gzip.GzipFile(fileobj=raw, mode="rb") if head == b"\x1f\x8b" else raw
+        try:
+            head = raw.read(2)
+            raw.seek(0)
+            # By content, not by name: a gzipped file need not end in .gz. (GzipFile does not close raw.)
+            yield gzip.GzipFile(fileobj=raw, mode="rb") if head == b"\x1f\x8b" else raw
+        finally:
+            raw.close()
 
     return opener
 
