@@ -427,17 +427,21 @@ def _parse(numbers: list[int], lines: list[bytes], where: str, ignore_qid: bool)
         )
     if not feats:
         return _Parsed(indptr, np.zeros(0, np.int64), np.zeros(0), y, rows_at)
-    tokens = np.array(feats)
-    index_s, colon, value_s = np.strings.partition(tokens, b":")
-    malformed = (colon != b":") | (index_s == b"") | (value_s == b"") | (np.strings.find(value_s, b":") >= 0)
-    if malformed.any():
-        k = int(np.flatnonzero(malformed)[0])
-        raise DatasetError(
-            f"{where}, line {line_of(k)}: {feats[k].decode(errors='replace')!r} is not a feature "
-            "'index:value'; every field after the label must be index:value (a comment starts with #)"
-        )
-    indices = _numbers(index_s, np.int64, lambda k: f"{where}, line {line_of(k)}: feature index")
-    data = _numbers(value_s, np.float64, lambda k: f"{where}, line {line_of(k)}: value")
+    # Split every "index:value" at once: one colon per token, two fields per token. Python's int/float over
+    # the fields are ~10x faster than numpy's conversion from bytes arrays (measured: 0.74 s a batch of
+    # 4096 lines x 40 features with np.strings.partition + astype, see the report of issue 13).
+    joined = b" ".join(feats)
+    fields = joined.replace(b":", b" ").split()
+    if joined.count(b":") != len(feats) or len(fields) != 2 * len(feats) or b"_" in joined:
+        for k, tok in enumerate(feats):
+            i_s, colon, v_s = tok.partition(b":")
+            if not (colon and i_s and v_s) or b":" in v_s or b"_" in tok:
+                raise DatasetError(
+                    f"{where}, line {line_of(k)}: {tok.decode(errors='replace')!r} is not a feature "
+                    "'index:value'; every field after the label must be index:value (a comment starts with #)"
+                )
+    indices = _numbers(fields[0::2], np.int64, lambda k: f"{where}, line {line_of(k)}: feature index")
+    data = _numbers(fields[1::2], np.float64, lambda k: f"{where}, line {line_of(k)}: value")
     bad = indices < 0
     if bad.any():
         k = int(np.flatnonzero(bad)[0])
@@ -471,17 +475,17 @@ def _parse(numbers: list[int], lines: list[bytes], where: str, ignore_qid: bool)
 
 
 def _numbers(
-    tokens: Any, dtype: Any, what: Callable[[int], str], *, is_label: bool = False
+    tokens: list[bytes], dtype: Any, what: Callable[[int], str], *, is_label: bool = False
 ) -> np.ndarray[Any, Any]:
-    arr = np.asarray(tokens, dtype=np.bytes_)
+    convert = int if dtype is np.int64 else float
     try:
-        return arr.astype(dtype)
+        return np.array(list(map(convert, tokens)), dtype=dtype)
     except (ValueError, OverflowError):
         pass
     # Only on failure: find the first token that does not convert, to say where it is.
-    for k, tok in enumerate(arr.tolist()):
+    for k, tok in enumerate(tokens):
         try:
-            np.array([tok]).astype(dtype)
+            np.array([convert(tok)], dtype=dtype)
         except (ValueError, OverflowError):
             text = tok.decode(errors="replace")
             hint = "an integer" if dtype is np.int64 else "a number"

@@ -245,7 +245,9 @@ def test_svmlight_reads_what_scikit_learn_reads(
         gz=gz,
         comment="made by a test",
     )
-    ds = Dataset.from_svmlight(f, path=tmp_path / f"d{seed}", n_features=d, batch_lines=batch, overwrite=True)
+    ds = Dataset.from_svmlight(
+        f, path=tmp_path / f"d{seed}", n_features=d, zero_based=zero_based, batch_lines=batch, overwrite=True
+    )
     ref_X, ref_y = load_svmlight_file(str(f), n_features=d, zero_based=zero_based)
     got_X, got_y = ds.read_all()
     assert _same(got_X, ref_X) and np.array_equal(got_y, ref_y)
