@@ -986,7 +986,7 @@ class Dataset:
         n_features: int | None = None,
         zero_based: bool | Literal["auto"] = "auto",
         ignore_qid: bool = False,
-        batch_lines: int = 65536,
+        batch_lines: int = 4096,
         portion_rows: int | None = None,
         chunk_rows: int | None = None,
         label_kind: LabelKind | None = None,
@@ -1014,8 +1014,9 @@ class Dataset:
             Whether indices start at 0. ``"auto"`` (as scikit-learn): zero-based when some index is 0.
         ignore_qid : bool, default False
             Drop ``qid:`` fields (ranking data); by default they are refused.
-        batch_lines : int, default 65536
-            Lines parsed at a time (the memory bound).
+        batch_lines : int, default 4096
+            Lines parsed at a time: the memory bound, about 12 times the text of a batch (measured: 54 MB
+            for 4096 lines of 40 features, ~1.1 KB each; the file can be any size).
         source_options : dict, optional
             fsspec options for a URL ``source``.
 

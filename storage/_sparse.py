@@ -526,7 +526,7 @@ def from_svmlight(
     n_features: int | None = None,
     zero_based: bool | Literal["auto"] = "auto",
     ignore_qid: bool = False,
-    batch_lines: int = 65536,
+    batch_lines: int = 4096,
     portion_rows: int | None = None,
     chunk_rows: int | None = None,
     label_kind: Any = None,
