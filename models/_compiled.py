@@ -563,6 +563,24 @@ def _family_kernel(family: str) -> Any | None:
         return kernel
 
 
+def _glm_caller(glm: Any, logistic: bool, *, csr: bool) -> Any:
+    """The compiled least squares / logistic pass ``glm`` called as :func:`fused_kernel` and
+    :func:`sparse_kernel` document: ``kernel(X, y, coef, intercept, grad_coef) -> (loss, residual_sum)``."""
+
+    def kernel(
+        X: Any, y: FloatArray, coef: FloatArray, intercept: float, grad_coef: FloatArray
+    ) -> tuple[float, float]:
+        if csr:
+            indptr, indices = _unsigned(X)
+            fused = 16 * coef.shape[0] <= _CSR_FUSED_MAX_BYTES
+            loss, r_sum = glm(indptr, indices, X.data, y, coef, intercept, grad_coef, logistic, fused)
+        else:
+            loss, r_sum = glm(X, y, coef, intercept, grad_coef, logistic)
+        return float(loss), float(r_sum)
+
+    return kernel
+
+
 @overload
 def fused_kernel(kind: Literal["least_squares", "logistic"]) -> GLMKernel | None: ...
 
@@ -619,17 +637,7 @@ def fused_kernel(kind: KernelKind) -> GLMKernel | SoftmaxKernel | None:
     """
     if kind in ("least_squares", "logistic"):
         glm = _family_kernel("glm")
-        if glm is None:
-            return None
-        logistic = kind == "logistic"
-
-        def kernel(
-            X: FloatArray, y: FloatArray, coef: FloatArray, intercept: float, grad_coef: FloatArray
-        ) -> tuple[float, float]:
-            loss, r_sum = glm(X, y, coef, intercept, grad_coef, logistic)
-            return float(loss), float(r_sum)
-
-        return kernel
+        return None if glm is None else _glm_caller(glm, kind == "logistic", csr=False)
     if kind == "softmax":
         softmax: SoftmaxKernel | None = _family_kernel("softmax")
         return softmax
@@ -697,19 +705,7 @@ def sparse_kernel(kind: KernelKind) -> CSRGLMKernel | CSRSoftmaxKernel | None:
     """
     if kind in ("least_squares", "logistic"):
         glm = _family_kernel("glm_csr")
-        if glm is None:
-            return None
-        logistic = kind == "logistic"
-
-        def kernel(
-            X: Any, y: FloatArray, coef: FloatArray, intercept: float, grad_coef: FloatArray
-        ) -> tuple[float, float]:
-            fused = 16 * coef.shape[0] <= _CSR_FUSED_MAX_BYTES
-            indptr, indices = _unsigned(X)
-            loss, r_sum = glm(indptr, indices, X.data, y, coef, intercept, grad_coef, logistic, fused)
-            return float(loss), float(r_sum)
-
-        return kernel
+        return None if glm is None else _glm_caller(glm, kind == "logistic", csr=True)
     if kind == "softmax":
         softmax = _family_kernel("softmax_csr")
         if softmax is None:

@@ -60,6 +60,7 @@ __all__ = [
     "from_svmlight",
     "is_sparse",
     "nbytes",
+    "row_of",
 ]
 
 #: ``layout`` attribute of a sparse dataset (a dense one has ``"dense"``).
@@ -100,6 +101,17 @@ def index_dtype(n_features: int) -> type[np.integer[Any]]:
     return np.int32 if n_features - 1 <= _INT32_MAX else np.int64
 
 
+def row_of(indptr: npt.NDArray[np.integer[Any]], k: int) -> int:
+    """The row of CSR nonzero number ``k``: the last row starting at or before it.
+
+    Examples
+    --------
+    >>> row_of(np.array([0, 2, 2, 5]), 2)
+    2
+    """
+    return int(np.searchsorted(indptr, k, side="right")) - 1
+
+
 # ------------------------------------------------------------------------------------------ validation
 
 
@@ -127,21 +139,18 @@ def as_csr(X: Any) -> CSR:
     bad = (indices[:nnz] < 0) | (indices[:nnz] >= d)
     if bad.any():
         k = int(np.flatnonzero(bad)[0])
-        row = int(np.searchsorted(indptr, k, side="right")) - 1
         raise DatasetError(
-            f"X has column index {int(indices[k])} at row {row}, outside 0..{d - 1}; "
+            f"X has column index {int(indices[k])} at row {row_of(indptr, k)}, outside 0..{d - 1}; "
             f"fix the indices or build X with shape (n_rows, {int(indices[:nnz].max()) + 1})"
         )
     data = np.asarray(csr.data[:nnz])
-    if data.dtype.kind == "f":
-        nonfinite = ~np.isfinite(data)
-        if nonfinite.any():
-            k = int(np.flatnonzero(nonfinite)[0])
-            row = int(np.searchsorted(indptr, k, side="right")) - 1
-            raise DatasetError(
-                f"X has {int(nonfinite.sum())} non-finite values (NaN or inf), the first at row {row}, "
-                f"column {int(indices[k])}; remove or impute them before building a dataset"
-            )
+    nonfinite = ~np.isfinite(data) if data.dtype.kind == "f" else np.zeros(0, bool)
+    if nonfinite.any():
+        k = int(np.flatnonzero(nonfinite)[0])
+        raise DatasetError(
+            f"X has {int(nonfinite.sum())} non-finite values (NaN or inf), the first at row "
+            f"{row_of(indptr, k)}, column {int(indices[k])}; remove or impute them before building a dataset"
+        )
     canonical = (
         csr.has_canonical_format
         and data.dtype == np.float64
@@ -336,7 +345,7 @@ class _Parsed:
 
     def line_of(self, k: int) -> int:
         """Line number of the row holding nonzero ``k``."""
-        return self.lines[int(np.searchsorted(self.indptr, k, side="right")) - 1]
+        return self.lines[row_of(self.indptr, k)]
 
 
 @dataclasses.dataclass
@@ -416,7 +425,7 @@ def _parse(numbers: list[int], lines: list[bytes], where: str, ignore_qid: bool)
     np.cumsum(counts, out=indptr[1:])
 
     def line_of(k: int) -> int:  # line number of the nonzero k
-        return rows_at[int(np.searchsorted(indptr, k, side="right")) - 1]
+        return rows_at[row_of(indptr, k)]
 
     y = _numbers(labels, np.float64, lambda i: f"{where}, line {rows_at[i]}: label", is_label=True)
     bad = ~np.isfinite(y)
