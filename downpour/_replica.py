@@ -37,6 +37,7 @@ from distbelief.downpour._batches import BatchPlan
 from distbelief.downpour._core import FetchRequest, PushMessage, ReplicaCore
 from distbelief.storage import Dataset, ShardMap
 from distbelief.storage._calls import await_call
+from distbelief.storage._sparse import nbytes as rows_nbytes
 
 __all__ = ["DownpourReplica", "ReplicaConfig"]
 
@@ -334,7 +335,7 @@ class DownpourReplica:
             pending = self._reads.pop(s, None)
             lo, hi = self.plan.segments[s]
             data = pending.result() if pending is not None else self.dataset.read_rows(lo, hi)
-            nbytes = data[0].nbytes + data[1].nbytes
+            nbytes = rows_nbytes(data[0]) + data[1].nbytes
             if self._cache_bytes + nbytes <= CACHE_BYTES:
                 self._cache[s] = data
                 self._cache_bytes += nbytes

@@ -43,6 +43,7 @@ from distbelief.storage import (
     worker_addresses,
 )
 from distbelief.storage._calls import ShardRecovery, actor_gone, gather_calls, start_call
+from distbelief.storage._sparse import as_csr, is_sparse
 
 __all__ = ["Progress", "TrainResult", "train"]
 
@@ -361,7 +362,9 @@ def _eval_arrays(model: Any, eval_data: Any) -> tuple[np.ndarray, np.ndarray] | 
         return eval_data.read_all()
     if not (isinstance(eval_data, tuple) and len(eval_data) == 2):
         raise InvalidOptionError("eval_data must be None, a storage.Dataset or a tuple (X, y) of arrays")
-    X = np.ascontiguousarray(eval_data[0], dtype=np.float64)
+    sparse = is_sparse(eval_data[0])
+    # Sparse rows: checked (indices, finite values) and made canonical CSR, as a sparse dataset stores them.
+    X = as_csr(eval_data[0]) if sparse else np.ascontiguousarray(eval_data[0], dtype=np.float64)
     y = np.ascontiguousarray(eval_data[1], dtype=np.float64).ravel()
     if X.ndim != 2 or X.shape[0] != y.shape[0] or X.shape[0] == 0:
         raise DatasetError(
@@ -371,7 +374,7 @@ def _eval_arrays(model: Any, eval_data: Any) -> tuple[np.ndarray, np.ndarray] | 
     n_features = getattr(model, "n_features", X.shape[1])
     if X.shape[1] != n_features:
         raise DatasetError(f"eval_data has {X.shape[1]} features but the model expects {n_features}")
-    if not (np.isfinite(X).all() and np.isfinite(y).all()):
+    if not ((sparse or np.isfinite(X).all()) and np.isfinite(y).all()):
         raise DatasetError("eval_data holds NaN or inf values; remove or impute them")
     check = getattr(model, "check_labels", None)
     if callable(check):

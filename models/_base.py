@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -30,6 +30,13 @@ class Model(Protocol):
     Anything with these three members is a model; the built-ins (:class:`models.LeastSquares`,
     :class:`models.Logistic`, :class:`models.Softmax`, :class:`models.MLP`) also have ``n_features``,
     ``spec``, ``label_kind``, ``n_classes``, ``check_labels``, ``predict`` and (classifiers) ``accuracy``.
+
+    Rows ``X``: a C-contiguous float64 ndarray for a dense dataset, and a ``scipy.sparse.csr_array``
+    (float64 ``data``, int32 or int64 ``indices``, sorted, no duplicates) for a sparse one
+    (``Dataset.layout == "csr"``, e.g. built from a ``scipy.sparse`` matrix or svmlight text). In both cases
+    the rows may be read-only (they are shared by the replicas of a worker): never write into them. A model
+    that only supports dense rows should raise ``DatasetError`` saying so (as :class:`models.MLP` does);
+    the linear built-ins take both.
 
     Attributes
     ----------
@@ -171,7 +178,7 @@ def objective(
         Any object following the :class:`Model` protocol.
     w : array_like, shape (model.n_params,)
         Parameters.
-    X : array_like, shape (n_rows, n_features)
+    X : array_like or scipy.sparse matrix, shape (n_rows, n_features)
         Rows.
     y : array_like, shape (n_rows,)
         Labels.
@@ -203,7 +210,7 @@ def objective(
     if not math.isfinite(l2_value) or l2_value < 0:
         raise InvalidOptionError(f"l2 must be a finite number >= 0, got {l2!r}")
     if n_total is None:
-        n = len(np.asarray(X))
+        n = int(cast(Any, X).shape[0]) if _checks.is_sparse(X) else len(np.asarray(X))
         if n == 0:
             raise InvalidOptionError("X has no rows: pass n_total, the number of rows to average over")
     else:

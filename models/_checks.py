@@ -8,7 +8,7 @@ comes out non-finite, :func:`diagnose_nonfinite` finds out why (and only then pa
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -17,12 +17,14 @@ from distbelief.errors import DatasetError, InvalidOptionError
 
 __all__ = [
     "LabelKind",
+    "as_csr",
     "as_params",
     "as_rows",
     "as_targets",
     "binary_labels",
     "class_labels",
     "diagnose_nonfinite",
+    "is_sparse",
     "real_labels",
 ]
 
@@ -50,8 +52,51 @@ def as_params(w: ArrayLike, n_params: int, model: str) -> FloatArray:
     return arr
 
 
+def is_sparse(X: object) -> bool:
+    """Whether ``X`` is a ``scipy.sparse`` matrix or array (checked by module: no scipy import here)."""
+    return type(X).__module__.startswith("scipy.sparse")
+
+
+def as_csr(X: Any, n_features: int, model: str) -> Any:
+    """Return sparse ``X`` as CSR with float64 data and ``n_features`` columns (no copy of such input).
+
+    Indices may be int32 or int64, sorted or not; duplicates add up (as in scipy's own products).
+    """
+    if X.ndim != 2 or X.shape[1] != n_features:
+        raise DatasetError(
+            f"{model} expects rows X of shape (n_rows, {n_features}), got a sparse matrix of shape "
+            f"{X.shape}; pass a 2-D matrix with one row per example"
+        )
+    if X.format != "csr":
+        X = X.tocsr()  # a copy, as any other format must be converted for row-wise passes
+    if X.dtype != np.float64:
+        if X.dtype.kind not in "biuf":
+            raise DatasetError(f"{model} expects real-valued rows X, got a sparse matrix of dtype {X.dtype}")
+        X = X.astype(np.float64)
+    if X.indptr.dtype != X.indices.dtype:  # scipy keeps them alike, but a hand-built matrix may not
+        X = X.copy()
+        X.indptr = X.indptr.astype(X.indices.dtype)
+    # The compiled passes do not check bounds, and scipy only checks indices on request: one O(nnz) look
+    # (a few % of a pass) instead of a wrong result or a crash. Viewed unsigned, a negative index is huge.
+    nnz = int(X.indptr[-1])
+    if nnz:
+        unsigned = X.indices[:nnz].view(np.uint32 if X.indices.dtype.itemsize == 4 else np.uint64)
+        if int(unsigned.max()) >= n_features:
+            raise DatasetError(
+                f"{model} got sparse rows X with a column index outside 0..{n_features - 1}; the matrix is "
+                "malformed: rebuild it (e.g. scipy.sparse.csr_array((data, (rows, cols)), shape=...))"
+            )
+    return X
+
+
 def as_rows(X: ArrayLike, n_features: int, model: str) -> FloatArray:
     """Return ``X`` as a 2-D float64 array with ``n_features`` columns, without copying float64 input."""
+    if is_sparse(X):
+        raise DatasetError(
+            f"{model} takes dense rows X, got a scipy.sparse matrix; densify it (X.toarray(), or rebuild the "
+            "dataset from a dense array), or use a linear model (LeastSquares, Logistic, Softmax), which "
+            "take sparse rows"
+        )
     arr = np.asarray(X, dtype=np.float64)
     if arr.ndim != 2 or arr.shape[1] != n_features:
         raise DatasetError(
@@ -124,14 +169,22 @@ def class_labels(y: NDArray[np.generic], n_classes: int, model: str) -> IntArray
     return idx
 
 
-def diagnose_nonfinite(loss: float, X: FloatArray, y: NDArray[np.generic], model: str) -> float:
+def diagnose_nonfinite(loss: float, X: Any, y: NDArray[np.generic], model: str) -> float:
     """Explain a non-finite loss, or return it unchanged when it is a genuine overflow.
 
-    The parameters were already checked by :func:`as_params`.
+    The parameters were already checked by :func:`as_params`. ``X`` is dense or CSR.
 
     Only called when the loss is NaN or inf, so the full scans here cost nothing on the normal path.
     """
-    if not np.isfinite(X).all():
+    if is_sparse(X):
+        bad = ~np.isfinite(X.data[: X.indptr[-1]])
+        if bad.any():
+            bad_row = int(np.searchsorted(X.indptr, np.flatnonzero(bad)[0], side="right")) - 1
+            raise DatasetError(
+                f"the rows X given to {model} contain NaN or inf (first at row {bad_row}); "
+                "clean or drop those rows before training"
+            )
+    elif not np.isfinite(X).all():
         bad_row = int(np.flatnonzero(~np.isfinite(X).all(axis=1))[0])
         raise DatasetError(
             f"the rows X given to {model} contain NaN or inf (first at row {bad_row}); "

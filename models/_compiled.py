@@ -93,7 +93,7 @@ from typing import Any, Literal, overload
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["GLMKernel", "SoftmaxKernel", "fused_kernel"]
+__all__ = ["GLMKernel", "SoftmaxKernel", "fused_kernel", "sparse_kernel"]
 
 logger = logging.getLogger(__name__)
 
@@ -329,17 +329,127 @@ def _softmax_pass(
     return loss
 
 
+def _glm_csr_pass(
+    indptr: IntArray,
+    indices: IntArray,
+    data: FloatArray,
+    y: FloatArray,
+    coef: FloatArray,
+    intercept: float,
+    grad: FloatArray,
+    logistic: bool,
+    fused: bool,
+) -> tuple[float, float]:
+    """:func:`_glm_pass` on CSR rows: the loss and the gradient from the nonzeros, in one or two sweeps.
+
+    Row ``i``'s nonzeros ``indptr[i]:indptr[i + 1]`` give ``z_i`` (a gather from ``coef``), then its loss and
+    residual (:func:`_glm_row`), then ``grad[indices] += r_i * data`` (a scatter). ``fused``: the scatter
+    follows each row's gather while its nonzeros are in the L1 cache (one sweep over the nonzeros). Else
+    all gathers first (residuals kept, 8 bytes a row), then all scatters: the nonzeros are read twice, but
+    each sweep's random accesses touch one vector instead of two, which wins once ``coef`` and ``grad`` no
+    longer fit in the cache together (see :func:`sparse_kernel`). The indices are unsigned (views of
+    scipy's), which spares numba's negative-index wraparound on every access (2.5x on the gather).
+    Duplicate columns in a row add up, as in scipy.
+    """
+    n = indptr.shape[0] - 1
+    loss = 0.0
+    r_sum = 0.0
+    if fused:
+        for i in range(n):
+            a, b = indptr[i], indptr[i + 1]
+            z = 0.0
+            for t in range(a, b):
+                z += data[t] * coef[indices[t]]
+            li, ri = _glm_row(z + intercept, y[i], logistic)
+            loss += li
+            r_sum += ri
+            for t in range(a, b):
+                grad[indices[t]] += ri * data[t]
+        return loss, r_sum
+    r = np.empty(n)
+    for i in range(n):
+        z = 0.0
+        for t in range(indptr[i], indptr[i + 1]):
+            z += data[t] * coef[indices[t]]
+        li, ri = _glm_row(z + intercept, y[i], logistic)
+        loss += li
+        r_sum += ri
+        r[i] = ri
+    for i in range(n):
+        ri = r[i]
+        for t in range(indptr[i], indptr[i + 1]):
+            grad[indices[t]] += ri * data[t]
+    return loss, r_sum
+
+
+def _softmax_csr_pass(
+    indptr: IntArray,
+    indices: IntArray,
+    data: FloatArray,
+    labels: IntArray,
+    W: FloatArray,
+    intercept: FloatArray,
+    grad_W: FloatArray,
+    grad_b: FloatArray,
+    rows: int,
+) -> float:
+    """:func:`_softmax_pass` on CSR rows, in blocks of ``rows`` rows.
+
+    Per block: ``Z_b = X_b @ W`` by gathering the rows ``W[j]`` of the nonzeros' columns, the softmax of
+    :func:`_softmax_block` (the same arithmetic as the dense kernel), then ``grad_W[j] += x_ij * R_i`` by
+    scattering into the same rows. Parameters as :func:`fused_kernel`'s softmax kernel, with ``X`` as
+    ``(indptr, indices, data)``.
+    """
+    n = indptr.shape[0] - 1
+    k = W.shape[1]
+    step = max(1, min(rows, n))
+    flat = np.empty(step * k)
+    Z = flat.reshape(step, k)
+    top = np.empty(step, np.intp)
+    loss = 0.0
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        Z_b = Z[: stop - start]
+        for i in range(stop - start):
+            z = Z_b[i]
+            z[:] = 0.0
+            for t in range(indptr[start + i], indptr[start + i + 1]):
+                v = data[t]
+                w_row = W[indices[t]]
+                for c in range(k):
+                    z[c] += v * w_row[c]
+        loss += _softmax_block(Z_b, flat, labels[start:stop], intercept, grad_b, top)
+        for i in range(stop - start):
+            z = Z_b[i]
+            for t in range(indptr[start + i], indptr[start + i + 1]):
+                v = data[t]
+                g_row = grad_W[indices[t]]
+                for c in range(k):
+                    g_row[c] += v * z[c]
+    return loss
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Compilation
 # ----------------------------------------------------------------------------------------------------------
 
 #: The plain Python kernels, by name, before _build() rebinds the module globals to dispatchers.
 _PY_FUNCS: dict[str, Callable[..., Any]] = {
-    f.__name__: f for f in (_glm_row, _glm_pass, _exp_nonpositive, _softmax_block, _softmax_pass)
+    f.__name__: f
+    for f in (
+        _glm_row,
+        _glm_pass,
+        _exp_nonpositive,
+        _softmax_block,
+        _softmax_pass,
+        _glm_csr_pass,
+        _softmax_csr_pass,
+    )
 }
 
 _lock = threading.Lock()
-#: Built kernels by family ("glm", "softmax"); None once building failed or numba is unavailable.
+#: Built kernels by family ("glm", "softmax", "glm_csr", "softmax_csr"); None once building failed or numba
+#: is unavailable.
 _built: dict[str, Any] = {}
 
 
@@ -365,6 +475,8 @@ def _jit(nb: Any, name: str, signature: Any = None, *, cache: bool, fastmath: An
         "fastmath": _FASTMATH if fastmath is None else fastmath,
     }
     py_func = _PY_FUNCS[name]
+    if signature is None and hasattr(globals()[name], "py_func"):
+        return globals()[name]  # a helper another family already compiled
     jit = nb.njit(signature, **options) if signature is not None else nb.njit(**options)
     dispatcher = jit(py_func)
     globals()[name] = dispatcher
@@ -384,6 +496,28 @@ def _build(nb: Any, family: str, cache: bool) -> Any:
         # a buffer by a Dask worker) are taken as they are, by the one compiled version.
         return array(dtype, ndim, layout, readonly=True)
 
+    if family in ("glm_csr", "softmax_csr"):
+        # One version for 32-bit and one for 64-bit indices (scipy picks int32 while they fit), unsigned.
+        if family == "glm_csr":
+            _jit(nb, "_glm_row", cache=cache)
+            sigs = [
+                nb.types.Tuple((f8, f8))(
+                    given(it, 1, "C"), given(it, 1, "C"), given(f8, 1, "C"), given(f8, 1, "A"),
+                    given(f8, 1, "C"), f8, f8[::1], nb.boolean, nb.boolean,
+                )
+                for it in (nb.uint32, nb.uint64)
+            ]  # fmt: skip
+            return _jit(nb, "_glm_csr_pass", sigs, cache=cache)
+        _jit(nb, "_exp_nonpositive", cache=cache, fastmath={"contract"})
+        _jit(nb, "_softmax_block", cache=cache)
+        sigs = [
+            f8(
+                given(it, 1, "C"), given(it, 1, "C"), given(f8, 1, "C"), given(i8, 1, "A"), given(f8, 2, "C"),
+                given(f8, 1, "C"), f8[:, ::1], f8[::1], i8,
+            )
+            for it in (nb.uint32, nb.uint64)
+        ]  # fmt: skip
+        return _jit(nb, "_softmax_csr_pass", sigs, cache=cache)
     if family == "glm":
         _jit(nb, "_glm_row", cache=cache)
         signature = nb.types.Tuple((f8, f8))(
@@ -427,6 +561,24 @@ def _family_kernel(family: str) -> Any | None:
             logger.debug("numba %s kernels ready in %.2f s", family, time.perf_counter() - start)
         _built[family] = kernel
         return kernel
+
+
+def _glm_caller(glm: Any, logistic: bool, *, csr: bool) -> Any:
+    """The compiled least squares / logistic pass ``glm`` called as :func:`fused_kernel` and
+    :func:`sparse_kernel` document: ``kernel(X, y, coef, intercept, grad_coef) -> (loss, residual_sum)``."""
+
+    def kernel(
+        X: Any, y: FloatArray, coef: FloatArray, intercept: float, grad_coef: FloatArray
+    ) -> tuple[float, float]:
+        if csr:
+            indptr, indices = _unsigned(X)
+            fused = 16 * coef.shape[0] <= _CSR_FUSED_MAX_BYTES
+            loss, r_sum = glm(indptr, indices, X.data, y, coef, intercept, grad_coef, logistic, fused)
+        else:
+            loss, r_sum = glm(X, y, coef, intercept, grad_coef, logistic)
+        return float(loss), float(r_sum)
+
+    return kernel
 
 
 @overload
@@ -485,18 +637,91 @@ def fused_kernel(kind: KernelKind) -> GLMKernel | SoftmaxKernel | None:
     """
     if kind in ("least_squares", "logistic"):
         glm = _family_kernel("glm")
-        if glm is None:
-            return None
-        logistic = kind == "logistic"
-
-        def kernel(
-            X: FloatArray, y: FloatArray, coef: FloatArray, intercept: float, grad_coef: FloatArray
-        ) -> tuple[float, float]:
-            loss, r_sum = glm(X, y, coef, intercept, grad_coef, logistic)
-            return float(loss), float(r_sum)
-
-        return kernel
+        return None if glm is None else _glm_caller(glm, kind == "logistic", csr=False)
     if kind == "softmax":
         softmax: SoftmaxKernel | None = _family_kernel("softmax")
         return softmax
+    raise ValueError(f"no compiled kernel for model kind {kind!r}; expected least_squares, logistic, softmax")
+
+
+#: The CSR least squares / logistic kernel sweeps the nonzeros once while ``coef`` and ``grad`` take at most
+#: this many bytes together (2**17 features), else twice (see :func:`sparse_kernel`).
+_CSR_FUSED_MAX_BYTES = 2 << 20
+
+
+def _unsigned(X: Any) -> tuple[IntArray, IntArray]:
+    """``X.indptr`` and ``X.indices`` viewed as unsigned (no copy): numba skips wraparound checks then."""
+    kind = {4: np.uint32, 8: np.uint64}[X.indices.dtype.itemsize]
+    return X.indptr.astype(kind, copy=False), X.indices.view(kind)
+
+
+#: ``kernel(X, y, coef, intercept, grad_coef) -> (loss, residual_sum)`` with ``X`` a CSR matrix.
+CSRGLMKernel = Callable[[Any, FloatArray, FloatArray, float, FloatArray], tuple[float, float]]
+#: ``kernel(X, labels, W, intercept, grad_W, grad_b, rows) -> loss`` with ``X`` a CSR matrix.
+CSRSoftmaxKernel = Callable[[Any, IntArray, FloatArray, FloatArray, FloatArray, FloatArray, int], float]
+
+
+@overload
+def sparse_kernel(kind: Literal["least_squares", "logistic"]) -> CSRGLMKernel | None: ...
+
+
+@overload
+def sparse_kernel(kind: Literal["softmax"]) -> CSRSoftmaxKernel | None: ...
+
+
+def sparse_kernel(kind: KernelKind) -> CSRGLMKernel | CSRSoftmaxKernel | None:
+    """The compiled one-pass loss-and-gradient kernel of a linear model on CSR rows, or None without numba.
+
+    As :func:`fused_kernel`, with ``X`` a ``scipy.sparse`` CSR matrix or array (float64 ``data``, int32 or
+    int64 ``indices``/``indptr``, sorted or not; duplicates add up; every index in ``0..n_features-1``, as
+    :func:`models._checks.as_csr` makes sure: the kernels do not check bounds). Per row a gather from the
+    coefficients, the loss and residual, and a scatter into the gradient.
+
+    Least squares and logistic: one sweep over the nonzeros while ``coef`` and ``grad`` fit in the cache
+    together (``16 * n_features <= _CSR_FUSED_MAX_BYTES``), else a sweep of gathers then a sweep of
+    scatters. CPU time (not wall: the machine was shared, load ~11 on 2 cores), medians of 7, 200,000 rows
+    with 40 random sorted columns each, plain numba loops:
+
+    ============  ==========  ====================  =====================
+    n_features    one sweep   gathers, scatters     scipy X @ w, X.T @ r
+    ============  ==========  ====================  =====================
+    2**14         15.7 ms     19.1 ms               20.2 ms
+    2**17         26.7 ms     22.6 ms               23.7 ms
+    2**20         104 ms      72.5-81 ms            84-91 ms
+    2**23         138-144 ms  128-131 ms            140-157 ms
+    ============  ==========  ====================  =====================
+
+    With signed indices (numba then adds a wraparound branch to every access) the gather alone took
+    57-80 ms at 2**20, against 26-30 ms unsigned and 20-35 ms for scipy's ``X @ w``.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> kernel = sparse_kernel("least_squares")
+    >>> X, y, grad = sp.csr_array(np.array([[1.0, 0.0], [0.0, 4.0]])), np.array([1.0, 0.0]), np.zeros(2)
+    >>> if kernel is not None:  # numba is installed
+    ...     loss, r_sum = kernel(X, y, np.array([1.0, 0.0]), 0.5, grad)
+    ...     assert (loss, r_sum) == (0.25, 1.0) and grad.tolist() == [0.5, 2.0]
+    """
+    if kind in ("least_squares", "logistic"):
+        glm = _family_kernel("glm_csr")
+        return None if glm is None else _glm_caller(glm, kind == "logistic", csr=True)
+    if kind == "softmax":
+        softmax = _family_kernel("softmax_csr")
+        if softmax is None:
+            return None
+
+        def softmax_kernel(
+            X: Any,
+            labels: IntArray,
+            W: FloatArray,
+            intercept: FloatArray,
+            grad_W: FloatArray,
+            grad_b: FloatArray,
+            rows: int,
+        ) -> float:
+            indptr, indices = _unsigned(X)
+            return float(softmax(indptr, indices, X.data, labels, W, intercept, grad_W, grad_b, rows))
+
+        return softmax_kernel
     raise ValueError(f"no compiled kernel for model kind {kind!r}; expected least_squares, logistic, softmax")

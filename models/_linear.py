@@ -107,7 +107,12 @@ def _block_rows(X: FloatArray, n_outputs: int) -> int:
         otherwise about :data:`_BLOCK_BYTES` of rows (at least 1), capped for several outputs at
         :data:`_SMALL_GEMM_MNK`.
     """
-    if X.nbytes <= _BLOCK_MIN_BYTES or X.dtype != np.float64 or not X.flags.c_contiguous:
+    if (
+        _checks.is_sparse(X)
+        or X.nbytes <= _BLOCK_MIN_BYTES
+        or X.dtype != np.float64
+        or not X.flags.c_contiguous
+    ):
         return 0
     row_bytes = X.shape[1] * X.itemsize
     rows = max(1, _BLOCK_BYTES // row_bytes)
@@ -213,8 +218,14 @@ class _Linear(ModelBase):
         return np.zeros(self.n_params)
 
     def _checked(self, w: ArrayLike, X: ArrayLike) -> tuple[FloatArray, FloatArray]:
-        """``w`` and ``X`` checked and as float64 arrays (no copy of float64 input)."""
+        """``w`` and ``X`` checked and as float64 arrays (no copy of float64 input); sparse ``X`` as CSR.
+
+        Sparse rows are typed as arrays here: every use of them below (``X @ coef``, ``X.T @ R``, ``X.shape``)
+        is one that scipy's CSR supports, and the compiled CSR pass is chosen by :meth:`_compiled_csr`.
+        """
         w_arr = _checks.as_params(w, self.n_params, self._name)
+        if _checks.is_sparse(X):
+            return w_arr, _checks.as_csr(X, self._n_features, self._name)
         return w_arr, _checks.as_rows(X, self._n_features, self._name)
 
     def _coef(self, w: FloatArray) -> tuple[FloatArray, FloatArray | float]:
@@ -376,6 +387,43 @@ class _Linear(ModelBase):
             grad[n_coef] = r_sum
         return loss, grad
 
+    def _compiled_csr(
+        self, y: FloatArray | NDArray[np.intp], w: FloatArray, X: Any
+    ) -> tuple[float, FloatArray] | None:
+        """The loss and gradient on CSR rows in one compiled pass over the nonzeros, or None without numba.
+
+        ``y``: float64 targets/labels (least squares, logistic) or intp class labels (softmax). Without
+        numba the caller's two-pass path runs, through scipy's sparse products.
+        """
+        grad = np.zeros(self.n_params)
+        d, k = self._n_features, self._n_outputs
+        n_coef = d * k
+        if self.kind == "softmax":
+            softmax = _compiled.sparse_kernel("softmax")
+            if softmax is None:
+                return None
+            W = np.ascontiguousarray(w[:n_coef]).reshape(d, k)
+            if self._fit_intercept:
+                intercept, grad_b = np.ascontiguousarray(w[n_coef:]), grad[n_coef:]
+            else:
+                intercept, grad_b = np.zeros(k), np.zeros(k)
+            # Blocks of about 64 KiB of Z: in L2 with the W rows they gather, and few kernel-level loops.
+            rows = max(1, 8192 // k)
+            loss = softmax(
+                X, y.astype(np.intp, copy=False), W, intercept, grad[:n_coef].reshape(d, k), grad_b, rows
+            )
+            return loss, grad
+        glm = _compiled.sparse_kernel("logistic" if self.kind == "logistic" else "least_squares")
+        if glm is None:
+            return None
+        coef, b = self._coef(w)
+        loss, r_sum = glm(
+            X, y.astype(np.float64, copy=False), np.ascontiguousarray(coef), float(b), grad[:n_coef]
+        )
+        if self._fit_intercept:
+            grad[n_coef] = r_sum
+        return loss, grad
+
     def _compiled_softmax(
         self, labels: NDArray[np.intp], w: FloatArray, X: FloatArray, rows: int
     ) -> tuple[float, FloatArray] | None:
@@ -409,7 +457,9 @@ class _Linear(ModelBase):
         k = self._n_outputs
         n_coef = self._n_features * k
         grad = np.empty(self.n_params)
-        if k == 1:
+        if _checks.is_sparse(X):
+            grad[:n_coef] = (X.T @ R).reshape(-1)  # scipy: no out=, and X.T of a CSR is a CSC view
+        elif k == 1:
             np.matmul(R, X, out=grad[:n_coef])
         else:
             np.matmul(X.T, R, out=grad[:n_coef].reshape(self._n_features, k))
@@ -498,7 +548,10 @@ class LeastSquares(_Linear):
         w_arr, X_arr = self._checked(w, X)
         rows = _block_rows(X_arr, 1)
         y_arr = np.asarray(_checks.as_targets(y, X_arr.shape[0], self._name), dtype=np.float64)
-        if rows:
+        compiled = self._compiled_csr(y_arr, w_arr, X_arr) if _checks.is_sparse(X_arr) else None
+        if compiled is not None:
+            loss, grad = compiled
+        elif rows:
             r = np.empty(X_arr.shape[0])
 
             def residual_(z_b: FloatArray, start: int, stop: int) -> tuple[FloatArray, float]:
@@ -619,7 +672,10 @@ class Logistic(_Linear):
         # dloss/dz = sigmoid(z) - y = (1 - 2 y) * sigmoid(t): no cancellation of sigmoid(z) - 1 when y = 1.
         sign = np.multiply(y_arr, -2.0)
         sign += 1.0  # 1 - 2 y: +1 for label 0, -1 for label 1
-        if rows:
+        compiled = self._compiled_csr(y_arr, w_arr, X_arr) if _checks.is_sparse(X_arr) else None
+        if compiled is not None:
+            loss, grad = compiled
+        elif rows:
             t = np.empty(X_arr.shape[0])
             r_buf = np.empty(min(rows, X_arr.shape[0]))
 
@@ -799,7 +855,10 @@ class Softmax(_Linear):
         rows = _block_rows(X_arr, self._n_outputs)
         y_raw = _checks.as_targets(y, X_arr.shape[0], self._name)
         labels = _checks.class_labels(y_raw, self._n_outputs, self._name)
-        if rows:
+        compiled = self._compiled_csr(labels, w_arr, X_arr) if _checks.is_sparse(X_arr) else None
+        if compiled is not None:
+            loss, grad = compiled
+        elif rows:
 
             def residual_(Z_b: FloatArray, start: int, stop: int) -> tuple[FloatArray, float]:
                 # Z_b is a leading row slice of a C-contiguous buffer, so C-contiguous as softmax_xent_ needs.

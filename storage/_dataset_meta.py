@@ -18,8 +18,11 @@ FloatArray = npt.NDArray[np.float64]
 
 #: Value of the ``format`` group attribute that marks a zarr group as a distbelief dataset.
 FORMAT_NAME = "distbelief.dataset"
-#: Layout version written by this code; ``open`` refuses newer versions.
+#: Layout version written by this code for dense datasets; ``open`` refuses newer versions than
+#: :data:`_READ_VERSION` (sparse datasets are written as version 2, so that older readers refuse them).
 FORMAT_VERSION = 1
+_READ_VERSION = 2
+_LAYOUTS = ("dense", "csr")
 _LABEL_KINDS = ("real", "binary", "classes")
 
 
@@ -37,6 +40,7 @@ class _Meta:
     n_classes: int | None
     created_at: str
     format_version: int = FORMAT_VERSION
+    layout: str = "dense"  # or "csr" (storage/_sparse.py)
 
     def to_attrs(self) -> dict[str, Any]:
         return {"format": FORMAT_NAME, **asdict(self)}
@@ -50,10 +54,10 @@ class _Meta:
                 "build a dataset there with Dataset.from_arrays / from_npz / from_csv, or open another path"
             )
         version = attrs.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        if not isinstance(version, int) or version > _READ_VERSION or version < 1:
             raise StoreError(
-                f"{where} holds dataset format version {version!r}, but this distbelief reads version "
-                f"{FORMAT_VERSION}; upgrade distbelief or rebuild the dataset"
+                f"{where} holds dataset format version {version!r}, but this distbelief reads versions "
+                f"1 to {_READ_VERSION}; upgrade distbelief or rebuild the dataset"
             )
         try:
             meta = cls(
@@ -66,9 +70,14 @@ class _Meta:
                 n_classes=None if attrs["n_classes"] is None else int(attrs["n_classes"]),
                 created_at=str(attrs["created_at"]),
                 format_version=version,
+                layout=attrs.get("layout", "dense"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StoreError(f"{where}: dataset metadata is damaged ({exc!r}); rebuild the dataset") from exc
-        if meta.label_kind not in _LABEL_KINDS or min(meta.n_rows, meta.n_features, meta.chunk_rows) < 1:
+        if (
+            meta.label_kind not in _LABEL_KINDS
+            or meta.layout not in _LAYOUTS
+            or min(meta.n_rows, meta.n_features, meta.chunk_rows) < 1
+        ):
             raise StoreError(f"{where}: dataset metadata is damaged ({meta}); rebuild the dataset")
         return meta

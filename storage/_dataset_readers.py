@@ -18,8 +18,8 @@ from distbelief.storage._dataset_meta import _Meta
 # ------------------------------------------------------------------------------------------- readers
 
 
-def _plain_layout(arr: zarr.Array, chunk_shape: tuple[int, ...]) -> bool:
-    """True when chunks are raw little-endian float64 at the standard keys, so they can be read directly."""
+def _plain_layout(arr: zarr.Array, chunk_shape: tuple[int, ...], dtype: str = "<f8") -> bool:
+    """True when chunks are raw little-endian ``dtype`` at the standard keys, so they can be read directly."""
     try:
         # zarr's internals may move between versions: on any surprise, use zarr's own reader instead.
         from zarr.codecs import BytesCodec
@@ -32,7 +32,7 @@ def _plain_layout(arr: zarr.Array, chunk_shape: tuple[int, ...]) -> bool:
         codecs = meta.codecs
         return (
             sys.byteorder == "little"
-            and arr.dtype == np.dtype("<f8")
+            and arr.dtype == np.dtype(dtype)
             and tuple(arr.chunks) == chunk_shape
             and len(codecs) == 1
             and isinstance(codecs[0], BytesCodec)
@@ -63,7 +63,7 @@ def _read_exact(path: str, offset: int, buf: memoryview) -> None:
         raise _ShortReadError(path) from exc
 
 
-def _open_checked(loc: _Location, *, expected_id: str | None) -> tuple[_Meta, tuple[zarr.Array, zarr.Array]]:
+def _open_checked(loc: _Location, *, expected_id: str | None) -> tuple[_Meta, tuple[zarr.Array, ...]]:
     where = loc.url
     hint = "build one with Dataset.from_arrays / from_npz / from_csv, or check the path"
     try:
@@ -77,6 +77,10 @@ def _open_checked(loc: _Location, *, expected_id: str | None) -> tuple[_Meta, tu
         raise StoreError(
             f"the dataset at {where} was replaced after this Dataset object was made; open it again"
         )
+    if meta.layout == "csr":
+        from distbelief.storage import _sparse
+
+        return meta, _sparse.checked_arrays(group, meta, where)
     try:
         X, y = group["X"], group["y"]
     except KeyError as exc:

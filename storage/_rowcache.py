@@ -10,6 +10,9 @@ the store again. zarr stays the source of truth; this is only a cache.
 * Bounded: least recently used ranges are dropped beyond the byte budget, by default a quarter of the
   worker's memory limit (a quarter of the machine's memory outside a worker), or
   ``DISTBELIEF_ROW_CACHE_BYTES`` (0 turns the cache off).
+* Sparse datasets work the same: their rows are ``scipy.sparse.csr_array`` (its arrays read-only), counted
+  by their ``data``, ``indices`` and ``indptr`` bytes; a sub-range of a cached range is a row slice (a copy,
+  as scipy has no views of CSR rows), the exact range is the cached matrix itself.
 * The cached arrays are read-only: every replica on the worker shares them, and a model that wrote into
   its input would corrupt the others' rows, so it fails loudly instead.
 
@@ -35,6 +38,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from distbelief.storage._sparse import freeze, nbytes
 
 __all__ = ["ROW_CACHE_ENV", "RowCache", "default_row_cache"]
 
@@ -80,8 +85,8 @@ class RowCache:
             return found
         # Read outside the lock: two threads may read the same range at once; the second insert wins.
         X, y = dataset.read_rows(start, stop)
-        X.flags.writeable = False
-        y.flags.writeable = False
+        freeze(X)
+        freeze(y)
         self._insert((dataset_id, start, stop), X, y)
         return X, y
 
@@ -104,23 +109,25 @@ class RowCache:
                 if key_id == dataset_id and lo <= start and stop <= hi:
                     self._entries.move_to_end(key)
                     self.hits += 1
+                    if (lo, hi) == (start, stop):
+                        return X, y  # a sparse X would be copied by slicing
                     return X[start - lo : stop - lo], y[start - lo : stop - lo]
             self.misses += 1
             return None
 
     def _insert(self, key: _Key, X: FloatArray, y: FloatArray) -> None:
-        size = X.nbytes + y.nbytes
+        size = nbytes(X) + y.nbytes
         if size > self.budget_bytes:
             return
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self._bytes -= old[0].nbytes + old[1].nbytes
+                self._bytes -= nbytes(old[0]) + old[1].nbytes
             self._entries[key] = (X, y)
             self._bytes += size
             while self._bytes > self.budget_bytes:
                 _, (X_old, y_old) = self._entries.popitem(last=False)
-                self._bytes -= X_old.nbytes + y_old.nbytes
+                self._bytes -= nbytes(X_old) + y_old.nbytes
 
     def clear(self) -> None:
         """Drop every cached range."""

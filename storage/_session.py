@@ -15,6 +15,7 @@ from distributed.comm import get_address_host
 
 from distbelief.errors import ClusterError, InvalidOptionError
 from distbelief.storage._dataset import Dataset
+from distbelief.storage._sparse import is_sparse
 
 __all__ = [
     "as_dataset",
@@ -176,7 +177,8 @@ def as_dataset(data: Any, store: str) -> Dataset:
         return data
     if isinstance(data, tuple) and len(data) == 2:
         X, y = data
-        return Dataset.from_arrays(
-            np.asarray(X), np.asarray(y), path=os.path.join(store, "data"), overwrite=True
-        )
-    raise InvalidOptionError("data must be a storage.Dataset or a tuple (X, y) of arrays")
+        rows = X if is_sparse(X) else np.asarray(X)  # scipy.sparse rows make a sparse dataset
+        return Dataset.from_arrays(rows, np.asarray(y), path=os.path.join(store, "data"), overwrite=True)
+    raise InvalidOptionError(
+        "data must be a storage.Dataset or a tuple (X, y) of arrays (X may be a scipy.sparse matrix)"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 import numpy as np
@@ -213,3 +214,29 @@ def test_bad_input_is_refused_before_anything_runs(client: Client, digits: Datas
         downpour.train(models.Softmax(3, 10), digits, max_steps=1, client=client)
     with pytest.raises(InvalidOptionError, match="at least one row"):
         downpour.train(model, (X_TR[:3], Y_TR[:3]), replicas=4, max_steps=1, client=client)
+
+
+def test_sparse_rows_train_as_their_dense_copy(client: Client, tmp_path: Path) -> None:
+    import scipy.sparse as sp
+
+    X = sp.csr_array(X_TR)  # digits are ~half zeros
+    model = models.Softmax(64, 10)
+    common: dict[str, Any] = {
+        "replicas": 1, "shards": 2, "rule": "adagrad", "lr": 0.3, "max_steps": 150, "max_staleness": 0,
+        "client": client, "seed": 4,
+    }  # fmt: skip
+    sparse_ds = Dataset.from_arrays(
+        X, Y_TR, path=tmp_path / "s", portion_rows=512, label_kind="classes", n_classes=10
+    )
+    dense_ds = Dataset.from_arrays(
+        X_TR, Y_TR, path=tmp_path / "d", portion_rows=512, label_kind="classes", n_classes=10
+    )
+    sparse_run = downpour.train(model, sparse_ds, eval_data=(sp.csr_array(X_TE), Y_TE), **common)
+    dense_run = downpour.train(model, dense_ds, eval_data=(X_TE, Y_TE), **common)
+    batches = reference_batches(sparse_ds, seed=4, steps=150)
+    ref = sequential_sgd(model, X, Y_TR, model.init_params(0), batches, rule="adagrad", lr=0.3)
+    np.testing.assert_allclose(sparse_run.x, dense_run.x, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(sparse_run.x, ref.x, rtol=1e-10, atol=1e-12)
+    # Evaluations happen on a clock (how many differs); the first (at x0) and the last (at x) do not.
+    sparse_loss, dense_loss = sparse_run.history.test_loss.values, dense_run.history.test_loss.values
+    np.testing.assert_allclose(sparse_loss[[0, -1]], dense_loss[[0, -1]], rtol=1e-10)
