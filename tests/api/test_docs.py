@@ -14,6 +14,7 @@ MODULES = [
     "distbelief.api._http",
     "distbelief.api.client",
     "distbelief.api.main",
+    "distbelief.api._docs",
 ]
 
 
