@@ -15,6 +15,7 @@ MODULES = [
     "distbelief.api.client",
     "distbelief.api.main",
     "distbelief.api._docs",
+    "distbelief.api.cli",
 ]
 
 
