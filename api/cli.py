@@ -153,12 +153,14 @@ def _status(args: argparse.Namespace) -> int:
     if not jobs:
         print("no jobs")
         return 0
+    # The same objective for every algorithm: F(w) on the training data (Downpour's running mini-batch loss is
+    # in its metrics, not here).
     print(
-        f"{'id':16}  {'status':9}  {'algorithm':17}  {'dataset':16}  {'iter':>6}  {'objective':>12}  created"
+        f"{'id':16}  {'status':9}  {'algorithm':17}  {'dataset':16}  {'iter':>6}  {'F(w) train':>12}  created"
     )
     for j in jobs:
         latest = j.get("latest") or {}
-        value = latest.get("objective", latest.get("loss"))
+        value = (j.get("result") or {}).get("objective", latest.get("objective"))
         shown = f"{value:12.6g}" if isinstance(value, float) else f"{'':12}"
         print(
             f"{j['id']:16}  {j['status']:9}  {j['algorithm']:17}  {j['dataset'][:16]:16}  "

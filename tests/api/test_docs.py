@@ -16,6 +16,7 @@ MODULES = [
     "distbelief.api.main",
     "distbelief.api._docs",
     "distbelief.api.cli",
+    "distbelief.api.runner",
 ]
 
 
