@@ -53,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     app = create_app(settings)  # refuses a non-loopback host without a token
+    _check_port(settings.host, settings.port)
     print(
         f"distbelief: serving on http://{settings.host}:{settings.port}/ (store {settings.store})", flush=True
     )
@@ -72,6 +73,22 @@ def _check_url(url: str) -> str:
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise CliError(f"{url!r} is not an http:// or https:// URL with a host; {fix}", 2)
     return url
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail in one line, before the cluster starts, if ``host:port`` cannot be listened on."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise CliError(
+                f"cannot listen on {host}:{port} ({exc.strerror or exc}): stop what uses it, or pick another "
+                "address with --host/--port (DISTBELIEF_HOST/DISTBELIEF_PORT)"
+            ) from exc
 
 
 def _client(args: argparse.Namespace) -> Any:

@@ -197,3 +197,18 @@ def test_datasets_upload_list_show(
     assert shown["name"] == "small" and shown["n_rows"] == 40 and shown["n_features"] == 4
     code, _, err = run(["datasets", "show", "no-such-data", "--url", server], capsys)
     assert_one_line(code, err, "HTTP 404", "no-such-data")
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in ("DISTBELIEF_API_TOKEN", "DISTBELIEF_HOST", "DISTBELIEF_PORT", "DISTBELIEF_SCHEDULER"):
+        monkeypatch.delenv(var, raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        code, _, err = run(["serve", "--port", str(port), "--store", str(tmp_path)], capsys)
+    assert_one_line(code, err, f"cannot listen on 127.0.0.1:{port}", "--port")
+    code, _, err = run(["serve", "--host", "0.0.0.0", "--store", str(tmp_path)], capsys)
+    assert_one_line(code, err, "refusing to listen on 0.0.0.0 without a token", "DISTBELIEF_API_TOKEN")
