@@ -73,12 +73,10 @@ def add_docs(app: FastAPI) -> None:
 
     Examples
     --------
-    >>> from fastapi.testclient import TestClient
     >>> app = FastAPI(title="t", docs_url=None, redoc_url=None)
     >>> add_docs(app)
-    >>> page = TestClient(app).get("/docs").text
-    >>> "/docs-assets/swagger-ui-bundle.js" in page and "cdn" not in page
-    True
+    >>> sorted(route.path for route in app.routes if "doc" in route.path)
+    ['/docs', '/docs-assets/{name}', '/docs/oauth2-redirect', '/redoc']
     """
     folder = assets_dir()
     openapi_url = app.openapi_url or "/openapi.json"

@@ -20,18 +20,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from distbelief.errors import InvalidOptionError
+
 __all__ = ["main"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT = 30.0
-
-
-class CliError(Exception):
-    """A failure the CLI reports in one line (``message``) and exits with ``code``."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Any:
@@ -62,16 +56,16 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_url(url: str) -> str:
-    """The service URL, or a :class:`CliError` that says what a good one looks like."""
+    """The service URL, or an :class:`InvalidOptionError` that says what a good one looks like."""
     import httpx
 
     fix = f"give the service's address like {DEFAULT_URL} (--url or DISTBELIEF_URL)"
     try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, TypeError) as exc:
-        raise CliError(f"{url!r} is not a valid URL ({exc}); {fix}", 2) from exc
+        raise InvalidOptionError(f"{url!r} is not a valid URL ({exc}); {fix}") from exc
     if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise CliError(f"{url!r} is not an http:// or https:// URL with a host; {fix}", 2)
+        raise InvalidOptionError(f"{url!r} is not an http:// or https:// URL with a host; {fix}")
     return url
 
 
@@ -85,7 +79,7 @@ def _check_port(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise CliError(
+            raise InvalidOptionError(
                 f"cannot listen on {host}:{port} ({exc.strerror or exc}): stop what uses it, or pick another "
                 "address with --host/--port (DISTBELIEF_HOST/DISTBELIEF_PORT)"
             ) from exc
@@ -144,9 +138,11 @@ def _submit(args: argparse.Namespace) -> int:
         with open(args.job, encoding="utf-8") as fh:
             spec = json.load(fh)
     except OSError as exc:
-        raise CliError(f"cannot read {args.job}: {exc.strerror or exc}", 2) from exc
+        raise InvalidOptionError(f"cannot read {args.job}: {exc.strerror or exc}") from exc
     except json.JSONDecodeError as exc:
-        raise CliError(f"{args.job} is not valid JSON ({exc}); write the body of POST /api/jobs", 2) from exc
+        raise InvalidOptionError(
+            f"{args.job} is not valid JSON ({exc}); write the body of POST /api/jobs"
+        ) from exc
     with _client(args) as client:
         job = client.submit(spec)
         print(f"submitted job {job['id']} ({job['algorithm']} on {job['dataset']})", flush=True)
@@ -191,11 +187,11 @@ def _datasets_upload(args: argparse.Namespace) -> int:
 
     path = Path(args.file)
     if path.suffix.lower() not in (".npz", ".csv"):
-        raise CliError(f"{args.file} is neither .npz (arrays X and y) nor .csv; upload one of those", 2)
+        raise InvalidOptionError(f"{args.file} is neither .npz (with arrays X and y) nor .csv: upload one")
     try:
         content = path.read_bytes()
     except OSError as exc:
-        raise CliError(f"cannot read {args.file}: {exc.strerror or exc}", 2) from exc
+        raise InvalidOptionError(f"cannot read {args.file}: {exc.strerror or exc}") from exc
     name = args.name or path.stem
     with _client(args) as client:
         ds = client.upload_file(
@@ -490,10 +486,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:
         return fail("interrupted", 130)
-    except CliError as exc:
+    except InvalidOptionError as exc:  # a bad argument, file or setting: the usage exit code
         if args.debug:
             raise
-        return fail(str(exc), exc.code)
+        return fail(str(exc), 2)
     except Exception as exc:
         if args.debug:
             raise
