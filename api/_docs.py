@@ -82,20 +82,26 @@ def add_docs(app: FastAPI) -> None:
     openapi_url = app.openapi_url or "/openapi.json"
     oauth2_redirect = app.swagger_ui_oauth2_redirect_url or "/docs/oauth2-redirect"
 
+    def urls(request: Request) -> dict[str, str]:
+        # Behind a proxy that mounts the app under a prefix, every URL the page loads carries it.
+        root = request.scope.get("root_path", "")
+        return {"openapi_url": f"{root}{openapi_url}", "assets": f"{root}{ASSETS_PREFIX}"}
+
     @app.get("/docs", include_in_schema=False)
     def swagger_ui(request: Request) -> HTMLResponse:
-        root = request.scope.get("root_path", "")
-        page = get_swagger_ui_html(
-            openapi_url=f"{root}{openapi_url}",
-            title=f"{app.title} - Swagger UI",
-            swagger_js_url=f"{root}{ASSETS_PREFIX}/swagger-ui-bundle.js",
-            swagger_css_url=f"{root}{ASSETS_PREFIX}/swagger-ui.css",
-            swagger_favicon_url=f"{root}{ASSETS_PREFIX}/favicon.png",
-            oauth2_redirect_url=oauth2_redirect,
-            # No call to the public validator service: the page must not leave this host.
-            swagger_ui_parameters={**(app.swagger_ui_parameters or {}), "validatorUrl": None},
+        u = urls(request)
+        return _local_only(
+            get_swagger_ui_html(
+                openapi_url=u["openapi_url"],
+                title=f"{app.title} - Swagger UI",
+                swagger_js_url=u["assets"] + "/swagger-ui-bundle.js",
+                swagger_css_url=u["assets"] + "/swagger-ui.css",
+                swagger_favicon_url=u["assets"] + "/favicon.png",
+                oauth2_redirect_url=oauth2_redirect,
+                # No call to the public validator service: the page must not leave this host.
+                swagger_ui_parameters={**(app.swagger_ui_parameters or {}), "validatorUrl": None},
+            )
         )
-        return _local_only(page)
 
     @app.get(oauth2_redirect, include_in_schema=False)
     def swagger_ui_redirect() -> HTMLResponse:
@@ -103,12 +109,13 @@ def add_docs(app: FastAPI) -> None:
 
     @app.get("/redoc", include_in_schema=False)
     def redoc(request: Request) -> HTMLResponse:
-        root = request.scope.get("root_path", "")
+        u = urls(request)
+        # No Google Fonts: ReDoc falls back to the browser's fonts.
         page = get_redoc_html(
-            openapi_url=f"{root}{openapi_url}",
+            openapi_url=u["openapi_url"],
             title=f"{app.title} - ReDoc",
-            redoc_js_url=f"{root}{ASSETS_PREFIX}/redoc.standalone.js",
-            redoc_favicon_url=f"{root}{ASSETS_PREFIX}/favicon.png",
+            redoc_js_url=u["assets"] + "/redoc.standalone.js",
+            redoc_favicon_url=u["assets"] + "/favicon.png",
             with_google_fonts=False,
         )
         return _local_only(page)
