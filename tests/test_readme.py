@@ -62,7 +62,12 @@ def test_bash_block_runs_against_a_live_service(index: int, tmp_path: Path, clie
         proc = subprocess.run(
             ["bash", "-c", prelude + BASH[index]],
             cwd=tmp_path,
-            env=_env(DISTBELIEF_URL=url, DISTBELIEF_API_TOKEN=TOKEN),
+            # `python` is this interpreter, as in the shell the README's reader installed distbelief in.
+            env=_env(
+                DISTBELIEF_URL=url,
+                DISTBELIEF_API_TOKEN=TOKEN,
+                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+            ),
             capture_output=True,
             text=True,
             timeout=280,
