@@ -15,8 +15,8 @@ COPY models ./models
 COPY sandblaster ./sandblaster
 COPY downpour ./downpour
 COPY api ./api
-# bokeh serves the Dask dashboard (port 8787) that the web dashboard links to.
-RUN pip install . "bokeh>=3.1" && rm -rf /src
+# The dependencies include bokeh, which serves the Dask dashboard (port 8787) that the web dashboard links to.
+RUN pip install . && rm -rf /src
 
 # An unprivileged user owns the store volume.
 RUN useradd --create-home --uid 10001 distbelief && mkdir -p /data/store && chown -R distbelief /data

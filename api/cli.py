@@ -1,4 +1,7 @@
-"""The ``distbelief`` command line: ``serve``, ``submit``, ``status`` and ``demo``.
+"""The ``distbelief`` command line: ``serve``, ``submit``, ``status``, ``datasets`` and ``demo``.
+
+Every command that talks to a service reports a server that is down, a bad URL, a wrong token or a timeout
+in one line that says what to do, and exits with a non-zero code; ``--debug`` shows the traceback instead.
 
 ``distbelief demo`` starts the embedded service (a local Dask cluster, a temporary zarr store, the REST API
 on 127.0.0.1), uploads the handwritten digits through the API, runs a Sandblaster L-BFGS job and a Downpour
@@ -14,12 +17,15 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from distbelief.errors import InvalidOptionError
 
 __all__ = ["main"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_TIMEOUT = 30.0
 
 
 def _settings(args: argparse.Namespace, **extra: Any) -> Any:
@@ -41,6 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     app = create_app(settings)  # refuses a non-loopback host without a token
+    _check_port(settings.host, settings.port)
     print(
         f"distbelief: serving on http://{settings.host}:{settings.port}/ (store {settings.store})", flush=True
     )
@@ -48,19 +55,94 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_url(url: str) -> str:
+    """The service URL, or an :class:`InvalidOptionError` that says what a good one looks like."""
+    import httpx
+
+    fix = f"give the service's address like {DEFAULT_URL} (--url or DISTBELIEF_URL)"
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise InvalidOptionError(f"{url!r} is not a valid URL ({exc}); {fix}") from exc
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise InvalidOptionError(f"{url!r} is not an http:// or https:// URL with a host; {fix}")
+    return url
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail in one line, before the cluster starts, if ``host:port`` cannot be listened on."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise InvalidOptionError(
+                f"cannot listen on {host}:{port} ({exc.strerror or exc}): stop what uses it, or pick another "
+                "address with --host/--port (DISTBELIEF_HOST/DISTBELIEF_PORT)"
+            ) from exc
+
+
 def _client(args: argparse.Namespace) -> Any:
     from distbelief.api.client import Client
 
-    return Client(args.url, token=os.environ.get("DISTBELIEF_API_TOKEN") or None)
+    url = _check_url(args.url)
+    return Client(url, token=os.environ.get("DISTBELIEF_API_TOKEN") or None, timeout=args.timeout)
+
+
+def explain(exc: BaseException, url: str, timeout: float) -> str | None:
+    """One line that says what went wrong talking to the service at ``url``, and what to do; ``None`` if
+    ``exc`` is not such a failure.
+
+    Examples
+    --------
+    >>> import httpx
+    >>> explain(httpx.ConnectError("Connection refused"), "http://127.0.0.1:8000", 30)
+    'cannot reach the service at http://127.0.0.1:8000 (Connection refused): is it running? Start it with ...'
+    """
+    import httpx
+
+    from distbelief.api.client import ApiError
+
+    if isinstance(exc, ApiError) and exc.status_code == 401:
+        return (
+            f"the service at {url} refused the request (HTTP 401: {exc.detail}); set DISTBELIEF_API_TOKEN to "
+            "the token the server was started with"
+        )
+    if isinstance(exc, ApiError):
+        return f"the service at {url} refused the request: {exc}"
+    if isinstance(exc, httpx.TimeoutException):
+        return (
+            f"the service at {url} did not answer within {timeout:g} s; it may be busy or stuck: try again, "
+            "give it longer with --timeout, or read the server's log"
+        )
+    if isinstance(exc, httpx.ConnectError | httpx.RemoteProtocolError | httpx.ReadError):
+        reason = str(exc) or type(exc).__name__
+        return (
+            f"cannot reach the service at {url} ({reason}): is it running? Start it with `distbelief serve`, "
+            "or point --url (or DISTBELIEF_URL) at where it runs"
+        )
+    if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
+        return f"{url!r} is not a valid service URL ({exc}); give one like {DEFAULT_URL} (--url)"
+    if isinstance(exc, httpx.HTTPError):
+        return (
+            f"talking to the service at {url} failed ({type(exc).__name__}: {exc}); try again or use --debug"
+        )
+    return None
 
 
 def _submit(args: argparse.Namespace) -> int:
-    with open(args.job, encoding="utf-8") as fh:
-        try:
+    try:
+        with open(args.job, encoding="utf-8") as fh:
             spec = json.load(fh)
-        except json.JSONDecodeError as exc:
-            print(f"distbelief: {args.job} is not valid JSON: {exc}", file=sys.stderr)
-            return 2
+    except OSError as exc:
+        raise InvalidOptionError(f"cannot read {args.job}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidOptionError(
+            f"{args.job} is not valid JSON ({exc}); write the body of POST /api/jobs"
+        ) from exc
     with _client(args) as client:
         job = client.submit(spec)
         print(f"submitted job {job['id']} ({job['algorithm']} on {job['dataset']})", flush=True)
@@ -84,17 +166,61 @@ def _status(args: argparse.Namespace) -> int:
     if not jobs:
         print("no jobs")
         return 0
+    # The same objective for every algorithm: F(w) on the training data (Downpour's running mini-batch loss is
+    # in its metrics, not here).
     print(
-        f"{'id':16}  {'status':9}  {'algorithm':17}  {'dataset':16}  {'iter':>6}  {'objective':>12}  created"
+        f"{'id':16}  {'status':9}  {'algorithm':17}  {'dataset':16}  {'iter':>6}  {'F(w) train':>12}  created"
     )
     for j in jobs:
         latest = j.get("latest") or {}
-        value = latest.get("objective", latest.get("loss"))
+        value = (j.get("result") or {}).get("objective", latest.get("objective"))
         shown = f"{value:12.6g}" if isinstance(value, float) else f"{'':12}"
         print(
             f"{j['id']:16}  {j['status']:9}  {j['algorithm']:17}  {j['dataset'][:16]:16}  "
             f"{j['iterations']:6d}  {shown}  {j['created_at'][:19]}"
         )
+    return 0
+
+
+def _datasets_upload(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    path = Path(args.file)
+    if path.suffix.lower() not in (".npz", ".csv"):
+        raise InvalidOptionError(f"{args.file} is neither .npz (with arrays X and y) nor .csv: upload one")
+    try:
+        content = path.read_bytes()
+    except OSError as exc:
+        raise InvalidOptionError(f"cannot read {args.file}: {exc.strerror or exc}") from exc
+    name = args.name or path.stem
+    with _client(args) as client:
+        ds = client.upload_file(
+            name, content, filename=path.name, label_column=args.label_column, overwrite=args.overwrite
+        )
+    shape = f"{ds['n_rows']} rows x {ds['n_features']} features"
+    print(f"uploaded {ds['name']}: {shape} ({ds['label_kind']} labels)")
+    return 0
+
+
+def _datasets_list(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        datasets = client.datasets()
+    if not datasets:
+        print("no datasets (add one with: distbelief datasets upload FILE)")
+        return 0
+    print(f"{'name':24}  {'rows':>9}  {'features':>8}  {'labels':13}  {'source':10}  created")
+    for d in datasets:
+        labels = d["label_kind"] + (f" ({d['n_classes']})" if d.get("n_classes") else "")
+        print(
+            f"{d['name'][:24]:24}  {d['n_rows']:9d}  {d['n_features']:8d}  {labels[:13]:13}  "
+            f"{d['source']:10}  {d['created_at'][:19]}"
+        )
+    return 0
+
+
+def _datasets_show(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(json.dumps(client.dataset(args.name), indent=2, sort_keys=True))
     return 0
 
 
@@ -187,12 +313,7 @@ def _demo(args: argparse.Namespace) -> int:
             _print_table(rows, model, X_tr, y_tr, X_te, y_te, l2)
             print(f"\ndashboard: {url}/", flush=True)
             if args.keep:
-                print("serving until Ctrl-C ...", flush=True)
-                try:
-                    while True:
-                        time.sleep(3600)
-                except KeyboardInterrupt:
-                    pass
+                serve_until_interrupted(url)
         finally:
             server.stop()
     failed = [
@@ -201,6 +322,25 @@ def _demo(args: argparse.Namespace) -> int:
         if record["status"] != "succeeded" and "not available" not in str(record.get("message"))
     ]
     return 1 if failed else 0
+
+
+def serve_until_interrupted(url: str, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Say that the service at ``url`` keeps serving, and wait for Ctrl-C.
+
+    Examples
+    --------
+    >>> def ctrl_c(seconds: float) -> None:
+    ...     raise KeyboardInterrupt
+    >>> serve_until_interrupted("http://127.0.0.1:8000", sleep=ctrl_c)
+    serving the dashboard at http://127.0.0.1:8000/ until Ctrl-C (distbelief demo --no-keep exits here)
+    stopping the service ...
+    """
+    print(f"serving the dashboard at {url}/ until Ctrl-C (distbelief demo --no-keep exits here)", flush=True)
+    try:
+        while True:
+            sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping the service ...", flush=True)
 
 
 def _seconds(start: str | None, end: str | None) -> float:
@@ -232,20 +372,35 @@ def _print_table(rows: list[Any], model: Any, X_tr: Any, y_tr: Any, X_te: Any, y
 # ------------------------------------------------------------------------------------------------ main
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``distbelief`` console script.
+def _client_options(parser: argparse.ArgumentParser) -> None:
+    default_url = os.environ.get("DISTBELIEF_URL", DEFAULT_URL)
+    parser.add_argument(
+        "--url",
+        default=default_url,
+        help=f"the service's URL (default DISTBELIEF_URL or {DEFAULT_URL}); token from DISTBELIEF_API_TOKEN",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help=f"seconds to wait for each answer of the service (default {DEFAULT_TIMEOUT:g})",
+    )
 
-    Examples
-    --------
-    >>> main(["status", "--url", "http://127.0.0.1:8000"])   # doctest: +SKIP
-    no jobs
-    0
-    """
-    parser = argparse.ArgumentParser(prog="distbelief", description=__doc__)
+
+def _parser() -> argparse.ArgumentParser:
+    # --debug is accepted before or after the command; the subcommands' copy must not reset the main one.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks of failures"
+    )
+    parser = argparse.ArgumentParser(
+        prog="distbelief", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of failures")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(
-        "serve", help="run the REST API and dashboard (embedded cluster unless --scheduler)"
+        "serve", parents=[common], help="run the REST API and dashboard (embedded cluster unless --scheduler)"
     )
     serve.add_argument("--host", help="address to listen on (default DISTBELIEF_HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default DISTBELIEF_PORT or 8000)")
@@ -254,50 +409,102 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     serve.set_defaults(func=_serve)
 
-    url_help = f"the service's URL (default DISTBELIEF_URL or {DEFAULT_URL}); token from DISTBELIEF_API_TOKEN"
-    default_url = os.environ.get("DISTBELIEF_URL", DEFAULT_URL)
-    submit = sub.add_parser("submit", help="submit a job from a JSON file (the body of POST /api/jobs)")
+    submit = sub.add_parser(
+        "submit", parents=[common], help="submit a job from a JSON file (the body of POST /api/jobs)"
+    )
     submit.add_argument("job", help="path of the JOB.json file")
     submit.add_argument("--wait", action="store_true", help="wait for the job with a progress bar")
-    submit.add_argument("--url", default=default_url, help=url_help)
+    _client_options(submit)
     submit.set_defaults(func=_submit)
 
-    status = sub.add_parser("status", help="list the jobs, or show one")
+    status = sub.add_parser("status", parents=[common], help="list the jobs, or show one")
     status.add_argument("id", nargs="?", help="a job id (default: list every job)")
-    status.add_argument("--url", default=default_url, help=url_help)
+    _client_options(status)
     status.set_defaults(func=_status)
 
+    datasets = sub.add_parser("datasets", parents=[common], help="upload, list and show datasets")
+    dsub = datasets.add_subparsers(dest="datasets_command", required=True)
+    upload = dsub.add_parser(
+        "upload", parents=[common], help="upload an .npz (arrays X and y) or a CSV file as a dataset"
+    )
+    upload.add_argument("file", help="the .npz or .csv file")
+    upload.add_argument("--name", help="the dataset's name (default: the file's name without its suffix)")
+    upload.add_argument(
+        "--label-column", help="a CSV file's label column, by name or number (default: the last one)"
+    )
+    upload.add_argument("--overwrite", action="store_true", help="replace a dataset of the same name")
+    _client_options(upload)
+    upload.set_defaults(func=_datasets_upload)
+    listing = dsub.add_parser("list", parents=[common], help="list the datasets")
+    _client_options(listing)
+    listing.set_defaults(func=_datasets_list)
+    show = dsub.add_parser("show", parents=[common], help="show one dataset as JSON")
+    show.add_argument("name", help="the dataset's name")
+    _client_options(show)
+    show.set_defaults(func=_datasets_show)
+
     demo = sub.add_parser(
-        "demo", help="run Sandblaster and Downpour on the digits through the embedded service"
+        "demo",
+        parents=[common],
+        help="run Sandblaster and Downpour on the digits through the embedded service, then keep serving "
+        "its dashboard until Ctrl-C",
     )
     demo.add_argument("--l2", type=float, default=1e-3, help="L2 regularization (default 1e-3)")
     demo.add_argument("--lr", type=float, default=0.1, help="Downpour Adagrad learning rate (default 0.1)")
     demo.add_argument("--epochs", type=int, default=20, help="Downpour epochs (default 20)")
     demo.add_argument("--scheduler", help="use this Dask scheduler instead of an embedded cluster")
     demo.add_argument("--store", help="keep the store here (default: a temporary directory)")
-    demo.add_argument("--keep", action="store_true", help="keep serving the dashboard until Ctrl-C")
+    demo.add_argument(
+        "--keep",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep serving the dashboard until Ctrl-C (default); --no-keep exits after the table",
+    )
     demo.set_defaults(func=_demo)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``distbelief`` console script; returns the exit code.
+
+    Examples
+    --------
+    >>> main(["status", "--url", "http://127.0.0.1:9"])   # doctest: +SKIP
+    distbelief: cannot reach the service at http://127.0.0.1:9 ([Errno 111] Connection refused): ...
+    1
+    """
+    args = _parser().parse_args(argv)
     from pydantic import ValidationError
 
-    from distbelief.api.client import ApiError
     from distbelief.errors import DistbeliefError
+
+    def fail(message: str, code: int = 1) -> int:
+        print(f"distbelief: {message}", file=sys.stderr)
+        return code
 
     try:
         return int(args.func(args))
-    except (ApiError, DistbeliefError) as exc:
-        print(f"distbelief: {exc}", file=sys.stderr)
-        return 1
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
-        )
-        print(f"distbelief: bad settings: {problems}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"distbelief: {exc}", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
+    except InvalidOptionError as exc:  # a bad argument, file or setting: the usage exit code
+        if args.debug:
+            raise
+        return fail(str(exc), 2)
+    except Exception as exc:
+        if args.debug:
+            raise
+        url = getattr(args, "url", None)
+        explained = explain(exc, url, getattr(args, "timeout", DEFAULT_TIMEOUT)) if url else None
+        if explained is not None:
+            return fail(explained)
+        if isinstance(exc, ValidationError):
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
+            )
+            return fail(f"bad settings: {problems}", 2)
+        if isinstance(exc, DistbeliefError | OSError | TimeoutError):
+            return fail(str(exc) or type(exc).__name__)
+        return fail(f"unexpected {type(exc).__name__}: {exc}; run again with --debug for the traceback", 3)
 
 
 if __name__ == "__main__":

@@ -210,12 +210,9 @@ class Client:
                 if done != bar.n:
                     bar.update(done - bar.n)
                 latest = record.get("latest") or {}
-                value = next(
-                    (latest[k] for k in ("objective", "train_loss", "loss") if latest.get(k) is not None),
-                    None,
-                )
+                value = latest.get("objective")
                 bar.set_postfix_str(
-                    f"{record['status']}" + (f", loss {value:.6g}" if value is not None else ""),
+                    f"{record['status']}" + (f", F(w) {value:.6g}" if value is not None else ""),
                     refresh=False,
                 )
                 if record["status"] in FINAL:

@@ -21,6 +21,7 @@ from distributed import Client, LocalCluster
 from fastapi import APIRouter, Depends, FastAPI, HTTPException
 from fastapi.responses import FileResponse, RedirectResponse
 
+from distbelief.api._docs import add_docs
 from distbelief.api._http import BodyLimitMiddleware, install_error_handlers
 from distbelief.api._jobstore import JobStore
 from distbelief.api.deps import require_token
@@ -169,6 +170,9 @@ def create_app(settings: Settings | None = None, *, client: Client | None = None
         version=version(),
         summary="Sandblaster L-BFGS and Downpour SGD on Dask, as a service",
         lifespan=lifespan,
+        # /docs and /redoc are served with their assets by add_docs: FastAPI's own pages need a CDN.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.runner = None
@@ -182,6 +186,7 @@ def create_app(settings: Settings | None = None, *, client: Client | None = None
         guarded.include_router(module.router)
     app.include_router(guarded, prefix="/api")
     app.include_router(health.router, prefix="/api")
+    add_docs(app)
     _add_dashboard(app)
     return app
 

@@ -797,6 +797,7 @@ class JobRunner:
         rec = job.record
         summary = dict(outcome.summary)
         summary.update(self._evaluate(model, outcome.x, data, eval_data))
+        summary.update(_objective_of(summary, outcome.x, rec["options"]))
         if outcome.history is not None:
             rows = _history_rows(outcome.history, job.dim)
             if rows is not None and rows[2]:
@@ -855,6 +856,23 @@ class JobRunner:
             return out
 
         return list(self.client.run_on_scheduler(actor_table, annotation=ANNOTATION))
+
+
+def _objective_of(summary: dict[str, Any], x: np.ndarray, options: dict[str, Any]) -> dict[str, float]:
+    """``objective``: F(w) on the training data for every algorithm, as Sandblaster defines it,
+    ``train_loss + (l2/2)||x||^2`` (Sandblaster's own ``fun`` where the data was too large to evaluate).
+
+    Examples
+    --------
+    >>> _objective_of({"train_loss": 0.5}, np.array([1.0, 1.0]), {"l2": 0.1})
+    {'objective': 0.6}
+    """
+    if "train_loss" in summary:
+        l2 = float(options.get("l2") or 0.0)
+        return {"objective": float(summary["train_loss"]) + 0.5 * l2 * float(np.dot(x, x))}
+    if "fun" in summary:
+        return {"objective": float(summary["fun"])}
+    return {}
 
 
 def _latest(columns: list[str], row: list[float]) -> dict[str, float | None]:

@@ -34,6 +34,7 @@ from distbelief.downpour._batches import split_rows
 from distbelief.downpour._options import DownpourOptions, Rule
 from distbelief.downpour._replica import DownpourReplica, ReplicaConfig
 from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
+from distbelief.models import objective
 from distbelief.storage import (
     Dataset,
     ParameterServer,
@@ -49,6 +50,14 @@ __all__ = ["Progress", "TrainResult", "train"]
 
 #: How many lost shards a run recovers from before it gives up.
 MAX_RECOVERIES = 5
+#: History entries a run aims at, whatever its length (the evaluation cadence adapts to it). A run shorter
+#: than about a second gets fewer: one per poll of the replicas (a round trip to each, and to each shard).
+HISTORY_POINTS = 100
+#: The shortest time between two history entries, in seconds.
+MIN_EVAL_EVERY = 0.005
+#: The training objective is computed on at most this many values of X (rows x features); a larger dataset
+#: is evaluated on an evenly spread sample of its portions.
+OBJECTIVE_MAX_VALUES = 4_000_000
 #: Below this many parameters the default is a single shard (an extra shard costs a round trip per push).
 SHARD_MIN_PARAMS = 1 << 17
 #: Stop reasons that mean the run did what it was asked.
@@ -86,7 +95,12 @@ class Progress:
     epoch : float
         Rows visited by all replicas together, divided by the number of training rows.
     train_loss : float
-        Mean mini-batch loss (data term, per row) of the steps since the previous row.
+        The running mini-batch loss: the mean loss (data term, per row) of the mini-batches of the steps
+        since the previous row, each at the parameters the replica had then. Not the objective.
+    objective : float
+        ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2`` on the training rows at the shards' parameters,
+        computed as Sandblaster's objective (:func:`models.objective`); on a large dataset, on an evenly
+        spread sample of its portions (``history.attrs["objective_rows"]`` says how many rows).
     test_loss, test_accuracy : float
         Held-out loss (data term, per row) and accuracy at the shards' parameters (NaN without
         ``eval_data``; accuracy NaN for a model without ``accuracy``).
@@ -112,6 +126,7 @@ class Progress:
     staleness_mean: float
     staleness_max: float
     replicas_alive: int
+    objective: float = math.nan
 
 
 @dataclass
@@ -246,7 +261,9 @@ def train(
     eval_data : storage.Dataset or (X, y), optional
         Held-out rows, evaluated every ``eval_every`` seconds while the replicas go on training.
     eval_every : float
-        Seconds between history entries.
+        Longest time between history entries. The cadence adapts to the run's length (known from
+        ``epochs``, ``max_steps`` or ``time_limit``), so that a run of a second or more records about
+        ``HISTORY_POINTS`` entries (a shorter one, one per poll of the replicas).
     l2 : float
         L2 regularization (added to every mini-batch gradient).
     client : distributed.Client, optional
@@ -382,6 +399,24 @@ def _eval_arrays(model: Any, eval_data: Any) -> tuple[np.ndarray, np.ndarray] | 
     return X, y
 
 
+def objective_rows(dataset: Dataset, max_values: int = OBJECTIVE_MAX_VALUES) -> tuple[np.ndarray, np.ndarray]:
+    """The training rows the history's ``objective`` is computed on: all of them, or (past ``max_values``
+    values of X) whole portions spread evenly over the dataset.
+
+    Examples
+    --------
+    >>> ds = Dataset.from_arrays("/tmp/ds", np.ones((10, 2)), np.zeros(10), portion_rows=2)  # doctest: +SKIP
+    >>> objective_rows(ds, max_values=8)[0].shape                                            # doctest: +SKIP
+    (4, 2)
+    """
+    if dataset.n_rows * dataset.n_features <= max_values:
+        return dataset.read_all()
+    budget = max(1, max_values // max(1, dataset.portion_rows * dataset.n_features))
+    chosen = np.unique(np.linspace(0, dataset.n_portions - 1, min(budget, dataset.n_portions)).round())
+    parts = [dataset.read_portion(int(i)) for i in chosen]
+    return np.concatenate([X for X, _ in parts]), np.concatenate([y for _, y in parts])
+
+
 def _evaluate(model: Any, x: np.ndarray, arrays: tuple[np.ndarray, np.ndarray] | None) -> tuple[float, float]:
     if arrays is None:
         return math.nan, math.nan
@@ -398,6 +433,7 @@ class _Row:
     step: int
     epoch: float
     train_loss: float
+    objective: float
     test_loss: float
     test_accuracy: float
     staleness_mean: float
@@ -449,6 +485,7 @@ class _Run:
         self._window_max = 0
         self._errors_seen = 0
         self._last_probe = -math.inf
+        self._objective_rows: tuple[np.ndarray, np.ndarray] | None = None
 
     # -- setup / teardown ----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -617,6 +654,33 @@ class _Run:
                 out["version"][i] = max(out["version"][i], st["known_versions"][i])
         return out
 
+    def _objective(self, x: np.ndarray | None) -> float:
+        """F(w) on the training rows (:func:`objective_rows`), as Sandblaster computes it."""
+        if x is None:
+            return math.nan
+        if self._objective_rows is None:
+            self._objective_rows = objective_rows(self.dataset)
+        X, y = self._objective_rows
+        return float(objective(self.model, x, X, y, l2=self.opts.l2)[0])
+
+    def _eval_interval(self, now: float) -> float:
+        """Seconds to the next history entry: about the run's expected length over ``HISTORY_POINTS``."""
+        opts = self.opts
+        planned: list[float] = []
+        if opts.time_limit is not None:
+            planned.append(opts.time_limit)
+        steps = self._totals()["steps"] if self.status else 0
+        total_steps = [opts.max_steps] if opts.max_steps is not None else []
+        if opts.epochs is not None:
+            total_steps.append(opts.epochs * math.ceil(self.dataset.n_rows / opts.batch_size))
+        if total_steps and steps > 0:
+            planned.append(now * min(total_steps) / steps)
+        elif total_steps:
+            return min(opts.eval_every, 5 * MIN_EVAL_EVERY)  # no rate known yet: look again soon
+        if not planned:
+            return opts.eval_every
+        return min(opts.eval_every, max(MIN_EVAL_EVERY, min(planned) / HISTORY_POINTS))
+
     def _record(self, now: float, x: np.ndarray | None) -> Progress:
         test_loss, test_acc = _evaluate(self.model, x, self.eval_arrays) if x is not None else (math.nan,) * 2
         t = self._totals()
@@ -627,6 +691,7 @@ class _Run:
             step=t["steps"],
             epoch=t["rows"] / self.dataset.n_rows,
             train_loss=(t["loss_sum"] - loss0) / d_rows if d_rows else math.nan,
+            objective=self._objective(x),
             test_loss=test_loss,
             test_accuracy=test_acc,
             staleness_mean=(t["staleness_sum"] - sum0) / d_count if d_count else math.nan,
@@ -660,6 +725,7 @@ class _Run:
             "step",
             "epoch",
             "train_loss",
+            "objective",
             "test_loss",
             "test_accuracy",
             "staleness_mean",
@@ -672,6 +738,8 @@ class _Run:
         for k in ("pushes", "fetches", "version"):
             values = np.array([getattr(r, k) for r in rows], dtype=np.int64).reshape(-1, s)
             data[k] = (("time", "shard"), values)
+        data["train_loss"] = (*data["train_loss"], {"long_name": "running mini-batch loss"})
+        data["objective"] = (*data["objective"], {"long_name": "F(w) on the training data"})
         opts = self.opts
         return xr.Dataset(
             data,
@@ -685,6 +753,8 @@ class _Run:
                 "n_fetch": opts.n_fetch,
                 "n_push": opts.n_push,
                 "n_rows": self.dataset.n_rows,
+                "l2": opts.l2,
+                "objective_rows": len(self._objective_rows[0]) if self._objective_rows else 0,
             },
         )
 
@@ -701,7 +771,7 @@ class _Run:
         self._start([0] if warm else list(range(n_replicas)))
         self._record(0.0, self.x_start)
         waiting = list(range(1, n_replicas)) if warm else []
-        next_eval = opts.eval_every
+        next_eval = self._eval_interval(0.0)
         next_ckpt = opts.checkpoint_every_s if opts.checkpoint_every_s > 0 else math.inf
         stop_reason: str | None = None
         while stop_reason is None:
@@ -726,9 +796,9 @@ class _Run:
                 with contextlib.suppress(ClusterError):
                     self._probe()
             if now >= next_eval:
-                x = self._gather_x() if self.eval_arrays is not None else None
-                progress = self._record(now, x)
-                next_eval = now + opts.eval_every
+                progress = self._record(now, self._gather_x())
+                # On a fixed grid from the last target (the time taken to record does not stretch it).
+                next_eval = max(now, next_eval + self._eval_interval(now))
                 if self.callback is not None:
                     try:
                         self.callback(progress)

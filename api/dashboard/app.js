@@ -118,8 +118,23 @@ function setRows(tbody, rows) {
   tbody.replaceChildren(...rows);
 }
 
+// What the metrics are, where the name alone could mislead: every algorithm reports the same objective, and
+// Downpour's train_loss is the loss of its recent mini-batches, not the objective.
+const LABELS = {
+  objective: "F(w) train",
+  train_loss: "running mini-batch loss",
+  test_loss: "held-out loss",
+  test_accuracy: "held-out accuracy",
+  eval_loss: "held-out loss",
+  eval_accuracy: "held-out accuracy",
+};
+
+function label(name) {
+  return LABELS[name] ? `${LABELS[name]} (${name})` : name;
+}
+
 function kvRows(obj) {
-  return Object.entries(obj || {}).map(([k, v]) => el("tr", null, el("td", null, k), el("td", null, fmt(v))));
+  return Object.entries(obj || {}).map(([k, v]) => el("tr", null, el("td", null, label(k)), el("td", null, fmt(v))));
 }
 
 async function download(path, filename) {
@@ -213,7 +228,7 @@ function drawChart(svg, legend, series, log) {
     nodes.push(svgEl("polyline", { class: `series s${i}`, points, "data-name": series[i].name, "data-n": p.length }));
   });
   svg.replaceChildren(...nodes);
-  legend.replaceChildren(...series.map((s, i) => el("span", { class: `s${i}` }, s.name + (log ? " (log)" : ""))));
+  legend.replaceChildren(...series.map((s, i) => el("span", { class: `s${i}` }, label(s.name) + (log ? " (log)" : ""))));
 }
 
 function column(name) {
@@ -229,7 +244,7 @@ function drawJobCharts() {
   const has = (n) => job.columns.includes(n);
   const lossNames = ["objective", "loss", "train_loss", "training_loss", "eval_loss", "heldout_loss", "test_loss"].filter(has);
   const a = lossNames.map((n) => ({ name: n, xs, ys: column(n) }));
-  $("chart-a-title").textContent = lossNames.includes("objective") ? "Objective F(w)" : "Loss";
+  $("chart-a-title").textContent = lossNames.includes("objective") ? "Objective F(w) on the training data" : "Loss";
   drawChart($("chart-a"), $("chart-a-legend"), a, wantsLog(a));
   const accNames = job.columns.filter((n) => n.includes("accuracy"));
   if (accNames.length) {
@@ -260,7 +275,7 @@ async function refreshJobs() {
   $("jobs-empty").hidden = body.count > 0;
   const rows = body.data.map((j) => {
     const latest = j.latest || {};
-    const value = latest.objective ?? latest.loss ?? latest.train_loss;
+    const value = (j.result || {}).objective ?? latest.objective;
     const tr = el(
       "tr",
       { "data-id": j.id, "data-status": j.status },

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import os
+import shutil
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -126,6 +128,29 @@ async def wait_iterations(
             f"job {job_id} did {record['iterations']} iterations in {timeout} s"
         )
         await anyio.sleep(0.05)
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def require_chromium() -> str:
+    """The path of Debian's chromium, or skip the test with a reason (fail it where
+    ``DISTBELIEF_REQUIRE_BROWSER=1``: CI installs the browser and sets it, so a browser test cannot silently
+    skip there)."""
+    if not Path(CHROMIUM).exists():
+        message = "Debian's chromium is missing: apt-get install -y chromium (.ci/run does)"
+        if os.environ.get("DISTBELIEF_REQUIRE_BROWSER") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return CHROMIUM
 
 
 @pytest.fixture

@@ -85,6 +85,8 @@ class Deployment:
     def localize(self, text: str) -> str:
         text = text.replace("0.0.0.0", "127.0.0.1").replace("/data/store", str(self.store))
         text = text.replace("scheduler:8786", f"127.0.0.1:{self.ports['8786']}")
+        for fixed, port in self.ports.items():
+            text = text.replace(f"127.0.0.1:{fixed}", f"127.0.0.1:{port}")
         if text == ":8787":
             return f"127.0.0.1:{self.ports['8787']}"
         return str(self.ports[text]) if text in self.ports else text
@@ -94,6 +96,16 @@ class Deployment:
         exe = BIN / argv[0]
         assert exe.exists(), f"{argv[0]} is not installed next to {sys.executable}"
         return [str(exe), *argv[1:]]
+
+    def healthcheck(self, service: str) -> subprocess.CompletedProcess[str]:
+        """Run the service's healthcheck (``CMD`` form) here, as Docker runs it in the container."""
+        test = _compose()["services"][service]["healthcheck"]["test"]
+        assert test[0] == "CMD", test
+        argv = [self.localize(a) for a in test[1:]]
+        exe = BIN / argv[0]
+        return subprocess.run(
+            [str(exe), *argv[1:]], env=self.environment(service), capture_output=True, text=True, timeout=60
+        )
 
     def environment(self, service: str) -> dict[str, str]:
         env = dict(self.env)
@@ -170,12 +182,39 @@ def test_compose_file_requires_the_token_and_checks_health() -> None:
     with pytest.raises(KeyError, match="DISTBELIEF_API_TOKEN"):
         interpolate(api["environment"]["DISTBELIEF_API_TOKEN"], {})
     assert any("/api/health" in part for part in api["healthcheck"]["test"])
-    for service in compose["services"].values():
-        assert service["build"] == "." and service["image"] == "distbelief:latest"
+    # The image is built once: one service builds and tags it, the others run that tag and never pull it.
+    builders = [name for name, service in compose["services"].items() if "build" in service]
+    assert builders == ["scheduler"] and compose["services"]["scheduler"]["build"] == "."
+    for name, service in compose["services"].items():
+        assert service["image"] == "distbelief:latest", name
+        if name not in builders:
+            assert service["pull_policy"] == "never", name
     for name in ("worker-1", "worker-2", "api"):
         assert "store:/data" in compose["services"][name]["volumes"]
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "pip install ." in dockerfile and "/api/health" in dockerfile
+
+
+def test_every_service_checks_its_own_health() -> None:
+    services = _compose()["services"]
+    for name, service in services.items():
+        test = service["healthcheck"]["test"]
+        assert test[0] == "CMD" and test[1] == "python", (name, test)
+    # Each checks its own process: the scheduler its liveness route, a worker its registration under its
+    # own name (never the API's /api/health, which the Dockerfile's HEALTHCHECK would give every service).
+    assert "127.0.0.1:8787/health" in services["scheduler"]["healthcheck"]["test"][-1]
+    for name in ("worker-1", "worker-2"):
+        check = services[name]["healthcheck"]["test"][-1]
+        assert "/api/health" not in check and f"'{name}'" in check and "scheduler:8786" in check
+        assert f"--name', '{name}'" in repr(services[name]["command"])
+    assert "127.0.0.1:8000/api/health" in services["api"]["healthcheck"]["test"][-1]
+    # The API starts once both workers are healthy, the workers once the scheduler is.
+    assert {w: c["condition"] for w, c in services["api"]["depends_on"].items()} == {
+        "worker-1": "service_healthy",
+        "worker-2": "service_healthy",
+    }
+    for name in ("worker-1", "worker-2"):
+        assert services[name]["depends_on"]["scheduler"]["condition"] == "service_healthy"
 
 
 def test_the_compose_commands_run_a_job_end_to_end_and_survive_an_api_crash(deployment: Deployment) -> None:
@@ -232,3 +271,10 @@ def test_the_compose_commands_run_a_job_end_to_end_and_survive_an_api_crash(depl
         assert record["status"] == "succeeded", record["message"] + d.logs()
         assert record["resumed_from"] >= 10 and record["restarts"] == 1 and record["result"]["nit"] == 120
         assert list(api.metrics(long["id"]).iteration.values) == list(range(121))
+    # Every service's healthcheck passes on the running deployment; a stopped worker's fails, the other's not.
+    for service in ("scheduler", "worker-1", "worker-2", "api"):
+        check = d.healthcheck(service)
+        assert check.returncode == 0, (service, check.stderr[-2000:])
+    d.stop("worker-2")
+    assert d.healthcheck("worker-2").returncode != 0
+    assert d.healthcheck("worker-1").returncode == 0

@@ -9,39 +9,23 @@ import shutil
 import time
 from pathlib import Path
 
-import pytest
 from distributed import Client as DaskClient
 
 from distbelief.api import Client
 from distbelief.storage import load_digits
-from tests.api.conftest import TOKEN, live_server
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+from tests.api.conftest import CHROMIUM_ARGS, TOKEN, live_server, require_chromium
 
 
 def test_submit_from_the_page_and_watch_the_curve_grow(tmp_path: Path, client: DaskClient) -> None:
     from playwright.sync_api import sync_playwright
 
-    if not Path(CHROMIUM).exists():
-        # A newcomer's machine may have no browser; CI installs one and sets DISTBELIEF_REQUIRE_BROWSER=1
-        # so that the test cannot silently skip there.
-        message = "Debian's chromium is missing: apt-get install -y chromium (.ci/run does)"
-        if os.environ.get("DISTBELIEF_REQUIRE_BROWSER") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    # A newcomer's machine may have no browser: the test skips there with a reason (and fails on CI).
+    chromium = require_chromium()
     with live_server(tmp_path / "store", client) as url, sync_playwright() as pw:
         with Client(url, TOKEN) as api:
             X, y = load_digits()
             api.upload_dataset("digits", X, y)
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             errors: list[str] = []

@@ -12,7 +12,7 @@ from distbelief.api.cli import main
 
 def test_demo_runs_both_jobs_through_the_api(client: DaskClient, capsys: pytest.CaptureFixture[str]) -> None:
     # On the session's cluster (--scheduler) rather than an embedded one, to keep the test quick.
-    assert main(["demo", "--scheduler", client.scheduler.address]) == 0
+    assert main(["demo", "--no-keep", "--scheduler", client.scheduler.address]) == 0
     out = capsys.readouterr().out
     assert re.search(r"dashboard: http://127\.0\.0\.1:\d+/", out)
     rows = {
@@ -27,3 +27,22 @@ def test_demo_runs_both_jobs_through_the_api(client: DaskClient, capsys: pytest.
     downpour = rows["Downpour Adagrad"]
     assert downpour[0] == "succeeded" and int(downpour[1]) > 0
     assert float(downpour[3]) < 2.302  # below F(0) = log(10): it learned something
+
+
+def test_demo_keeps_serving_until_ctrl_c_unless_no_keep(capsys: pytest.CaptureFixture[str]) -> None:
+    from distbelief.api import cli
+
+    parser = cli._parser()
+    assert parser.parse_args(["demo"]).keep is True
+    assert parser.parse_args(["demo", "--no-keep"]).keep is False
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) == 3:
+            raise KeyboardInterrupt
+
+    cli.serve_until_interrupted("http://127.0.0.1:1234", sleep=sleep)
+    assert len(slept) == 3  # it kept waiting until the (simulated) Ctrl-C
+    out = capsys.readouterr().out
+    assert "serving the dashboard at http://127.0.0.1:1234/ until Ctrl-C" in out and "--no-keep" in out

@@ -14,6 +14,9 @@ MODULES = [
     "distbelief.api._http",
     "distbelief.api.client",
     "distbelief.api.main",
+    "distbelief.api._docs",
+    "distbelief.api.cli",
+    "distbelief.api.runner",
 ]
 
 

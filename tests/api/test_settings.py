@@ -76,7 +76,7 @@ def test_serve_refuses_a_public_address_without_a_token(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("DISTBELIEF_API_TOKEN", raising=False)
-    assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 1
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2  # a setting to fix: the usage exit code
     assert "refusing to listen on 0.0.0.0" in capsys.readouterr().err
     monkeypatch.setenv("DISTBELIEF_API_TOKEN", "short")
     assert main(["serve", "--host", "0.0.0.0"]) == 2

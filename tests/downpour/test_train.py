@@ -240,3 +240,32 @@ def test_sparse_rows_train_as_their_dense_copy(client: Client, tmp_path: Path) -
     # Evaluations happen on a clock (how many differs); the first (at x0) and the last (at x) do not.
     sparse_loss, dense_loss = sparse_run.history.test_loss.values, dense_run.history.test_loss.values
     np.testing.assert_allclose(sparse_loss[[0, -1]], dense_loss[[0, -1]], rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "length",
+    [{"max_steps": 10000, "replicas": 1}, {"epochs": 120, "replicas": 2}, {"time_limit": 2, "replicas": 2}],
+)
+def test_history_reports_the_training_objective_at_about_100_points_whatever_the_run_length(
+    client: Client, digits: Dataset, length: dict[str, int | float]
+) -> None:
+    model, l2 = models.Softmax(64, 10), 1e-3
+    res = downpour.train(model, digits, shards=2, l2=l2, client=client, **length)  # type: ignore[arg-type]
+    h = res.history
+    assert res.success and res.steps >= 100
+    # The cadence adapts to the run's length: about HISTORY_POINTS entries, where the default eval_every of
+    # 1 s gave a run of two seconds three. Each entry costs the driver a round trip to every replica and
+    # shard, ~5 ms on an idle machine and up to ~0.15 s on a loaded one: hence the margin.
+    assert len(h.time) >= 15, (len(h.time), res.wall_time)
+    assert np.median(np.diff(h.time.values)) < 0.2
+    # F(w) on the training rows at the shards' parameters, computed as Sandblaster computes it.
+    assert h.attrs["objective_rows"] == digits.n_rows and h.attrs["l2"] == l2
+    assert h.objective.values[0] == pytest.approx(
+        models.objective(model, model.init_params(0), X_TR, Y_TR, l2=l2)[0]
+    )
+    assert h.objective.values[-1] == pytest.approx(
+        models.objective(model, res.x, X_TR, Y_TR, l2=l2)[0], rel=1e-12
+    )
+    assert np.isfinite(h.objective.values).all() and h.objective.values[-1] < h.objective.values[0]
+    assert h.train_loss.attrs["long_name"] == "running mini-batch loss"
+    assert h.objective.attrs["long_name"] == "F(w) on the training data"
