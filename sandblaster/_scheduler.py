@@ -40,27 +40,23 @@ _DEAD = ("error", "lost", "cancelled")
 
 
 class PortionScheduler:
-    """Hands portions of one evaluation to replica actors; see the module docstring.
+    """Hands portions of one evaluation to replica actors, as its :class:`PortionMachine` decides.
 
     Parameters
     ----------
     client : distributed.Client
-        The coordinator's client (its event loop runs the scheduling).
+        The coordinator's client (its event loop carries the messages).
     replicas : list of (Actor, Future)
         The replica actors and the futures that hold them (to notice a dead worker).
-    n_portions : int
-        Portions per evaluation.
-    push_every : int
-        A replica pushes its accepted gradient every this many portions.
-    backups : bool
-        Duplicate outstanding portions onto idle replicas near the end of a batch.
-    in_flight : int
-        Work calls outstanding per replica, so a replica never idles for a round trip.
-    backup_after : float
-        A portion is overdue, and worth a backup copy, once it has taken this many times the typical
-        time per portion (the fastest replicas' recent pace) times the work queued ahead of it.
-    held : list of list of int, optional
-        Portions each replica holds in memory already (default: its initial block, which it preloads).
+    n_portions, push_every, backups, in_flight, backup_after, held
+        The scheduling policy's: see :class:`PortionMachine`.
+
+    Examples
+    --------
+    >>> scheduler = PortionScheduler(client, replicas, n_portions=16)  # doctest: +SKIP
+    >>> stats = scheduler.evaluate(1, "x", "acc", prep=[("reset_acc", "acc", 1)])  # doctest: +SKIP
+    >>> stats.loss_sum / stats.rows  # doctest: +SKIP
+    0.6931471805599453
     """
 
     def __init__(

@@ -196,8 +196,8 @@ def test_any_interleaving_of_reports_losses_and_timers_counts_every_portion_once
 def simulate(
     m: PortionMachine, paces: list[float], world: World, t0: float = 0.0
 ) -> tuple[EvaluationStats, float]:
-    """One evaluation with replica ``r`` taking ``paces[r]`` seconds per portion; returns its stats and
-    the time it ended."""
+    """One evaluation with replica ``r`` taking ``paces[r]`` seconds per portion, checked with
+    :meth:`World.check`; returns its stats and the time it ended."""
     world.open()
     calls = Calls()
     free_at = [t0] * len(paces)
@@ -208,6 +208,7 @@ def simulate(
         before = set(calls.out)
         calls.carry(m.dispatch(now))
         if calls.done is not None:
+            world.check(calls.done, m)
             return calls.done, now
         for c in sorted(set(calls.out) - before):
             send = calls.out[c]
@@ -220,66 +221,62 @@ def simulate(
             continue
         heapq.heappop(finishing)
         now = t
-        send = calls.out.pop(c, None) if c in calls.out else None
+        send = calls.out.pop(c, None)  # None: cancelled when its replica was lost
         if send is not None:
             m.report(c, world.report(send, paces[send.replica]), now)
 
 
+def run(
+    m: PortionMachine, world: World, paces: list[list[float]], now: float = 0.0
+) -> tuple[list[EvaluationStats], float]:
+    """:func:`simulate` one evaluation per entry of ``paces``, one after the other."""
+    out = []
+    for p in paces:
+        stats, now = simulate(m, p, world, now)
+        out.append(stats)
+    return out, now
+
+
 def test_balanced_replicas_get_one_call_each_per_evaluation() -> None:
-    world = World(15, push_every=2)
     m = PortionMachine(2, 15, push_every=2, backups=False)
-    first, _ = simulate(m, [0.01, 0.01], world)
-    world.check(first, m)
+    (first, *balanced), _ = run(m, World(15, push_every=2), [[0.01, 0.01]] + [[0.01, 0.011]] * 2)
     # Unknown paces: in_flight = 2 calls of push_every = 2 portions each, then one call for the rest.
     assert first.work_calls >= 6
+    assert [stats.work_calls for stats in balanced] == [2, 2]
     assert m.balanced()
-    for _ in range(2):
-        stats, _ = simulate(m, [0.01, 0.011], world)
-        world.check(stats, m)
-        assert stats.work_calls == 2
 
 
 def test_a_ten_times_slower_replica_does_less_work() -> None:
-    world = World(16, push_every=4)
     m = PortionMachine(2, 16, push_every=4)
-    now = 0.0
-    for _ in range(5):
-        stats, now = simulate(m, [0.1, 0.01], world, now)
-        world.check(stats, m)
+    (*_, last), _ = run(m, World(16, push_every=4), [[0.1, 0.01]] * 5)
     assert m.lagging(0) and not m.lagging(1)
     slow, fast = m.portions_done
     assert fast >= 4 * slow, (slow, fast)
     # The last evaluation takes about the fast replica's share, not the slow one's 8 portions at 0.1 s.
-    assert stats.wall_s < 0.5 * 8 * 0.1
+    assert last.wall_s < 0.5 * 8 * 0.1
 
 
 def test_a_stalled_replica_is_backed_up_and_the_backup_wins() -> None:
-    world = World(8, push_every=4)
     m = PortionMachine(2, 8, push_every=4)
-    now = 0.0
-    for _ in range(2):
-        _, now = simulate(m, [0.01, 0.01], world, now)
+    world = World(8, push_every=4)
+    _, now = run(m, world, [[0.01, 0.01]] * 2)
     assert m.balanced()
     stats, end = simulate(m, [0.01, 10.0], world, now)  # replica 1 stalls: 40 s for its 4 portions
-    world.check(stats, m)
     assert stats.backups_issued >= 1 and stats.backups_won >= 1
     assert end - now < 1.0
     assert stats.per_replica[0] > stats.per_replica[1]
 
 
 def test_without_backups_nothing_is_copied() -> None:
-    world = World(8, push_every=2)
     m = PortionMachine(2, 8, push_every=2, backups=False)
-    now = 0.0
-    for paces in ([0.01, 0.01], [0.01, 1.0], [0.01, 1.0]):
-        stats, now = simulate(m, paces, world, now)
-        world.check(stats, m)
-        assert stats.backups_issued == 0 and m.next_due() is None
+    runs, _ = run(m, World(8, push_every=2), [[0.01, 0.01], [0.01, 1.0], [0.01, 1.0]])
+    assert [stats.backups_issued for stats in runs] == [0, 0, 0]
+    assert m.next_due() is None
 
 
 def test_the_replica_that_reported_last_gets_its_work_first_next_time() -> None:
-    world = World(8, push_every=4)
     m = PortionMachine(2, 8, push_every=4, backups=False)
+    world = World(8, push_every=4)
     assert m.dispatch_order == [0, 1]
     orders = []
     now = 0.0
