@@ -229,7 +229,7 @@ def test_balanced_replicas_get_one_call_each_per_evaluation(
         scheduler.evaluate = counted  # type: ignore[method-assign]
         for balanced in (False, True, True):
             # Even paces, or none known yet: whatever this noisy machine measured.
-            scheduler._pace = dict.fromkeys(range(2), 0.01) if balanced else {}
+            scheduler.machine.pace = dict.fromkeys(range(2), 0.01) if balanced else {}
             assert scheduler.balanced() == balanced
             coord.start()
             assert coord.state.f == pytest.approx(f_ref, rel=1e-12)
