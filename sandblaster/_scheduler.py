@@ -31,12 +31,10 @@ from distbelief.sandblaster._portions import (
     Send,
     initial_blocks,
 )
+from distbelief.storage._calls import DEAD_STATES, confirm_dead_async, gather_calls, start_call
+from distbelief.storage._calls import POLL as _POLL
 
 __all__ = ["BALANCED_PACE", "READ_COST_PRIOR", "EvaluationStats", "PortionScheduler"]
-
-_POLL = 0.25
-_LOSS_GRACE = 10.0
-_DEAD = ("error", "lost", "cancelled")
 
 
 class PortionScheduler:
@@ -133,27 +131,21 @@ class PortionScheduler:
         result: EvaluationStats = sync(loop, self._evaluate, eval_id, x_name, acc_name, tuple(prep))
         return result
 
-    def refresh_shards(self, shard_map: Any) -> None:
+    def refresh_shards(self, shard_map: Any, timeout: float = 60.0) -> None:
         """Point every live replica at ``shard_map`` (after the parameter server rebuilt lost shards)."""
-        for r, (actor, _) in enumerate(self.replicas):
-            if self.alive[r] and not self._dead(r):
-                actor.attach(shard_map).result()
+        live = [r for r in range(len(self.replicas)) if self.alive[r] and not self._dead(r)]
+        calls = [start_call(self.replicas[r][0], "attach", shard_map) for r in live]
+        answers = gather_calls(self.client, calls, timeout=timeout, gone=lambda k: self._dead(live[k]))
+        for r, (ok, error) in zip(live, answers, strict=True):
+            if not ok and not self._dead(r):  # a replica that died meanwhile is lost at the next evaluation
+                raise error
 
     async def _confirm_dead(self, r: int, exc: BaseException) -> bool:
         """Whether replica ``r``'s worker died (a connection error may come before the scheduler knows)."""
-        if self._dead(r):
-            return True
-        if not isinstance(exc, OSError):
-            return False
-        deadline = time.perf_counter() + _LOSS_GRACE
-        while time.perf_counter() < deadline:
-            await asyncio.sleep(_POLL)
-            if self._dead(r):
-                return True
-        return False
+        return await confirm_dead_async(lambda: self._dead(r), exc, errors=(OSError,))
 
     def _dead(self, r: int) -> bool:
-        return self.replicas[r][1].status in _DEAD
+        return self.replicas[r][1].status in DEAD_STATES
 
     async def _evaluate(
         self, eval_id: int, x_name: str, acc_name: str, prep: tuple[Any, ...]
