@@ -10,9 +10,10 @@ the next, so each iteration costs one batched ``dots`` round trip (``6k`` scalar
 ``lincomb`` on the shards, whatever ``k``.
 
 :class:`VLBFGSHistory` is the coordinator-side state: slot names, the cached Gram entries, the curvature
-check and the recursion. :func:`minimize_lbfgs_reference` drives it with in-memory numpy vectors through the
-same protocol, and reproduces SciPy's ``L-BFGS-B`` on unconstrained problems (same line search, initial
-step, stopping rules, and restart after a failed line search; Byrd, Lu, Nocedal & Zhu 1995).
+check and the recursion. :func:`_minimize_lbfgs` is the method, written once against
+:class:`sandblaster._space.ParameterSpace` (on the shards or in process); it reproduces SciPy's
+``L-BFGS-B`` on unconstrained problems (same line search, initial step, stopping rules, and restart after a
+failed line search; Byrd, Lu, Nocedal & Zhu 1995). :func:`minimize_lbfgs_reference` runs it in process.
 """
 
 from __future__ import annotations
@@ -33,12 +34,22 @@ from distbelief.sandblaster._linesearch import (
     ReferenceResult,
     StrongWolfeLineSearch,
     lbfgsb_initial_step,
-    relative_reduction_converged,
+)
+from distbelief.sandblaster._space import (
+    InProcessSpace,
+    IterationRecord,
+    ParameterSpace,
+    check_budget,
+    close_iteration,
+    other_buffer,
+    reference_result,
+    stop_test,
 )
 
 __all__ = [
     "CURVATURE_EPS",
     "VLBFGSHistory",
+    "_minimize_lbfgs",
     "minimize_lbfgs_reference",
     "two_loop_reference",
     "vlbfgs_coefficients",
@@ -452,9 +463,137 @@ class VLBFGSHistory:
             del self._dots[key]
 
 
-def _check_objective(f: float, g: np.ndarray, where: str) -> None:
-    if not (math.isfinite(f) and np.all(np.isfinite(g))):
-        raise DatasetError(f"the objective or its gradient is not finite at {where}; check the data and x0")
+def _minimize_lbfgs(
+    space: ParameterSpace,
+    *,
+    m: int,
+    gtol: float,
+    ftol: float,
+    maxiter: int,
+    maxfev: int,
+    maxls: int = 20,
+    callback: Callable[[IterationRecord], None] | None = None,
+    resume: Mapping[str, Any] | None = None,
+) -> tuple[bool, str]:
+    """Vector-free L-BFGS in ``space``, as SciPy's ``L-BFGS-B`` does it without bounds.
+
+    Moré-Thuente search with L-BFGS-B's constants, first step ``1/||d||``, stop on ``max|g_i| <= gtol`` or
+    a relative decrease ``<= ftol`` (Byrd, Lu, Nocedal & Zhu 1995); on a failed line search drop the
+    memory and retry along ``-g`` (give up if the memory was already empty). The direction is VL-BFGS's
+    (Chen, Wang & Zhou, NIPS 2014): :class:`VLBFGSHistory` turns Gram entries into coefficients, the space
+    forms ``d = sum_j delta_j b_j``.
+
+    Every op rides on an evaluation: the direction and ``g.d`` on the first trial's prefix, and with each
+    trial's gradient, speculatively (assuming the line search accepts the trial, as it usually does at
+    once), the next pair ``s = t*d``, ``y = g_t - g`` in a free slot and the new Gram entries. A typical
+    iteration on the shards therefore costs the coordinator no round trip of its own (DESIGN.md, "Fuse
+    messages"); only the first direction, and one after a restart, asks for its dots separately.
+
+    Parameters
+    ----------
+    space : ParameterSpace
+        Started (``state.f``, ``state.g_inf`` hold ``F`` at ``state.x``).
+    m : int
+        Memory size (SciPy's ``maxcor``).
+    gtol, ftol, maxiter, maxfev, maxls : float, float, int, int, int
+        Stopping rules and the evaluation budget of one line search.
+    callback : callable, optional
+        Called with each iteration's record.
+    resume : mapping, optional
+        The metadata of a checkpoint of this method (``hist``, ``next_values``) to continue from.
+
+    Returns
+    -------
+    success : bool
+        Whether a convergence test stopped the run.
+    message : str
+        Why it stopped.
+
+    Examples
+    --------
+    >>> space = InProcessSpace(lambda x: (float(x @ x), 2 * x), np.array([3.0, -4.0]))
+    >>> space.start()
+    >>> _minimize_lbfgs(space, m=5, gtol=1e-5, ftol=0.0, maxiter=10, maxfev=100)
+    (True, 'gradient inf-norm <= gtol')
+    """
+    st = space.state
+    if st.g_inf <= gtol:
+        return True, "gradient inf-norm <= gtol at x0"
+    hist = VLBFGSHistory(m, prefix="h")
+    # ``next_dots`` holds the speculative Gram entries of the accepted trial (and the history they fit).
+    next_dots: tuple[VLBFGSHistory, list[float]] | None = None
+    if resume is not None:
+        if resume["hist"]["m"] != m:
+            started = resume["hist"]["m"]
+            raise InvalidOptionError(f"the run was started with history={started}; resume with it")
+        next_dots = (VLBFGSHistory.from_state(resume["hist"]), list(resume["next_values"]))
+    while True:
+        if next_dots is None:
+            values = space.run([("dots", hist.dot_requests(st.g))])[0]
+        else:
+            hist, values = next_dots
+            next_dots = None
+        hist.update_dots(values)
+        coeffs = hist.direction_coefficients()
+        # Without pairs d = -g, whose norm is already in the Gram matrix.
+        d_norm = math.sqrt(hist.dot_matrix()[-1, -1]) if len(coeffs) == 1 else math.nan
+        direction_op = ("lincomb", "d", [c for c, _ in coeffs], [n for _, n in coeffs])
+        step0 = lbfgsb_initial_step(st.nit, d_norm) if st.nit == 0 else 1.0
+        ls: StrongWolfeLineSearch | None = None
+        x_trial, g_trial = other_buffer(st.x), other_buffer(st.g)
+        t = step0
+        failed_msg = ""
+        while True:
+            first = ls is None
+            # Speculative next pair: s = t*d and y = g_t - g go to a free slot, so a rejected trial never
+            # overwrites a kept pair.
+            spec = hist.copy()
+            s_name, y_name = spec.push_pair()
+            suffix = [
+                ("lincomb", s_name, [t], ["d"]),
+                ("lincomb", y_name, [1.0, -1.0], [g_trial, st.g]),
+                ("dots", spec.dot_requests(g_trial)),
+            ]
+            prefix = [direction_op, ("dot", st.g, "d")] if first else []
+            f_t, gd_t, ginf_t, extra = space.evaluate(
+                x_trial, g_trial, prefix_ops=prefix, suffix_ops=suffix, base=st.x, step=t, direction="d"
+            )
+            if st.nfev > maxfev:
+                return False, "maximum number of function evaluations reached"
+            if first:
+                gd0 = extra[1]
+                if not gd0 < 0.0:
+                    failed_msg = "the search direction is not a descent direction"
+                    break
+                ls = StrongWolfeLineSearch(
+                    st.f, gd0, step=step0, c1=LBFGSB_C1, c2=LBFGSB_C2, xtol=LBFGSB_XTOL,
+                    stpmax=LBFGSB_STPMAX, max_evals=maxls,
+                )  # fmt: skip
+            assert ls is not None
+            ls.tell(f_t, gd_t if math.isfinite(ginf_t) else math.nan)
+            if ls.done:
+                break
+            t = ls.step
+        res = ls.result if ls is not None else None
+        if res is None or not res.ok:
+            if hist.n_pairs:
+                hist.reset()  # L-BFGS-B: back to x, drop the memory, retry along -g
+                continue
+            return False, failed_msg or f"line search failed: {res.message if res else ''}"
+        # dcsrch only ends "ok" at the point it evaluated last: the trial buffers hold the accepted point.
+        assert res.is_last_evaluated and res.step == t
+        st.nit += 1
+        next_dots = (spec, extra[-1])
+        f_old = st.f
+        st.x, st.g, st.f, st.g_inf = x_trial, g_trial, f_t, ginf_t
+        kept = [name for pair in spec.pair_names for name in pair]
+        saved = [st.x, st.g, *kept, s_name, y_name]
+        close_iteration(
+            space, res.step, callback, saved, {"hist": spec.to_state(), "next_values": list(extra[-1])}
+        )
+        stop = stop_test(st, f_old, gtol=gtol, ftol=ftol, maxiter=maxiter)
+        if stop is not None:
+            return stop
 
 
 def minimize_lbfgs_reference(
@@ -465,18 +604,13 @@ def minimize_lbfgs_reference(
     gtol: float = 1e-5,
     ftol: float = LBFGSB_FTOL,
     maxiter: int = 15000,
+    maxfev: int = 15000,
     maxls: int = 20,
-    c1: float = LBFGSB_C1,
-    c2: float = LBFGSB_C2,
 ) -> ReferenceResult:
-    """In-memory L-BFGS through the same scalar protocol as the coordinator (oracle and test bed).
+    """:func:`_minimize_lbfgs` in an :class:`InProcessSpace`: SciPy's ``L-BFGS-B`` without bounds.
 
-    Vectors live in a dict standing in for the shards; the algorithm only touches them through
-    :class:`VLBFGSHistory` requests, dot products, ``lincomb`` and ``x + t*d``. Matches SciPy's
-    ``minimize(method="L-BFGS-B", options={"maxcor": m, "gtol": gtol, "ftol": ftol})`` without bounds:
-    Moré-Thuente search with L-BFGS-B's constants, first step ``1/||d||``, stop on
-    ``max|g_i| <= gtol`` or a relative decrease ``<= ftol``, and on a failed line search drop the memory
-    and retry with steepest descent (give up if the memory was already empty).
+    Matches ``scipy.optimize.minimize(method="L-BFGS-B", options={"maxcor": m, "gtol": gtol,
+    "ftol": ftol})``; the oracle of the distributed run, which executes the same code on the shards.
 
     Parameters
     ----------
@@ -484,10 +618,9 @@ def minimize_lbfgs_reference(
         ``x -> (F(x), grad F(x))``.
     x0 : numpy.ndarray
         Starting point (copied, float64).
-    m, gtol, ftol, maxiter, maxls : int or float
-        Memory size, gradient and relative-decrease tolerances, iteration and line-search budgets.
-    c1, c2 : float
-        Strong Wolfe constants (L-BFGS-B's 1e-3 and 0.9 by default).
+    m, gtol, ftol, maxiter, maxfev, maxls : int or float
+        Memory size, gradient and relative-decrease tolerances, iteration, evaluation and line-search
+        budgets.
 
     Returns
     -------
@@ -500,64 +633,10 @@ def minimize_lbfgs_reference(
     >>> r.success, round(r.fun, 12)
     (True, 0.0)
     """
-    if not (gtol >= 0.0 and ftol >= 0.0):
-        raise InvalidOptionError(f"gtol and ftol must be >= 0, got gtol={gtol!r}, ftol={ftol!r}")
-    if isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1:
-        raise InvalidOptionError(f"maxiter must be an int >= 1, got {maxiter!r}")
-    x = np.array(x0, dtype=np.float64, copy=True).ravel()
-    f, g = fun_and_grad(x)
-    f, g = float(f), np.asarray(g, dtype=np.float64)
-    nfev = 1
-    _check_objective(f, g, "x0")
-    if float(np.max(np.abs(g), initial=0.0)) <= gtol:
-        return ReferenceResult(x, f, 0, nfev, True, "gradient inf-norm <= gtol at x0")
-
-    hist = VLBFGSHistory(m)
-    vec: dict[str, np.ndarray] = {}  # stands in for the shards' named vectors
-    nit = 0
-    while True:
-        vec["g"] = g
-        requests = hist.dot_requests("g")
-        hist.update_dots([float(vec[a] @ vec[b]) for a, b in requests])
-        d = np.zeros_like(x)
-        for coef, name in hist.direction_coefficients():
-            d += coef * vec[name]
-        gd = float(g @ d)
-        if not gd < 0.0:
-            if hist.n_pairs:
-                hist.reset()
-                continue
-            return ReferenceResult(x, f, nit, nfev, False, "the search direction is not a descent direction")
-        step0 = lbfgsb_initial_step(nit, float(np.sqrt(d @ d)))
-        ls = StrongWolfeLineSearch(
-            f, gd, step=step0, c1=c1, c2=c2, xtol=LBFGSB_XTOL, stpmax=LBFGSB_STPMAX, max_evals=maxls
-        )
-        xt, ft, gt = x, f, g
-        while not ls.done:
-            t = ls.step
-            xt = x + t * d
-            ft, gt = fun_and_grad(xt)
-            ft, gt = float(ft), np.asarray(gt, dtype=np.float64)
-            nfev += 1
-            ls.tell(ft, float(gt @ d) if np.all(np.isfinite(gt)) else math.nan)
-        res = ls.result
-        assert res is not None
-        if not res.ok:
-            if hist.n_pairs:
-                hist.reset()  # L-BFGS-B: back to x, drop the memory, retry along -g
-                continue
-            return ReferenceResult(x, f, nit, nfev, False, f"line search failed: {res.message}")
-        # dcsrch only ends "ok" at the point it evaluated last, so xt/gt are the accepted point.
-        assert res.is_last_evaluated
-        nit += 1
-        s_name, y_name = hist.push_pair()
-        vec[s_name] = res.step * d
-        vec[y_name] = gt - g
-        f_old = f
-        x, f, g = xt, ft, gt
-        if float(np.max(np.abs(g))) <= gtol:
-            return ReferenceResult(x, f, nit, nfev, True, "gradient inf-norm <= gtol")
-        if relative_reduction_converged(f_old, f, ftol=ftol):
-            return ReferenceResult(x, f, nit, nfev, True, "relative reduction of f <= ftol")
-        if nit >= maxiter:
-            return ReferenceResult(x, f, nit, nfev, False, "maximum number of iterations reached")
+    check_budget(gtol=gtol, ftol=ftol, maxiter=maxiter)
+    space = InProcessSpace(fun_and_grad, x0)
+    space.start()
+    success, message = _minimize_lbfgs(
+        space, m=m, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls
+    )
+    return reference_result(space, success, message)
