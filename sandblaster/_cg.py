@@ -22,6 +22,7 @@ import numpy as np
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.sandblaster._linesearch import (
     LBFGSB_FTOL,
+    LBFGSB_STPMAX,
     ReferenceResult,
     StrongWolfeLineSearch,
     interpolated_initial_step,
@@ -155,11 +156,22 @@ def _minimize_cg(
     space.run([("lincomb", "d", [-1.0], [st.g])])
     since_restart = 0
     f_prev = st.f + math.sqrt(gg) / 2.0  # SciPy's first-iteration guess: the step becomes ~1/||g||
+    # SciPy caps every initial step at 1: with a gradient far below 1 (F scaled down) no trial then moves
+    # x by more than |g|. The cap widens to 1/||g_0|| (L-BFGS-B's first step, one unit along -g_0), and
+    # the line search's own with it; for ||g_0|| >= 1 both stay SciPy's.
+    max_step = max(1.0, 1.0 / math.sqrt(gg)) if gg > 0.0 else 1.0
+    stpmax = LBFGSB_STPMAX * max_step
     while True:
         (gd,) = space.run([("dot", st.g, "d")])
         ls = (
             StrongWolfeLineSearch(
-                st.f, gd, step=interpolated_initial_step(st.f, f_prev, gd), c1=c1, c2=c2, max_evals=maxls
+                st.f,
+                gd,
+                step=interpolated_initial_step(st.f, f_prev, gd, max_step=max_step),
+                c1=c1,
+                c2=c2,
+                stpmax=stpmax,
+                max_evals=maxls,
             )
             if gd < 0
             else None

@@ -314,13 +314,20 @@ class VLBFGSHistory:
         self._request_grad = grad_name
         return list(requests)
 
-    def update_dots(self, values: Sequence[float] | Mapping[tuple[str, str], float]) -> bool | None:
+    def update_dots(
+        self, values: Sequence[float] | Mapping[tuple[str, str], float], *, descent: float | None = None
+    ) -> bool | None:
         """Store the dot products asked for by :meth:`dot_requests`; decide on a pending pair.
 
         Parameters
         ----------
         values : sequence of float or mapping
             The values in request order, or a mapping from name pairs (either order) to values.
+        descent : float, optional
+            ``-g_old . s`` for the pending pair (``-t * phi'(0)`` of the line search that produced it). When
+            given, the curvature check is L-BFGS-B's, ``s.y > eps * (-g_old . s)``, which does not depend
+            on the scale of F; without it, ``s.y > eps * y.y``, which skips every pair once F is scaled
+            by ~1e16 or more (``s.y / y.y`` is then below ``eps``).
 
         Returns
         -------
@@ -365,7 +372,8 @@ class VLBFGSHistory:
         self._pending = None
         sp, yp = self._s_names[p], self._y_names[p]
         sy, yy = self._dots[_key(sp, yp)], self._dots[_key(yp, yp)]
-        accepted = sy > self._eps * yy and yy > 0.0
+        threshold = yy if descent is None else descent
+        accepted = sy > self._eps * threshold and yy > 0.0
         if accepted:
             if len(self._live) == self._m:
                 self._drop_slot_dots(self._live.pop(0))
@@ -520,28 +528,35 @@ def _minimize_lbfgs(
     if st.g_inf <= gtol:
         return True, "gradient inf-norm <= gtol at x0"
     hist = VLBFGSHistory(m, prefix="h")
-    # ``next_dots`` holds the speculative Gram entries of the accepted trial (and the history they fit).
-    next_dots: tuple[VLBFGSHistory, list[float]] | None = None
+    # ``next_dots`` holds the speculative Gram entries of the accepted trial, the history they fit and
+    # ``-g.s`` of its pair (for the curvature check).
+    next_dots: tuple[VLBFGSHistory, list[float], float | None] | None = None
     if resume is not None:
         if resume["hist"]["m"] != m:
             started = resume["hist"]["m"]
             raise InvalidOptionError(f"the run was started with history={started}; resume with it")
-        next_dots = (VLBFGSHistory.from_state(resume["hist"]), list(resume["next_values"]))
+        hist_state, values = VLBFGSHistory.from_state(resume["hist"]), list(resume["next_values"])
+        next_dots = (hist_state, values, resume.get("descent"))
     while True:
+        descent: float | None = None
         if next_dots is None:
             values = space.run([("dots", hist.dot_requests(st.g))])[0]
         else:
-            hist, values = next_dots
+            hist, values, descent = next_dots
             next_dots = None
-        hist.update_dots(values)
+        hist.update_dots(values, descent=descent)
         coeffs = hist.direction_coefficients()
         # Without pairs d = -g, whose norm is already in the Gram matrix.
         d_norm = math.sqrt(hist.dot_matrix()[-1, -1]) if len(coeffs) == 1 else math.nan
         direction_op = ("lincomb", "d", [c for c, _ in coeffs], [n for _, n in coeffs])
-        step0 = lbfgsb_initial_step(st.nit, d_norm) if st.nit == 0 else 1.0
+        # The first trial moves x by one unit, whatever the scale of F (L-BFGS-B's 1/||d||). L-BFGS-B also
+        # caps it at 1e10, which below ||g|| = 1e-10 (F scaled down) would move x by less: the cap widens.
+        stpmax = LBFGSB_STPMAX * max(1.0, 1.0 / d_norm) if st.nit == 0 else LBFGSB_STPMAX
+        step0 = lbfgsb_initial_step(st.nit, d_norm, stpmax=stpmax) if st.nit == 0 else 1.0
         ls: StrongWolfeLineSearch | None = None
         x_trial, g_trial = other_buffer(st.x), other_buffer(st.g)
         t = step0
+        gd0 = math.nan
         failed_msg = ""
         while True:
             first = ls is None
@@ -567,7 +582,7 @@ def _minimize_lbfgs(
                     break
                 ls = StrongWolfeLineSearch(
                     st.f, gd0, step=step0, c1=LBFGSB_C1, c2=LBFGSB_C2, xtol=LBFGSB_XTOL,
-                    stpmax=LBFGSB_STPMAX, max_evals=maxls,
+                    stpmax=stpmax, max_evals=maxls,
                 )  # fmt: skip
             assert ls is not None
             ls.tell(f_t, gd_t if math.isfinite(ginf_t) else math.nan)
@@ -583,14 +598,15 @@ def _minimize_lbfgs(
         # dcsrch only ends "ok" at the point it evaluated last: the trial buffers hold the accepted point.
         assert res.is_last_evaluated and res.step == t
         st.nit += 1
-        next_dots = (spec, extra[-1])
+        next_dots = (spec, extra[-1], -res.step * gd0)
         f_old = st.f
         st.x, st.g, st.f, st.g_inf = x_trial, g_trial, f_t, ginf_t
         kept = [name for pair in spec.pair_names for name in pair]
         saved = [st.x, st.g, *kept, s_name, y_name]
         close_iteration(
-            space, res.step, callback, saved, {"hist": spec.to_state(), "next_values": list(extra[-1])}
-        )
+            space, res.step, callback, saved,
+            {"hist": spec.to_state(), "next_values": list(extra[-1]), "descent": next_dots[2]},
+        )  # fmt: skip
         stop = stop_test(st, f_old, gtol=gtol, ftol=ftol, maxiter=maxiter)
         if stop is not None:
             return stop

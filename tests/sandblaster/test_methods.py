@@ -232,3 +232,44 @@ def test_an_in_process_lbfgs_run_resumes_exactly_from_its_checkpoint(logistic_di
     ) == (False, "maximum number of iterations reached")
     np.testing.assert_array_equal(first.vector(first.state.x), full.vector(full.state.x))
     assert [r.objective for r in first.state.records] == [r.objective for r in full.state.records]
+
+
+# -- the scale of F does not change the steps -------------------------------------------------------------
+@pytest.mark.parametrize("scale", [1e50, 1e-50])
+@pytest.mark.parametrize("method", ["lbfgs", "cg"])
+def test_lbfgs_and_cg_converge_whatever_the_scale_of_f(
+    logistic_digits: Problem, method: str, scale: float
+) -> None:
+    """L-BFGS takes the same steps on ``scale * F`` as on ``F`` (and as many iterations as SciPy's
+    L-BFGS-B where that one works); CG reaches the optimum in about as many. The first trial moves x by
+    one unit along ``-g`` (L-BFGS-B's ``1/||g||``), the curvature check is L-BFGS-B's scale-free one."""
+    problem = logistic_digits
+
+    def scaled(x: np.ndarray) -> tuple[float, np.ndarray]:
+        f, g = problem.fun_and_grad(x)
+        return scale * f, scale * g
+
+    spaces = {}
+    for factor, fun in ((1.0, problem.fun_and_grad), (scale, scaled)):
+        space = InProcessSpace(fun, problem.x0)
+        space.start()
+        # ftol=0: L-BFGS-B's relative test floors |f| at 1, which stops any run on F * 1e-50 at once.
+        success, message = run_method(method, space, gtol=1e-5 * factor, ftol=0.0, maxiter=500)
+        assert success, message
+        spaces[factor] = space
+    unit, other = spaces[1.0], spaces[scale]
+    if method == "lbfgs":
+        assert other.state.f / scale == pytest.approx(unit.state.f, rel=1e-9)
+        assert other.state.nit == unit.state.nit
+        np.testing.assert_allclose(other.vector(other.state.x), unit.vector(unit.state.x), rtol=1e-6)
+        if scale > 1.0:
+            # (SciPy itself stops after one step on F * 1e-50: its first step is capped at 1e10.)
+            ref = scipy.optimize.minimize(
+                scaled, problem.x0, jac=True, method="L-BFGS-B",
+                options={"maxcor": 10, "gtol": 1e-5 * scale, "ftol": 0.0, "maxiter": 500},
+            )  # fmt: skip
+            assert other.state.nit == ref.nit
+    else:
+        # Both stop at max|g_i| <= 1e-5 (times the scale), a few 1e-7 of F above the optimum.
+        assert other.state.f / scale == pytest.approx(unit.state.f, rel=1e-5)
+        assert other.state.nit <= 2 * unit.state.nit
