@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -153,7 +154,6 @@ def _minimize_cg(
     if st.g_inf <= gtol:
         return True, "gradient inf-norm <= gtol at x0"
     (gg,) = space.run([("dot", st.g, st.g)])
-    space.run([("lincomb", "d", [-1.0], [st.g])])
     since_restart = 0
     f_prev = st.f + math.sqrt(gg) / 2.0  # SciPy's first-iteration guess: the step becomes ~1/||g||
     # SciPy caps every initial step at 1: with a gradient far below 1 (F scaled down) no trial then moves
@@ -161,38 +161,45 @@ def _minimize_cg(
     # the line search's own with it; for ||g_0|| >= 1 both stay SciPy's.
     max_step = max(1.0, 1.0 / math.sqrt(gg)) if gg > 0.0 else 1.0
     stpmax = LBFGSB_STPMAX * max_step
+    # Every op rides on an evaluation, as in L-BFGS: the direction update and g.d on the first trial's
+    # setup, the new gradient's dots on each trial's gradient. Until the first trial is back, the
+    # coordinator knows g.d from scalars (g.(-g + beta*d) = -g.g + beta*g.d_old), enough for its step.
+    direction_op: tuple[Any, ...] = ("lincomb", "d", [-1.0], [st.g])
+    gd_guess = -gg
     while True:
-        (gd,) = space.run([("dot", st.g, "d")])
-        ls = (
-            StrongWolfeLineSearch(
-                st.f,
-                gd,
-                step=interpolated_initial_step(st.f, f_prev, gd, max_step=max_step),
-                c1=c1,
-                c2=c2,
-                stpmax=stpmax,
-                max_evals=maxls,
-            )
-            if gd < 0
-            else None
-        )
+        t = interpolated_initial_step(st.f, f_prev, gd_guess, max_step=max_step)
+        ls: StrongWolfeLineSearch | None = None
         x_trial, g_trial = other_buffer(st.x), other_buffer(st.g)
-        while ls is not None and not ls.done:
-            f_t, gd_t, ginf_t, _ = space.evaluate(x_trial, g_trial, base=st.x, step=ls.step, direction="d")
+        suffix = [("dots", [(g_trial, g_trial), (g_trial, st.g)])]
+        while True:
+            first = ls is None
+            prefix = [direction_op, ("dot", st.g, "d")] if first else []
+            f_t, gd_t, ginf_t, extra = space.evaluate(
+                x_trial, g_trial, prefix_ops=prefix, suffix_ops=suffix, base=st.x, step=t, direction="d"
+            )
             if st.nfev > maxfev:
                 return False, "maximum number of function evaluations reached"
+            if first:
+                if not extra[1] < 0.0:
+                    break  # not a descent direction (rounding): restart, as a failed search does
+                ls = StrongWolfeLineSearch(
+                    st.f, extra[1], step=t, c1=c1, c2=c2, stpmax=stpmax, max_evals=maxls
+                )
+            assert ls is not None
             ls.tell(f_t, gd_t if math.isfinite(ginf_t) else math.nan)
+            if ls.done:
+                break
+            t = ls.step
         res = ls.result if ls is not None else None
         if res is None or not res.ok:
             if since_restart > 0:
-                space.run([("lincomb", "d", [-1.0], [st.g])])
-                since_restart = 0
+                direction_op, gd_guess, since_restart = ("lincomb", "d", [-1.0], [st.g]), -gg, 0
                 continue
             return False, f"line search failed: {res.message if res else 'not a descent direction'}"
         # dcsrch only ends "ok" at the point it evaluated last: the trial buffers hold the accepted point.
-        assert res.is_last_evaluated
+        assert res.is_last_evaluated and res.step == t
         st.nit += 1
-        g1g1, g1g0, g1d = space.run([("dots", [(g_trial, g_trial), (g_trial, st.g), (g_trial, "d")])])[0]
+        (g1g1, g1g0), g1d = extra[-1], gd_t
         f_prev = st.f
         g_old_sq = gg
         st.x, st.g, st.f, st.g_inf = x_trial, g_trial, res.phi, ginf_t
@@ -204,7 +211,7 @@ def _minimize_cg(
         beta, restart = polak_ribiere_plus(
             g1g1, g1g0, g_old_sq, g1d, since_restart=since_restart + 1, restart_every=restart_every
         )
-        space.run([("lincomb", "d", [-1.0, beta], [st.g, "d"])])
+        direction_op, gd_guess = ("lincomb", "d", [-1.0, beta], [st.g, "d"]), -g1g1 + beta * g1d
         since_restart = 0 if restart else since_restart + 1
 
 
