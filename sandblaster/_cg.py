@@ -25,18 +25,19 @@ from distbelief.sandblaster._linesearch import (
     LBFGSB_FTOL,
     LBFGSB_STPMAX,
     ReferenceResult,
-    StrongWolfeLineSearch,
     interpolated_initial_step,
 )
 from distbelief.sandblaster._space import (
     InProcessSpace,
     IterationRecord,
     ParameterSpace,
+    accept_trial,
     check_budget,
     close_iteration,
     other_buffer,
     reference_result,
     stop_test,
+    wolfe_search,
 )
 
 __all__ = ["CG_C1", "CG_C2", "_minimize_cg", "minimize_cg_reference", "polak_ribiere_plus"]
@@ -167,42 +168,24 @@ def _minimize_cg(
     direction_op: tuple[Any, ...] = ("lincomb", "d", [-1.0], [st.g])
     gd_guess = -gg
     while True:
-        t = interpolated_initial_step(st.f, f_prev, gd_guess, max_step=max_step)
-        ls: StrongWolfeLineSearch | None = None
-        x_trial, g_trial = other_buffer(st.x), other_buffer(st.g)
-        suffix = [("dots", [(g_trial, g_trial), (g_trial, st.g)])]
-        while True:
-            first = ls is None
-            prefix = [direction_op, ("dot", st.g, "d")] if first else []
-            f_t, gd_t, ginf_t, extra = space.evaluate(
-                x_trial, g_trial, prefix_ops=prefix, suffix_ops=suffix, base=st.x, step=t, direction="d"
-            )
-            if st.nfev > maxfev:
-                return False, "maximum number of function evaluations reached"
-            if first:
-                if not extra[1] < 0.0:
-                    break  # not a descent direction (rounding): restart, as a failed search does
-                ls = StrongWolfeLineSearch(
-                    st.f, extra[1], step=t, c1=c1, c2=c2, stpmax=stpmax, max_evals=maxls
-                )
-            assert ls is not None
-            ls.tell(f_t, gd_t if math.isfinite(ginf_t) else math.nan)
-            if ls.done:
-                break
-            t = ls.step
-        res = ls.result if ls is not None else None
+        g_trial = other_buffer(st.g)
+        found = wolfe_search(
+            space, step=interpolated_initial_step(st.f, f_prev, gd_guess, max_step=max_step),
+            setup=[direction_op], speculate=[("dots", [(g_trial, g_trial), (g_trial, st.g)])],
+            maxfev=maxfev, c1=c1, c2=c2,
+            stpmax=stpmax, max_evals=maxls,
+        )  # fmt: skip
+        if found.over_budget:
+            return False, "maximum number of function evaluations reached"
+        res = found.result
         if res is None or not res.ok:
             if since_restart > 0:
                 direction_op, gd_guess, since_restart = ("lincomb", "d", [-1.0], [st.g]), -gg, 0
                 continue
             return False, f"line search failed: {res.message if res else 'not a descent direction'}"
-        # dcsrch only ends "ok" at the point it evaluated last: the trial buffers hold the accepted point.
-        assert res.is_last_evaluated and res.step == t
-        st.nit += 1
-        (g1g1, g1g0), g1d = extra[-1], gd_t
-        f_prev = st.f
+        (g1g1, g1g0), g1d = found.last.extra[-1], found.last.gd
         g_old_sq = gg
-        st.x, st.g, st.f, st.g_inf = x_trial, g_trial, res.phi, ginf_t
+        f_prev = accept_trial(st, found.last)
         gg = g1g1
         close_iteration(space, res.step, callback, [st.x, st.g])
         stop = stop_test(st, f_prev, gtol=gtol, ftol=ftol, maxiter=maxiter)

@@ -12,9 +12,7 @@ point; the shards do ``x + t*(-g)``. :func:`_minimize_gd` is written once agains
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -27,6 +25,7 @@ from distbelief.sandblaster._space import (
     InProcessSpace,
     IterationRecord,
     ParameterSpace,
+    accept_trial,
     check_budget,
     close_iteration,
     other_buffer,
@@ -95,25 +94,20 @@ def _minimize_gd(
         # step) on every trial's gradient: an iteration costs the coordinator no round trip of its own.
         prefix = [("lincomb", "d", [-1.0], [st.g])]
         suffix = [("dots", [(g_trial, g_trial), (g_trial, st.g)])]
-        f_t = ginf_t = math.nan
-        extra: list[Any] = []
-        while not search.done:
-            f_t, _, ginf_t, extra = space.evaluate(
+        res = search.result  # already failed if -g.g is not a finite negative slope
+        while res is None:
+            trial = space.evaluate(
                 x_trial, g_trial, prefix_ops=prefix, suffix_ops=suffix, base=st.x, step=search.step,
                 direction="d",
             )  # fmt: skip
             prefix = []
             if st.nfev > maxfev:
                 return False, "maximum number of function evaluations reached"
-            search.tell(f_t)
-        res = search.result
-        assert res is not None
+            res = search.tell(trial.f)
         if not res.ok:
             return False, f"line search failed: {res.message}"
-        st.nit += 1
-        f_old = st.f
-        st.x, st.g, st.f, st.g_inf = x_trial, g_trial, f_t, ginf_t
-        g1g1, g1g0 = extra[-1]
+        f_old = accept_trial(st, trial)
+        g1g1, g1g0 = trial.extra[-1]
         if barzilai_borwein:
             # Barzilai & Borwein (1988): with s = -t*g and y = g_new - g, start the next search at
             # s.y / y.y (their second step, the safer one under a monotone search); the Armijo test still

@@ -32,7 +32,12 @@ import numpy as np
 from scipy.linalg import blas
 
 from distbelief.errors import DatasetError, InvalidOptionError, ProtocolError
-from distbelief.sandblaster._linesearch import ReferenceResult, relative_reduction_converged
+from distbelief.sandblaster._linesearch import (
+    LineSearchResult,
+    ReferenceResult,
+    StrongWolfeLineSearch,
+    relative_reduction_converged,
+)
 
 __all__ = [
     "Evaluation",
@@ -41,11 +46,14 @@ __all__ = [
     "Op",
     "ParameterSpace",
     "RunState",
+    "Search",
+    "accept_trial",
     "check_budget",
     "close_iteration",
     "other_buffer",
     "reference_result",
     "stop_test",
+    "wolfe_search",
 ]
 
 #: One vector op, in the shards' language: ``(name, *args)``.
@@ -182,6 +190,90 @@ def close_iteration(
         space.checkpoint(saved, extra or {})
     if callback is not None:
         callback(rec)
+
+
+class Search(NamedTuple):
+    """Outcome of :func:`wolfe_search`."""
+
+    #: The line search's result; ``None`` when ``d`` was no descent direction or the budget ran out.
+    result: LineSearchResult | None
+    #: Whether the evaluation budget ran out.
+    over_budget: bool
+    #: ``phi'(0) = g.d``.
+    dphi0: float
+    #: The last trial (the accepted one when ``result.ok``).
+    last: Evaluation
+
+
+def wolfe_search(
+    space: ParameterSpace,
+    *,
+    step: float,
+    setup: Sequence[Op],
+    speculate: Sequence[Op] | Callable[[float], Sequence[Op]],
+    maxfev: int,
+    **options: Any,
+) -> Search:
+    """A strong Wolfe line search along ``d`` from ``state.x``, every op riding on the evaluations.
+
+    Trial points and their gradients go to the buffers ``state.x`` and ``state.g`` are not in. The
+    ``setup`` ops (which must form ``d``) and ``g.d`` run with the first trial's setup; ``speculate`` (or
+    ``speculate(t)``) are the ops to run with each trial's gradient (what the method needs next if the
+    trial is accepted).
+    ``g.d`` is only known once the first trial is back, so the first step ``step`` is the method's guess.
+
+    Parameters
+    ----------
+    space : ParameterSpace
+        Where ``x``, ``g`` and ``d`` live.
+    step : float
+        First trial step.
+    setup : sequence of op
+        Ops forming ``d``.
+    speculate : sequence of op, or callable
+        The ops, or ``t -> ops``, for each trial.
+    maxfev : int
+        Stop (``over_budget``) once ``state.nfev`` exceeds it.
+    **options
+        Options of :class:`~sandblaster._linesearch.StrongWolfeLineSearch` (``c1``, ``c2``, ...).
+
+    Returns
+    -------
+    Search
+    """
+    st = space.state
+    x_trial, g_trial = other_buffer(st.x), other_buffer(st.g)
+    prefix: list[Op] = [*setup, ("dot", st.g, "d")]
+    search: StrongWolfeLineSearch | None = None
+    t, dphi0 = step, math.nan
+    while True:
+        suffix = speculate(t) if callable(speculate) else speculate
+        trial = space.evaluate(
+            x_trial, g_trial, prefix_ops=prefix, suffix_ops=suffix, base=st.x, step=t, direction="d"
+        )
+        if st.nfev > maxfev:
+            return Search(None, True, dphi0, trial)
+        if search is None:
+            dphi0 = trial.extra[len(setup)]
+            prefix = []
+            if not dphi0 < 0.0:
+                return Search(None, False, dphi0, trial)
+            search = StrongWolfeLineSearch(st.f, dphi0, step=t, **options)
+        search.tell(trial.f, trial.gd if math.isfinite(trial.g_inf) else math.nan)
+        if search.result is not None:
+            # dcsrch only ends "ok" at the point it evaluated last: the trial buffers hold that point.
+            assert not search.result.ok or (search.result.is_last_evaluated and search.result.step == t)
+            return Search(search.result, False, dphi0, trial)
+        t = search.step
+
+
+def accept_trial(state: RunState, trial: Evaluation) -> float:
+    """Move ``state`` to the trial point (held in the other buffers); return the previous ``F``."""
+    f_old = state.f
+    state.nit += 1
+    state.x, state.g = other_buffer(state.x), other_buffer(state.g)
+    state.f, state.g_inf = trial.f, trial.g_inf
+    return f_old
 
 
 def reference_result(space: InProcessSpace, success: bool, message: str) -> ReferenceResult:

@@ -32,18 +32,19 @@ from distbelief.sandblaster._linesearch import (
     LBFGSB_STPMAX,
     LBFGSB_XTOL,
     ReferenceResult,
-    StrongWolfeLineSearch,
     lbfgsb_initial_step,
 )
 from distbelief.sandblaster._space import (
     InProcessSpace,
     IterationRecord,
     ParameterSpace,
+    accept_trial,
     check_budget,
     close_iteration,
     other_buffer,
     reference_result,
     stop_test,
+    wolfe_search,
 )
 
 __all__ = [
@@ -471,6 +472,29 @@ class VLBFGSHistory:
             del self._dots[key]
 
 
+class _SpeculativePair:
+    """The ops each trial runs with its gradient: the next pair ``s = t*d``, ``y = g_t - g`` in a free
+    slot, and its new Gram entries, assuming the line search accepts the trial (it usually does at once).
+
+    A rejected trial never overwrites a kept pair (the slot is free); :attr:`spec` is the history with
+    the last trial's pair pending, :attr:`names` that pair's slot names.
+    """
+
+    def __init__(self, hist: VLBFGSHistory, grad: str, trial_grad: str) -> None:
+        self.hist, self.grad, self.trial_grad = hist, grad, trial_grad
+        self.spec = hist
+        self.names = ("", "")
+
+    def __call__(self, step: float) -> list[tuple[Any, ...]]:
+        self.spec = self.hist.copy()
+        s_name, y_name = self.names = self.spec.push_pair()
+        return [
+            ("lincomb", s_name, [step], ["d"]),
+            ("lincomb", y_name, [1.0, -1.0], [self.trial_grad, self.grad]),
+            ("dots", self.spec.dot_requests(self.trial_grad)),
+        ]
+
+
 def _minimize_lbfgs(
     space: ParameterSpace,
     *,
@@ -553,59 +577,28 @@ def _minimize_lbfgs(
         # caps it at 1e10, which below ||g|| = 1e-10 (F scaled down) would move x by less: the cap widens.
         stpmax = LBFGSB_STPMAX * max(1.0, 1.0 / d_norm) if st.nit == 0 else LBFGSB_STPMAX
         step0 = lbfgsb_initial_step(st.nit, d_norm, stpmax=stpmax) if st.nit == 0 else 1.0
-        ls: StrongWolfeLineSearch | None = None
-        x_trial, g_trial = other_buffer(st.x), other_buffer(st.g)
-        t = step0
-        gd0 = math.nan
-        failed_msg = ""
-        while True:
-            first = ls is None
-            # Speculative next pair: s = t*d and y = g_t - g go to a free slot, so a rejected trial never
-            # overwrites a kept pair.
-            spec = hist.copy()
-            s_name, y_name = spec.push_pair()
-            suffix = [
-                ("lincomb", s_name, [t], ["d"]),
-                ("lincomb", y_name, [1.0, -1.0], [g_trial, st.g]),
-                ("dots", spec.dot_requests(g_trial)),
-            ]
-            prefix = [direction_op, ("dot", st.g, "d")] if first else []
-            f_t, gd_t, ginf_t, extra = space.evaluate(
-                x_trial, g_trial, prefix_ops=prefix, suffix_ops=suffix, base=st.x, step=t, direction="d"
-            )
-            if st.nfev > maxfev:
-                return False, "maximum number of function evaluations reached"
-            if first:
-                gd0 = extra[1]
-                if not gd0 < 0.0:
-                    failed_msg = "the search direction is not a descent direction"
-                    break
-                ls = StrongWolfeLineSearch(
-                    st.f, gd0, step=step0, c1=LBFGSB_C1, c2=LBFGSB_C2, xtol=LBFGSB_XTOL,
-                    stpmax=stpmax, max_evals=maxls,
-                )  # fmt: skip
-            assert ls is not None
-            ls.tell(f_t, gd_t if math.isfinite(ginf_t) else math.nan)
-            if ls.done:
-                break
-            t = ls.step
-        res = ls.result if ls is not None else None
+        pair = _SpeculativePair(hist, st.g, other_buffer(st.g))
+        found = wolfe_search(
+            space, step=step0, setup=[direction_op], speculate=pair, maxfev=maxfev, c1=LBFGSB_C1,
+            c2=LBFGSB_C2, xtol=LBFGSB_XTOL, stpmax=stpmax, max_evals=maxls,
+        )  # fmt: skip
+        if found.over_budget:
+            return False, "maximum number of function evaluations reached"
+        res = found.result
         if res is None or not res.ok:
             if hist.n_pairs:
                 hist.reset()  # L-BFGS-B: back to x, drop the memory, retry along -g
                 continue
-            return False, failed_msg or f"line search failed: {res.message if res else ''}"
-        # dcsrch only ends "ok" at the point it evaluated last: the trial buffers hold the accepted point.
-        assert res.is_last_evaluated and res.step == t
-        st.nit += 1
-        next_dots = (spec, extra[-1], -res.step * gd0)
-        f_old = st.f
-        st.x, st.g, st.f, st.g_inf = x_trial, g_trial, f_t, ginf_t
-        kept = [name for pair in spec.pair_names for name in pair]
-        saved = [st.x, st.g, *kept, s_name, y_name]
+            if res is None:
+                return False, "the search direction is not a descent direction"
+            return False, f"line search failed: {res.message}"
+        spec, values = pair.spec, found.last.extra[-1]
+        next_dots = (spec, values, -res.step * found.dphi0)
+        f_old = accept_trial(st, found.last)
+        kept = [name for names in spec.pair_names for name in names]
         close_iteration(
-            space, res.step, callback, saved,
-            {"hist": spec.to_state(), "next_values": list(extra[-1]), "descent": next_dots[2]},
+            space, res.step, callback, [st.x, st.g, *kept, *pair.names],
+            {"hist": spec.to_state(), "next_values": list(values), "descent": next_dots[2]},
         )  # fmt: skip
         stop = stop_test(st, f_old, gtol=gtol, ftol=ftol, maxiter=maxiter)
         if stop is not None:
