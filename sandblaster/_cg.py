@@ -172,8 +172,7 @@ def _minimize_cg(
         found = wolfe_search(
             space, step=interpolated_initial_step(st.f, f_prev, gd_guess, max_step=max_step),
             setup=[direction_op], speculate=[("dots", [(g_trial, g_trial), (g_trial, st.g)])],
-            maxfev=maxfev, c1=c1, c2=c2,
-            stpmax=stpmax, max_evals=maxls,
+            maxfev=maxfev, c1=c1, c2=c2, stpmax=stpmax, max_evals=maxls,
         )  # fmt: skip
         if found.over_budget:
             return False, "maximum number of function evaluations reached"

@@ -17,7 +17,10 @@ An op is a tuple in the shards' language (:data:`distbelief.storage.OPS`): ``("d
 takes ops to run before (``prefix_ops``) and after (``suffix_ops``) the evaluation, which is how the
 sharded space fuses a method's ops into the evaluation's own messages (the prefix rides on the replicas'
 parameter fetch, the suffix on their last push). A method that puts its ops there costs the coordinator
-no round trip of its own; the in-process space simply runs them in order.
+no round trip of its own; the in-process space simply runs them in order. :func:`wolfe_search` is the
+strong Wolfe search (Moré & Thuente, as in L-BFGS-B) over a space with that fusing built in, shared by
+L-BFGS and CG; :func:`accept_trial`, :func:`close_iteration` and :func:`stop_test` are the end of an
+iteration every method shares.
 """
 
 from __future__ import annotations
