@@ -8,26 +8,39 @@ and a restart decision, and the shards apply ``lincomb("d", [-1, beta], ["g_new"
 ``beta = max(0, g_new.(g_new - g) / g.g)`` is Polak-Ribière+ (Nocedal & Wright, *Numerical Optimization*,
 2nd ed., (5.44)-(5.45)); with a strong Wolfe line search with ``c2 = 0.1`` it is the standard robust choice.
 The direction restarts from steepest descent when ``beta`` is clipped to 0, every ``restart_every``
-iterations (``n``, N&W section 5.2), or when ``d_new`` would not be a descent direction.
+iterations (``n``, N&W section 5.2), or when ``d_new`` would not be a descent direction. :func:`_minimize_cg`
+is the method, written once against :class:`sandblaster._space.ParameterSpace`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.sandblaster._linesearch import (
     LBFGSB_FTOL,
+    LBFGSB_STPMAX,
     ReferenceResult,
-    StrongWolfeLineSearch,
     interpolated_initial_step,
-    relative_reduction_converged,
+)
+from distbelief.sandblaster._space import (
+    InProcessSpace,
+    IterationRecord,
+    ParameterSpace,
+    accept_trial,
+    check_budget,
+    close_iteration,
+    other_buffer,
+    reference_result,
+    stop_test,
+    wolfe_search,
 )
 
-__all__ = ["CG_C1", "CG_C2", "minimize_cg_reference", "polak_ribiere_plus"]
+__all__ = ["CG_C1", "CG_C2", "_minimize_cg", "minimize_cg_reference", "polak_ribiere_plus"]
 
 #: Strong Wolfe constants for nonlinear CG: c2 = 0.1 keeps consecutive directions nearly conjugate.
 CG_C1 = 1e-4
@@ -89,19 +102,20 @@ def polak_ribiere_plus(
     return beta, False
 
 
-def minimize_cg_reference(
-    fun_and_grad: Callable[[np.ndarray], tuple[float, np.ndarray]],
-    x0: np.ndarray,
+def _minimize_cg(
+    space: ParameterSpace,
     *,
-    gtol: float = 1e-5,
-    ftol: float = LBFGSB_FTOL,
-    maxiter: int = 15000,
-    restart_every: int | None = None,
+    gtol: float,
+    ftol: float,
+    maxiter: int,
+    maxfev: int,
+    maxls: int = 20,
+    restart_every: int,
     c1: float = CG_C1,
     c2: float = CG_C2,
-    maxls: int = 30,
-) -> ReferenceResult:
-    """In-memory Polak-Ribière+ CG driven the way the coordinator drives it (scalars in, scalars out).
+    callback: Callable[[IterationRecord], None] | None = None,
+) -> tuple[bool, str]:
+    """Polak-Ribière+ nonlinear CG with restarts in ``space`` (scalars in, scalars out).
 
     The initial step of each line search is SciPy's guess from the last decrease
     (:func:`sandblaster._linesearch.interpolated_initial_step`, with ``phi_prev = f + ||g||/2`` on the
@@ -110,11 +124,101 @@ def minimize_cg_reference(
 
     Parameters
     ----------
+    space : ParameterSpace
+        Started (``state.f``, ``state.g_inf`` hold ``F`` at ``state.x``).
+    gtol, ftol, maxiter, maxfev : float, float, int, int
+        Stopping rules.
+    maxls : int
+        Evaluations per line search.
+    restart_every : int
+        Restart period, usually the number of parameters.
+    c1, c2 : float
+        Strong Wolfe constants (``1e-4``, ``0.1``).
+    callback : callable, optional
+        Called with each iteration's record.
+
+    Returns
+    -------
+    success : bool
+        Whether a convergence test stopped the run.
+    message : str
+        Why it stopped.
+
+    Examples
+    --------
+    >>> space = InProcessSpace(lambda x: (float(x @ x), 2 * x), np.array([3.0, -4.0]))
+    >>> space.start()
+    >>> _minimize_cg(space, gtol=1e-5, ftol=0.0, maxiter=10, maxfev=100, restart_every=2)
+    (True, 'gradient inf-norm <= gtol')
+    """
+    st = space.state
+    if st.g_inf <= gtol:
+        return True, "gradient inf-norm <= gtol at x0"
+    (gg,) = space.run([("dot", st.g, st.g)])
+    since_restart = 0
+    f_prev = st.f + math.sqrt(gg) / 2.0  # SciPy's first-iteration guess: the step becomes ~1/||g||
+    # SciPy caps every initial step at 1: with a gradient far below 1 (F scaled down) no trial then moves
+    # x by more than |g|. The cap widens to 1/||g_0|| (L-BFGS-B's first step, one unit along -g_0), and
+    # the line search's own with it; for ||g_0|| >= 1 both stay SciPy's.
+    max_step = max(1.0, 1.0 / math.sqrt(gg)) if gg > 0.0 else 1.0
+    stpmax = LBFGSB_STPMAX * max_step
+    # Every op rides on an evaluation, as in L-BFGS: the direction update and g.d on the first trial's
+    # setup, the new gradient's dots on each trial's gradient. Until the first trial is back, the
+    # coordinator knows g.d from scalars (g.(-g + beta*d) = -g.g + beta*g.d_old), enough for its step.
+    direction_op: tuple[Any, ...] = ("lincomb", "d", [-1.0], [st.g])
+    gd_guess = -gg
+    while True:
+        g_trial = other_buffer(st.g)
+        found = wolfe_search(
+            space, step=interpolated_initial_step(st.f, f_prev, gd_guess, max_step=max_step),
+            setup=[direction_op], speculate=[("dots", [(g_trial, g_trial), (g_trial, st.g)])],
+            maxfev=maxfev, c1=c1, c2=c2, stpmax=stpmax, max_evals=maxls,
+        )  # fmt: skip
+        if found.over_budget:
+            return False, "maximum number of function evaluations reached"
+        res = found.result
+        if res is None or not res.ok:
+            if since_restart > 0:
+                direction_op, gd_guess, since_restart = ("lincomb", "d", [-1.0], [st.g]), -gg, 0
+                continue
+            return False, f"line search failed: {res.message if res else 'not a descent direction'}"
+        (g1g1, g1g0), g1d = found.last.extra[-1], found.last.gd
+        g_old_sq = gg
+        f_prev = accept_trial(st, found.last)
+        gg = g1g1
+        close_iteration(space, res.step, callback, [st.x, st.g])
+        stop = stop_test(st, f_prev, gtol=gtol, ftol=ftol, maxiter=maxiter)
+        if stop is not None:
+            return stop
+        beta, restart = polak_ribiere_plus(
+            g1g1, g1g0, g_old_sq, g1d, since_restart=since_restart + 1, restart_every=restart_every
+        )
+        direction_op, gd_guess = ("lincomb", "d", [-1.0, beta], [st.g, "d"]), -g1g1 + beta * g1d
+        since_restart = 0 if restart else since_restart + 1
+
+
+def minimize_cg_reference(
+    fun_and_grad: Callable[[np.ndarray], tuple[float, np.ndarray]],
+    x0: np.ndarray,
+    *,
+    gtol: float = 1e-5,
+    ftol: float = LBFGSB_FTOL,
+    maxiter: int = 15000,
+    maxfev: int = 15000,
+    restart_every: int | None = None,
+    c1: float = CG_C1,
+    c2: float = CG_C2,
+    maxls: int = 30,
+) -> ReferenceResult:
+    """:func:`_minimize_cg` in an :class:`InProcessSpace` (the oracle of the distributed run).
+
+    Parameters
+    ----------
     fun_and_grad : callable
         ``x -> (F(x), grad F(x))``.
     x0 : numpy.ndarray
         Starting point.
-    gtol, ftol, maxiter : float, float, int
+    gtol, ftol, maxiter, maxfev : float, float, int, int
         Stopping rules.
     restart_every : int or None
         Restart period; ``None`` means ``len(x0)``.
@@ -134,56 +238,12 @@ def minimize_cg_reference(
     >>> r.success, round(r.fun, 12)
     (True, 0.0)
     """
-    if not (gtol >= 0.0 and ftol >= 0.0):
-        raise InvalidOptionError(f"gtol and ftol must be >= 0, got gtol={gtol!r}, ftol={ftol!r}")
-    if isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1:
-        raise InvalidOptionError(f"maxiter must be an int >= 1, got {maxiter!r}")
-    x = np.array(x0, dtype=np.float64, copy=True).ravel()
-    period = x.size if restart_every is None else restart_every
-    f, g = fun_and_grad(x)
-    f, g = float(f), np.asarray(g, dtype=np.float64)
-    nfev = 1
-    if not (math.isfinite(f) and np.all(np.isfinite(g))):
-        raise DatasetError("the objective or its gradient is not finite at x0; check the data and x0")
-    gg = float(g @ g)
-    if float(np.max(np.abs(g), initial=0.0)) <= gtol:
-        return ReferenceResult(x, f, 0, nfev, True, "gradient inf-norm <= gtol at x0")
-    d = -g
-    since_restart = 0
-    f_prev = f + math.sqrt(gg) / 2.0  # SciPy's first-iteration guess: the step becomes ~1/||g||
-    nit = 0
-    while True:
-        gd = float(g @ d)
-        ls = StrongWolfeLineSearch(
-            f, gd, step=interpolated_initial_step(f, f_prev, gd), c1=c1, c2=c2, max_evals=maxls
-        )
-        xt, ft, gt = x, f, g
-        while not ls.done:
-            xt = x + ls.step * d
-            ft, gt = fun_and_grad(xt)
-            ft, gt = float(ft), np.asarray(gt, dtype=np.float64)
-            nfev += 1
-            ls.tell(ft, float(gt @ d) if np.all(np.isfinite(gt)) else math.nan)
-        res = ls.result
-        assert res is not None
-        if not res.ok:
-            if since_restart > 0:
-                d, since_restart = -g, 0
-                continue
-            return ReferenceResult(x, f, nit, nfev, False, f"line search failed: {res.message}")
-        nit += 1
-        f_prev, x, f = f, xt, ft
-        g1g1, g1g0, g1d = float(gt @ gt), float(gt @ g), float(gt @ d)
-        g_old_sq, g = gg, gt
-        gg = g1g1
-        if float(np.max(np.abs(g))) <= gtol:
-            return ReferenceResult(x, f, nit, nfev, True, "gradient inf-norm <= gtol")
-        if relative_reduction_converged(f_prev, f, ftol=ftol):
-            return ReferenceResult(x, f, nit, nfev, True, "relative reduction of f <= ftol")
-        if nit >= maxiter:
-            return ReferenceResult(x, f, nit, nfev, False, "maximum number of iterations reached")
-        beta, restart = polak_ribiere_plus(
-            g1g1, g1g0, g_old_sq, g1d, since_restart=since_restart + 1, restart_every=period
-        )
-        d = -g + beta * d
-        since_restart = 0 if restart else since_restart + 1
+    check_budget(gtol=gtol, ftol=ftol, maxiter=maxiter)
+    space = InProcessSpace(fun_and_grad, x0)
+    space.start()
+    success, message = _minimize_cg(
+        space, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls,
+        restart_every=space.vector(space.state.x).size if restart_every is None else restart_every,
+        c1=c1, c2=c2,
+    )  # fmt: skip
+    return reference_result(space, success, message)

@@ -2,26 +2,125 @@
 
 The simplest of the batch methods the paper's Sandblaster framework hosts: ``x <- x - t*g`` with ``t`` from
 :class:`sandblaster._linesearch.ArmijoBacktracking` (Nocedal & Wright, *Numerical Optimization*, 2nd ed.,
-Algorithm 3.1), whose step grows after each success and shrinks on each rejected trial. The coordinator
-needs ``g.g`` (for ``phi'(0) = -g.g``) and ``F`` at each trial point; the shards do ``x + t*(-g)``.
+Algorithm 3.1), which shrinks the step on each rejected trial. Each search starts at the Barzilai-Borwein
+step ``s.y / y.y`` (Barzilai & Borwein, "Two-point step size gradient methods", IMA J. Numer. Anal. 8,
+1988), from two dot products of the new gradient; where that is undefined, at the last step times
+``grow``. The coordinator needs ``g.g`` (for ``phi'(0) = -g.g``), ``g_new.g`` and ``F`` at each trial
+point; the shards do ``x + t*(-g)``. :func:`_minimize_gd` is written once against
+:class:`sandblaster._space.ParameterSpace`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
 
-from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.sandblaster._linesearch import (
     LBFGSB_FTOL,
     ArmijoBacktracking,
     ReferenceResult,
-    relative_reduction_converged,
+)
+from distbelief.sandblaster._space import (
+    InProcessSpace,
+    IterationRecord,
+    ParameterSpace,
+    accept_trial,
+    check_budget,
+    close_iteration,
+    other_buffer,
+    reference_result,
+    stop_test,
 )
 
-__all__ = ["minimize_gd_reference"]
+__all__ = ["_minimize_gd", "minimize_gd_reference"]
+
+
+def _minimize_gd(
+    space: ParameterSpace,
+    *,
+    gtol: float,
+    ftol: float,
+    maxiter: int,
+    maxfev: int,
+    step: float = 1.0,
+    c1: float = 1e-4,
+    shrink: float = 0.5,
+    grow: float = 2.0,
+    maxls: int = 30,
+    barzilai_borwein: bool = True,
+    callback: Callable[[IterationRecord], None] | None = None,
+) -> tuple[bool, str]:
+    """Gradient descent with Armijo backtracking in ``space``.
+
+    Parameters
+    ----------
+    space : ParameterSpace
+        Started (``state.f``, ``state.g_inf`` hold ``F`` at ``state.x``).
+    gtol, ftol, maxiter, maxfev : float, float, int, int
+        Stop on ``max|g_i| <= gtol``, a relative decrease ``<= ftol``, or after ``maxiter`` steps or
+        ``maxfev`` evaluations.
+    step, c1, shrink, grow, maxls : float or int
+        Options of :class:`sandblaster._linesearch.ArmijoBacktracking` (``maxls`` is its ``max_evals``).
+    barzilai_borwein : bool
+        Start each search at the Barzilai-Borwein step ``s.y / y.y`` (default) instead of the last
+        accepted step times ``grow``: ~10x fewer iterations on logistic regression.
+    callback : callable, optional
+        Called with each iteration's record.
+
+    Returns
+    -------
+    success : bool
+        Whether a convergence test stopped the run.
+    message : str
+        Why it stopped.
+
+    Examples
+    --------
+    >>> space = InProcessSpace(lambda x: (float(x @ x), 2 * x), np.array([3.0, -4.0]))
+    >>> space.start()
+    >>> _minimize_gd(space, gtol=1e-5, ftol=0.0, maxiter=10, maxfev=100, step=0.5)
+    (True, 'gradient inf-norm <= gtol')
+    """
+    st = space.state
+    if st.g_inf <= gtol:
+        return True, "gradient inf-norm <= gtol at x0"
+    search = ArmijoBacktracking(step=step, c1=c1, shrink=shrink, grow=grow, max_evals=maxls)
+    (gg,) = space.run([("dot", st.g, st.g)])
+    while True:
+        search.start(st.f, -gg)
+        x_trial, g_trial = other_buffer(st.x), other_buffer(st.g)
+        # d = -g rides on the first trial's setup; g_t.g_t and g_t.g (the next g.g, and the Barzilai-Borwein
+        # step) on every trial's gradient: an iteration costs the coordinator no round trip of its own.
+        prefix = [("lincomb", "d", [-1.0], [st.g])]
+        suffix = [("dots", [(g_trial, g_trial), (g_trial, st.g)])]
+        res = search.result  # already failed if -g.g is not a finite negative slope
+        while res is None:
+            trial = space.evaluate(
+                x_trial, g_trial, prefix_ops=prefix, suffix_ops=suffix, base=st.x, step=search.step,
+                direction="d",
+            )  # fmt: skip
+            prefix = []
+            if st.nfev > maxfev:
+                return False, "maximum number of function evaluations reached"
+            res = search.tell(trial.f)
+        if not res.ok:
+            return False, f"line search failed: {res.message}"
+        f_old = accept_trial(st, trial)
+        g1g1, g1g0 = trial.extra[-1]
+        if barzilai_borwein:
+            # Barzilai & Borwein (1988): with s = -t*g and y = g_new - g, start the next search at
+            # s.y / y.y (their second step, the safer one under a monotone search); the Armijo test still
+            # guards every step. Without curvature along s (s.y <= 0) keep the grown step.
+            sy = res.step * (gg - g1g0)
+            yy = g1g1 - 2.0 * g1g0 + gg
+            if sy > 0.0 and yy > 0.0:
+                search.step_size = min(sy / yy, search.max_step)
+        gg = g1g1
+        close_iteration(space, res.step, callback, [st.x, st.g])
+        stop = stop_test(st, f_old, gtol=gtol, ftol=ftol, maxiter=maxiter)
+        if stop is not None:
+            return stop
 
 
 def minimize_gd_reference(
@@ -31,14 +130,16 @@ def minimize_gd_reference(
     gtol: float = 1e-5,
     ftol: float = LBFGSB_FTOL,
     maxiter: int = 15000,
+    maxfev: int = 150000,
     step: float = 1.0,
     c1: float = 1e-4,
     shrink: float = 0.5,
     grow: float = 2.0,
     max_evals: int = 40,
+    barzilai_borwein: bool = True,
     history: list[float] | None = None,
 ) -> ReferenceResult:
-    """In-memory gradient descent with Armijo backtracking, driven through scalars as the coordinator does.
+    """:func:`_minimize_gd` in an :class:`InProcessSpace` (the oracle of the distributed run).
 
     Parameters
     ----------
@@ -46,10 +147,13 @@ def minimize_gd_reference(
         ``x -> (F(x), grad F(x))``.
     x0 : numpy.ndarray
         Starting point.
-    gtol, ftol, maxiter : float, float, int
-        Stop on ``max|g_i| <= gtol``, a relative decrease ``<= ftol``, or after ``maxiter`` steps.
+    gtol, ftol, maxiter, maxfev : float, float, int, int
+        Stop on ``max|g_i| <= gtol``, a relative decrease ``<= ftol``, or after ``maxiter`` steps or
+        ``maxfev`` evaluations.
     step, c1, shrink, grow, max_evals : float or int
         Options of :class:`sandblaster._linesearch.ArmijoBacktracking`.
+    barzilai_borwein : bool
+        Start each search at the Barzilai-Borwein step (see :func:`_minimize_gd`).
     history : list of float, optional
         If given, the objective after every accepted step is appended (``F(x0)`` first).
 
@@ -64,40 +168,14 @@ def minimize_gd_reference(
     >>> r.success, r.fun < 1e-8
     (True, True)
     """
-    if not (gtol >= 0.0 and ftol >= 0.0):
-        raise InvalidOptionError(f"gtol and ftol must be >= 0, got gtol={gtol!r}, ftol={ftol!r}")
-    if isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1:
-        raise InvalidOptionError(f"maxiter must be an int >= 1, got {maxiter!r}")
-    search = ArmijoBacktracking(step=step, c1=c1, shrink=shrink, grow=grow, max_evals=max_evals)
-    x = np.array(x0, dtype=np.float64, copy=True).ravel()
-    f, g = fun_and_grad(x)
-    f, g = float(f), np.asarray(g, dtype=np.float64)
-    nfev = 1
-    if not (math.isfinite(f) and np.all(np.isfinite(g))):
-        raise DatasetError("the objective or its gradient is not finite at x0; check the data and x0")
+    check_budget(gtol=gtol, ftol=ftol, maxiter=maxiter)
+    space = InProcessSpace(fun_and_grad, x0)
+    space.start()
     if history is not None:
-        history.append(f)
-    nit = 0
-    while True:
-        if float(np.max(np.abs(g), initial=0.0)) <= gtol:
-            return ReferenceResult(x, f, nit, nfev, True, "gradient inf-norm <= gtol")
-        if nit >= maxiter:
-            return ReferenceResult(x, f, nit, nfev, False, "maximum number of iterations reached")
-        search.start(f, -float(g @ g))
-        xt, ft, gt = x, f, g
-        while not search.done:
-            xt = x - search.step * g
-            ft, gt = fun_and_grad(xt)
-            ft = float(ft)
-            nfev += 1
-            search.tell(ft)
-        res = search.result
-        assert res is not None
-        if not res.ok:
-            return ReferenceResult(x, f, nit, nfev, False, f"line search failed: {res.message}")
-        nit += 1
-        f_old, x, f, g = f, xt, ft, np.asarray(gt, dtype=np.float64)
-        if history is not None:
-            history.append(f)
-        if relative_reduction_converged(f_old, f, ftol=ftol):
-            return ReferenceResult(x, f, nit, nfev, True, "relative reduction of f <= ftol")
+        history.append(space.state.f)
+    success, message = _minimize_gd(
+        space, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, step=step, c1=c1, shrink=shrink,
+        grow=grow, maxls=max_evals, barzilai_borwein=barzilai_borwein,
+        callback=None if history is None else (lambda rec: history.append(rec.objective)),
+    )  # fmt: skip
+    return reference_result(space, success, message)

@@ -17,10 +17,13 @@ import xarray as xr
 from distributed import Client
 
 from distbelief.errors import DatasetError, InvalidOptionError, ShardLostError
+from distbelief.sandblaster._cg import _minimize_cg
 from distbelief.sandblaster._coordinator import Coordinator, IterationRecord, RunState
+from distbelief.sandblaster._gd import _minimize_gd
 from distbelief.sandblaster._linesearch import LBFGSB_FTOL
 from distbelief.sandblaster._replica import Replica
 from distbelief.sandblaster._scheduler import PortionScheduler
+from distbelief.sandblaster._vlbfgs import _minimize_lbfgs
 from distbelief.storage import (
     Dataset,
     ParameterServer,
@@ -478,34 +481,19 @@ def _run_method(
     callback: Callable[[IterationRecord], None] | None,
     resume: dict[str, Any] | None,
 ) -> tuple[bool, str]:
+    gtol, ftol, maxiter, maxfev = opts.gtol, opts.ftol, opts.maxiter, opts.maxfev
     if opts.method == "lbfgs":
-        return coord.run_lbfgs(
-            m=opts.history,
-            gtol=opts.gtol,
-            ftol=opts.ftol,
-            maxiter=opts.maxiter,
-            maxfev=opts.maxfev,
-            maxls=opts.maxls,
-            callback=callback,
-            resume=resume,
-        )
+        return _minimize_lbfgs(
+            coord, m=opts.history, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=opts.maxls,
+            callback=callback, resume=resume,
+        )  # fmt: skip
     if opts.method == "cg":
-        return coord.run_cg(
-            gtol=opts.gtol,
-            ftol=opts.ftol,
-            maxiter=opts.maxiter,
-            maxfev=opts.maxfev,
-            maxls=opts.maxls,
-            restart_every=opts.restart_every or n,
-            callback=callback,
-        )
-    return coord.run_gd(
-        gtol=opts.gtol,
-        ftol=opts.ftol,
-        maxiter=opts.maxiter,
-        maxfev=opts.maxfev,
-        step=opts.step,
-        callback=callback,
+        return _minimize_cg(
+            coord, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=opts.maxls,
+            restart_every=opts.restart_every or n, callback=callback,
+        )  # fmt: skip
+    return _minimize_gd(
+        coord, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, step=opts.step, callback=callback
     )
 
 

@@ -10,9 +10,10 @@ the next, so each iteration costs one batched ``dots`` round trip (``6k`` scalar
 ``lincomb`` on the shards, whatever ``k``.
 
 :class:`VLBFGSHistory` is the coordinator-side state: slot names, the cached Gram entries, the curvature
-check and the recursion. :func:`minimize_lbfgs_reference` drives it with in-memory numpy vectors through the
-same protocol, and reproduces SciPy's ``L-BFGS-B`` on unconstrained problems (same line search, initial
-step, stopping rules, and restart after a failed line search; Byrd, Lu, Nocedal & Zhu 1995).
+check and the recursion. :func:`_minimize_lbfgs` is the method, written once against
+:class:`sandblaster._space.ParameterSpace` (on the shards or in process); it reproduces SciPy's
+``L-BFGS-B`` on unconstrained problems (same line search, initial step, stopping rules, and restart after a
+failed line search; Byrd, Lu, Nocedal & Zhu 1995). :func:`minimize_lbfgs_reference` runs it in process.
 """
 
 from __future__ import annotations
@@ -31,14 +32,25 @@ from distbelief.sandblaster._linesearch import (
     LBFGSB_STPMAX,
     LBFGSB_XTOL,
     ReferenceResult,
-    StrongWolfeLineSearch,
     lbfgsb_initial_step,
-    relative_reduction_converged,
+)
+from distbelief.sandblaster._space import (
+    InProcessSpace,
+    IterationRecord,
+    ParameterSpace,
+    accept_trial,
+    check_budget,
+    close_iteration,
+    other_buffer,
+    reference_result,
+    stop_test,
+    wolfe_search,
 )
 
 __all__ = [
     "CURVATURE_EPS",
     "VLBFGSHistory",
+    "_minimize_lbfgs",
     "minimize_lbfgs_reference",
     "two_loop_reference",
     "vlbfgs_coefficients",
@@ -303,13 +315,20 @@ class VLBFGSHistory:
         self._request_grad = grad_name
         return list(requests)
 
-    def update_dots(self, values: Sequence[float] | Mapping[tuple[str, str], float]) -> bool | None:
+    def update_dots(
+        self, values: Sequence[float] | Mapping[tuple[str, str], float], *, descent: float | None = None
+    ) -> bool | None:
         """Store the dot products asked for by :meth:`dot_requests`; decide on a pending pair.
 
         Parameters
         ----------
         values : sequence of float or mapping
             The values in request order, or a mapping from name pairs (either order) to values.
+        descent : float, optional
+            ``-g_old . s`` for the pending pair (``-t * phi'(0)`` of the line search that produced it). When
+            given, the curvature check is L-BFGS-B's, ``s.y > eps * (-g_old . s)``, which does not depend
+            on the scale of F; without it, ``s.y > eps * y.y``, which skips every pair once F is scaled
+            by ~1e16 or more (``s.y / y.y`` is then below ``eps``).
 
         Returns
         -------
@@ -354,7 +373,8 @@ class VLBFGSHistory:
         self._pending = None
         sp, yp = self._s_names[p], self._y_names[p]
         sy, yy = self._dots[_key(sp, yp)], self._dots[_key(yp, yp)]
-        accepted = sy > self._eps * yy and yy > 0.0
+        threshold = yy if descent is None else descent
+        accepted = sy > self._eps * threshold and yy > 0.0
         if accepted:
             if len(self._live) == self._m:
                 self._drop_slot_dots(self._live.pop(0))
@@ -452,9 +472,137 @@ class VLBFGSHistory:
             del self._dots[key]
 
 
-def _check_objective(f: float, g: np.ndarray, where: str) -> None:
-    if not (math.isfinite(f) and np.all(np.isfinite(g))):
-        raise DatasetError(f"the objective or its gradient is not finite at {where}; check the data and x0")
+class _SpeculativePair:
+    """The ops each trial runs with its gradient: the next pair ``s = t*d``, ``y = g_t - g`` in a free
+    slot, and its new Gram entries, assuming the line search accepts the trial (it usually does at once).
+
+    A rejected trial never overwrites a kept pair (the slot is free); :attr:`spec` is the history with
+    the last trial's pair pending, :attr:`names` that pair's slot names.
+    """
+
+    def __init__(self, hist: VLBFGSHistory, grad: str, trial_grad: str) -> None:
+        self.hist, self.grad, self.trial_grad = hist, grad, trial_grad
+        self.spec = hist
+        self.names = ("", "")
+
+    def __call__(self, step: float) -> list[tuple[Any, ...]]:
+        self.spec = self.hist.copy()
+        s_name, y_name = self.names = self.spec.push_pair()
+        return [
+            ("lincomb", s_name, [step], ["d"]),
+            ("lincomb", y_name, [1.0, -1.0], [self.trial_grad, self.grad]),
+            ("dots", self.spec.dot_requests(self.trial_grad)),
+        ]
+
+
+def _minimize_lbfgs(
+    space: ParameterSpace,
+    *,
+    m: int,
+    gtol: float,
+    ftol: float,
+    maxiter: int,
+    maxfev: int,
+    maxls: int = 20,
+    callback: Callable[[IterationRecord], None] | None = None,
+    resume: Mapping[str, Any] | None = None,
+) -> tuple[bool, str]:
+    """Vector-free L-BFGS in ``space``, as SciPy's ``L-BFGS-B`` does it without bounds.
+
+    Moré-Thuente search with L-BFGS-B's constants, first step ``1/||d||``, stop on ``max|g_i| <= gtol`` or
+    a relative decrease ``<= ftol`` (Byrd, Lu, Nocedal & Zhu 1995); on a failed line search drop the
+    memory and retry along ``-g`` (give up if the memory was already empty). The direction is VL-BFGS's
+    (Chen, Wang & Zhou, NIPS 2014): :class:`VLBFGSHistory` turns Gram entries into coefficients, the space
+    forms ``d = sum_j delta_j b_j``.
+
+    Every op rides on an evaluation: the direction and ``g.d`` on the first trial's prefix, and with each
+    trial's gradient, speculatively (assuming the line search accepts the trial, as it usually does at
+    once), the next pair ``s = t*d``, ``y = g_t - g`` in a free slot and the new Gram entries. A typical
+    iteration on the shards therefore costs the coordinator no round trip of its own (DESIGN.md, "Fuse
+    messages"); only the first direction, and one after a restart, asks for its dots separately.
+
+    Parameters
+    ----------
+    space : ParameterSpace
+        Started (``state.f``, ``state.g_inf`` hold ``F`` at ``state.x``).
+    m : int
+        Memory size (SciPy's ``maxcor``).
+    gtol, ftol, maxiter, maxfev, maxls : float, float, int, int, int
+        Stopping rules and the evaluation budget of one line search.
+    callback : callable, optional
+        Called with each iteration's record.
+    resume : mapping, optional
+        The metadata of a checkpoint of this method (``hist``, ``next_values``) to continue from.
+
+    Returns
+    -------
+    success : bool
+        Whether a convergence test stopped the run.
+    message : str
+        Why it stopped.
+
+    Examples
+    --------
+    >>> space = InProcessSpace(lambda x: (float(x @ x), 2 * x), np.array([3.0, -4.0]))
+    >>> space.start()
+    >>> _minimize_lbfgs(space, m=5, gtol=1e-5, ftol=0.0, maxiter=10, maxfev=100)
+    (True, 'gradient inf-norm <= gtol')
+    """
+    st = space.state
+    if st.g_inf <= gtol:
+        return True, "gradient inf-norm <= gtol at x0"
+    hist = VLBFGSHistory(m, prefix="h")
+    # ``next_dots`` holds the speculative Gram entries of the accepted trial, the history they fit and
+    # ``-g.s`` of its pair (for the curvature check).
+    next_dots: tuple[VLBFGSHistory, list[float], float | None] | None = None
+    if resume is not None:
+        if resume["hist"]["m"] != m:
+            started = resume["hist"]["m"]
+            raise InvalidOptionError(f"the run was started with history={started}; resume with it")
+        hist_state, values = VLBFGSHistory.from_state(resume["hist"]), list(resume["next_values"])
+        next_dots = (hist_state, values, resume.get("descent"))
+    while True:
+        descent: float | None = None
+        if next_dots is None:
+            values = space.run([("dots", hist.dot_requests(st.g))])[0]
+        else:
+            hist, values, descent = next_dots
+            next_dots = None
+        hist.update_dots(values, descent=descent)
+        coeffs = hist.direction_coefficients()
+        # Without pairs d = -g, whose norm is already in the Gram matrix.
+        d_norm = math.sqrt(hist.dot_matrix()[-1, -1]) if len(coeffs) == 1 else math.nan
+        direction_op = ("lincomb", "d", [c for c, _ in coeffs], [n for _, n in coeffs])
+        # The first trial moves x by one unit, whatever the scale of F (L-BFGS-B's 1/||d||). L-BFGS-B also
+        # caps it at 1e10, which below ||g|| = 1e-10 (F scaled down) would move x by less: the cap widens.
+        stpmax = LBFGSB_STPMAX * max(1.0, 1.0 / d_norm) if st.nit == 0 else LBFGSB_STPMAX
+        step0 = lbfgsb_initial_step(st.nit, d_norm, stpmax=stpmax) if st.nit == 0 else 1.0
+        pair = _SpeculativePair(hist, st.g, other_buffer(st.g))
+        found = wolfe_search(
+            space, step=step0, setup=[direction_op], speculate=pair, maxfev=maxfev, c1=LBFGSB_C1,
+            c2=LBFGSB_C2, xtol=LBFGSB_XTOL, stpmax=stpmax, max_evals=maxls,
+        )  # fmt: skip
+        if found.over_budget:
+            return False, "maximum number of function evaluations reached"
+        res = found.result
+        if res is None or not res.ok:
+            if hist.n_pairs:
+                hist.reset()  # L-BFGS-B: back to x, drop the memory, retry along -g
+                continue
+            if res is None:
+                return False, "the search direction is not a descent direction"
+            return False, f"line search failed: {res.message}"
+        spec, values = pair.spec, found.last.extra[-1]
+        next_dots = (spec, values, -res.step * found.dphi0)
+        f_old = accept_trial(st, found.last)
+        kept = [name for names in spec.pair_names for name in names]
+        close_iteration(
+            space, res.step, callback, [st.x, st.g, *kept, *pair.names],
+            {"hist": spec.to_state(), "next_values": list(values), "descent": next_dots[2]},
+        )  # fmt: skip
+        stop = stop_test(st, f_old, gtol=gtol, ftol=ftol, maxiter=maxiter)
+        if stop is not None:
+            return stop
 
 
 def minimize_lbfgs_reference(
@@ -465,18 +613,13 @@ def minimize_lbfgs_reference(
     gtol: float = 1e-5,
     ftol: float = LBFGSB_FTOL,
     maxiter: int = 15000,
+    maxfev: int = 15000,
     maxls: int = 20,
-    c1: float = LBFGSB_C1,
-    c2: float = LBFGSB_C2,
 ) -> ReferenceResult:
-    """In-memory L-BFGS through the same scalar protocol as the coordinator (oracle and test bed).
+    """:func:`_minimize_lbfgs` in an :class:`InProcessSpace`: SciPy's ``L-BFGS-B`` without bounds.
 
-    Vectors live in a dict standing in for the shards; the algorithm only touches them through
-    :class:`VLBFGSHistory` requests, dot products, ``lincomb`` and ``x + t*d``. Matches SciPy's
-    ``minimize(method="L-BFGS-B", options={"maxcor": m, "gtol": gtol, "ftol": ftol})`` without bounds:
-    Moré-Thuente search with L-BFGS-B's constants, first step ``1/||d||``, stop on
-    ``max|g_i| <= gtol`` or a relative decrease ``<= ftol``, and on a failed line search drop the memory
-    and retry with steepest descent (give up if the memory was already empty).
+    Matches ``scipy.optimize.minimize(method="L-BFGS-B", options={"maxcor": m, "gtol": gtol,
+    "ftol": ftol})``; the oracle of the distributed run, which executes the same code on the shards.
 
     Parameters
     ----------
@@ -484,10 +627,9 @@ def minimize_lbfgs_reference(
         ``x -> (F(x), grad F(x))``.
     x0 : numpy.ndarray
         Starting point (copied, float64).
-    m, gtol, ftol, maxiter, maxls : int or float
-        Memory size, gradient and relative-decrease tolerances, iteration and line-search budgets.
-    c1, c2 : float
-        Strong Wolfe constants (L-BFGS-B's 1e-3 and 0.9 by default).
+    m, gtol, ftol, maxiter, maxfev, maxls : int or float
+        Memory size, gradient and relative-decrease tolerances, iteration, evaluation and line-search
+        budgets.
 
     Returns
     -------
@@ -500,64 +642,10 @@ def minimize_lbfgs_reference(
     >>> r.success, round(r.fun, 12)
     (True, 0.0)
     """
-    if not (gtol >= 0.0 and ftol >= 0.0):
-        raise InvalidOptionError(f"gtol and ftol must be >= 0, got gtol={gtol!r}, ftol={ftol!r}")
-    if isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1:
-        raise InvalidOptionError(f"maxiter must be an int >= 1, got {maxiter!r}")
-    x = np.array(x0, dtype=np.float64, copy=True).ravel()
-    f, g = fun_and_grad(x)
-    f, g = float(f), np.asarray(g, dtype=np.float64)
-    nfev = 1
-    _check_objective(f, g, "x0")
-    if float(np.max(np.abs(g), initial=0.0)) <= gtol:
-        return ReferenceResult(x, f, 0, nfev, True, "gradient inf-norm <= gtol at x0")
-
-    hist = VLBFGSHistory(m)
-    vec: dict[str, np.ndarray] = {}  # stands in for the shards' named vectors
-    nit = 0
-    while True:
-        vec["g"] = g
-        requests = hist.dot_requests("g")
-        hist.update_dots([float(vec[a] @ vec[b]) for a, b in requests])
-        d = np.zeros_like(x)
-        for coef, name in hist.direction_coefficients():
-            d += coef * vec[name]
-        gd = float(g @ d)
-        if not gd < 0.0:
-            if hist.n_pairs:
-                hist.reset()
-                continue
-            return ReferenceResult(x, f, nit, nfev, False, "the search direction is not a descent direction")
-        step0 = lbfgsb_initial_step(nit, float(np.sqrt(d @ d)))
-        ls = StrongWolfeLineSearch(
-            f, gd, step=step0, c1=c1, c2=c2, xtol=LBFGSB_XTOL, stpmax=LBFGSB_STPMAX, max_evals=maxls
-        )
-        xt, ft, gt = x, f, g
-        while not ls.done:
-            t = ls.step
-            xt = x + t * d
-            ft, gt = fun_and_grad(xt)
-            ft, gt = float(ft), np.asarray(gt, dtype=np.float64)
-            nfev += 1
-            ls.tell(ft, float(gt @ d) if np.all(np.isfinite(gt)) else math.nan)
-        res = ls.result
-        assert res is not None
-        if not res.ok:
-            if hist.n_pairs:
-                hist.reset()  # L-BFGS-B: back to x, drop the memory, retry along -g
-                continue
-            return ReferenceResult(x, f, nit, nfev, False, f"line search failed: {res.message}")
-        # dcsrch only ends "ok" at the point it evaluated last, so xt/gt are the accepted point.
-        assert res.is_last_evaluated
-        nit += 1
-        s_name, y_name = hist.push_pair()
-        vec[s_name] = res.step * d
-        vec[y_name] = gt - g
-        f_old = f
-        x, f, g = xt, ft, gt
-        if float(np.max(np.abs(g))) <= gtol:
-            return ReferenceResult(x, f, nit, nfev, True, "gradient inf-norm <= gtol")
-        if relative_reduction_converged(f_old, f, ftol=ftol):
-            return ReferenceResult(x, f, nit, nfev, True, "relative reduction of f <= ftol")
-        if nit >= maxiter:
-            return ReferenceResult(x, f, nit, nfev, False, "maximum number of iterations reached")
+    check_budget(gtol=gtol, ftol=ftol, maxiter=maxiter)
+    space = InProcessSpace(fun_and_grad, x0)
+    space.start()
+    success, message = _minimize_lbfgs(
+        space, m=m, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls
+    )
+    return reference_result(space, success, message)

@@ -186,6 +186,25 @@ def test_curvature_check_skips_pair_and_keeps_memory(m: int, pairs: int, bad_y: 
     assert hist.push_pair() == (s_name, y_name)
 
 
+@pytest.mark.parametrize("scale", [1e-50, 1.0, 1e50])
+def test_the_curvature_check_given_the_descent_is_scale_free(scale: float) -> None:
+    """With ``descent = -g.s`` the check is L-BFGS-B's ``s.y > eps * (-g.s)``: the same decision for F
+    scaled by any factor (y, g and the descent scale with F, s does not). Without it, ``s.y > eps * y.y``
+    skips the pair once F is scaled by 1e50."""
+    s = np.array([1.0, 0.5, 0.0])
+    y = scale * np.array([2.0, 0.0, 1.0])
+    g = scale * np.array([-1.0, 0.0, 0.5])
+    decisions = []
+    for descent in (float(-(g @ s)), None):
+        hist = VLBFGSHistory(3)
+        _deliver(hist, {"g": g})
+        s_name, y_name = hist.push_pair()
+        vec = {s_name: s, y_name: y, "g": g}
+        requests = hist.dot_requests("g")
+        decisions.append(hist.update_dots([float(vec[a] @ vec[b]) for a, b in requests], descent=descent))
+    assert decisions == [True, scale < 1e10]
+
+
 def test_alternating_gradient_names() -> None:
     # The coordinator keeps the trial gradient under a second name and swaps the two each iteration.
     rng = np.random.default_rng(4)
