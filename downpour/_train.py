@@ -409,11 +409,18 @@ def objective_rows(dataset: Dataset, max_values: int = OBJECTIVE_MAX_VALUES) -> 
     >>> objective_rows(ds, max_values=8)[0].shape                                            # doctest: +SKIP
     (4, 2)
     """
-    if dataset.n_rows * dataset.n_features <= max_values:
+    # A sparse dataset's size is its nonzeros, not rows x features.
+    values = int(getattr(dataset, "nnz", dataset.n_rows * dataset.n_features))
+    if values <= max_values:
         return dataset.read_all()
-    budget = max(1, max_values // max(1, dataset.portion_rows * dataset.n_features))
+    per_portion = max(1, values * dataset.portion_rows // max(1, dataset.n_rows))
+    budget = max(1, max_values // per_portion)
     chosen = np.unique(np.linspace(0, dataset.n_portions - 1, min(budget, dataset.n_portions)).round())
     parts = [dataset.read_portion(int(i)) for i in chosen]
+    if is_sparse(parts[0][0]):
+        import scipy.sparse as sp
+
+        return sp.vstack([X for X, _ in parts], format="csr"), np.concatenate([y for _, y in parts])
     return np.concatenate([X for X, _ in parts]), np.concatenate([y for _, y in parts])
 
 
@@ -754,7 +761,7 @@ class _Run:
                 "n_push": opts.n_push,
                 "n_rows": self.dataset.n_rows,
                 "l2": opts.l2,
-                "objective_rows": len(self._objective_rows[0]) if self._objective_rows else 0,
+                "objective_rows": self._objective_rows[0].shape[0] if self._objective_rows else 0,
             },
         )
 
