@@ -477,6 +477,101 @@ class Dataset:
     # ---------------------------------------------------------------------------------- opening
 
     @classmethod
+    def from_dask(
+        cls,
+        X: Any,
+        y: Any,
+        *,
+        path: PathLike,
+        portion_rows: int | None = None,
+        chunk_rows: int | None = None,
+        label_kind: LabelKind | None = None,
+        n_classes: int | None = None,
+        overwrite: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        client: Any = None,
+    ) -> Dataset:
+        """Write Dask arrays as a dataset, on the workers: the rows never pass through this process.
+
+        Each worker writes the zarr chunks of the blocks it computes; the checks (no NaN/inf, the kind of
+        labels) run on the workers too. ``path`` must be reachable by the workers (a shared directory or an
+        object-store URL). Other parameters are those of :meth:`from_arrays`.
+
+        Parameters
+        ----------
+        X : dask.array.Array, shape (n_rows, n_features)
+        y : dask.array.Array, shape (n_rows,)
+        client : distributed.Client, optional
+            Where to compute (default: Dask's default scheduler, i.e. the current ``Client`` if any).
+
+        Examples
+        --------
+        >>> import dask.array as da, tempfile, os
+        >>> X = da.random.random((10_000, 8), chunks=(2_500, 8)); y = (X[:, 0] > 0.5).astype(float)
+        >>> ds = Dataset.from_dask(X, y, path=os.path.join(tempfile.mkdtemp(), "big"))
+        >>> ds.n_rows, ds.label_kind
+        (10000, 'binary')
+        """
+        from distbelief.storage._dataset_sources import dataset_from_dask
+
+        return dataset_from_dask(
+            X, y, path=path, portion_rows=portion_rows, chunk_rows=chunk_rows, label_kind=label_kind,
+            n_classes=n_classes, overwrite=overwrite, storage_options=storage_options, client=client,
+        )  # fmt: skip
+
+    @classmethod
+    def from_xarray(
+        cls, ds: Any, *, features: str | list[str], label: str, path: PathLike, **options: Any
+    ) -> Dataset:
+        """Build a dataset from an ``xarray.Dataset``: ``features`` (one 2-D variable, or 1-D variables
+        along the rows) and the 1-D ``label`` variable. Dask-backed variables are written by the workers
+        (:meth:`from_dask`); ``options`` are those of :meth:`from_dask`.
+
+        Examples
+        --------
+        >>> import numpy as np, xarray as xr, tempfile, os
+        >>> xds = xr.Dataset({"a": ("row", [0.0, 1.0, 2.0]), "b": ("row", [1.0, 1.0, 0.0]),
+        ...                   "t": ("row", [0, 1, 1])})
+        >>> Dataset.from_xarray(xds, features=["a", "b"], label="t",
+        ...                     path=os.path.join(tempfile.mkdtemp(), "x")).n_features
+        2
+        """
+        from distbelief.storage._dataset_sources import dataset_from_xarray
+
+        return dataset_from_xarray(ds, features=features, label=label, path=path, **options)
+
+    @classmethod
+    def from_parquet(
+        cls,
+        url: str,
+        *,
+        label: str,
+        path: PathLike,
+        features: list[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        path_storage_options: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Dataset:
+        """Build a dataset from Parquet file(s) at a local path or fsspec URL (needs pyarrow).
+
+        The files are read by the Dask workers (``dask.dataframe.read_parquet``), then written as by
+        :meth:`from_dask`. ``features`` default to every column but ``label``; ``storage_options`` are the
+        fsspec options of ``url``, ``path_storage_options`` those of ``path``; ``options`` those of
+        :meth:`from_dask`.
+
+        Examples
+        --------
+        >>> ds = Dataset.from_parquet("s3://bucket/rows/*.parquet", label="clicked",
+        ...                           path="s3://bucket/datasets/rows")   # doctest: +SKIP
+        """
+        from distbelief.storage._dataset_sources import dataset_from_parquet
+
+        return dataset_from_parquet(
+            url, features=features, label=label, path=path, storage_options=storage_options,
+            target_storage_options=path_storage_options, **options,
+        )  # fmt: skip
+
+    @classmethod
     def open(
         cls,
         path_or_url: PathLike,
