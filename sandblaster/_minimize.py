@@ -17,6 +17,7 @@ import xarray as xr
 from distributed import Client
 
 from distbelief.errors import DatasetError, InvalidOptionError, ShardLostError
+from distbelief.models._fitted import FittedMixin
 from distbelief.sandblaster._coordinator import Coordinator, IterationRecord, RunState
 from distbelief.sandblaster._linesearch import LBFGSB_FTOL
 from distbelief.sandblaster._replica import Replica
@@ -105,8 +106,11 @@ def _check(ok: bool, name: str, value: object, expected: str) -> None:
 
 
 @dataclass
-class OptimizeResult:
+class OptimizeResult(FittedMixin):
     """What :func:`minimize` found. Not converging is reported here (``success=False``), not raised.
+
+    ``predict(X)`` / ``predict_proba(X)`` go through ``model`` at ``x``; ``to_zarr(url)`` saves the result
+    with the model's spec and ``OptimizeResult.from_zarr(url)`` loads it (see ``models._fitted``).
 
     Attributes
     ----------
@@ -131,6 +135,8 @@ class OptimizeResult:
         shards), time_gradient, time_shard_ops, time_coordinator.
     store : str
         Where the parameter server's checkpoints are.
+    model : Model
+        The model that was minimized (set by :func:`minimize`).
     """
 
     x: np.ndarray
@@ -144,6 +150,7 @@ class OptimizeResult:
     history: xr.Dataset
     store: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
+    model: Any = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         return (
@@ -281,7 +288,9 @@ def minimize(
     store = str(store)
     try:
         with embedded_client(client) as c:
-            return _run(model, as_dataset(data, store), x_start, c, store, opts, callback)
+            result = _run(model, as_dataset(data, store), x_start, c, store, opts, callback)
+            result.model = model
+            return result
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -28,5 +28,6 @@ from distbelief.sklearn._estimators import (
     MLPClassifier,
     SoftmaxRegression,
 )
+from distbelief.sklearn._from_model import from_model
 
-__all__ = ["LinearRegression", "LogisticRegression", "MLPClassifier", "SoftmaxRegression"]
+__all__ = ["LinearRegression", "LogisticRegression", "MLPClassifier", "SoftmaxRegression", "from_model"]

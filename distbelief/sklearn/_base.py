@@ -104,6 +104,20 @@ class FreeParams:
             grad[a:b] -= n * self.l2 * part
         return float(loss), grad
 
+    @property
+    def spec(self) -> dict[str, Any] | None:
+        """That of the wrapped model (so a result saved with ``to_zarr`` rebuilds it)."""
+        spec = getattr(self.model, "spec", None)
+        return spec if isinstance(spec, dict) else None
+
+    def predict(self, w: ArrayLike, X: ArrayLike) -> NDArray[Any]:
+        """That of the wrapped model."""
+        return np.asarray(self.model.predict(w, X))
+
+    def predict_proba(self, w: ArrayLike, X: ArrayLike) -> FloatArray:
+        """That of the wrapped model."""
+        return np.asarray(self.model.predict_proba(w, X), dtype=np.float64)
+
     def accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
         """That of the wrapped model (Downpour's held-out evaluation)."""
         return float(self.model.accuracy(w, X, y))
