@@ -150,3 +150,37 @@ def test_missing_jax_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(builtins, "__import__", no_jax)
     with pytest.raises(InvalidOptionError, match=r"distbelief\[jax\]"):
         models.JaxModel(logistic_loss, 3)
+
+
+def test_the_convnet_example_learns_the_digits(client: Client) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    from distbelief import sandblaster
+    from distbelief.storage import load_digits
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "jax_digits_convnet.py"
+    spec = importlib.util.spec_from_file_location("jax_digits_convnet", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    X, y = load_digits()
+    rng = np.random.default_rng(0)
+    params = {
+        "conv": rng.normal(scale=0.3, size=(8, 1, 3, 3)),
+        "conv_b": np.zeros(8),
+        "dense": rng.normal(scale=0.1, size=(72, 10)),
+        "dense_b": np.zeros(10),
+    }
+    model = models.JaxModel(example.loss, example_params=params, n_features=64, predict_fn=example.predict)
+    w = model.init_params()
+    _, grad = model.loss_and_grad(w, X[:50], y[:50].astype(float))
+    for i in (0, 80, 700):  # central differences agree with the JAX gradient
+        e = np.zeros_like(w)
+        e[i] = 1e-6
+        fd = (
+            model.loss_and_grad(w + e, X[:50], y[:50])[0] - model.loss_and_grad(w - e, X[:50], y[:50])[0]
+        ) / 2e-6
+        assert fd == pytest.approx(grad[i], rel=1e-5, abs=1e-7)
+    res = sandblaster.minimize(model, (X[:600], y[:600].astype(float)), l2=1e-4, maxiter=40, client=client)
+    assert float(np.mean(res.predict(X[600:]) == y[600:])) > 0.8
