@@ -1001,7 +1001,8 @@ class Dataset:
 # ------------------------------------------------------------------------------------- store helpers
 
 
-def _write_arrays(group: zarr.Group, X: np.ndarray[Any, Any], y: FloatArray, meta: _Meta, block: int) -> None:
+def _create_arrays(group: zarr.Group, meta: _Meta) -> tuple[zarr.Array, zarr.Array]:
+    """The dataset's empty arrays ``X`` and ``y`` in ``group``, chunked along rows."""
     n, d, c = meta.n_rows, meta.n_features, meta.chunk_rows
     # No compressor: random floats barely compress, and raw chunks read at disk speed. write_empty_chunks
     # skips zarr's scan of every chunk for "all fill value", which otherwise costs as much as the write.
@@ -1014,6 +1015,12 @@ def _write_arrays(group: zarr.Group, X: np.ndarray[Any, Any], y: FloatArray, met
     }
     xa = group.create_array("X", shape=(n, d), chunks=(c, d), dimension_names=("row", "feature"), **common)
     ya = group.create_array("y", shape=(n,), chunks=(c,), dimension_names=("row",), **common)
+    return xa, ya
+
+
+def _write_arrays(group: zarr.Group, X: np.ndarray[Any, Any], y: FloatArray, meta: _Meta, block: int) -> None:
+    n = meta.n_rows
+    xa, ya = _create_arrays(group, meta)
     if X.dtype == np.float64 and X.flags.c_contiguous:
         xa[:] = X  # one call lets zarr write all chunks concurrently
     else:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import DatasetError, InvalidOptionError
-from distbelief.storage._dataset import Dataset, _commit, _precheck
+from distbelief.storage._dataset import Dataset, _commit, _create_arrays, _precheck
 from distbelief.storage._dataset_location import PathLike, _location
 from distbelief.storage._dataset_meta import _LABEL_KINDS, LabelKind, _Meta
 from distbelief.storage._dataset_validation import _detect_labels, _layout
@@ -125,18 +125,8 @@ def dataset_from_dask(
     )
 
     def write(group: Any) -> None:
-        common: dict[str, Any] = {
-            "dtype": "float64",
-            "compressors": None,
-            "filters": None,
-            "fill_value": 0.0,
-            "config": {"write_empty_chunks": True},
-        }
-        xa = group.create_array(
-            "X", shape=(n, d), chunks=(c, d), dimension_names=("row", "feature"), **common
-        )
-        ya = group.create_array("y", shape=(n,), chunks=(c,), dimension_names=("row",), **common)
-        stored = da.store([Xc, yc], [xa, ya], lock=False, compute=False)
+        targets: list[Any] = list(_create_arrays(group, meta))
+        stored = da.store([Xc, yc], targets, lock=False, compute=False)
         compute(stored)
 
     _commit(loc, meta, write, overwrite=overwrite)

@@ -29,5 +29,13 @@ from distbelief.sklearn._estimators import (
     SoftmaxRegression,
 )
 from distbelief.sklearn._from_model import from_model
+from distbelief.sklearn._generic import ModelClassifier
 
-__all__ = ["LinearRegression", "LogisticRegression", "MLPClassifier", "SoftmaxRegression", "from_model"]
+__all__ = [
+    "LinearRegression",
+    "LogisticRegression",
+    "MLPClassifier",
+    "ModelClassifier",
+    "SoftmaxRegression",
+    "from_model",
+]

@@ -160,6 +160,29 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
     fit_intercept: bool
     downpour_options: dict[str, Any] | None
 
+    def __init__(
+        self,
+        penalty: str | None = "l2",
+        *,
+        C: float = 1.0,
+        fit_intercept: bool = True,
+        solver: str = "lbfgs",
+        max_iter: int = 100,
+        tol: float = 1e-4,
+        client: Any = None,
+        store: str | None = None,
+        downpour_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.penalty = penalty
+        self.C = C
+        self.fit_intercept = fit_intercept
+        self.solver = solver
+        self.max_iter = max_iter
+        self.tol = tol
+        self.client = client
+        self.store = store
+        self.downpour_options = downpour_options
+
     def fit(self, X: Any, y: Any = None) -> Any:
         """Fit the model on ``X`` (numpy, Dask array or ``storage.Dataset``) and labels ``y``.
 
@@ -296,29 +319,6 @@ class LogisticRegression(_LinearClassifier):
     True
     """
 
-    def __init__(
-        self,
-        penalty: str | None = "l2",
-        *,
-        C: float = 1.0,
-        fit_intercept: bool = True,
-        solver: str = "lbfgs",
-        max_iter: int = 100,
-        tol: float = 1e-4,
-        client: Any = None,
-        store: str | None = None,
-        downpour_options: dict[str, Any] | None = None,
-    ) -> None:
-        self.penalty = penalty
-        self.C = C
-        self.fit_intercept = fit_intercept
-        self.solver = solver
-        self.max_iter = max_iter
-        self.tol = tol
-        self.client = client
-        self.store = store
-        self.downpour_options = downpour_options
-
 
 class SoftmaxRegression(_LinearClassifier):
     """Multinomial (softmax) logistic regression, for any number of classes >= 2, on a Dask cluster.
@@ -335,29 +335,6 @@ class SoftmaxRegression(_LinearClassifier):
     """
 
     _always_softmax = True
-
-    def __init__(
-        self,
-        penalty: str | None = "l2",
-        *,
-        C: float = 1.0,
-        fit_intercept: bool = True,
-        solver: str = "lbfgs",
-        max_iter: int = 100,
-        tol: float = 1e-4,
-        client: Any = None,
-        store: str | None = None,
-        downpour_options: dict[str, Any] | None = None,
-    ) -> None:
-        self.penalty = penalty
-        self.C = C
-        self.fit_intercept = fit_intercept
-        self.solver = solver
-        self.max_iter = max_iter
-        self.tol = tol
-        self.client = client
-        self.store = store
-        self.downpour_options = downpour_options
 
 
 class LinearRegression(RegressorMixin, _Distbelief):
