@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import datetime as _dt
 import functools
 import io
 import os
@@ -215,16 +214,7 @@ class Dataset:
         kind, k = _detect_labels(ya, label_kind, n_classes)
         block = _block_rows(d, c)
         _check_finite(Xa, block)
-        meta = _Meta(
-            dataset_id=uuid.uuid4().hex,
-            n_rows=n,
-            n_features=d,
-            chunk_rows=c,
-            portion_rows=p,
-            label_kind=kind,
-            n_classes=k,
-            created_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        )
+        meta = _Meta.fresh(n, d, c, p, kind, k)
         _commit(loc, meta, lambda group: _write_arrays(group, Xa, ya, meta, block), overwrite=overwrite)
         return cls(loc, meta, p)
 

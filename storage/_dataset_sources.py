@@ -12,8 +12,6 @@ scalars (and, for integer labels, the classes that occur) come back.
 
 from __future__ import annotations
 
-import datetime as _dt
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,16 +111,7 @@ def dataset_from_dask(
     Xc = X.rechunk({0: c, 1: -1}).map_blocks(_finite_block, dtype=np.float64)
     yc = y.rechunk(c).map_blocks(_finite_block, dtype=np.float64)
     kind, k = _label_kind(yc, label_kind, n_classes, compute)
-    meta = _Meta(
-        dataset_id=uuid.uuid4().hex,
-        n_rows=n,
-        n_features=d,
-        chunk_rows=c,
-        portion_rows=p,
-        label_kind=kind,
-        n_classes=k,
-        created_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-    )
+    meta = _Meta.fresh(n, d, c, p, kind, k)
 
     def write(group: Any) -> None:
         targets: list[Any] = list(_create_arrays(group, meta))
