@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import numbers
 import os
 import tempfile
 import threading
@@ -231,6 +232,12 @@ def check_common(solver: object, penalty: object, max_iter: object, tol: object,
         raise InvalidOptionError(f"{name}: max_iter must be an int >= 1, got {max_iter!r}")
     if isinstance(tol, bool) or not isinstance(tol, int | float) or not tol >= 0:
         raise InvalidOptionError(f"{name}: tol must be a number >= 0, got {tol!r}")
+
+
+def check_alpha(alpha: object, name: str) -> None:
+    """Check an L2 strength ``alpha`` (>= 0) as scikit-learn means it."""
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not float(alpha) >= 0:
+        raise InvalidOptionError(f"{name}: alpha must be a number >= 0, got {alpha!r}")
 
 
 def fit_model(

@@ -15,6 +15,7 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 from distbelief import models
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.sklearn._base import (
+    check_alpha,
     check_common,
     clone_keeping_client,
     fit_model,
@@ -52,8 +53,9 @@ class _Distbelief(BaseEstimator):
 
     # ------------------------------------------------------------------------------------------ data
 
-    def _data(self, X: Any, y: Any, store: str) -> tuple[Dataset | tuple[FloatArray, FloatArray], int]:
-        """The training rows as a Dataset or checked arrays (labels encoded 0..K-1), and N."""
+    def _rows_and_labels(
+        self, X: Any, y: Any, store: str
+    ) -> tuple[Dataset | tuple[FloatArray, FloatArray], int]:
         name = type(self).__name__
         if isinstance(X, Dataset):
             if y is not None:
@@ -82,6 +84,17 @@ class _Distbelief(BaseEstimator):
             self.classes_, y_enc = np.unique(y_arr, return_inverse=True)
             y_arr = y_enc.astype(np.float64)
         return (np.ascontiguousarray(X_arr), np.asarray(y_arr, dtype=np.float64)), X_arr.shape[0]
+
+    def _data(self, X: Any, y: Any, store: str) -> tuple[Dataset | tuple[FloatArray, FloatArray], int]:
+        """The training rows as a Dataset or checked arrays (labels encoded 0..K-1), and N; a classifier's
+        data must hold at least two classes."""
+        data, n = self._rows_and_labels(X, y, store)
+        if self._classifier and len(self.classes_) < 2:
+            raise DatasetError(
+                f"{type(self).__name__} needs samples of at least 2 classes in the data, but the data "
+                f"contains only one class: {self.classes_[0]!r}"
+            )
+        return data, n
 
     def _dask_data(self, X: Any, y: Any, store: str) -> tuple[Dataset, int]:
         import dask.array as da
@@ -199,11 +212,6 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
         with fit_store(self.store) as store:
             data, n = self._data(X, y, store)
             k = len(self.classes_)
-            if k < 2:
-                raise DatasetError(
-                    f"{name} needs samples of at least 2 classes in the data, but the data contains only one "
-                    f"class: {self.classes_[0]!r}"
-                )
             d = int(self.n_features_in_)
             fit_intercept = bool(self.fit_intercept)
             model: Any
@@ -389,8 +397,7 @@ class LinearRegression(RegressorMixin, _Distbelief):
         """
         name = type(self).__name__
         check_common(self.solver, "l2", self.max_iter, self.tol, name)
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not self.alpha >= 0:
-            raise InvalidOptionError(f"{name}: alpha must be a number >= 0, got {self.alpha!r}")
+        check_alpha(self.alpha, name)
         with fit_store(self.store) as store:
             data, n = self._data(X, y, store)
             model = models.LeastSquares(int(self.n_features_in_), fit_intercept=bool(self.fit_intercept))
@@ -514,18 +521,12 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
             raise InvalidOptionError(
                 f"{name}: activation must be one of {sorted(_ACTIVATIONS)}, got {self.activation!r}"
             )
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not self.alpha >= 0:
-            raise InvalidOptionError(f"{name}: alpha must be a number >= 0, got {self.alpha!r}")
+        check_alpha(self.alpha, name)
         hidden = self._hidden()
         seed = self._seed()
         with fit_store(self.store) as store:
             data, n = self._data(X, y, store)
             k = len(self.classes_)
-            if k < 2:
-                raise DatasetError(
-                    f"{name} needs samples of at least 2 classes in the data, but the data contains only one "
-                    f"class: {self.classes_[0]!r}"
-                )
             sizes = [int(self.n_features_in_), *hidden, k]
             model = models.MLP(sizes, activation=_ACTIVATIONS[self.activation])
             free, start = [], 0

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 from sklearn.base import ClassifierMixin
 
-from distbelief.errors import DatasetError, InvalidOptionError
-from distbelief.sklearn._base import check_common, fit_store
+from distbelief.errors import InvalidOptionError
+from distbelief.sklearn._base import check_alpha, check_common, fit_store
 from distbelief.sklearn._estimators import _Distbelief
 
 __all__ = ["ModelClassifier"]
@@ -79,16 +79,13 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
                 f"{name}: model must be a distbelief model (with loss_and_grad), got {self.model!r}"
             )
         check_common(self.solver, "l2", self.max_iter, self.tol, name)
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not self.alpha >= 0:
-            raise InvalidOptionError(f"{name}: alpha must be a number >= 0, got {self.alpha!r}")
+        check_alpha(self.alpha, name)
         if self.random_state is not None and not isinstance(self.random_state, numbers.Integral):
             raise InvalidOptionError(
                 f"{name}: random_state must be None or an int, got {self.random_state!r}"
             )
         with fit_store(self.store) as store:
             data, n = self._data(X, y, store)
-            if len(self.classes_) < 2:
-                raise DatasetError(f"{name} needs samples of at least 2 classes in the data, got one class")
             seed = None if self.random_state is None else int(self.random_state)
             self._fit_with(
                 self.model, data, l2=float(self.alpha) / n, free=[], store=store,
