@@ -243,6 +243,37 @@ class Client:
         data = self._request("GET", f"/api/jobs/{job_id}/params").content
         return np.asarray(np.load(io.BytesIO(data), allow_pickle=False))
 
+    def estimator(self, job_id: str, **params: Any) -> Any:
+        """A finished job as a fitted scikit-learn estimator (``distbelief.sklearn``), ready to predict.
+
+        The job's model spec picks the estimator (logistic -> LogisticRegression, softmax ->
+        SoftmaxRegression, least_squares -> LinearRegression, mlp -> MLPClassifier); its parameters become
+        ``coef_``/``intercept_`` (or ``coefs_``/``intercepts_``), its classes ``0..n_classes-1``.
+        ``params`` are estimator options (``client=``, ``C=``, ...) for refitting it later.
+
+        Raises
+        ------
+        ApiError
+            The job has not succeeded (409) or does not exist (404).
+
+        Examples
+        --------
+        >>> est = c.estimator(job_id)             # doctest: +SKIP
+        >>> est.predict(X[:3]), est.score(X, y)   # doctest: +SKIP
+        (array([0, 1, 2]), 0.99)
+        """
+        from distbelief.sklearn import from_model
+
+        record = self.job(job_id)
+        if record.get("status") != "succeeded":
+            raise ApiError(
+                409,
+                f"job {job_id} is {record.get('status')}, not succeeded: only a finished job has parameters "
+                "to build an estimator from; wait for it (Client.wait) or pick a succeeded job",
+            )
+        nit = int((record.get("result") or {}).get("nit") or record.get("iterations") or 0)
+        return from_model(record["model"], self.params(job_id), n_iter=nit, **params)
+
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Cancel a queued or running job."""
         result: dict[str, Any] = self._json("POST", f"/api/jobs/{job_id}/cancel")

@@ -35,6 +35,7 @@ from distbelief.downpour._options import DownpourOptions, Rule
 from distbelief.downpour._replica import DownpourReplica, ReplicaConfig
 from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
 from distbelief.models import objective
+from distbelief.models._fitted import FittedMixin
 from distbelief.storage import (
     Dataset,
     ParameterServer,
@@ -130,8 +131,11 @@ class Progress:
 
 
 @dataclass
-class TrainResult:
+class TrainResult(FittedMixin):
     """What :func:`train` did.
+
+    ``predict(X)`` / ``predict_proba(X)`` go through ``model`` at ``x``; ``to_zarr(url)`` saves the result
+    with the model's spec and ``TrainResult.from_zarr(url)`` loads it (see ``models._fitted``).
 
     Attributes
     ----------
@@ -179,6 +183,7 @@ class TrainResult:
     store: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
     losses: dict[int, np.ndarray] = field(default_factory=dict)
+    model: Any = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         return (
@@ -360,7 +365,9 @@ def train(
             run = _Run(model, dataset, eval_arrays, c, store, opts, x_start, callback)
             try:
                 run.setup()
-                return run.drive()
+                result = run.drive()
+                result.model = model
+                return result
             finally:
                 run.teardown()
     finally:

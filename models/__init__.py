@@ -4,7 +4,8 @@ A model maps a flat float64 parameter vector ``w`` and rows ``X`` with labels ``
 per-example losses and its gradient (``loss_and_grad``); the optimizers minimize
 ``F(w) = (1/N) * sum_i loss_i(w) + (l2/2) * ||w||^2`` (see :func:`objective`).
 
-Built-ins: :class:`LeastSquares`, :class:`Logistic`, :class:`Softmax`, :class:`MLP`; build any of them from
+Built-ins: :class:`LeastSquares`, :class:`Logistic`, :class:`Softmax`, :class:`MLP` (and :class:`JaxModel`,
+any JAX loss function, with ``distbelief[jax]``); build any of the built-ins from
 a JSON-able spec with :func:`from_spec` (``model.spec`` round-trips), whose JSON schemas are in
 :data:`SPEC_SCHEMAS` / :func:`spec_schema` and whose pydantic classes (:data:`ModelSpec` and one per kind)
 can serve as request bodies.
@@ -22,6 +23,7 @@ Examples
 
 from distbelief.models._base import Model, objective
 from distbelief.models._factory import from_spec
+from distbelief.models._jax import JaxModel
 from distbelief.models._linear import LeastSquares, Logistic, Softmax
 from distbelief.models._mlp import MLP
 from distbelief.models._specs import (
@@ -41,6 +43,7 @@ __all__ = [
     "MLP",
     "MODEL_KINDS",
     "SPEC_SCHEMAS",
+    "JaxModel",
     "LeastSquares",
     "LeastSquaresSpec",
     "Logistic",

@@ -17,6 +17,7 @@ import xarray as xr
 from distributed import Client
 
 from distbelief.errors import DatasetError, InvalidOptionError, ShardLostError
+from distbelief.models._fitted import FittedMixin
 from distbelief.sandblaster._cg import _minimize_cg
 from distbelief.sandblaster._coordinator import Coordinator, IterationRecord, RunState
 from distbelief.sandblaster._gd import _minimize_gd
@@ -108,8 +109,11 @@ def _check(ok: bool, name: str, value: object, expected: str) -> None:
 
 
 @dataclass
-class OptimizeResult:
+class OptimizeResult(FittedMixin):
     """What :func:`minimize` found. Not converging is reported here (``success=False``), not raised.
+
+    ``predict(X)`` / ``predict_proba(X)`` go through ``model`` at ``x``; ``to_zarr(url)`` saves the result
+    with the model's spec and ``OptimizeResult.from_zarr(url)`` loads it (see ``models._fitted``).
 
     Attributes
     ----------
@@ -134,6 +138,8 @@ class OptimizeResult:
         shards), time_gradient, time_shard_ops, time_coordinator.
     store : str
         Where the parameter server's checkpoints are.
+    model : Model
+        The model that was minimized (set by :func:`minimize`).
     """
 
     x: np.ndarray
@@ -147,6 +153,7 @@ class OptimizeResult:
     history: xr.Dataset
     store: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
+    model: Any = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         return (
@@ -284,7 +291,9 @@ def minimize(
     store = str(store)
     try:
         with embedded_client(client) as c:
-            return _run(model, as_dataset(data, store), x_start, c, store, opts, callback)
+            result = _run(model, as_dataset(data, store), x_start, c, store, opts, callback)
+            result.model = model
+            return result
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import datetime as _dt
 import functools
 import io
 import os
@@ -229,16 +228,7 @@ class Dataset:
         kind, k = _detect_labels(ya, label_kind, n_classes)
         block = _block_rows(d, c)
         _check_finite(Xa, block)
-        meta = _Meta(
-            dataset_id=uuid.uuid4().hex,
-            n_rows=n,
-            n_features=d,
-            chunk_rows=c,
-            portion_rows=p,
-            label_kind=kind,
-            n_classes=k,
-            created_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        )
+        meta = _Meta.fresh(n, d, c, p, kind, k)
         _commit(loc, meta, lambda group: _write_arrays(group, Xa, ya, meta, block), overwrite=overwrite)
         return cls(loc, meta, p)
 
@@ -558,6 +548,101 @@ class Dataset:
         )  # fmt: skip
 
     # ---------------------------------------------------------------------------------- opening
+
+    @classmethod
+    def from_dask(
+        cls,
+        X: Any,
+        y: Any,
+        *,
+        path: PathLike,
+        portion_rows: int | None = None,
+        chunk_rows: int | None = None,
+        label_kind: LabelKind | None = None,
+        n_classes: int | None = None,
+        overwrite: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        client: Any = None,
+    ) -> Dataset:
+        """Write Dask arrays as a dataset, on the workers: the rows never pass through this process.
+
+        Each worker writes the zarr chunks of the blocks it computes; the checks (no NaN/inf, the kind of
+        labels) run on the workers too. ``path`` must be reachable by the workers (a shared directory or an
+        object-store URL). Other parameters are those of :meth:`from_arrays`.
+
+        Parameters
+        ----------
+        X : dask.array.Array, shape (n_rows, n_features)
+        y : dask.array.Array, shape (n_rows,)
+        client : distributed.Client, optional
+            Where to compute (default: Dask's default scheduler, i.e. the current ``Client`` if any).
+
+        Examples
+        --------
+        >>> import dask.array as da, tempfile, os
+        >>> X = da.random.random((10_000, 8), chunks=(2_500, 8)); y = (X[:, 0] > 0.5).astype(float)
+        >>> ds = Dataset.from_dask(X, y, path=os.path.join(tempfile.mkdtemp(), "big"))
+        >>> ds.n_rows, ds.label_kind
+        (10000, 'binary')
+        """
+        from distbelief.storage._dataset_sources import dataset_from_dask
+
+        return dataset_from_dask(
+            X, y, path=path, portion_rows=portion_rows, chunk_rows=chunk_rows, label_kind=label_kind,
+            n_classes=n_classes, overwrite=overwrite, storage_options=storage_options, client=client,
+        )  # fmt: skip
+
+    @classmethod
+    def from_xarray(
+        cls, ds: Any, *, features: str | list[str], label: str, path: PathLike, **options: Any
+    ) -> Dataset:
+        """Build a dataset from an ``xarray.Dataset``: ``features`` (one 2-D variable, or 1-D variables
+        along the rows) and the 1-D ``label`` variable. Dask-backed variables are written by the workers
+        (:meth:`from_dask`); ``options`` are those of :meth:`from_dask`.
+
+        Examples
+        --------
+        >>> import numpy as np, xarray as xr, tempfile, os
+        >>> xds = xr.Dataset({"a": ("row", [0.0, 1.0, 2.0]), "b": ("row", [1.0, 1.0, 0.0]),
+        ...                   "t": ("row", [0, 1, 1])})
+        >>> Dataset.from_xarray(xds, features=["a", "b"], label="t",
+        ...                     path=os.path.join(tempfile.mkdtemp(), "x")).n_features
+        2
+        """
+        from distbelief.storage._dataset_sources import dataset_from_xarray
+
+        return dataset_from_xarray(ds, features=features, label=label, path=path, **options)
+
+    @classmethod
+    def from_parquet(
+        cls,
+        url: str,
+        *,
+        label: str,
+        path: PathLike,
+        features: list[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        path_storage_options: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Dataset:
+        """Build a dataset from Parquet file(s) at a local path or fsspec URL (needs pyarrow).
+
+        The files are read by the Dask workers (``dask.dataframe.read_parquet``), then written as by
+        :meth:`from_dask`. ``features`` default to every column but ``label``; ``storage_options`` are the
+        fsspec options of ``url``, ``path_storage_options`` those of ``path``; ``options`` those of
+        :meth:`from_dask`.
+
+        Examples
+        --------
+        >>> ds = Dataset.from_parquet("s3://bucket/rows/*.parquet", label="clicked",
+        ...                           path="s3://bucket/datasets/rows")   # doctest: +SKIP
+        """
+        from distbelief.storage._dataset_sources import dataset_from_parquet
+
+        return dataset_from_parquet(
+            url, features=features, label=label, path=path, storage_options=storage_options,
+            target_storage_options=path_storage_options, **options,
+        )  # fmt: skip
 
     @classmethod
     def open(
@@ -997,7 +1082,8 @@ class Dataset:
 # ------------------------------------------------------------------------------------- store helpers
 
 
-def _write_arrays(group: zarr.Group, X: np.ndarray[Any, Any], y: FloatArray, meta: _Meta, block: int) -> None:
+def _create_arrays(group: zarr.Group, meta: _Meta) -> tuple[zarr.Array, zarr.Array]:
+    """The dataset's empty arrays ``X`` and ``y`` in ``group``, chunked along rows."""
     n, d, c = meta.n_rows, meta.n_features, meta.chunk_rows
     # No compressor: random floats barely compress, and raw chunks read at disk speed. write_empty_chunks
     # skips zarr's scan of every chunk for "all fill value", which otherwise costs as much as the write.
@@ -1010,6 +1096,12 @@ def _write_arrays(group: zarr.Group, X: np.ndarray[Any, Any], y: FloatArray, met
     }
     xa = group.create_array("X", shape=(n, d), chunks=(c, d), dimension_names=("row", "feature"), **common)
     ya = group.create_array("y", shape=(n,), chunks=(c,), dimension_names=("row",), **common)
+    return xa, ya
+
+
+def _write_arrays(group: zarr.Group, X: np.ndarray[Any, Any], y: FloatArray, meta: _Meta, block: int) -> None:
+    n = meta.n_rows
+    xa, ya = _create_arrays(group, meta)
     if X.dtype == np.float64 and X.flags.c_contiguous:
         xa[:] = X  # one call lets zarr write all chunks concurrently
     else:

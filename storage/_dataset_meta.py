@@ -5,6 +5,8 @@ Part of :mod:`storage._dataset` (split by concern: metadata, location, validatio
 
 from __future__ import annotations
 
+import datetime as _dt
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -41,6 +43,22 @@ class _Meta:
     created_at: str
     format_version: int = FORMAT_VERSION
     layout: str = "dense"  # or "csr" (storage/_sparse.py)
+
+    @classmethod
+    def fresh(
+        cls, n_rows: int, n_features: int, chunk_rows: int, portion_rows: int, kind: LabelKind, k: int | None
+    ) -> _Meta:
+        """The metadata of a dataset about to be written: a new id, created now."""
+        return cls(
+            dataset_id=uuid.uuid4().hex,
+            n_rows=n_rows,
+            n_features=n_features,
+            chunk_rows=chunk_rows,
+            portion_rows=portion_rows,
+            label_kind=kind,
+            n_classes=k,
+            created_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        )
 
     def to_attrs(self) -> dict[str, Any]:
         return {"format": FORMAT_NAME, **asdict(self)}

@@ -1,0 +1,41 @@
+"""scikit-learn estimators trained by distbelief's Sandblaster or Downpour on a Dask cluster.
+
+:class:`LogisticRegression`, :class:`SoftmaxRegression`, :class:`LinearRegression` and
+:class:`MLPClassifier` follow scikit-learn's conventions (``fit``/``predict``/``predict_proba``/``score``,
+``coef_``, ``intercept_``, ``n_iter_``, ``get_params``/``set_params``, ``C``/``alpha`` with scikit-learn's
+meaning, unpenalized intercepts), so they work in a ``Pipeline`` and ``GridSearchCV``; ``fit`` accepts numpy
+arrays, Dask arrays (written to zarr by the workers) and a ``storage.Dataset``.
+
+This is a package inside ``distbelief/`` rather than a top-level folder symlinked in like the others: a
+top-level ``sklearn/`` folder would shadow scikit-learn itself whenever the repository root is on
+``sys.path`` (pytest, a checkout).
+
+Examples
+--------
+>>> from sklearn.datasets import load_breast_cancer
+>>> from sklearn.pipeline import make_pipeline
+>>> from sklearn.preprocessing import StandardScaler
+>>> from distbelief.sklearn import LogisticRegression
+>>> X, y = load_breast_cancer(return_X_y=True)
+>>> pipe = make_pipeline(StandardScaler(), LogisticRegression(C=0.5)).fit(X, y)   # doctest: +SKIP
+>>> pipe.score(X, y) > 0.95                                                       # doctest: +SKIP
+True
+"""
+
+from distbelief.sklearn._estimators import (
+    LinearRegression,
+    LogisticRegression,
+    MLPClassifier,
+    SoftmaxRegression,
+)
+from distbelief.sklearn._from_model import from_model
+from distbelief.sklearn._generic import ModelClassifier
+
+__all__ = [
+    "LinearRegression",
+    "LogisticRegression",
+    "MLPClassifier",
+    "ModelClassifier",
+    "SoftmaxRegression",
+    "from_model",
+]

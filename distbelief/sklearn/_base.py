@@ -1,0 +1,322 @@
+"""What the estimators share: the cluster to fit on, the data to fit, the solver call, cloning and pickling.
+
+The objective of every solver is ``F(w) = (1/N) sum_i loss_i(w) + (l2/2) ||w||^2`` with the regularizer
+applied to *every* parameter on the parameter-server shards. scikit-learn does not penalize intercepts (and
+MLP biases); :class:`FreeParams` wraps a model so that, summed over all ``N`` rows, its data term gives the
+penalty of those parameters back exactly: each row adds ``-(l2/2) ||w_free||^2`` to its loss (and
+``-l2 * w_free`` to its gradient). Summed over the portions of a Sandblaster batch, or averaged over a
+Downpour mini-batch, that cancels the shards' ``(l2/2) ||w_free||^2`` term for any split of the rows.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import numbers
+import os
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+from sklearn.base import clone
+from sklearn.exceptions import ConvergenceWarning
+
+from distbelief.errors import DatasetError, InvalidOptionError
+from distbelief.storage import Dataset
+
+__all__ = ["SOLVERS", "FreeParams", "fit_model", "resolve_client"]
+
+SOLVERS = ("lbfgs", "cg", "gd", "downpour")
+
+FloatArray = NDArray[np.float64]
+
+
+class FreeParams:
+    """A model whose parameters in ``free`` are left out of the shards' L2 penalty (intercepts, biases).
+
+    Parameters
+    ----------
+    model : Model
+        The wrapped model; every other member is passed through.
+    l2 : float
+        The ``l2`` the solver applies on the shards.
+    free : sequence of (start, stop)
+        Ranges of ``w`` that must not be penalized.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from distbelief.models import LeastSquares, objective
+    >>> m = FreeParams(LeastSquares(1), 0.5, [(1, 2)])
+    >>> X, y, w = np.ones((4, 1)), np.zeros(4), np.array([1.0, 2.0])
+    >>> objective(m, w, X, y, l2=0.5)[0] == objective(LeastSquares(1), w, X, y)[0] + 0.25 * 1.0
+    True
+    """
+
+    def __init__(self, model: Any, l2: float, free: Sequence[tuple[int, int]]) -> None:
+        self.model = model
+        self.l2 = float(l2)
+        self.free = tuple((int(a), int(b)) for a, b in free)
+
+    @property
+    def n_params(self) -> int:
+        """That of the wrapped model."""
+        return int(self.model.n_params)
+
+    @property
+    def n_features(self) -> int:
+        """That of the wrapped model."""
+        return int(self.model.n_features)
+
+    @property
+    def n_classes(self) -> int | None:
+        """That of the wrapped model."""
+        k = getattr(self.model, "n_classes", None)
+        return None if k is None else int(k)
+
+    @property
+    def label_kind(self) -> str:
+        """That of the wrapped model."""
+        return str(getattr(self.model, "label_kind", "real"))
+
+    def init_params(self, seed: int | None = None) -> FloatArray:
+        """That of the wrapped model."""
+        return np.asarray(self.model.init_params(seed), dtype=np.float64)
+
+    def check_labels(self, y: ArrayLike) -> None:
+        """That of the wrapped model (if it has one)."""
+        check = getattr(self.model, "check_labels", None)
+        if callable(check):
+            check(y)
+
+    def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
+        """The wrapped model's summed loss, minus ``(l2/2) ||w_free||^2`` per row, and its gradient."""
+        loss, grad = self.model.loss_and_grad(w, X, y)
+        grad = np.array(grad, dtype=np.float64)
+        w_arr = np.asarray(w, dtype=np.float64)
+        n = len(X)  # type: ignore[arg-type]
+        for a, b in self.free:
+            part = w_arr[a:b]
+            loss -= n * 0.5 * self.l2 * float(part @ part)
+            grad[a:b] -= n * self.l2 * part
+        return float(loss), grad
+
+    @property
+    def spec(self) -> dict[str, Any] | None:
+        """That of the wrapped model (so a result saved with ``to_zarr`` rebuilds it)."""
+        spec = getattr(self.model, "spec", None)
+        return spec if isinstance(spec, dict) else None
+
+    def predict(self, w: ArrayLike, X: ArrayLike) -> NDArray[Any]:
+        """That of the wrapped model."""
+        return np.asarray(self.model.predict(w, X))
+
+    def predict_proba(self, w: ArrayLike, X: ArrayLike) -> FloatArray:
+        """That of the wrapped model."""
+        return np.asarray(self.model.predict_proba(w, X), dtype=np.float64)
+
+    def accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
+        """That of the wrapped model (Downpour's held-out evaluation)."""
+        return float(self.model.accuracy(w, X, y))
+
+
+# ------------------------------------------------------------------------------------------- clusters
+
+_lock = threading.Lock()
+_embedded: contextlib.ExitStack | None = None
+_embedded_client: Any = None
+_by_address: dict[str, Any] = {}
+
+
+def _shared_embedded() -> Any:
+    """One embedded ``LocalCluster`` (``storage.embedded_client``) for every fit of this process, closed at
+    exit: starting one per fit would cost seconds, and ``GridSearchCV`` fits hundreds of times."""
+    global _embedded, _embedded_client
+    from distbelief.storage import embedded_client
+
+    with _lock:
+        if _embedded_client is None or _embedded_client.status in ("closed", "closing"):
+            stack = contextlib.ExitStack()
+            _embedded_client = stack.enter_context(embedded_client(None))
+            _embedded = stack
+            atexit.register(stack.close)
+        return _embedded_client
+
+
+def resolve_client(client: Any) -> Any:
+    """The Dask client a fit runs on.
+
+    ``None``: the current default client (``distributed.default_client()``: the last ``Client`` made in
+    this process) if there is one, else an embedded ``LocalCluster`` shared by all fits of this process.
+    A ``str``: a client of the scheduler at that address (made once, then reused). A ``Client``: itself.
+
+    Raises
+    ------
+    InvalidOptionError
+        For anything else.
+    """
+    from distributed import Client, default_client
+
+    if client is None:
+        try:
+            found = default_client()
+        except ValueError:
+            return _shared_embedded()
+        if found.status in ("running", "connecting"):
+            return found
+        return _shared_embedded()
+    if isinstance(client, str):
+        with _lock:
+            known = _by_address.get(client)
+            if known is None or known.status in ("closed", "closing"):
+                known = Client(client, set_as_default=False)
+                _by_address[client] = known
+            return known
+    if isinstance(client, Client):
+        return client
+    raise InvalidOptionError(
+        f"client must be None (the default Dask client, or an embedded cluster), a scheduler address "
+        f"such as 'tcp://10.0.0.1:8786', or a distributed.Client; got {type(client).__name__}"
+    )
+
+
+def clone_keeping_client(estimator: Any) -> Any:
+    """``sklearn.base.clone`` for an estimator whose ``client`` may be a live ``distributed.Client``.
+
+    A client is a connection, not state: clones share it (``copy.deepcopy`` of a client fails).
+    """
+    params = estimator.get_params(deep=False)
+    client = params.pop("client", None)
+    new_params = {name: clone(value, safe=False) for name, value in params.items()}
+    return type(estimator)(client=client, **new_params)
+
+
+def picklable_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The ``__dict__`` of an estimator with a ``distributed.Client`` replaced by its scheduler address."""
+    client = state.get("client")
+    if client is not None and not isinstance(client, str):
+        state = dict(state)
+        state["client"] = str(client.scheduler.address)
+    return state
+
+
+# -------------------------------------------------------------------------------------------- fitting
+
+
+@contextlib.contextmanager
+def fit_store(store: str | os.PathLike[str] | None) -> Iterator[str]:
+    """``store`` itself, or a temporary directory deleted after the fit."""
+    if store is not None:
+        yield str(store)
+        return
+    with tempfile.TemporaryDirectory(prefix="distbelief-fit-") as tmp:
+        yield tmp
+
+
+def check_common(solver: object, penalty: object, max_iter: object, tol: object, name: str) -> None:
+    """Check the options every estimator has; raise :class:`InvalidOptionError` saying what to pass."""
+    if penalty in ("l1", "elasticnet"):
+        raise InvalidOptionError(
+            f"{name}: penalty={penalty!r} needs OWL-QN, which distbelief does not have yet; use "
+            "penalty='l2' (or None)"
+        )
+    if penalty not in ("l2", None):
+        raise InvalidOptionError(f"{name}: penalty must be 'l2' or None, got {penalty!r}")
+    if solver not in SOLVERS:
+        raise InvalidOptionError(f"{name}: solver must be one of {SOLVERS}, got {solver!r}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int | np.integer) or max_iter < 1:
+        raise InvalidOptionError(f"{name}: max_iter must be an int >= 1, got {max_iter!r}")
+    if isinstance(tol, bool) or not isinstance(tol, int | float) or not tol >= 0:
+        raise InvalidOptionError(f"{name}: tol must be a number >= 0, got {tol!r}")
+
+
+def check_alpha(alpha: object, name: str) -> None:
+    """Check an L2 strength ``alpha`` (>= 0) as scikit-learn means it."""
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not float(alpha) >= 0:
+        raise InvalidOptionError(f"{name}: alpha must be a number >= 0, got {alpha!r}")
+
+
+def fit_model(
+    model: Any,
+    data: Dataset | tuple[FloatArray, FloatArray],
+    *,
+    l2: float,
+    free: Sequence[tuple[int, int]],
+    solver: str,
+    max_iter: int,
+    tol: float,
+    client: Any,
+    store: str,
+    x0: FloatArray | None = None,
+    seed: int = 0,
+    downpour_options: dict[str, Any] | None = None,
+    name: str = "estimator",
+) -> tuple[FloatArray, int, Any]:
+    """Minimize ``F`` with the chosen solver; return the parameters, the iterations and the run's result.
+
+    Iterations are Sandblaster's ``nit``, or Downpour's epochs run (``max_iter`` epochs per replica).
+    A run that stops at ``max_iter`` warns with scikit-learn's ``ConvergenceWarning``.
+    """
+    run_model = FreeParams(model, l2, free) if (l2 > 0 and free) else model
+    c = resolve_client(client)
+    if solver == "downpour":
+        from distbelief.downpour import train
+
+        options = dict(downpour_options or {})
+        trained = train(
+            run_model,
+            data,
+            l2=l2,
+            epochs=max_iter,
+            client=c,
+            store=os.path.join(store, "run"),
+            x0=x0,
+            seed=seed,
+            **options,
+        )
+        if not trained.success:
+            raise DatasetError(f"{name}: Downpour stopped early ({trained.message})")
+        return np.asarray(trained.x, dtype=np.float64), int(max_iter), trained
+    from distbelief.sandblaster import minimize
+
+    res = minimize(
+        run_model,
+        data,
+        method=solver,  # type: ignore[arg-type]
+        x0=x0,
+        l2=l2,
+        gtol=tol,
+        ftol=64 * np.finfo(float).eps,  # scikit-learn's lbfgs setting
+        maxiter=max_iter,
+        client=c,
+        store=os.path.join(store, "run"),
+        seed=seed,
+    )
+    if res.status == 1:
+        warnings.warn(
+            f"{name}: {solver} did not converge in max_iter={max_iter} iterations ({res.message}); "
+            "increase max_iter or scale the data",
+            ConvergenceWarning,
+            stacklevel=3,
+        )
+    return np.asarray(res.x, dtype=np.float64), int(res.nit), res
+
+
+def is_dask_array(X: object) -> bool:
+    """Whether ``X`` is a Dask array (without importing dask.array unless it is loaded)."""
+    import sys
+
+    da = sys.modules.get("dask.array")
+    return da is not None and isinstance(X, da.Array)
+
+
+def map_rows(X: Any, fn: Callable[[FloatArray], NDArray[Any]], out_cols: int | None, dtype: Any) -> Any:
+    """``fn`` applied to every row block of the Dask array ``X`` on the workers (a lazy Dask array)."""
+    X = X.rechunk({1: -1})
+    if out_cols is None:
+        return X.map_blocks(fn, drop_axis=1, dtype=dtype)
+    return X.map_blocks(fn, chunks=(X.chunks[0], (out_cols,)), dtype=dtype)

@@ -1,0 +1,569 @@
+"""scikit-learn estimators trained by Sandblaster (L-BFGS, CG, GD) or Downpour on a Dask cluster."""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
+from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.validation import check_is_fitted, validate_data
+
+from distbelief import models
+from distbelief.errors import DatasetError, InvalidOptionError
+from distbelief.sklearn._base import (
+    check_alpha,
+    check_common,
+    clone_keeping_client,
+    fit_model,
+    fit_store,
+    is_dask_array,
+    map_rows,
+    picklable_state,
+)
+from distbelief.storage import Dataset
+
+__all__ = ["LinearRegression", "LogisticRegression", "MLPClassifier", "SoftmaxRegression"]
+
+FloatArray = NDArray[np.float64]
+
+_ACTIVATIONS = {"relu": "relu", "tanh": "tanh", "logistic": "sigmoid"}
+
+
+class _Distbelief(BaseEstimator):
+    """Fitting machinery shared by the estimators (private)."""
+
+    _classifier = False
+    # set by subclasses' __init__ (declared for mypy)
+    solver: str
+    max_iter: int
+    tol: float
+    client: Any
+    store: Any
+    penalty: str | None
+
+    def __sklearn_clone__(self) -> Any:
+        return clone_keeping_client(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return picklable_state(super().__getstate__())
+
+    # ------------------------------------------------------------------------------------------ data
+
+    def _rows_and_labels(
+        self, X: Any, y: Any, store: str
+    ) -> tuple[Dataset | tuple[FloatArray, FloatArray], int]:
+        name = type(self).__name__
+        if isinstance(X, Dataset):
+            if y is not None:
+                raise DatasetError(
+                    f"{name}.fit(dataset) takes the labels from the dataset; call fit(dataset) without y"
+                )
+            self.n_features_in_ = X.n_features
+            if self._classifier:
+                if X.label_kind == "real" or X.n_classes is None:
+                    raise DatasetError(
+                        f"{name} needs class labels, but the dataset at {X.url} has real labels; build it "
+                        "with label_kind='binary' or 'classes'"
+                    )
+                self.classes_ = np.arange(X.n_classes)
+            return X, X.n_rows
+        if is_dask_array(X) or is_dask_array(y):
+            return self._dask_data(X, y, store)
+        if y is None:
+            raise ValueError(
+                f"{name} requires y to be passed, but the target y is None; pass the labels, or a "
+                "storage.Dataset as X"
+            )
+        X_arr, y_arr = validate_data(self, X, y, dtype=np.float64, y_numeric=not self._classifier)
+        if self._classifier:
+            check_classification_targets(y_arr)
+            self.classes_, y_enc = np.unique(y_arr, return_inverse=True)
+            y_arr = y_enc.astype(np.float64)
+        return (np.ascontiguousarray(X_arr), np.asarray(y_arr, dtype=np.float64)), X_arr.shape[0]
+
+    def _data(self, X: Any, y: Any, store: str) -> tuple[Dataset | tuple[FloatArray, FloatArray], int]:
+        """The training rows as a Dataset or checked arrays (labels encoded 0..K-1), and N; a classifier's
+        data must hold at least two classes."""
+        data, n = self._rows_and_labels(X, y, store)
+        if self._classifier and len(self.classes_) < 2:
+            raise DatasetError(
+                f"{type(self).__name__} needs samples of at least 2 classes in the data, but the data "
+                f"contains only one class: {self.classes_[0]!r}"
+            )
+        return data, n
+
+    def _dask_data(self, X: Any, y: Any, store: str) -> tuple[Dataset, int]:
+        import dask.array as da
+
+        from distbelief.storage._dataset_sources import dataset_from_dask
+
+        name = type(self).__name__
+        if not (is_dask_array(X) and is_dask_array(y)):
+            raise DatasetError(f"{name}.fit: pass X and y both as Dask arrays (or both as numpy arrays)")
+        if X.ndim != 2 or y.ndim != 1:
+            raise DatasetError(
+                f"{name}.fit: X must be 2-D and y 1-D, got X.ndim={X.ndim} and y.ndim={y.ndim}"
+            )
+        if self._classifier:
+            classes = np.asarray(da.unique(y).compute())
+            check_classification_targets(classes)
+            self.classes_ = classes
+            y = y.map_blocks(lambda b: np.searchsorted(classes, b).astype(np.float64), dtype=np.float64)
+        self.n_features_in_ = int(X.shape[1])
+        ds = dataset_from_dask(X, y, path=f"{store}/data", overwrite=True)
+        return ds, ds.n_rows
+
+    def _rows(self, X: Any) -> FloatArray:
+        check_is_fitted(self)
+        out: FloatArray = validate_data(self, X, dtype=np.float64, reset=False)
+        return out
+
+    def _fit_with(
+        self,
+        model: Any,
+        data: Any,
+        *,
+        l2: float,
+        free: list[tuple[int, int]],
+        store: str,
+        x0: FloatArray | None = None,
+        seed: int = 0,
+        downpour_options: dict[str, Any] | None = None,
+    ) -> FloatArray:
+        w, nit, result = fit_model(
+            model,
+            data,
+            l2=l2,
+            free=free,
+            solver=self.solver,
+            max_iter=int(self.max_iter),
+            tol=float(self.tol),
+            client=self.client,
+            store=store,
+            x0=x0,
+            seed=seed,
+            downpour_options=downpour_options,
+            name=type(self).__name__,
+        )
+        self.model_ = model
+        self.w_ = w
+        self.result_ = result
+        self._nit = nit
+        return w
+
+
+def _free_linear(model: Any) -> list[tuple[int, int]]:
+    """The intercept range of a built-in linear model (empty without an intercept)."""
+    if not model.fit_intercept:
+        return []
+    k = model.n_classes if isinstance(model, models.Softmax) else 1
+    return [(model.n_params - k, model.n_params)]
+
+
+class _LinearClassifier(ClassifierMixin, _Distbelief):
+    """Shared by LogisticRegression and SoftmaxRegression."""
+
+    _classifier = True
+    _always_softmax = False
+    C: float
+    fit_intercept: bool
+    downpour_options: dict[str, Any] | None
+
+    def __init__(
+        self,
+        penalty: str | None = "l2",
+        *,
+        C: float = 1.0,
+        fit_intercept: bool = True,
+        solver: str = "lbfgs",
+        max_iter: int = 100,
+        tol: float = 1e-4,
+        client: Any = None,
+        store: str | None = None,
+        downpour_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.penalty = penalty
+        self.C = C
+        self.fit_intercept = fit_intercept
+        self.solver = solver
+        self.max_iter = max_iter
+        self.tol = tol
+        self.client = client
+        self.store = store
+        self.downpour_options = downpour_options
+
+    def fit(self, X: Any, y: Any = None) -> Any:
+        """Fit the model on ``X`` (numpy, Dask array or ``storage.Dataset``) and labels ``y``.
+
+        Returns
+        -------
+        self
+        """
+        name = type(self).__name__
+        check_common(self.solver, self.penalty, self.max_iter, self.tol, name)
+        if not isinstance(self.C, numbers.Real) or isinstance(self.C, bool) or not self.C > 0:
+            raise InvalidOptionError(
+                f"{name}: C must be a number > 0 (inverse regularization), got {self.C!r}"
+            )
+        with fit_store(self.store) as store:
+            data, n = self._data(X, y, store)
+            k = len(self.classes_)
+            d = int(self.n_features_in_)
+            fit_intercept = bool(self.fit_intercept)
+            model: Any
+            if k == 2 and not self._always_softmax:
+                model = models.Logistic(d, fit_intercept=fit_intercept)
+            else:
+                model = models.Softmax(d, k, fit_intercept=fit_intercept)
+            # scikit-learn: C * sum loss + 0.5 ||coef||^2, i.e. (1/N) sum loss + (1 / (2 C N)) ||coef||^2.
+            l2 = 0.0 if self.penalty is None else 1.0 / (float(self.C) * n)
+            w = self._fit_with(
+                model, data, l2=l2, free=_free_linear(model), store=store,
+                downpour_options=self.downpour_options,
+            )  # fmt: skip
+        self._set_coef(model, w)
+        self.n_iter_ = np.array([self._nit], dtype=np.int32)
+        return self
+
+    def _set_coef(self, model: Any, w: FloatArray) -> None:
+        d = model.n_features
+        if isinstance(model, models.Logistic):
+            self.coef_ = w[:d].reshape(1, d).copy()
+            self.intercept_ = np.array([w[d] if model.fit_intercept else 0.0])
+        else:
+            k = model.n_classes
+            self.coef_ = w[: d * k].reshape(d, k).T.copy()
+            self.intercept_ = w[d * k :].copy() if model.fit_intercept else np.zeros(k)
+
+    def _scores(self, X: FloatArray) -> FloatArray:
+        out: FloatArray = X @ self.coef_.T + self.intercept_
+        return out[:, 0] if out.shape[1] == 1 else out
+
+    def decision_function(self, X: Any) -> Any:
+        """Logits, shape (n, n_classes); for two classes shape (n,), the logit of ``classes_[1]`` against
+        ``classes_[0]`` (scikit-learn's convention)."""
+        if is_dask_array(X):
+            check_is_fitted(self)
+            cols = None if len(self.classes_) == 2 else len(self.classes_)
+            return map_rows(X, self.decision_function, cols, np.float64)
+        z = self._scores(self._rows(X))
+        return z[:, 1] - z[:, 0] if z.ndim == 2 and z.shape[1] == 2 else z
+
+    def predict_proba(self, X: Any) -> Any:
+        """Class probabilities, shape (n, n_classes), columns in the order of ``classes_``."""
+        if is_dask_array(X):
+            check_is_fitted(self)
+            return map_rows(X, self.predict_proba, len(self.classes_), np.float64)
+        z = self._scores(self._rows(X))
+        if z.ndim == 1:
+            from scipy.special import expit
+
+            p = expit(z)
+            return np.column_stack([1.0 - p, p])
+        z = z - z.max(axis=1, keepdims=True)
+        e = np.exp(z)
+        out: FloatArray = e / e.sum(axis=1, keepdims=True)
+        return out
+
+    def predict(self, X: Any) -> Any:
+        """The most probable class of every row (labels from ``classes_``)."""
+        if is_dask_array(X):
+            check_is_fitted(self)
+            return map_rows(X, self.predict, None, self.classes_.dtype)
+        z = self._scores(self._rows(X))
+        index = (z > 0).astype(np.intp) if z.ndim == 1 else np.argmax(z, axis=1)
+        return self.classes_[index]
+
+
+class LogisticRegression(_LinearClassifier):
+    """Logistic regression (binary, or multinomial for more classes) fitted on a Dask cluster.
+
+    scikit-learn's meaning of every shared option: it minimizes
+    ``C * sum_i loss_i + 0.5 * ||coef||^2`` (intercept not penalized), which distbelief solves as
+    ``F(w) = (1/N) sum_i loss_i + (l2/2) ||w||^2`` with ``l2 = 1 / (C N)`` and the intercept left out of the
+    penalty. Two classes use :class:`models.Logistic`, more use :class:`models.Softmax`.
+
+    Parameters
+    ----------
+    penalty : {"l2", None}
+        ``"l1"`` and ``"elasticnet"`` raise: they need OWL-QN, which is not there yet.
+    C : float
+        Inverse regularization strength (> 0).
+    fit_intercept : bool
+        Learn an (unpenalized) intercept.
+    solver : {"lbfgs", "cg", "gd", "downpour"}
+        Sandblaster's L-BFGS, CG or gradient descent, or Downpour SGD (``max_iter`` epochs).
+    max_iter : int
+        Iterations (epochs for Downpour).
+    tol : float
+        Stop when ``max|grad F| <= tol`` (as scikit-learn's lbfgs).
+    client : distributed.Client, str or None
+        The cluster: a client, a scheduler address, or None (the default Dask client, else an embedded
+        ``LocalCluster`` shared by the fits of this process).
+    store : str, optional
+        Directory or URL for the fit's data and checkpoints (default: a temporary directory); must be
+        reachable by the workers of a remote cluster.
+    downpour_options : dict, optional
+        Extra keyword arguments of ``downpour.train`` (``lr``, ``batch_size``, ``replicas``, ...).
+
+    Attributes
+    ----------
+    classes_, coef_, intercept_, n_iter_, n_features_in_
+        As in scikit-learn. ``coef_`` has shape (1, n_features) for two classes, else (n_classes,
+        n_features).
+    model_, w_, result_
+        The distbelief model, its flat parameters and the solver's result.
+
+    Examples
+    --------
+    >>> from sklearn.datasets import load_breast_cancer
+    >>> X, y = load_breast_cancer(return_X_y=True)
+    >>> clf = LogisticRegression(C=1.0).fit(X, y)      # doctest: +SKIP
+    >>> clf.score(X, y) > 0.9                           # doctest: +SKIP
+    True
+    """
+
+
+class SoftmaxRegression(_LinearClassifier):
+    """Multinomial (softmax) logistic regression, for any number of classes >= 2, on a Dask cluster.
+
+    Like :class:`LogisticRegression` (same options and objective) but always :class:`models.Softmax`: two
+    classes get two coefficient rows (``coef_`` of shape (n_classes, n_features)).
+
+    Examples
+    --------
+    >>> from sklearn.datasets import load_iris
+    >>> X, y = load_iris(return_X_y=True)
+    >>> SoftmaxRegression(C=10.0).fit(X, y).coef_.shape   # doctest: +SKIP
+    (3, 4)
+    """
+
+    _always_softmax = True
+
+
+class LinearRegression(RegressorMixin, _Distbelief):
+    """Least squares (ridge with ``alpha > 0``) fitted on a Dask cluster by an iterative solver.
+
+    ``alpha`` has scikit-learn's ``Ridge`` meaning: minimize ``||y - X coef - b||^2 + alpha ||coef||^2``,
+    solved as ``F(w) = (1/N) sum_i 0.5 r_i^2 + (l2/2)||w||^2`` with ``l2 = alpha / N`` and the intercept
+    unpenalized. ``alpha=0`` (default) is ordinary least squares, as scikit-learn's ``LinearRegression``.
+
+    Parameters
+    ----------
+    alpha : float
+        L2 strength (>= 0), as ``sklearn.linear_model.Ridge``.
+    fit_intercept, solver, max_iter, tol, client, store, downpour_options
+        As in :class:`LogisticRegression` (``penalty`` is always ``"l2"``).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> X = np.arange(20.0).reshape(10, 2); y = X @ [1.0, 2.0] + 3.0
+    >>> LinearRegression().fit(X, y).predict(X[:2])   # doctest: +SKIP
+    array([ 5., 11.])
+    """
+
+    def __init__(
+        self,
+        *,
+        alpha: float = 0.0,
+        fit_intercept: bool = True,
+        solver: str = "lbfgs",
+        max_iter: int = 1000,
+        tol: float = 1e-6,
+        client: Any = None,
+        store: str | None = None,
+        downpour_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.alpha = alpha
+        self.fit_intercept = fit_intercept
+        self.solver = solver
+        self.max_iter = max_iter
+        self.tol = tol
+        self.client = client
+        self.store = store
+        self.downpour_options = downpour_options
+
+    def fit(self, X: Any, y: Any = None) -> LinearRegression:
+        """Fit on ``X`` (numpy, Dask array or ``storage.Dataset``) and targets ``y``.
+
+        Returns
+        -------
+        self
+        """
+        name = type(self).__name__
+        check_common(self.solver, "l2", self.max_iter, self.tol, name)
+        check_alpha(self.alpha, name)
+        with fit_store(self.store) as store:
+            data, n = self._data(X, y, store)
+            model = models.LeastSquares(int(self.n_features_in_), fit_intercept=bool(self.fit_intercept))
+            w = self._fit_with(
+                model, data, l2=float(self.alpha) / n, free=_free_linear(model), store=store,
+                downpour_options=self.downpour_options,
+            )  # fmt: skip
+        d = model.n_features
+        self.coef_: FloatArray = w[:d].copy()
+        self.intercept_: float = float(w[d]) if model.fit_intercept else 0.0
+        self.n_iter_ = self._nit
+        return self
+
+    def predict(self, X: Any) -> Any:
+        """Predicted targets ``X @ coef_ + intercept_``."""
+        if is_dask_array(X):
+            check_is_fitted(self)
+            return map_rows(X, self.predict, None, np.float64)
+        out: FloatArray = self._rows(X) @ self.coef_ + self.intercept_
+        return out
+
+
+class MLPClassifier(ClassifierMixin, _Distbelief):
+    """Multilayer perceptron classifier (softmax output) fitted on a Dask cluster.
+
+    ``alpha`` has scikit-learn's meaning: the loss is ``mean cross-entropy + (alpha / (2 N)) ||W||^2`` over
+    the weights (biases unpenalized), solved as ``F`` with ``l2 = alpha / N`` and the biases left out.
+    Two classes use a 2-unit softmax output (scikit-learn uses one logistic unit: the same family).
+
+    Parameters
+    ----------
+    hidden_layer_sizes : tuple of int
+        Units of each hidden layer.
+    activation : {"relu", "tanh", "logistic"}
+        Hidden activation (``"identity"`` is not available).
+    alpha : float
+        L2 strength on the weights (>= 0).
+    solver : {"lbfgs", "cg", "gd", "downpour"}
+        As in :class:`LogisticRegression` (default L-BFGS, unlike scikit-learn's adam).
+    max_iter, tol, client, store, downpour_options
+        As in :class:`LogisticRegression`.
+    random_state : int, numpy RandomState or None
+        Seed of the initial weights.
+
+    Attributes
+    ----------
+    coefs_, intercepts_ : list of ndarray
+        Weights (n_in, n_out) and biases of every layer, as scikit-learn.
+
+    Examples
+    --------
+    >>> from sklearn.datasets import load_digits
+    >>> X, y = load_digits(return_X_y=True)
+    >>> clf = MLPClassifier(hidden_layer_sizes=(16,), random_state=0).fit(X / 16, y)  # doctest: +SKIP
+    >>> clf.score(X / 16, y) > 0.9                                                    # doctest: +SKIP
+    True
+    """
+
+    _classifier = True
+
+    def __init__(
+        self,
+        hidden_layer_sizes: tuple[int, ...] = (100,),
+        activation: str = "relu",
+        *,
+        alpha: float = 1e-4,
+        solver: str = "lbfgs",
+        max_iter: int = 200,
+        tol: float = 1e-4,
+        random_state: Any = None,
+        client: Any = None,
+        store: str | None = None,
+        downpour_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.hidden_layer_sizes = hidden_layer_sizes
+        self.activation = activation
+        self.alpha = alpha
+        self.solver = solver
+        self.max_iter = max_iter
+        self.tol = tol
+        self.random_state = random_state
+        self.client = client
+        self.store = store
+        self.downpour_options = downpour_options
+
+    def _hidden(self) -> list[int]:
+        sizes = self.hidden_layer_sizes
+        if isinstance(sizes, numbers.Integral):
+            sizes = (int(sizes),)
+        try:
+            hidden = [int(s) for s in sizes]
+            ok = all(int(s) == s and s >= 1 for s in sizes)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise InvalidOptionError(
+                f"MLPClassifier: hidden_layer_sizes must be a tuple of ints >= 1, e.g. (100,), got {sizes!r}"
+            )
+        return hidden
+
+    def _seed(self) -> int | None:
+        rs = self.random_state
+        if rs is None or isinstance(rs, numbers.Integral):
+            return None if rs is None else int(rs)
+        if isinstance(rs, np.random.RandomState):
+            return int(rs.randint(0, 2**31 - 1))
+        raise InvalidOptionError(
+            f"MLPClassifier: random_state must be None, an int or a numpy RandomState, got {rs!r}"
+        )
+
+    def fit(self, X: Any, y: Any = None) -> MLPClassifier:
+        """Fit on ``X`` (numpy, Dask array or ``storage.Dataset``) and labels ``y``.
+
+        Returns
+        -------
+        self
+        """
+        name = type(self).__name__
+        check_common(self.solver, "l2", self.max_iter, self.tol, name)
+        if self.activation not in _ACTIVATIONS:
+            raise InvalidOptionError(
+                f"{name}: activation must be one of {sorted(_ACTIVATIONS)}, got {self.activation!r}"
+            )
+        check_alpha(self.alpha, name)
+        hidden = self._hidden()
+        seed = self._seed()
+        with fit_store(self.store) as store:
+            data, n = self._data(X, y, store)
+            k = len(self.classes_)
+            sizes = [int(self.n_features_in_), *hidden, k]
+            model = models.MLP(sizes, activation=_ACTIVATIONS[self.activation])
+            free, start = [], 0
+            for fan_in, fan_out in itertools.pairwise(sizes):
+                start += fan_in * fan_out
+                free.append((start, start + fan_out))
+                start += fan_out
+            w = self._fit_with(
+                model, data, l2=float(self.alpha) / n, free=free, store=store,
+                x0=model.init_params(seed), seed=0 if seed is None else seed,
+                downpour_options=self.downpour_options,
+            )  # fmt: skip
+        self.coefs_, self.intercepts_ = [], []
+        start = 0
+        for fan_in, fan_out in itertools.pairwise(sizes):
+            self.coefs_.append(w[start : start + fan_in * fan_out].reshape(fan_in, fan_out).copy())
+            start += fan_in * fan_out
+            self.intercepts_.append(w[start : start + fan_out].copy())
+            start += fan_out
+        self.n_iter_ = self._nit
+        self.n_layers_ = len(sizes)
+        self.n_outputs_ = k
+        return self
+
+    def predict_proba(self, X: Any) -> Any:
+        """Class probabilities, shape (n, n_classes), columns in the order of ``classes_``."""
+        if is_dask_array(X):
+            check_is_fitted(self)
+            return map_rows(X, self.predict_proba, len(self.classes_), np.float64)
+        rows = self._rows(X)
+        Z = self.model_.predict_proba(self.w_, rows)
+        return np.asarray(Z, dtype=np.float64)
+
+    def predict(self, X: Any) -> Any:
+        """The most probable class of every row (labels from ``classes_``)."""
+        if is_dask_array(X):
+            check_is_fitted(self)
+            return map_rows(X, self.predict, None, self.classes_.dtype)
+        proba = self.predict_proba(X)
+        return self.classes_[np.argmax(proba, axis=1)]
