@@ -259,6 +259,8 @@ def run_downpour(
         "stop_reason": res.stop_reason,
         "success": res.success,
         "message": res.message,
+        # On by default for the fixed-rate rows with several replicas (downpour.DownpourOptions).
+        "staleness_scale": bool(res.history.attrs.get("staleness_scale", False)),
     }
 
 

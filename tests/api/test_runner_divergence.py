@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from distributed import Client as DaskClient
 
-from tests.api.conftest import LOGISTIC, npz_bytes, running_app, settings_for, tiny_xy, wait_final
+from tests.api.conftest import LOGISTIC, running_app, settings_for, tiny_xy, upload_datasets, wait_final
 
 pytestmark = pytest.mark.anyio
 
@@ -19,11 +19,7 @@ async def test_a_diverging_downpour_job_fails_with_the_runs_message(
     X, y = tiny_xy()
     Xe, ye = tiny_xy(seed=1)
     async with running_app(settings_for(tmp_path / "store"), client) as (_, http):
-        for name, (A, b) in (("tiny", (X, y)), ("held", (Xe, ye))):
-            r = await http.post(
-                "/api/datasets", data={"name": name}, files={"file": ("d.npz", npz_bytes(A, b))}
-            )
-            assert r.status_code == 201, r.text
+        await upload_datasets(http, {"tiny": (X, y), "held": (Xe, ye)})
         body = {
             "algorithm": "downpour-sgd",
             "dataset": "tiny",

@@ -121,6 +121,7 @@ def test_downpour_figure4_quick_run(tmp_path: Path, capsys: pytest.CaptureFixtur
             for run in row["runs"]:
                 if row["kind"] == "downpour":
                     assert isinstance(run["success"], bool) and run["message"]
+                    assert run["staleness_scale"] == (row["rule"] == "sgd" and row["replicas"] > 1)
     assert saved["throughput"]["rows"]
 
 
