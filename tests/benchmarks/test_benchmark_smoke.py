@@ -40,16 +40,17 @@ def test_sandblaster_vs_peers_quick_run(tmp_path: Path, capsys: pytest.CaptureFi
         spark = prob["spark"]
         if HAVE_SPARK:
             # F without intercept (regParam = l2, no standardization), evaluated by our code on Spark's
-            # coefficients, against SciPy on that objective: on the well-scaled synthetic problems Spark
-            # reaches the optimum (on digits' raw 0..16 pixels the quick run's 300 iterations may not).
+            # coefficients, against SciPy on that objective: on the well-conditioned synthetic problem Spark
+            # reaches the optimum within the quick run's 30 iterations (13 measured); the others need more.
             assert isinstance(spark["met"], bool) and spark["scipy_fun_same_objective"] > 0
-            if name != "digits":
+            assert spark["met"] == (spark["relative_objective_gap_to_best"] <= 1e-5)
+            if name == "synthetic":
                 assert spark["relative_objective_gap_to_best"] < 1e-4, spark
             assert spark["nit"] > 0 and spark["wall_s_median"] > 0
             assert "spark_over_sandblaster" in prob["ratios"]
         else:
             assert "pyspark is not installed" in spark["skipped"]
-            assert f"{name:<21} spark" in printed and "skipped" in printed
+            assert f"{name:<21} spark, no b" in printed and "skipped" in printed
         if not (prob["sandblaster"]["met"] and prob["dask_glm"]["met"]):
             assert "MISSED" in printed
     assert ("version" in saved["spark"]) == HAVE_SPARK
