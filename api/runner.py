@@ -811,6 +811,10 @@ class JobRunner:
             rec["result"] = json_safe(summary)
             if job.stopped:
                 rec.update(status="cancelled", finished_at=_now(), message="cancelled while running")
+            elif summary.get("stop_reason") == "diverged":
+                # A diverged Downpour run is a failed job (its message says what to change); its history and
+                # parameters are kept for a look at what went wrong.
+                rec.update(status="failed", finished_at=_now(), message=summary.get("message"))
             else:
                 rec.update(status="succeeded", finished_at=_now(), message=summary.get("message"))
 

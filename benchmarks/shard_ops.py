@@ -616,6 +616,7 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(
                 f"{n:>8} {where:<13} {r['label']:<20} {_op_label(r):<9} {shards:>2} {r['median_ms']:8.3f} "
                 f"{r['p90_ms']:8.3f} {r['min_ms']:8.3f} {gbs} {ratio} {best} {rt} {calls} {cpu}"
+                + ("  MISSED: " + r["target"] if r.get("met") is False else "")
             )
         lines.append("")
     lines += [
@@ -623,7 +624,8 @@ def format_table(result: dict[str, Any]) -> str:
         "direct_to_workers=True / False); times in ms; xBLAS = GB/s over the best single-process",
         "scipy-BLAS GB/s of the op (median times; xbest: fastest repetitions, less sensitive to load from",
         "other processes); rt/op = server round trips per op; calls = shard calls per op;",
-        "cpu = driver-process (client + in-process scheduler) CPU ms per op",
+        "cpu = driver-process (client + in-process scheduler) CPU ms per op; MISSED: the row misses its",
+        "aim (its JSON row has the target and met: false)",
     ]
     breakdown: dict[tuple[int, int, str, str], list[dict[str, Any]]] = {}
     for d in result.get("diagnostics", {}).get("breakdown", []):
@@ -710,6 +712,7 @@ def _aims(rows: Sequence[dict[str, Any]], config: Config) -> dict[str, Any]:
         for x in latency
         if x["mode"] == "direct" and (x["median_ms"] > LATENCY_BUDGET_MS or x["round_trips_per_op"] != 1)
     ]
+    _mark_targets(sharded, big, small)
     summary = [
         f"aim 1 (n={big}, direct): sharded bandwidth >= {BANDWIDTH_AIM:.0%} of single-process BLAS: "
         + "; ".join(aim1),
@@ -724,6 +727,27 @@ def _aims(rows: Sequence[dict[str, Any]], config: Config) -> dict[str, Any]:
         "server_overhead_ms": overhead,
         "summary": summary,
     }
+
+
+def _mark_targets(sharded: Sequence[dict[str, Any]], big: int, small: int) -> None:
+    """Give every direct-mode row an aim applies to its ``target`` and whether it was ``met`` (in place).
+
+    Aim 1 (bandwidth) applies at the largest n when that is at least ``LARGE_N``; aim 2 (latency) at the
+    smallest n. A row both aims apply to (a one-size run) carries both, and is met only if both are.
+    """
+    for r in sharded:
+        if r["mode"] != "direct":
+            continue
+        targets, met = [], []
+        if r["n"] == big and big >= LARGE_N and "ratio_to_blas" in r:
+            targets.append(f"ratio_to_blas >= {BANDWIDTH_AIM}")
+            met.append(bool(r["ratio_to_blas"] >= BANDWIDTH_AIM))
+        if r["n"] == small:
+            targets.append(f"median_ms <= {LATENCY_BUDGET_MS} and round_trips_per_op == 1")
+            met.append(bool(r["median_ms"] <= LATENCY_BUDGET_MS and r["round_trips_per_op"] == 1))
+        if targets:
+            r["target"] = "; ".join(targets)
+            r["met"] = all(met)
 
 
 def _misses(items: Sequence[dict[str, Any]], key: str, fmt: str) -> str:

@@ -21,6 +21,7 @@ from distbelief.downpour._core import FetchRequest, PushMessage, ReplicaCore, Re
 from distbelief.downpour._options import DEFAULT_LR, DownpourOptions
 from distbelief.downpour._reference import ReferenceResult, sequential_sgd
 from distbelief.downpour._train import Progress, TrainResult, train
+from distbelief.downpour._watch import StepRuleStallWarning
 
 __all__ = [
     "DEFAULT_LR",
@@ -32,6 +33,7 @@ __all__ = [
     "ReferenceResult",
     "ReplicaCore",
     "ReplicaCounters",
+    "StepRuleStallWarning",
     "TrainResult",
     "sequential_sgd",
     "split_rows",

@@ -22,6 +22,7 @@ import os
 import tempfile
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from distributed import Client, Future
 from distbelief.downpour._batches import split_rows
 from distbelief.downpour._options import DownpourOptions, Rule
 from distbelief.downpour._replica import DownpourReplica, ReplicaConfig
+from distbelief.downpour._watch import StepRuleStallWarning, Watchdog, gradient_norms, stall_message
 from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
 from distbelief.models import objective
 from distbelief.models._fitted import FittedMixin
@@ -48,6 +50,9 @@ from distbelief.storage._calls import ShardRecovery, actor_gone, gather_calls, s
 from distbelief.storage._sparse import as_csr, is_sparse
 
 __all__ = ["Progress", "TrainResult", "train"]
+
+#: Above this many values of X, the end-of-run stall check (two passes over the rows) is skipped.
+STALL_CHECK_MAX_VALUES = 1 << 25
 
 #: How many lost shards a run recovers from before it gives up.
 MAX_RECOVERIES = 5
@@ -214,8 +219,9 @@ def train(
     client: Client | None = None,
     store: str | os.PathLike[str] | None = None,
     callback: Callable[[Progress], None] | None = None,
-    staleness_scale: bool = False,
+    staleness_scale: bool | None = None,
     max_staleness: int | None = None,
+    max_loss_growth: float | None = 10.0,
     checkpoint_every_s: float = 5.0,
     seed: int = 0,
     x0: np.ndarray | None = None,
@@ -278,8 +284,16 @@ def train(
         temporary directory, deleted at the end).
     callback : callable, optional
         Called with a :class:`Progress` after every history entry; raising ``StopIteration`` stops the run.
-    staleness_scale : bool
-        Divide each push's step by ``1 + staleness`` on the shards (Zhang et al. 2016).
+    staleness_scale : bool, optional
+        Divide each push's step by ``1 + staleness`` on the shards (Zhang et al. 2016). Default (None): on
+        for ``rule="sgd"`` with more than one replica, off otherwise (see
+        :meth:`DownpourOptions.scales_staleness`).
+    max_loss_growth : float, optional
+        The run stops as diverged (``success=False``, the reason in ``message``) when the training or
+        held-out loss becomes NaN or infinite or grows past this multiple of its first value (None: only
+        NaN / inf). At the end of a run whose loss is flat while the gradient is not small, the message
+        carries a warning and a :class:`downpour.StepRuleStallWarning` is issued (see
+        ``downpour._watch``).
     max_staleness : int, optional
         A replica that knows its next push would be more than this many updates stale waits for a fresh
         fetch first (0 with one replica is sequential SGD).
@@ -341,6 +355,7 @@ def train(
         l2=l2,
         staleness_scale=staleness_scale,
         max_staleness=max_staleness,
+        max_loss_growth=max_loss_growth,
         checkpoint_every_s=checkpoint_every_s,
         seed=seed,
         shuffle=shuffle,
@@ -376,6 +391,39 @@ def train(
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
+
+def _diverged(watch: Watchdog, progress: Progress, x: np.ndarray | None) -> bool:
+    """Feed a history row to the watchdog (downpour._watch); whether the run has diverged."""
+    finite = x is None or bool(np.isfinite(x).all())
+    verdict = watch.observe(train_loss=progress.train_loss, test_loss=progress.test_loss, x_finite=finite)
+    return verdict is not None
+
+
+def _with_stall_warning(run: _Run, history: xr.Dataset, x: np.ndarray, message: str) -> str:
+    """``message`` with the stall warning of downpour._watch when the step rule stalled (also warned, and
+    kept in ``history.attrs["warnings"]``). The gradient norms are a task on a worker (the rows are read
+    there); a dataset above ``STALL_CHECK_MAX_VALUES`` values is not checked."""
+    history.attrs["warnings"] = []
+    ds = run.dataset
+    if ds.n_rows * ds.n_features > STALL_CHECK_MAX_VALUES or history.sizes.get("time", 0) < 3:
+        return message
+    # The training loss says whether the step rule still makes progress (a held-out loss can flatten while
+    # training goes on); the held-out loss stands in when too few windows measured it.
+    train = bool(np.isfinite(history.train_loss.values).sum() >= 3)
+    what = "training loss" if train else "held-out loss"
+    losses = history.train_loss.values if train else history.test_loss.values
+    try:
+        task = run.client.submit(gradient_norms, run.model, ds, [run.x_start, x], run.opts.l2, pure=False)
+        g0, g1 = task.result(timeout=run.opts.call_timeout)
+    except Exception:  # a diagnostic: a run that finished is not failed by it
+        return message
+    stall = stall_message(history.time.values, losses, g0, g1, what=what)
+    if stall is None:
+        return message
+    history.attrs["warnings"] = [stall]
+    warnings.warn(stall, StepRuleStallWarning, stacklevel=4)
+    return f"{message}; warning: {stall}"
 
 
 def _eval_arrays(model: Any, eval_data: Any) -> tuple[np.ndarray, np.ndarray] | None:
@@ -500,6 +548,7 @@ class _Run:
         self._errors_seen = 0
         self._last_probe = -math.inf
         self._objective_rows: tuple[np.ndarray, np.ndarray] | None = None
+        self.watch = Watchdog(opts.max_loss_growth)
 
     # -- setup / teardown ----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -542,7 +591,7 @@ class _Run:
             epochs=opts.epochs,
             step_limit=opts.max_steps,
             max_staleness=opts.max_staleness,
-            staleness_scale=opts.staleness_scale,
+            staleness_scale=opts.scales_staleness(n_replicas),
             call_timeout=opts.call_timeout,
             trace=opts.trace,
         )
@@ -769,6 +818,7 @@ class _Run:
                 "n_rows": self.dataset.n_rows,
                 "l2": opts.l2,
                 "objective_rows": self._objective_rows[0].shape[0] if self._objective_rows else 0,
+                "staleness_scale": opts.scales_staleness(len(self.actors)),
             },
         )
 
@@ -783,7 +833,7 @@ class _Run:
         if warm:
             self._call([0], "hold", (opts.warmstart_steps,))
         self._start([0] if warm else list(range(n_replicas)))
-        self._record(0.0, self.x_start)
+        _diverged(self.watch, self._record(0.0, self.x_start), self.x_start)
         waiting = list(range(1, n_replicas)) if warm else []
         next_eval = self._eval_interval(0.0)
         next_ckpt = opts.checkpoint_every_s if opts.checkpoint_every_s > 0 else math.inf
@@ -818,7 +868,7 @@ class _Run:
                         self.callback(progress)
                     except StopIteration:
                         stop_reason = "callback"
-                if not math.isfinite(progress.train_loss) and not math.isnan(progress.train_loss):
+                if _diverged(self.watch, progress, x):
                     stop_reason = "diverged"
             if now >= next_ckpt:
                 with contextlib.suppress(ClusterError):
@@ -873,7 +923,9 @@ class _Run:
         self._ps_call(lambda: ps.checkpoint(meta={"step": self._totals()["steps"], "final": True}))
         self.checkpoints += 1
         x: np.ndarray = self._ps_call(lambda: ps.gather("x"))
-        self._record(wall, x)
+        last = self._record(wall, x)
+        if stop_reason in _SUCCESS and _diverged(self.watch, last, x):
+            stop_reason = "diverged"
         losses: dict[int, np.ndarray] = {}
         if self.opts.trace:
             traced = self._call([r for r in range(len(self.actors)) if self.alive[r]], "losses")
@@ -897,12 +949,17 @@ class _Run:
             "checkpoints": self.checkpoints,
             "per_replica": {r: {k: st[k] for k in _PER_REPLICA} for r, st in sorted(self.status.items())},
         }
+        history, message = self._history(), _MESSAGES[stop_reason]
+        if stop_reason == "diverged" and self.watch.message:
+            message = self.watch.message
+        if success:
+            message = _with_stall_warning(self, history, x, message)
         return TrainResult(
             x=x,
-            history=self._history(),
+            history=history,
             stop_reason=stop_reason,
             success=success,
-            message=_MESSAGES[stop_reason],
+            message=message,
             steps=int(t["steps"]),
             wall_time=wall,
             store=ps.url,

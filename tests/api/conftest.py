@@ -186,3 +186,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, session_client: DaskClient)
         with Client(url, TOKEN) as api:
             api.upload_dataset("tiny", *tiny_xy())
         yield url
+
+
+async def upload_datasets(http: httpx.AsyncClient, datasets: dict[str, tuple[Any, Any]]) -> None:
+    """POST each ``name: (X, y)`` to /api/datasets as an .npz upload."""
+    for name, (X, y) in datasets.items():
+        r = await http.post("/api/datasets", data={"name": name}, files={"file": ("d.npz", npz_bytes(X, y))})
+        assert r.status_code == 201, r.text

@@ -16,7 +16,7 @@ from distbelief.api import runner as runner_module
 from distbelief.errors import ClusterError
 from distbelief.storage import Dataset
 from distbelief.storage._calls import task_result
-from tests.api.conftest import LOGISTIC, npz_bytes, running_app, settings_for, tiny_xy, wait_final
+from tests.api.conftest import LOGISTIC, running_app, settings_for, tiny_xy, upload_datasets, wait_final
 
 pytestmark = pytest.mark.anyio
 
@@ -54,11 +54,7 @@ async def test_the_final_loss_is_computed_on_the_cluster_from_a_job_built_once(
     X, y = tiny_xy()
     Xe, ye = tiny_xy(seed=1)
     async with running_app(settings_for(tmp_path / "store"), client) as (_, http):
-        for name, (A, b) in (("tiny", (X, y)), ("held", (Xe, ye))):
-            r = await http.post(
-                "/api/datasets", data={"name": name}, files={"file": ("d.npz", npz_bytes(A, b))}
-            )
-            assert r.status_code == 201, r.text
+        await upload_datasets(http, {"tiny": (X, y), "held": (Xe, ye)})
         reads.clear()
         built.clear()
         body = {

@@ -141,12 +141,13 @@ def test_digits_reach_093_held_out_accuracy_with_two_replicas(
 
 def test_warm_start_lets_replica_0_train_alone_first(client: Client, digits: Dataset) -> None:
     # Alone, replica 0 is sequential SGD on its own rows: its first warm-start steps match the reference
-    # exactly; then replica 1 joins and the trajectories part.
+    # exactly; then replica 1 joins and the trajectories part. (Staleness scaling, on by default for SGD with
+    # 2 replicas, would scale replica 0's pushes by their staleness against its own: off here.)
     model = models.Softmax(64, 10)
     half = digits.n_rows // 2
     res = downpour.train(
         model, digits, replicas=2, rule="sgd", lr=0.1, warmstart_steps=150, max_steps=600, trace=True,
-        client=client,
+        staleness_scale=False, client=client,
     )  # fmt: skip
     ref = sequential_sgd(
         model, X_TR, Y_TR, model.init_params(0), reference_batches(digits, seed=0, steps=600, hi=half), lr=0.1

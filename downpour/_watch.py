@@ -1,0 +1,170 @@
+"""What the Downpour driver watches in its history: divergence (stop the run) and a stalled step rule (warn).
+
+Plain python and numpy, no Dask: :func:`downpour.train` feeds every history row to a :class:`Watchdog` and
+asks it, at the end, whether the run stalled.
+
+* **Divergence.** A run diverges when its training loss (the mean mini-batch loss since the previous row)
+  or its held-out loss becomes NaN or infinite, or grows past its bound: ``max_loss_growth`` times the
+  lowest value it had so far (that lowest value counted as at least a tenth of its first one), and never
+  below its first value (for the held-out loss, its value at the starting point). So a loss that climbs
+  back above where it started after falling tenfold has diverged, and noise on a tiny loss has not. (4
+  replicas with a fixed rate on the digits MLP: held-out loss 0.39, then 5.4 at chance accuracy.) The run
+  stops with
+  ``success=False``, ``stop_reason="diverged"`` and a message that names the loss, its values and what to
+  do (lower ``lr``, ``rule="adagrad"``, ``staleness_scale=True`` or fewer replicas).
+* **Stall.** A step rule stalls when the objective is flat while the gradient is not small: over the last
+  :data:`STALL_WINDOW` of the run (by time) the training loss (or, with held-out rows, the held-out loss)
+  fell by less than :data:`STALL_FLAT` of its value, yet the full gradient of ``F`` at the final parameters
+  is still more than :data:`STALL_GRAD` of its norm at the start. Adagrad whose accumulators have grown
+  large, or a fixed rate scaled down by staleness, looks like that. The driver then adds a warning to the
+  result's message and ``history.attrs["warnings"]`` and issues a :class:`StepRuleStallWarning`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "STALL_FLAT",
+    "STALL_GRAD",
+    "STALL_WINDOW",
+    "StepRuleStallWarning",
+    "Watchdog",
+    "gradient_norms",
+    "stall_message",
+]
+
+#: The last fraction of the run (by time) over which a stall is judged.
+STALL_WINDOW = 1 / 3
+#: The loss counts as flat when it fell by less than this fraction over the window.
+STALL_FLAT = 0.01
+#: The gradient counts as not small while its norm is above this fraction of the starting one.
+STALL_GRAD = 0.05
+
+
+class StepRuleStallWarning(UserWarning):
+    """Downpour's step rule stalled: the objective is flat while the gradient is not small."""
+
+
+@dataclass
+class Watchdog:
+    """Watches a run's history rows for divergence.
+
+    Parameters
+    ----------
+    max_loss_growth : float or None
+        A loss above this multiple of its lowest value so far is divergence (see the module docstring;
+        None: only NaN / inf are).
+
+    Examples
+    --------
+    >>> w = Watchdog(10.0)
+    >>> w.observe(train_loss=float("nan"), test_loss=2.3)   # no rows yet: NaN is "nothing measured"
+    >>> w.observe(train_loss=2.0, test_loss=2.2)
+    >>> w.observe(train_loss=0.3, test_loss=0.4)
+    >>> w.observe(train_loss=3.5, test_loss=0.5) is not None
+    True
+    """
+
+    max_loss_growth: float | None = 10.0
+    first: dict[str, float] = field(default_factory=dict)
+    best: dict[str, float] = field(default_factory=dict)
+    message: str | None = None
+
+    def observe(self, *, train_loss: float, test_loss: float, x_finite: bool = True) -> str | None:
+        """One history row; returns the divergence message once the run has diverged, else None.
+
+        ``train_loss`` is NaN when no step was taken since the previous row, and ``test_loss`` NaN without
+        held-out rows: NaN there means "not measured", except for a held-out loss once one was measured,
+        or with ``x_finite`` False (the parameters themselves hold NaN or inf).
+        """
+        if self.message is not None:
+            return self.message
+        if not x_finite:
+            self.message = "the parameters became NaN or infinite"
+        for name, value in (("training loss", train_loss), ("held-out loss", test_loss)):
+            if self.message is not None:
+                break
+            if math.isnan(value) and not (name == "held-out loss" and name in self.first):
+                continue
+            if not math.isfinite(value):
+                self.message = f"the {name} became {value}"
+            elif name not in self.first:
+                self.first[name] = self.best[name] = value
+            elif self.max_loss_growth is not None and value > self.bound(name):
+                self.message = (
+                    f"the {name} grew from {self.best[name]:.4g} (its lowest) to {value:.4g}, past "
+                    f"max_loss_growth={self.max_loss_growth:g} times that"
+                )
+            else:
+                self.best[name] = min(self.best[name], value)
+        if self.message is None:
+            return None
+        self.message = (
+            f"diverged: {self.message}; lower lr, or use rule='adagrad', staleness_scale=True, "
+            "max_staleness= or fewer replicas"
+        )
+        return self.message
+
+    def bound(self, name: str) -> float:
+        """The value past which loss ``name`` counts as diverged (see the module docstring)."""
+        assert self.max_loss_growth is not None
+        first = self.first[name]
+        return max(first, self.max_loss_growth * max(self.best[name], 0.1 * first))
+
+
+def stall_message(
+    times: Sequence[float],
+    losses: Sequence[float],
+    grad_norm_start: float,
+    grad_norm_end: float,
+    *,
+    what: str = "training loss",
+) -> str | None:
+    """The stall warning of a finished run, or None when it did not stall (see the module docstring).
+
+    Examples
+    --------
+    >>> stall_message([0, 1, 2, 3], [1.0, 0.8, 0.7999, 0.7998], 1.0, 0.5) is not None
+    True
+    >>> stall_message([0, 1, 2, 3], [1.0, 0.8, 0.7999, 0.7998], 1.0, 0.001) is None
+    True
+    """
+    t = np.asarray(times, dtype=float)
+    v = np.asarray(losses, dtype=float)
+    keep = np.isfinite(v)
+    t, v = t[keep], v[keep]
+    if t.size < 3 or not (math.isfinite(grad_norm_start) and math.isfinite(grad_norm_end)):
+        return None
+    start = t[-1] - STALL_WINDOW * (t[-1] - t[0])
+    window = v[t >= start]
+    if window.size < 2:
+        window = v[-2:]
+    drop = (window[0] - window[-1]) / max(abs(window[0]), 1e-12)
+    grad_ratio = grad_norm_end / max(grad_norm_start, 1e-300)
+    if drop >= STALL_FLAT or grad_ratio <= STALL_GRAD:
+        return None
+    return (
+        f"the step rule stalled: the {what} fell by only {100 * max(drop, 0.0):.2g}% over the last third of "
+        f"the run while the gradient norm is still {grad_ratio:.2g} of its starting value; raise lr "
+        "(Adagrad's step shrinks as its accumulators grow), use staleness_scale=False, or train longer"
+    )
+
+
+def gradient_norms(model: Any, dataset: Any, xs: Sequence[np.ndarray], l2: float) -> list[float]:
+    """``||grad F(x)||`` for each ``x`` in ``xs``, over every row of ``dataset`` read portion by portion.
+
+    ``F(w) = (1/N) sum_i loss_i(w) + (l2/2) ||w||^2``. Runs where the rows are (a task on a worker).
+    """
+    grads = [np.zeros_like(np.asarray(x, dtype=np.float64)) for x in xs]
+    for _, X, y in dataset.iter_portions():
+        for g, x in zip(grads, xs, strict=True):
+            g += model.loss_and_grad(x, X, y)[1]
+    return [
+        float(np.linalg.norm(g / dataset.n_rows + l2 * np.asarray(x))) for g, x in zip(grads, xs, strict=True)
+    ]

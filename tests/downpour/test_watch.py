@@ -1,0 +1,79 @@
+"""downpour._watch alone (no cluster): when a run counts as diverged, when its step rule as stalled."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from distbelief.downpour import DownpourOptions
+from distbelief.downpour._watch import STALL_FLAT, STALL_GRAD, Watchdog, stall_message
+from distbelief.errors import InvalidOptionError
+
+
+def feed(w: Watchdog, rows: list[tuple[float, float]]) -> list[str | None]:
+    return [w.observe(train_loss=a, test_loss=b) for a, b in rows]
+
+
+def test_nan_or_inf_is_divergence_but_an_unmeasured_window_is_not() -> None:
+    nan = math.nan
+    w = Watchdog(10.0)
+    # No held-out rows (NaN from the start) and a window with no steps (NaN): nothing measured, no verdict.
+    assert feed(w, [(nan, nan), (2.0, nan), (nan, nan)]) == [None, None, None]
+    msg = w.observe(train_loss=math.inf, test_loss=nan)
+    assert msg is not None and "training loss became inf" in msg and "lower lr" in msg
+    # A held-out loss once measured that turns NaN is divergence (the parameters hold NaN).
+    w = Watchdog(None)
+    assert feed(w, [(nan, 2.3)]) == [None]
+    assert "held-out loss became nan" in (w.observe(train_loss=1.0, test_loss=nan) or "")
+    w = Watchdog(10.0)
+    assert "parameters became NaN" in (w.observe(train_loss=1.0, test_loss=1.0, x_finite=False) or "")
+
+
+def test_growth_past_the_bound_is_divergence() -> None:
+    # The digits MLP with 4 replicas at a fixed rate: held-out loss 2.3 at the start, 0.39, then 5.4.
+    w = Watchdog(10.0)
+    assert feed(w, [(math.nan, 2.3), (1.0, 0.39), (0.9, 0.6)]) == [None, None, None]
+    assert w.bound("held-out loss") == pytest.approx(3.9)
+    msg = w.observe(train_loss=0.9, test_loss=5.4)
+    assert msg is not None and "grew from 0.39 (its lowest) to 5.4" in msg
+    # Once diverged, it stays so.
+    assert w.observe(train_loss=0.1, test_loss=0.1) == msg
+    # A loss that fell a hundredfold: the bound is its first value, not ten times a tiny one.
+    w = Watchdog(10.0)
+    assert feed(w, [(0.7, math.nan), (0.001, math.nan), (0.5, math.nan)]) == [None, None, None]
+    assert w.observe(train_loss=0.71, test_loss=math.nan) is not None
+    # None: only NaN / inf count.
+    w = Watchdog(None)
+    assert feed(w, [(0.7, 0.7), (1e6, 1e6)]) == [None, None]
+
+
+def test_stall_needs_a_flat_loss_and_a_gradient_that_is_not_small() -> None:
+    t = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    flat = [1.0, 0.7, 0.6, 0.55, 0.55, 0.5499, 0.5498]
+    falling = [1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2]
+    msg = stall_message(t, flat, 2.0, 2.0 * 10 * STALL_GRAD, what="held-out loss")
+    assert msg is not None and "held-out loss" in msg and "stalled" in msg
+    assert stall_message(t, flat, 2.0, 2.0 * STALL_GRAD / 2) is None  # converged: the gradient is small
+    assert stall_message(t, falling, 2.0, 1.0) is None  # still making progress
+    assert stall_message(t[:2], flat[:2], 2.0, 1.0) is None  # too short to judge
+    # Just below and above the flatness threshold over the last third (t >= 4).
+    drop = [1.0, 0.9, 0.8, 0.7, 1.0, 1.0 - STALL_FLAT / 2, 1.0 - STALL_FLAT / 2]
+    assert stall_message(t, drop, 1.0, 1.0) is not None
+    drop = [1.0, 0.9, 0.8, 0.7, 1.0, 1.0 - 2 * STALL_FLAT, 1.0 - 2 * STALL_FLAT]
+    assert stall_message(t, drop, 1.0, 1.0) is None
+
+
+def test_options_resolve_staleness_scaling_and_refuse_a_bad_growth_bound() -> None:
+    assert DownpourOptions(rule="sgd", max_steps=1).scales_staleness(2)
+    assert not DownpourOptions(rule="sgd", max_steps=1).scales_staleness(1)
+    assert not DownpourOptions(rule="adagrad", max_steps=1).scales_staleness(8)
+    assert not DownpourOptions(rule="sgd", staleness_scale=False, max_steps=1).scales_staleness(4)
+    assert DownpourOptions(rule="adagrad", staleness_scale=True, max_steps=1).scales_staleness(4)
+    assert DownpourOptions(max_steps=1).max_loss_growth == 10.0
+    assert DownpourOptions(max_loss_growth=None, max_steps=1).max_loss_growth is None
+    for bad in (1.0, 0.5, math.inf, "ten"):
+        with pytest.raises(InvalidOptionError, match="max_loss_growth"):
+            DownpourOptions(max_loss_growth=bad, max_steps=1)  # type: ignore[arg-type]
+    with pytest.raises(InvalidOptionError, match="staleness_scale"):
+        DownpourOptions(staleness_scale="auto", max_steps=1)  # type: ignore[arg-type]
