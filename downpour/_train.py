@@ -860,7 +860,8 @@ class _Run:
                 with contextlib.suppress(ClusterError):
                     self._probe()
             if now >= next_eval:
-                progress = self._record(now, self._gather_x())
+                x = self._gather_x()
+                progress = self._record(now, x)
                 # On a fixed grid from the last target (the time taken to record does not stretch it).
                 next_eval = max(now, next_eval + self._eval_interval(now))
                 if self.callback is not None:
