@@ -408,11 +408,15 @@ def _with_stall_warning(run: _Run, history: xr.Dataset, x: np.ndarray, message: 
     ds = run.dataset
     if ds.n_rows * ds.n_features > STALL_CHECK_MAX_VALUES or history.sizes.get("time", 0) < 3:
         return message
-    # The training loss says whether the step rule still makes progress (a held-out loss can flatten while
-    # training goes on); the held-out loss stands in when too few windows measured it.
-    train = bool(np.isfinite(history.train_loss.values).sum() >= 3)
-    what = "training loss" if train else "held-out loss"
-    losses = history.train_loss.values if train else history.test_loss.values
+    # The training objective says whether the step rule still makes progress (a held-out loss can flatten
+    # while training goes on); the held-out loss stands in when too few windows measured it.
+    # F(w) on the training data is exact where it was computed; the running mini-batch loss is noisy.
+    if "objective" in history and np.isfinite(history.objective.values).sum() >= 3:
+        what, losses = "training objective", history.objective.values
+    elif np.isfinite(history.train_loss.values).sum() >= 3:
+        what, losses = "training loss", history.train_loss.values
+    else:
+        what, losses = "held-out loss", history.test_loss.values
     try:
         task = run.client.submit(gradient_norms, run.model, ds, [run.x_start, x], run.opts.l2, pure=False)
         g0, g1 = task.result(timeout=run.opts.call_timeout)
