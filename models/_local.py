@@ -96,8 +96,10 @@ class LocallyConnected(ModelBase):
         Input width.
     n_classes : int
         Number of classes (>= 2).
-    fields, strides : sequence of int
-        Receptive field and stride of every local layer (same length, at least one layer).
+    fields : sequence of int
+        Receptive field of every local layer (at least one layer). Default one layer of field 5.
+    strides : sequence of int, optional
+        Stride of every local layer (same length as ``fields``); default 1 for each.
     activation : {"sigmoid", "tanh", "relu"}
         Activation of the local layers. Default ``"tanh"``.
 
@@ -129,7 +131,7 @@ class LocallyConnected(ModelBase):
         n_classes: int,
         *,
         fields: Sequence[int] = (5,),
-        strides: Sequence[int] = (1,),
+        strides: Sequence[int] | None = None,
         activation: str = "tanh",
     ) -> None:
         def positive(name: str, value: Any) -> int:
@@ -142,6 +144,8 @@ class LocallyConnected(ModelBase):
         if self._n_classes < 2:
             raise ModelSpecError(f"n_classes must be >= 2, got {n_classes}; use 2 for binary labels")
         self._fields = tuple(positive("fields[]", f) for f in fields)
+        if strides is None:
+            strides = [1] * len(list(fields))
         self._strides = tuple(positive("strides[]", s) for s in strides)
         if not self._fields or len(self._fields) != len(self._strides):
             raise ModelSpecError(
