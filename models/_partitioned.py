@@ -169,10 +169,14 @@ class MLPPlan:
     def __init__(self, model: MLP, partitions: int) -> None:
         self.model = model
         self._k = _check_k(partitions)
-        sizes = model.layer_sizes
-        self._units = [_split(n, self._k) for n in sizes[1:]]
+        self._units = [_split(n, self._k) for n in model.layer_sizes[1:]]
+        perms = self._perms()
+        self._perm: IntArray | None = np.concatenate(perms)
+        self._bounds = _bounds(perms)
+
+    def _perms(self) -> list[IntArray]:
+        sizes, offsets = self.model.layer_sizes, self.model._offsets
         perms: list[IntArray] = []
-        offsets = model._offsets
         for k in range(self._k):
             parts: list[IntArray] = []
             for (a, b, _), fan_in, fan_out, units in zip(
@@ -182,8 +186,11 @@ class MLPPlan:
                 parts.append((a + np.arange(fan_in)[:, None] * fan_out + np.arange(lo, hi)[None, :]).ravel())
                 parts.append(b + np.arange(lo, hi))
             perms.append(np.concatenate(parts).astype(np.int64))
-        self._perm = np.concatenate(perms)
-        self._bounds = _bounds(perms)
+        return perms
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The permutation (8 bytes per parameter) is the driver's business: partitions never need it.
+        return {**self.__dict__, "_perm": None}
 
     @property
     def partitions(self) -> int:
@@ -193,6 +200,8 @@ class MLPPlan:
     @property
     def perm(self) -> IntArray:
         """Indices of the model's flat vector in partition-major order."""
+        if self._perm is None:
+            self._perm = np.concatenate(self._perms())
         return self._perm
 
     @property
@@ -313,11 +322,14 @@ class LocallyConnectedPlan:
     def __init__(self, model: LocallyConnected, partitions: int) -> None:
         self.model = model
         self._k = _check_k(partitions)
-        widths = model.widths
-        self._units = [_split(n, self._k) for n in widths[1:]]
+        self._units = [_split(n, self._k) for n in model.widths[1:]]
+        perms = self._perms()
+        self._perm: IntArray | None = np.concatenate(perms)
+        self._bounds = _bounds(perms)
+
+    def _perms(self) -> list[IntArray]:
+        model, offsets, C = self.model, self.model.offsets, self.model.n_classes
         perms: list[IntArray] = []
-        offsets = model.offsets
-        C = model.n_classes
         for k in range(self._k):
             parts: list[IntArray] = []
             for (a, b, _), f, units in zip(offsets[:-1], model.fields, self._units, strict=True):
@@ -329,8 +341,10 @@ class LocallyConnectedPlan:
             if k == 0:
                 parts.append(np.arange(b, c))
             perms.append(np.concatenate(parts).astype(np.int64))
-        self._perm = np.concatenate(perms)
-        self._bounds = _bounds(perms)
+        return perms
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_perm": None}
 
     @property
     def partitions(self) -> int:
@@ -340,6 +354,8 @@ class LocallyConnectedPlan:
     @property
     def perm(self) -> IntArray:
         """Indices of the model's flat vector in partition-major order."""
+        if self._perm is None:
+            self._perm = np.concatenate(self._perms())
         return self._perm
 
     @property
