@@ -29,6 +29,7 @@ from distbelief.models._mlp import MLP
 from distbelief.models._partitioned import (
     LocallyConnectedPlan,
     MLPPlan,
+    PartitionedModel,
     Traffic,
     partition_plan,
     run_partitioned,
@@ -60,6 +61,7 @@ __all__ = [
     "MLPSpec",
     "Model",
     "ModelSpec",
+    "PartitionedModel",
     "Softmax",
     "SoftmaxSpec",
     "Traffic",

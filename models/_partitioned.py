@@ -49,6 +49,7 @@ __all__ = [
     "LocallyConnectedPlan",
     "MLPPlan",
     "PartitionPlan",
+    "PartitionedModel",
     "Recv",
     "Send",
     "Traffic",
@@ -562,3 +563,60 @@ def run_partitioned(
     loss = results[0][0] if results[0] is not None else None
     assert loss is not None
     return float(loss), grad, traffic
+
+
+class PartitionedModel:
+    """A model whose ``loss_and_grad`` runs its K partition passes in this process, counting their messages.
+
+    The same numbers as the whole model (to rounding), so any optimizer can run on a partitioned replica
+    unchanged (e.g. ``sandblaster.minimize(PartitionedModel(model, 2), ...)`` computes every portion through
+    the partitions); ``traffic`` accumulates what the partitions exchanged. The partitions run in one
+    process here: spreading them over workers is what ``downpour.train(partitions=K)`` does.
+
+    Examples
+    --------
+    >>> pm = PartitionedModel(MLP([3, 4, 2]), 2)
+    >>> loss, grad = pm.loss_and_grad(pm.init_params(0), np.ones((2, 3)), [0, 1])
+    >>> pm.traffic.messages, pm.n_params
+    (6, 26)
+    """
+
+    def __init__(self, model: MLP | LocallyConnected, partitions: int) -> None:
+        self.model = model
+        self.plan = partition_plan(model, partitions)
+        self.traffic = Traffic()
+        self.passes = 0
+
+    @property
+    def n_params(self) -> int:
+        """The whole model's parameters."""
+        return self.model.n_params
+
+    @property
+    def n_features(self) -> int:
+        """Input width."""
+        return self.model.n_features
+
+    @property
+    def n_classes(self) -> int:
+        """Number of classes."""
+        return self.model.n_classes
+
+    def init_params(self, seed: int | None = None) -> FloatArray:
+        """The whole model's starting point."""
+        return self.model.init_params(seed)
+
+    def loss_and_grad(self, w: Any, X: Any, y: Any) -> tuple[float, FloatArray]:
+        """Summed loss and gradient, computed by the K partitions (``w`` in the model's own layout)."""
+        w_arr = _checks.as_params(w, self.model.n_params, type(self.model).__name__)
+        X_arr = _checks.as_rows(X, self.model.n_features, type(self.model).__name__)
+        loss, grad, traffic = run_partitioned(self.plan, w_arr, X_arr, y)
+        self.traffic.merge(traffic)
+        self.passes += 1
+        return loss, grad
+
+    def __getattr__(self, name: str) -> Any:
+        # predict, accuracy, check_labels, spec, label_kind, ...: the whole model's.
+        if name in ("model", "plan", "traffic", "passes"):
+            raise AttributeError(name)
+        return getattr(self.model, name)
