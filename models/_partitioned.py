@@ -154,40 +154,21 @@ def _bounds(perms: Sequence[IntArray]) -> tuple[int, ...]:
     return tuple(int(b) for b in np.cumsum([0, *(p.size for p in perms)]))
 
 
-class MLPPlan:
-    """:class:`models.MLP` split by units within every layer (including the output layer).
+class _PlanBase:
+    """What both plans share: K, the partition-major permutation (not pickled) and the partition bounds."""
 
-    Partition ``k`` owns units ``lo:hi`` of every layer (``units(l)[k]``): columns ``W_l[:, lo:hi]`` and
-    ``b_l[lo:hi]``, stored in its slice as each layer's column block (row-major) then its biases.
+    _units: list[list[tuple[int, int]]]
 
-    Examples
-    --------
-    >>> plan = MLPPlan(MLP([4, 6, 3]), 2)
-    >>> plan.bounds
-    (0, 22, 51)
-    """
-
-    def __init__(self, model: MLP, partitions: int) -> None:
-        self.model = model
+    def __init__(self, partitions: int) -> None:
         self._k = _check_k(partitions)
-        self._units = [_split(n, self._k) for n in model.layer_sizes[1:]]
+
+    def _finish(self) -> None:
         perms = self._perms()
         self._perm: IntArray | None = np.concatenate(perms)
         self._bounds = _bounds(perms)
 
     def _perms(self) -> list[IntArray]:
-        sizes, offsets = self.model.layer_sizes, self.model._offsets
-        perms: list[IntArray] = []
-        for k in range(self._k):
-            parts: list[IntArray] = []
-            for (a, b, _), fan_in, fan_out, units in zip(
-                offsets, sizes[:-1], sizes[1:], self._units, strict=True
-            ):
-                lo, hi = units[k]
-                parts.append((a + np.arange(fan_in)[:, None] * fan_out + np.arange(lo, hi)[None, :]).ravel())
-                parts.append(b + np.arange(lo, hi))
-            perms.append(np.concatenate(parts).astype(np.int64))
-        return perms
+        raise NotImplementedError
 
     def __getstate__(self) -> dict[str, Any]:
         # The permutation (8 bytes per parameter) is the driver's business: partitions never need it.
@@ -209,6 +190,40 @@ class MLPPlan:
     def bounds(self) -> tuple[int, ...]:
         """Partition ``k`` owns ``w[perm][bounds[k]:bounds[k+1]]``."""
         return self._bounds
+
+
+class MLPPlan(_PlanBase):
+    """:class:`models.MLP` split by units within every layer (including the output layer).
+
+    Partition ``k`` owns units ``lo:hi`` of every layer (``units(l)[k]``): columns ``W_l[:, lo:hi]`` and
+    ``b_l[lo:hi]``, stored in its slice as each layer's column block (row-major) then its biases.
+
+    Examples
+    --------
+    >>> plan = MLPPlan(MLP([4, 6, 3]), 2)
+    >>> plan.bounds
+    (0, 22, 51)
+    """
+
+    def __init__(self, model: MLP, partitions: int) -> None:
+        super().__init__(partitions)
+        self.model = model
+        self._units = [_split(n, self._k) for n in model.layer_sizes[1:]]
+        self._finish()
+
+    def _perms(self) -> list[IntArray]:
+        sizes, offsets = self.model.layer_sizes, self.model._offsets
+        perms: list[IntArray] = []
+        for k in range(self._k):
+            parts: list[IntArray] = []
+            for (a, b, _), fan_in, fan_out, units in zip(
+                offsets, sizes[:-1], sizes[1:], self._units, strict=True
+            ):
+                lo, hi = units[k]
+                parts.append((a + np.arange(fan_in)[:, None] * fan_out + np.arange(lo, hi)[None, :]).ravel())
+                parts.append(b + np.arange(lo, hi))
+            perms.append(np.concatenate(parts).astype(np.int64))
+        return perms
 
     def input_columns(self, k: int) -> slice:
         """Every partition reads all of ``X`` (the first layer is fully connected)."""
@@ -306,7 +321,7 @@ class MLPPlan:
         return loss, np.concatenate(grads) if grads else np.zeros(0)
 
 
-class LocallyConnectedPlan:
+class LocallyConnectedPlan(_PlanBase):
     """:class:`models.LocallyConnected` split spatially: partition ``k`` owns units ``lo:hi`` of every layer.
 
     Its slice holds, per local layer, the rows ``W_l[lo:hi]`` and ``b_l[lo:hi]``, then the rows of the output
@@ -321,12 +336,10 @@ class LocallyConnectedPlan:
     """
 
     def __init__(self, model: LocallyConnected, partitions: int) -> None:
+        super().__init__(partitions)
         self.model = model
-        self._k = _check_k(partitions)
         self._units = [_split(n, self._k) for n in model.widths[1:]]
-        perms = self._perms()
-        self._perm: IntArray | None = np.concatenate(perms)
-        self._bounds = _bounds(perms)
+        self._finish()
 
     def _perms(self) -> list[IntArray]:
         model, offsets, C = self.model, self.model.offsets, self.model.n_classes
@@ -343,26 +356,6 @@ class LocallyConnectedPlan:
                 parts.append(np.arange(b, c))
             perms.append(np.concatenate(parts).astype(np.int64))
         return perms
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_perm": None}
-
-    @property
-    def partitions(self) -> int:
-        """Number of partitions K."""
-        return self._k
-
-    @property
-    def perm(self) -> IntArray:
-        """Indices of the model's flat vector in partition-major order."""
-        if self._perm is None:
-            self._perm = np.concatenate(self._perms())
-        return self._perm
-
-    @property
-    def bounds(self) -> tuple[int, ...]:
-        """Partition ``k`` owns ``w[perm][bounds[k]:bounds[k+1]]``."""
-        return self._bounds
 
     def _need(self, layer: int, k: int) -> tuple[int, int]:
         """Units of layer ``layer - 1`` (0: the input) that partition ``k``'s units of ``layer`` read."""
