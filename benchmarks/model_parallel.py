@@ -152,6 +152,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
         ylabel="ms per mini-batch",
         title="time per mini-batch",
         xticks=[1, 2, 4],
+        yscale="log",
     )
     ax2.set(xlabel="partitions per replica", ylabel="bytes between partitions per step", yscale="log",
             title="traffic per step", xticks=[1, 2, 4])  # fmt: skip
