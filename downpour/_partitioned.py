@@ -430,9 +430,21 @@ def train_partitioned(
                 c, model.n_params, store=os.path.join(store, "ps"), workers=shard_places, layout=layout,
                 vectors={"x": x_start[plan.perm]}, timeout=call_timeout,
             )  # fmt: skip
+            reason = "max_steps" if max_steps is not None and sum(limits) == max_steps else "epochs"
             try:
-                return _drive(c, ps, plan, dataset, row_ranges, owned, places, limits, rule, step_lr, l2,
-                              batch_size, seed, shuffle, call_timeout, trace, TrainResult)  # fmt: skip
+                args = (
+                    rule,
+                    step_lr,
+                    l2,
+                    batch_size,
+                    seed,
+                    shuffle,
+                    call_timeout,
+                    trace,
+                    TrainResult,
+                    reason,
+                )
+                return _drive(c, ps, plan, dataset, row_ranges, owned, places, limits, *args)
             finally:
                 ps.close()
     finally:
@@ -458,6 +470,7 @@ def _drive(
     call_timeout: float,
     trace: bool,
     result_cls: Any,
+    stop_reason: str,
 ) -> Any:
     run_id = uuid.uuid4().hex[:12]
     K = plan.partitions
@@ -536,8 +549,10 @@ def _drive(
             {k: v for k, v in st.items() if k not in ("losses", "staleness")} for st in statuses
         ],
     }
+    by_steps = stop_reason == "max_steps"
     return result_cls(
-        x=x, history=history, stop_reason="max_steps", success=True, message="reached the step limit",
+        x=x, history=history, stop_reason=stop_reason, success=True,
+        message="reached max_steps" if by_steps else "every replica finished its epochs",
         steps=steps, wall_time=wall, store=ps.url, stats=stats, losses=losses,
     )  # fmt: skip
 

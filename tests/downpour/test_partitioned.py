@@ -47,7 +47,7 @@ def test_two_partitions_one_replica_is_sequential_sgd(
         max_staleness=0, trace=True, client=client,
     )  # fmt: skip
     ref = _reference(model, digits, 40, lr=0.1, l2=1e-3)
-    assert res.steps == 40 and res.stats["partitions"] == 2
+    assert res.steps == 40 and res.stats["partitions"] == 2 and res.stop_reason == "max_steps"
     np.testing.assert_allclose(res.losses[0], ref.losses, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(res.x, ref.x, rtol=1e-10, atol=1e-12)
     # Each partition pushed only to its own shard: one shard per partition, one push per step each.
@@ -58,7 +58,7 @@ def test_two_partitions_one_replica_is_sequential_sgd(
 def test_partitioned_adagrad_with_two_replicas_learns(client: Client, digits: Dataset) -> None:
     model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
     res = downpour.train(model, digits, replicas=2, partitions=2, epochs=2, lr=0.3, client=client)
-    assert res.steps == 2 * 2 * 23  # 2 replicas x 2 epochs x ceil(719 / 32)
+    assert res.steps == 2 * 2 * 23 and res.stop_reason == "epochs"  # 2 replicas x 2 epochs x ceil(719 / 32)
     assert model.accuracy(res.x, X_TR, Y_TR) > 0.8
 
 
