@@ -231,6 +231,7 @@ def train(
     trace: bool = False,
     poll_every: float = 0.05,
     call_timeout: float = 30.0,
+    partitions: int | None = None,
 ) -> TrainResult:
     """Train ``model`` with Downpour SGD: asynchronous replicas, a sharded parameter server, Adagrad.
 
@@ -314,6 +315,10 @@ def train(
         Seconds between the driver's polls of the replicas.
     call_timeout : float
         Seconds a single call to a shard or replica may take before it counts as failed.
+    partitions : int, optional
+        Model parallelism (paper, section 3): split every replica into this many partition actors with
+        shards aligned to them (:func:`downpour._partitioned.train_partitioned`; ``models.MLP`` and
+        ``models.LocallyConnected``). ``None`` or 1: one actor per replica.
 
     Returns
     -------
@@ -338,6 +343,10 @@ def train(
     >>> float(res.history.test_accuracy[-1]) > 0.9                                # doctest: +SKIP
     True
     """
+    if partitions is not None and partitions != 1:
+        from distbelief.downpour._partitioned import train_from_options
+
+        return train_from_options(model, data, partitions=partitions, given=locals())
     opts = DownpourOptions(
         replicas=replicas,
         shards=shards,

@@ -4,8 +4,9 @@ A model maps a flat float64 parameter vector ``w`` and rows ``X`` with labels ``
 per-example losses and its gradient (``loss_and_grad``); the optimizers minimize
 ``F(w) = (1/N) * sum_i loss_i(w) + (l2/2) * ||w||^2`` (see :func:`objective`).
 
-Built-ins: :class:`LeastSquares`, :class:`Logistic`, :class:`Softmax`, :class:`MLP` (and :class:`JaxModel`,
-any JAX loss function, with ``distbelief[jax]``); build any of the built-ins from
+Built-ins: :class:`LeastSquares`, :class:`Logistic`, :class:`Softmax`, :class:`MLP`,
+:class:`LocallyConnected` (model parallelism: :func:`partition_plan`, :func:`run_partitioned`), and
+:class:`JaxModel` (any JAX loss function, with ``distbelief[jax]``); build the first four from
 a JSON-able spec with :func:`from_spec` (``model.spec`` round-trips), whose JSON schemas are in
 :data:`SPEC_SCHEMAS` / :func:`spec_schema` and whose pydantic classes (:data:`ModelSpec` and one per kind)
 can serve as request bodies.
@@ -25,7 +26,16 @@ from distbelief.models._base import Model, objective
 from distbelief.models._factory import from_spec
 from distbelief.models._jax import JaxModel
 from distbelief.models._linear import LeastSquares, Logistic, Softmax
+from distbelief.models._local import LocallyConnected
 from distbelief.models._mlp import MLP
+from distbelief.models._partitioned import (
+    LocallyConnectedPlan,
+    MLPPlan,
+    PartitionedModel,
+    Traffic,
+    partition_plan,
+    run_partitioned,
+)
 from distbelief.models._specs import (
     ACTIVATIONS,
     MODEL_KINDS,
@@ -46,14 +56,21 @@ __all__ = [
     "JaxModel",
     "LeastSquares",
     "LeastSquaresSpec",
+    "LocallyConnected",
+    "LocallyConnectedPlan",
     "Logistic",
     "LogisticSpec",
+    "MLPPlan",
     "MLPSpec",
     "Model",
     "ModelSpec",
+    "PartitionedModel",
     "Softmax",
     "SoftmaxSpec",
+    "Traffic",
     "from_spec",
     "objective",
+    "partition_plan",
+    "run_partitioned",
     "spec_schema",
 ]

@@ -15,6 +15,7 @@ from distbelief.storage._actor import keep_loop_responsive
 from distbelief.storage._dataset import Dataset, resolve_name
 from distbelief.storage._digits import digits_dataset, load_digits
 from distbelief.storage._layout import Layout
+from distbelief.storage._partition_layout import partition_layout, partition_shards
 from distbelief.storage._rowcache import ROW_CACHE_ENV, RowCache, default_row_cache
 from distbelief.storage._rules import RULES, adagrad_update, sgd_update
 from distbelief.storage._server import Batch, ParameterServer, ServerStats, ShardMap, reduce_results
@@ -48,6 +49,8 @@ __all__ = [
     "is_loopback",
     "keep_loop_responsive",
     "load_digits",
+    "partition_layout",
+    "partition_shards",
     "reduce_results",
     "resolve_name",
     "scheduler_identity",

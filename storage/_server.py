@@ -303,6 +303,7 @@ class ParameterServer:
         overwrite: bool = False,
         timeout: float = 120.0,
         vectors: Mapping[str, np.ndarray] | None = None,
+        layout: Layout | None = None,
     ) -> ParameterServer:
         """Create a new server for ``n`` parameters in ``shards`` shards, persisted at ``store``.
 
@@ -329,8 +330,14 @@ class ParameterServer:
             come to at most :data:`INLINE_VECTOR_BYTES` per shard, each shard's slices travel with its
             construction (no round trip of their own); bigger ones are scattered once the shards exist
             (a construction's arguments stay in the scheduler's task graph).
+        layout : storage.Layout, optional
+            The shards' ranges, instead of ``shards`` balanced ones (e.g. aligned to a model's partitions:
+            :func:`storage.partition_layout`).
         """
-        layout = Layout.split(n, shards, target_chunk=target_chunk)
+        if layout is None:
+            layout = Layout.split(n, shards, target_chunk=target_chunk)
+        elif layout.n != n:
+            raise InvalidOptionError(f"the layout covers {layout.n} parameters, the server holds {n}")
         initial = {name: _as_vector(values) for name, values in (vectors or {}).items()}
         for name, values in initial.items():
             if values.size != n:

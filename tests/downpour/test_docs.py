@@ -11,6 +11,7 @@ MODULES = [
     "distbelief.downpour._batches",
     "distbelief.downpour._core",
     "distbelief.downpour._options",
+    "distbelief.downpour._partitioned",
     "distbelief.downpour._reference",
     "distbelief.downpour._replica",
 ]

@@ -12,7 +12,9 @@ MODULES = [
     "distbelief.models._base",
     "distbelief.models._factory",
     "distbelief.models._linear",
+    "distbelief.models._local",
     "distbelief.models._mlp",
+    "distbelief.models._partitioned",
     "distbelief.models._specs",
 ]
 

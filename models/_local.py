@@ -1,0 +1,330 @@
+"""A locally connected network: local receptive fields, no weight sharing (paper, section 3 and Figure 1).
+
+DistBelief's image models are "locally connected": every unit of a layer sees a small window of the layer
+below and has weights of its own (no convolution-style sharing). That is what makes model parallelism pay
+off (section 3): a partition that owns a contiguous range of units needs only the *boundary* units of its
+neighbours. This is the 1-D form: layer ``l`` has ``n_l = (n_{l-1} - field_l) // stride_l + 1`` units, unit
+``j`` reads inputs ``j*stride_l .. j*stride_l + field_l - 1``; a dense softmax output layer follows.
+The partitioned form is :class:`models.LocallyConnectedPlan` (``models/_partitioned.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+from numpy.typing import ArrayLike, NDArray
+from scipy.special import expit
+
+from distbelief.errors import ModelSpecError
+from distbelief.models import _checks
+from distbelief.models._base import ModelBase
+from distbelief.models._checks import LabelKind
+from distbelief.models._linear import softmax_xent_
+
+__all__ = ["LocallyConnected", "activate_", "backprop_activation_", "local_backward", "local_forward"]
+
+FloatArray = NDArray[np.float64]
+_ACTIVATIONS = ("sigmoid", "tanh", "relu")
+
+
+def activate_(Z: FloatArray, activation: str) -> None:
+    """Apply ``activation`` to ``Z`` in place."""
+    if activation == "sigmoid":
+        expit(Z, out=Z)
+    elif activation == "tanh":
+        np.tanh(Z, out=Z)
+    else:
+        np.maximum(Z, 0.0, out=Z)
+
+
+def backprop_activation_(delta: FloatArray, A: FloatArray, activation: str) -> None:
+    """``delta *= f'(Z)`` with the derivative written through ``A = f(Z)`` (``A`` is left untouched)."""
+    if activation == "sigmoid":
+        delta *= A * (1.0 - A)
+    elif activation == "tanh":
+        delta *= 1.0 - A * A
+    else:
+        delta *= A > 0.0
+
+
+def local_forward(A: FloatArray, W: FloatArray, b: FloatArray, stride: int) -> FloatArray:
+    """Pre-activations of ``W.shape[0]`` local units whose windows start at ``0, stride, 2*stride, ...`` of A.
+
+    ``W`` has shape ``(units, field)``; ``A`` holds (at least) the inputs those windows cover.
+    """
+    units, field = W.shape
+    if units == 0:
+        return np.zeros((A.shape[0], 0))
+    windows = sliding_window_view(A, field, axis=1)[:, ::stride][:, :units]
+    Z: FloatArray = np.einsum("rjt,jt->rj", windows, W)
+    Z += b
+    return Z
+
+
+def local_backward(
+    A: FloatArray, W: FloatArray, delta: FloatArray, stride: int, *, need_input: bool
+) -> tuple[FloatArray, FloatArray, FloatArray | None]:
+    """Gradients of :func:`local_forward`: ``(dW, db, dA or None)`` for ``delta = dloss/dZ``."""
+    units, field = W.shape
+    if units == 0:
+        return np.zeros((0, field)), np.zeros(0), np.zeros_like(A) if need_input else None
+    windows = sliding_window_view(A, field, axis=1)[:, ::stride][:, :units]
+    gW: FloatArray = np.einsum("rj,rjt->jt", delta, windows)
+    gb: FloatArray = delta.sum(axis=0)
+    if not need_input:
+        return gW, gb, None
+    dA = np.zeros_like(A)
+    last = stride * (units - 1) + 1
+    for t in range(field):
+        dA[:, t : t + last : stride] += delta * W[:, t]
+    return gW, gb, dA
+
+
+class LocallyConnected(ModelBase):
+    """1-D locally connected network (no weight sharing) with a dense softmax cross-entropy output layer.
+
+    Parameter layout (one flat float64 vector): for every local layer ``W_l`` of shape ``(n_l, field_l)``
+    (row ``j`` = unit ``j``'s own weights) then ``b_l`` ``(n_l,)``; then the output ``W`` ``(n_L, n_classes)``
+    and ``b`` ``(n_classes,)``.
+
+    Parameters
+    ----------
+    n_features : int
+        Input width.
+    n_classes : int
+        Number of classes (>= 2).
+    fields : sequence of int
+        Receptive field of every local layer (at least one layer). Default one layer of field 5.
+    strides : sequence of int, optional
+        Stride of every local layer (same length as ``fields``); default 1 for each.
+    activation : {"sigmoid", "tanh", "relu"}
+        Activation of the local layers. Default ``"tanh"``.
+
+    Raises
+    ------
+    distbelief.errors.ModelSpecError
+        A size that is not a positive integer, a layer narrower than its field, fewer than two classes.
+
+    Examples
+    --------
+    >>> m = LocallyConnected(10, 3, fields=[4], strides=[2])
+    >>> m.widths  # (10 - 4) // 2 + 1 = 4 units
+    (10, 4)
+    >>> m.n_params  # 4*4 + 4, then 4*3 + 3
+    35
+    >>> w = m.init_params(seed=0)
+    >>> loss, grad = m.loss_and_grad(w, np.ones((2, 10)), [0, 2])
+    >>> grad.shape
+    (35,)
+    """
+
+    kind: ClassVar[str] = "locally_connected"
+    label_kind: ClassVar[LabelKind] = "classes"
+    _name: ClassVar[str] = "locally connected network"
+
+    def __init__(
+        self,
+        n_features: int,
+        n_classes: int,
+        *,
+        fields: Sequence[int] = (5,),
+        strides: Sequence[int] | None = None,
+        activation: str = "tanh",
+    ) -> None:
+        def positive(name: str, value: Any) -> int:
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ModelSpecError(f"{name} must be a positive integer, got {value!r}")
+            return int(value)
+
+        self._n_features = positive("n_features", n_features)
+        self._n_classes = positive("n_classes", n_classes)
+        if self._n_classes < 2:
+            raise ModelSpecError(f"n_classes must be >= 2, got {n_classes}; use 2 for binary labels")
+        self._fields = tuple(positive("fields[]", f) for f in fields)
+        if strides is None:
+            strides = [1] * len(list(fields))
+        self._strides = tuple(positive("strides[]", s) for s in strides)
+        if not self._fields or len(self._fields) != len(self._strides):
+            raise ModelSpecError(
+                f"fields and strides must be non-empty and of the same length, got {list(fields)} and "
+                f"{list(strides)}; give one (field, stride) per local layer"
+            )
+        if activation not in _ACTIVATIONS:
+            raise ModelSpecError(f"unknown activation {activation!r}; valid: {', '.join(_ACTIVATIONS)}")
+        self._activation = activation
+        widths = [self._n_features]
+        for field, stride in zip(self._fields, self._strides, strict=True):
+            if widths[-1] < field:
+                raise ModelSpecError(
+                    f"a layer of {widths[-1]} units cannot feed a receptive field of {field}; use smaller "
+                    "fields or more features"
+                )
+            widths.append((widths[-1] - field) // stride + 1)
+        self._widths = tuple(widths)
+        # (start of W, start of b, end of b) of every layer, the output layer last.
+        shapes = [(n, f) for n, f in zip(widths[1:], self._fields, strict=True)]
+        shapes.append((widths[-1], self._n_classes))
+        self._shapes = tuple(shapes)
+        self._offsets: list[tuple[int, int, int]] = []
+        start = 0
+        for index, (rows, cols) in enumerate(shapes):
+            n_bias = cols if index == len(shapes) - 1 else rows
+            self._offsets.append((start, start + rows * cols, start + rows * cols + n_bias))
+            start += rows * cols + n_bias
+        self._n_params = start
+
+    @property
+    def n_params(self) -> int:
+        """Total number of weights and biases."""
+        return self._n_params
+
+    @property
+    def n_features(self) -> int:
+        """Input width."""
+        return self._n_features
+
+    @property
+    def n_classes(self) -> int:
+        """Number of classes."""
+        return self._n_classes
+
+    @property
+    def fields(self) -> tuple[int, ...]:
+        """Receptive field of every local layer."""
+        return self._fields
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Stride of every local layer."""
+        return self._strides
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """``(n_features, n_1, ..., n_L)``: units of the input and of every local layer."""
+        return self._widths
+
+    @property
+    def activation(self) -> str:
+        """Activation of the local layers."""
+        return self._activation
+
+    @property
+    def offsets(self) -> tuple[tuple[int, int, int], ...]:
+        """``(start of W, start of b, end of b)`` of every layer in the flat vector, the output layer last."""
+        return tuple(self._offsets)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """``{"kind": "locally_connected", "n_features", "n_classes", "fields", "strides", "activation"}``."""
+        return {
+            "kind": self.kind,
+            "n_features": self._n_features,
+            "n_classes": self._n_classes,
+            "fields": list(self._fields),
+            "strides": list(self._strides),
+            "activation": self._activation,
+        }
+
+    def unpack(self, w: ArrayLike) -> list[tuple[FloatArray, FloatArray]]:
+        """Views ``[(W_1, b_1), ..., (W_out, b_out)]`` into ``w``.
+
+        Examples
+        --------
+        >>> [W.shape for W, _ in LocallyConnected(6, 2, fields=[3], strides=[1]).unpack(np.zeros(26))]
+        [(4, 3), (4, 2)]
+        """
+        return self._layers(_checks.as_params(w, self._n_params, self._name))
+
+    def _layers(self, w: FloatArray) -> list[tuple[FloatArray, FloatArray]]:
+        return [
+            (w[a:b].reshape(shape), w[b:c])
+            for (a, b, c), shape in zip(self._offsets, self._shapes, strict=True)
+        ]
+
+    def init_params(self, seed: int | None = None) -> FloatArray:
+        """Glorot uniform weights (fan-in = the field), zero biases; the same seed gives the same vector.
+
+        Examples
+        --------
+        >>> m = LocallyConnected(6, 2, fields=[3], strides=[1])
+        >>> bool((m.init_params(1) == m.init_params(1)).all())
+        True
+        """
+        rng = np.random.default_rng(seed)
+        w = np.zeros(self._n_params)
+        layers = self._layers(w)
+        for index, (W, _) in enumerate(layers):
+            fan_in, fan_out = (W.shape[0], W.shape[1]) if index == len(layers) - 1 else (W.shape[1], 1)
+            limit = np.sqrt(6.0 / (fan_in + fan_out))
+            W[...] = rng.uniform(-limit, limit, size=W.shape)
+        return w
+
+    def _forward(
+        self, w: ArrayLike, X: ArrayLike
+    ) -> tuple[list[tuple[FloatArray, FloatArray]], list[FloatArray]]:
+        w_arr = _checks.as_params(w, self._n_params, self._name)
+        X_arr = _checks.as_rows(X, self._n_features, self._name)
+        layers = self._layers(w_arr)
+        inputs = [X_arr]
+        for (W, b), stride in zip(layers[:-1], self._strides, strict=True):
+            A = local_forward(inputs[-1], W, b, stride)
+            activate_(A, self._activation)
+            inputs.append(A)
+        W, b = layers[-1]
+        inputs.append(inputs[-1] @ W + b)
+        return layers, inputs
+
+    def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
+        """Summed cross-entropy over the rows and its gradient by backpropagation.
+
+        Examples
+        --------
+        >>> m = LocallyConnected(4, 2, fields=[2], strides=[2])
+        >>> loss, _ = m.loss_and_grad(np.zeros(m.n_params), [[1.0, 2.0, 3.0, 4.0]], [1])
+        >>> round(loss, 6)
+        0.693147
+        """
+        layers, inputs = self._forward(w, X)
+        y_raw = _checks.as_targets(y, inputs[0].shape[0], self._name)
+        labels = _checks.class_labels(y_raw, self._n_classes, self._name)
+        delta = np.ascontiguousarray(inputs.pop())
+        loss = softmax_xent_(delta, labels)
+        grads: list[FloatArray] = []
+        W_out = layers[-1][0]
+        grads += [(inputs[-1].T @ delta).ravel(), delta.sum(axis=0)]
+        dA = delta @ W_out.T
+        for index in range(len(layers) - 2, -1, -1):
+            A = inputs[index + 1]
+            backprop_activation_(dA, A, self._activation)
+            gW, gb, dA_below = local_backward(
+                inputs[index], layers[index][0], dA, self._strides[index], need_input=index > 0
+            )
+            grads = [gW.ravel(), gb, *grads]
+            if dA_below is not None:
+                dA = dA_below
+        return loss, np.concatenate(grads)
+
+    def predict(self, w: ArrayLike, X: ArrayLike) -> NDArray[np.int64]:
+        """Most probable class of every row.
+
+        Examples
+        --------
+        >>> m = LocallyConnected(4, 2, fields=[2], strides=[2])
+        >>> m.predict(np.zeros(m.n_params), np.ones((3, 4))).shape
+        (3,)
+        """
+        return np.argmax(self._forward(w, X)[1][-1], axis=1).astype(np.int64)
+
+    def accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
+        """Fraction of rows whose predicted class equals ``y``.
+
+        Examples
+        --------
+        >>> m = LocallyConnected(4, 2, fields=[2], strides=[2])
+        >>> m.accuracy(np.zeros(m.n_params), np.ones((2, 4)), [0, 1])
+        0.5
+        """
+        return self._accuracy(w, X, y)

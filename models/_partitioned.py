@@ -1,0 +1,615 @@
+"""Model parallelism: one model replica split into K partitions by units (paper, section 3, Figures 1-2).
+
+Each partition owns a contiguous range of the units of every layer and the parameters of those units; it
+computes its block of every layer and exchanges only the activations (forward) and input-gradients
+(backward) that cross a partition boundary. Here the plan and the per-partition passes are pure numpy:
+
+- a pass of partition ``k`` is a generator that yields :class:`Send` (a message to another partition) and
+  :class:`Recv` (wait for one, answered with its array) and returns ``(loss or None, gradient slice)``; the
+  same generator runs in one process (:func:`run_partitioned`) and on Dask actors
+  (``downpour/_partitioned.py``), so the message counts are the same in both;
+- a partition's parameters are one contiguous range of the *partition-major* vector
+  ``w[plan.perm]`` (``plan.bounds[k]:plan.bounds[k+1]``), so the parameter-server shards can be aligned to
+  partitions (``storage/_partition_layout.py``, Figure 2).
+
+Two plans:
+
+- :class:`MLPPlan`: :class:`models.MLP` split by units within every layer (columns of ``W_l`` and their
+  biases). Every layer's input is the full activation of the layer below: an **all-gather** per hidden layer
+  (``K (K-1)`` messages), the logits gathered at partition 0 for the softmax and their gradients scattered
+  back (``2 (K-1)``), and a **reduce-scatter** of the input-gradients per hidden layer (``K (K-1)``).
+- :class:`LocallyConnectedPlan`: :class:`models.LocallyConnected` split spatially; only the **halo**
+  (boundary units a neighbour's receptive fields reach) crosses, forward and backward, so a layer costs at
+  most ``2 (K-1)`` messages each way; the dense output layer costs a reduce of partial logits at partition 0
+  and a broadcast of their gradient (``2 (K-1)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+from numpy.typing import NDArray
+
+from distbelief.errors import InvalidOptionError, ProtocolError
+from distbelief.models import _checks
+from distbelief.models._linear import softmax_xent_
+from distbelief.models._local import (
+    LocallyConnected,
+    activate_,
+    backprop_activation_,
+    local_backward,
+    local_forward,
+)
+from distbelief.models._mlp import MLP
+
+__all__ = [
+    "LocallyConnectedPlan",
+    "MLPPlan",
+    "PartitionPlan",
+    "PartitionedModel",
+    "Recv",
+    "Send",
+    "Traffic",
+    "partition_plan",
+    "run_partitioned",
+]
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Send:
+    """A message from the running partition to partition ``dest``, named ``tag`` (unique within a pass)."""
+
+    dest: int
+    tag: str
+    array: FloatArray
+
+
+@dataclass(frozen=True)
+class Recv:
+    """Wait for the message ``tag`` from partition ``src``; the generator is resumed with its array."""
+
+    src: int
+    tag: str
+
+
+#: What a partition's pass is: it yields messages to send and receives to wait for, and returns
+#: ``(loss, gradient of its parameter slice)``; ``loss`` is None except on partition 0.
+PartitionPass = Generator[Send | Recv, FloatArray | None, tuple[float | None, FloatArray]]
+
+
+@dataclass
+class Traffic:
+    """Messages and bytes between partitions, in total and by kind (the tag's letters).
+
+    Examples
+    --------
+    >>> t = Traffic(); t.add(Send(1, "a0", np.zeros(4))); (t.messages, t.bytes, t.by_kind)
+    (1, 32, {'a': 1})
+    """
+
+    messages: int = 0
+    bytes: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+    def add(self, send: Send) -> None:
+        """Count one message."""
+        self.messages += 1
+        self.bytes += int(send.array.nbytes)
+        kind = send.tag.rstrip("0123456789")
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+
+    def merge(self, other: Traffic) -> None:
+        """Add ``other``'s counts to these."""
+        self.messages += other.messages
+        self.bytes += other.bytes
+        for k, v in other.by_kind.items():
+            self.by_kind[k] = self.by_kind.get(k, 0) + v
+
+
+class PartitionPlan(Protocol):
+    """A model split into ``partitions`` blocks; see the module docstring."""
+
+    @property
+    def partitions(self) -> int:
+        """Number of partitions K."""
+        ...
+
+    @property
+    def perm(self) -> IntArray:
+        """Indices of the model's flat vector in partition-major order (``w[perm]``)."""
+        ...
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """Partition ``k`` owns ``w[perm][bounds[k]:bounds[k+1]]``."""
+        ...
+
+    def input_columns(self, k: int) -> slice:
+        """The columns of ``X`` partition ``k`` reads (its part of the input: data, not a message)."""
+        ...
+
+    def partition_pass(self, k: int, w_k: FloatArray, X_k: FloatArray, y: Any) -> PartitionPass:
+        """The pass of partition ``k`` on its parameters ``w_k`` and its input columns ``X_k``."""
+        ...
+
+
+def _split(n: int, k: int) -> list[tuple[int, int]]:
+    """``n`` units in ``k`` contiguous ranges as equal as can be (some empty when ``n < k``)."""
+    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
+def _check_k(partitions: int) -> int:
+    if isinstance(partitions, bool) or not isinstance(partitions, int | np.integer) or partitions < 1:
+        raise InvalidOptionError(f"partitions must be a positive integer, got {partitions!r}")
+    return int(partitions)
+
+
+def _bounds(perms: Sequence[IntArray]) -> tuple[int, ...]:
+    return tuple(int(b) for b in np.cumsum([0, *(p.size for p in perms)]))
+
+
+class _PlanBase:
+    """What both plans share: K, the partition-major permutation (not pickled) and the partition bounds."""
+
+    _units: list[list[tuple[int, int]]]
+
+    def __init__(self, partitions: int) -> None:
+        self._k = _check_k(partitions)
+
+    def _finish(self) -> None:
+        perms = self._perms()
+        self._perm: IntArray | None = np.concatenate(perms)
+        self._bounds = _bounds(perms)
+
+    def _perms(self) -> list[IntArray]:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The permutation (8 bytes per parameter) is the driver's business: partitions never need it.
+        return {**self.__dict__, "_perm": None}
+
+    @property
+    def partitions(self) -> int:
+        """Number of partitions K."""
+        return self._k
+
+    @property
+    def perm(self) -> IntArray:
+        """Indices of the model's flat vector in partition-major order."""
+        if self._perm is None:
+            self._perm = np.concatenate(self._perms())
+        return self._perm
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """Partition ``k`` owns ``w[perm][bounds[k]:bounds[k+1]]``."""
+        return self._bounds
+
+
+class MLPPlan(_PlanBase):
+    """:class:`models.MLP` split by units within every layer (including the output layer).
+
+    Partition ``k`` owns units ``lo:hi`` of every layer (``units(l)[k]``): columns ``W_l[:, lo:hi]`` and
+    ``b_l[lo:hi]``, stored in its slice as each layer's column block (row-major) then its biases.
+
+    Examples
+    --------
+    >>> plan = MLPPlan(MLP([4, 6, 3]), 2)
+    >>> plan.bounds
+    (0, 22, 51)
+    """
+
+    def __init__(self, model: MLP, partitions: int) -> None:
+        super().__init__(partitions)
+        self.model = model
+        self._units = [_split(n, self._k) for n in model.layer_sizes[1:]]
+        self._finish()
+
+    def _perms(self) -> list[IntArray]:
+        sizes, offsets = self.model.layer_sizes, self.model._offsets
+        perms: list[IntArray] = []
+        for k in range(self._k):
+            parts: list[IntArray] = []
+            for (a, b, _), fan_in, fan_out, units in zip(
+                offsets, sizes[:-1], sizes[1:], self._units, strict=True
+            ):
+                lo, hi = units[k]
+                parts.append((a + np.arange(fan_in)[:, None] * fan_out + np.arange(lo, hi)[None, :]).ravel())
+                parts.append(b + np.arange(lo, hi))
+            perms.append(np.concatenate(parts).astype(np.int64))
+        return perms
+
+    def input_columns(self, k: int) -> slice:
+        """Every partition reads all of ``X`` (the first layer is fully connected)."""
+        return slice(0, self.model.n_features)
+
+    def _local_layers(self, k: int, w_k: FloatArray) -> list[tuple[FloatArray, FloatArray]]:
+        sizes = self.model.layer_sizes
+        out, start = [], 0
+        for fan_in, units in zip(sizes[:-1], self._units, strict=True):
+            width = units[k][1] - units[k][0]
+            W = w_k[start : start + fan_in * width].reshape(fan_in, width)
+            start += fan_in * width
+            out.append((W, w_k[start : start + width]))
+            start += width
+        return out
+
+    def partition_pass(self, k: int, w_k: FloatArray, X_k: FloatArray, y: Any) -> PartitionPass:
+        """Partition ``k``'s forward and backward pass (see the module docstring for its messages)."""
+        K, act = self._k, self.model.activation
+        layers = self._local_layers(k, w_k)
+        n_layers = len(layers)
+        inputs: list[FloatArray] = [X_k]
+        own: list[FloatArray] = []  # this partition's activations of every hidden layer
+        for index in range(n_layers - 1):
+            W, b = layers[index]
+            A_k = inputs[-1] @ W + b
+            activate_(A_k, act)
+            own.append(A_k)
+            units = self._units[index]
+            if A_k.shape[1]:
+                for m in range(K):
+                    if m != k:
+                        yield Send(m, f"a{index}", A_k)
+            blocks = []
+            for m in range(K):
+                if m == k:
+                    blocks.append(A_k)
+                elif units[m][1] > units[m][0]:
+                    got = yield Recv(m, f"a{index}")
+                    assert got is not None
+                    blocks.append(got)
+            inputs.append(np.hstack(blocks) if blocks else np.zeros((X_k.shape[0], 0)))
+        W, b = layers[-1]
+        Z_k = inputs[-1] @ W + b
+        out_units = self._units[-1]
+        loss: float | None = None
+        if k == 0:
+            blocks = [Z_k]
+            for m in range(1, K):
+                if out_units[m][1] > out_units[m][0]:
+                    got = yield Recv(m, "z")
+                    assert got is not None
+                    blocks.append(got)
+            Z = np.ascontiguousarray(np.hstack(blocks))
+            labels = _checks.class_labels(
+                _checks.as_targets(y, Z.shape[0], "MLP"), self.model.n_classes, "MLP"
+            )
+            loss = softmax_xent_(Z, labels)
+            for m in range(1, K):
+                lo, hi = out_units[m]
+                if hi > lo:
+                    yield Send(m, "dz", np.ascontiguousarray(Z[:, lo:hi]))
+            delta = Z[:, out_units[0][0] : out_units[0][1]]
+        elif Z_k.shape[1]:
+            yield Send(0, "z", Z_k)
+            got = yield Recv(0, "dz")
+            assert got is not None
+            delta = got
+        else:
+            delta = Z_k
+        grads: list[FloatArray] = []
+        for index in range(n_layers - 1, -1, -1):
+            W = layers[index][0]
+            grads = [(inputs[index].T @ delta).ravel(), delta.sum(axis=0), *grads]
+            if index == 0:
+                break
+            below = self._units[index - 1]
+            here = self._units[index]
+            partial = delta @ W.T  # this partition's share of dloss/dA of the whole layer below
+            if delta.shape[1]:
+                for m in range(K):
+                    lo, hi = below[m]
+                    if m != k and hi > lo:
+                        yield Send(m, f"d{index}", np.ascontiguousarray(partial[:, lo:hi]))
+            lo, hi = below[k]
+            dA = partial[:, lo:hi].copy()
+            if hi > lo:
+                for m in range(K):
+                    if m != k and here[m][1] > here[m][0]:
+                        got = yield Recv(m, f"d{index}")
+                        assert got is not None
+                        dA += got
+            backprop_activation_(dA, own[index - 1], act)
+            delta = dA
+        return loss, np.concatenate(grads) if grads else np.zeros(0)
+
+
+class LocallyConnectedPlan(_PlanBase):
+    """:class:`models.LocallyConnected` split spatially: partition ``k`` owns units ``lo:hi`` of every layer.
+
+    Its slice holds, per local layer, the rows ``W_l[lo:hi]`` and ``b_l[lo:hi]``, then the rows of the output
+    weights that its last-layer units feed, then (partition 0 only) the output biases. Input columns it
+    needs: the receptive fields of its first-layer units (``input_columns``).
+
+    Examples
+    --------
+    >>> plan = LocallyConnectedPlan(LocallyConnected(12, 2, fields=[3], strides=[1]), 2)
+    >>> plan.input_columns(1)
+    slice(5, 12, None)
+    """
+
+    def __init__(self, model: LocallyConnected, partitions: int) -> None:
+        super().__init__(partitions)
+        self.model = model
+        self._units = [_split(n, self._k) for n in model.widths[1:]]
+        self._finish()
+
+    def _perms(self) -> list[IntArray]:
+        model, offsets, C = self.model, self.model.offsets, self.model.n_classes
+        perms: list[IntArray] = []
+        for k in range(self._k):
+            parts: list[IntArray] = []
+            for (a, b, _), f, units in zip(offsets[:-1], model.fields, self._units, strict=True):
+                lo, hi = units[k]
+                parts += [np.arange(a + lo * f, a + hi * f), np.arange(b + lo, b + hi)]
+            a, b, c = offsets[-1]
+            lo, hi = self._units[-1][k]
+            parts.append(np.arange(a + lo * C, a + hi * C))
+            if k == 0:
+                parts.append(np.arange(b, c))
+            perms.append(np.concatenate(parts).astype(np.int64))
+        return perms
+
+    def _need(self, layer: int, k: int) -> tuple[int, int]:
+        """Units of layer ``layer - 1`` (0: the input) that partition ``k``'s units of ``layer`` read."""
+        lo, hi = self._units[layer - 1][k]
+        if hi == lo:
+            return (0, 0)
+        f, s = self.model.fields[layer - 1], self.model.strides[layer - 1]
+        return (lo * s, (hi - 1) * s + f)
+
+    def input_columns(self, k: int) -> slice:
+        """The input columns partition ``k``'s first-layer units read."""
+        lo, hi = self._need(1, k)
+        return slice(lo, hi)
+
+    def _overlap(self, layer: int, reader: int, owner: int) -> tuple[int, int]:
+        """Units of layer ``layer - 1`` owned by ``owner`` that ``reader``'s units of ``layer`` read."""
+        lo, hi = self._need(layer, reader)
+        olo, ohi = self._units[layer - 2][owner]
+        return (max(lo, olo), min(hi, ohi))
+
+    def partition_pass(self, k: int, w_k: FloatArray, X_k: FloatArray, y: Any) -> PartitionPass:
+        """Partition ``k``'s forward and backward pass (halo exchanges; see the module docstring)."""
+        model, K, act = self.model, self._k, self.model.activation
+        C, L = model.n_classes, len(model.fields)
+        rows = X_k.shape[0]
+        layers: list[tuple[FloatArray, FloatArray]] = []
+        start = 0
+        for f, units in zip(model.fields, self._units, strict=True):
+            width = units[k][1] - units[k][0]
+            layers.append(
+                (
+                    w_k[start : start + width * f].reshape(width, f),
+                    w_k[start + width * f : start + width * f + width],
+                )
+            )
+            start += width * f + width
+        width = self._units[-1][k][1] - self._units[-1][k][0]
+        W_out = w_k[start : start + width * C].reshape(width, C)
+        b_out = w_k[start + width * C :]
+        inputs: list[FloatArray] = [X_k]  # what each layer reads: its need range of the layer below
+        own: list[FloatArray] = []
+        for layer in range(1, L + 1):
+            if layer > 1:
+                A_own = own[-1]
+                olo = self._units[layer - 2][k][0]
+                for m in range(K):
+                    lo, hi = self._overlap(layer, m, k)
+                    if m != k and hi > lo:
+                        yield Send(m, f"h{layer}", np.ascontiguousarray(A_own[:, lo - olo : hi - olo]))
+                nlo, nhi = self._need(layer, k)
+                A_in = np.empty((rows, nhi - nlo))
+                for m in range(K):
+                    lo, hi = self._overlap(layer, k, m)
+                    if hi <= lo:
+                        continue
+                    if m == k:
+                        A_in[:, lo - nlo : hi - nlo] = A_own[:, lo - olo : hi - olo]
+                    else:
+                        got = yield Recv(m, f"h{layer}")
+                        assert got is not None
+                        A_in[:, lo - nlo : hi - nlo] = got
+                inputs.append(A_in)
+            W, b = layers[layer - 1]
+            A = local_forward(inputs[-1], W, b, model.strides[layer - 1])
+            activate_(A, act)
+            own.append(A)
+        Z_k = own[-1] @ W_out
+        loss: float | None = None
+        if k == 0:
+            Z = Z_k + b_out
+            for m in range(1, K):
+                got = yield Recv(m, "z")
+                assert got is not None
+                Z += got
+            labels = _checks.class_labels(_checks.as_targets(y, rows, model._name), C, model._name)
+            loss = softmax_xent_(Z, labels)
+            for m in range(1, K):
+                yield Send(m, "dz", Z)
+            dZ = Z
+        else:
+            yield Send(0, "z", Z_k)
+            got = yield Recv(0, "dz")
+            assert got is not None
+            dZ = got
+        grads: list[FloatArray] = [(own[-1].T @ dZ).ravel()]
+        if k == 0:
+            grads.append(dZ.sum(axis=0))
+        dA = dZ @ W_out.T
+        for layer in range(L, 0, -1):
+            backprop_activation_(dA, own[layer - 1], act)
+            gW, gb, d_in = local_backward(
+                inputs[layer - 1], layers[layer - 1][0], dA, model.strides[layer - 1], need_input=layer > 1
+            )
+            grads = [gW.ravel(), gb, *grads]
+            if d_in is None:
+                break
+            nlo, _ = self._need(layer, k)
+            olo, ohi = self._units[layer - 2][k]
+            for m in range(K):
+                lo, hi = self._overlap(layer, k, m)
+                if m != k and hi > lo:
+                    yield Send(m, f"g{layer}", np.ascontiguousarray(d_in[:, lo - nlo : hi - nlo]))
+            dA = np.zeros((rows, ohi - olo))
+            for m in range(K):
+                lo, hi = self._overlap(layer, m, k)
+                if hi <= lo:
+                    continue
+                if m == k:
+                    dA[:, lo - olo : hi - olo] += d_in[:, lo - nlo : hi - nlo]
+                else:
+                    got = yield Recv(m, f"g{layer}")
+                    assert got is not None
+                    dA[:, lo - olo : hi - olo] += got
+        return loss, np.concatenate(grads)
+
+
+def partition_plan(model: Any, partitions: int) -> MLPPlan | LocallyConnectedPlan:
+    """The partition plan of a built-in model that can be split by units.
+
+    Raises
+    ------
+    distbelief.errors.InvalidOptionError
+        For a model without a partitioned form (the linear models: use ``partitions=1``).
+
+    Examples
+    --------
+    >>> partition_plan(MLP([3, 4, 2]), 2).partitions
+    2
+    """
+    if isinstance(model, MLP):
+        return MLPPlan(model, partitions)
+    if isinstance(model, LocallyConnected):
+        return LocallyConnectedPlan(model, partitions)
+    raise InvalidOptionError(
+        f"{type(model).__name__} cannot be partitioned; model parallelism supports models.MLP and "
+        "models.LocallyConnected (use partitions=1 for other models)"
+    )
+
+
+def run_partitioned(
+    plan: MLPPlan | LocallyConnectedPlan, w: FloatArray, X: FloatArray, y: Any
+) -> tuple[float, FloatArray, Traffic]:
+    """Run the K partition passes in one process, delivering their messages; loss, gradient and traffic.
+
+    ``w`` and the returned gradient are in the model's own layout (not partition-major).
+
+    Raises
+    ------
+    distbelief.errors.ProtocolError
+        If the passes wait for messages nobody sends (a bug in a plan).
+
+    Examples
+    --------
+    >>> m = MLP([3, 4, 2]); w = m.init_params(0); X = np.ones((2, 3)); y = np.array([0, 1])
+    >>> loss, grad, traffic = run_partitioned(MLPPlan(m, 2), w, X, y)
+    >>> bool(np.allclose(grad, m.loss_and_grad(w, X, y)[1])), traffic.messages
+    (True, 6)
+    """
+    K = plan.partitions
+    w_perm = np.asarray(w, dtype=np.float64)[plan.perm]
+    X_arr = np.asarray(X, dtype=np.float64)
+    gens = [
+        plan.partition_pass(
+            k, w_perm[plan.bounds[k] : plan.bounds[k + 1]], X_arr[:, plan.input_columns(k)], y
+        )
+        for k in range(K)
+    ]
+    mailbox: dict[tuple[int, int, str], FloatArray] = {}
+    waiting: list[Recv | None] = [None] * K
+    results: list[tuple[float | None, FloatArray] | None] = [None] * K
+    traffic = Traffic()
+
+    def advance(k: int, value: FloatArray | None) -> None:
+        try:
+            op = gens[k].send(value)
+            while isinstance(op, Send):
+                traffic.add(op)
+                mailbox[(op.dest, k, op.tag)] = op.array
+                op = gens[k].send(None)
+            waiting[k] = op
+        except StopIteration as stop:
+            results[k] = stop.value
+            waiting[k] = None
+
+    for k in range(K):
+        advance(k, None)
+    while any(r is None for r in results):
+        progressed = False
+        for k in range(K):
+            op = waiting[k]
+            if op is not None and (k, op.src, op.tag) in mailbox:
+                advance(k, mailbox.pop((k, op.src, op.tag)))
+                progressed = True
+        if not progressed:
+            raise ProtocolError(f"partition passes deadlocked waiting for {waiting}")
+    grad = np.empty(w_perm.size)
+    grad[plan.perm] = np.concatenate([r[1] for r in results if r is not None])
+    loss = results[0][0] if results[0] is not None else None
+    assert loss is not None
+    return float(loss), grad, traffic
+
+
+class PartitionedModel:
+    """A model whose ``loss_and_grad`` runs its K partition passes in this process, counting their messages.
+
+    The same numbers as the whole model (to rounding), so any optimizer can run on a partitioned replica
+    unchanged (e.g. ``sandblaster.minimize(PartitionedModel(model, 2), ...)`` computes every portion through
+    the partitions); ``traffic`` accumulates what the partitions exchanged. The partitions run in one
+    process here: spreading them over workers is what ``downpour.train(partitions=K)`` does.
+
+    Examples
+    --------
+    >>> pm = PartitionedModel(MLP([3, 4, 2]), 2)
+    >>> loss, grad = pm.loss_and_grad(pm.init_params(0), np.ones((2, 3)), [0, 1])
+    >>> pm.traffic.messages, pm.n_params
+    (6, 26)
+    """
+
+    def __init__(self, model: MLP | LocallyConnected, partitions: int) -> None:
+        self.model = model
+        self.plan = partition_plan(model, partitions)
+        self.traffic = Traffic()
+        self.passes = 0
+
+    @property
+    def n_params(self) -> int:
+        """The whole model's parameters."""
+        return self.model.n_params
+
+    @property
+    def n_features(self) -> int:
+        """Input width."""
+        return self.model.n_features
+
+    @property
+    def n_classes(self) -> int:
+        """Number of classes."""
+        return self.model.n_classes
+
+    def init_params(self, seed: int | None = None) -> FloatArray:
+        """The whole model's starting point."""
+        return self.model.init_params(seed)
+
+    def loss_and_grad(self, w: Any, X: Any, y: Any) -> tuple[float, FloatArray]:
+        """Summed loss and gradient, computed by the K partitions (``w`` in the model's own layout)."""
+        w_arr = _checks.as_params(w, self.model.n_params, type(self.model).__name__)
+        X_arr = _checks.as_rows(X, self.model.n_features, type(self.model).__name__)
+        loss, grad, traffic = run_partitioned(self.plan, w_arr, X_arr, y)
+        self.traffic.merge(traffic)
+        self.passes += 1
+        return loss, grad
+
+    def __getattr__(self, name: str) -> Any:
+        # predict, accuracy, check_labels, spec, label_kind, ...: the whole model's.
+        if name in ("model", "plan", "traffic", "passes"):
+            raise AttributeError(name)
+        return getattr(self.model, name)

@@ -1,0 +1,70 @@
+"""``downpour.train(..., partitions=K)``: replicas split into partition actors, shards aligned to them."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from distributed import Client
+
+from distbelief import downpour, models
+from distbelief.downpour import BatchPlan, sequential_sgd
+from distbelief.errors import InvalidOptionError
+from distbelief.storage import Dataset
+from distbelief.storage._digits import train_test_split_digits
+
+X_TR, Y_TR, _, _ = train_test_split_digits(seed=0)
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
+    path = tmp_path_factory.mktemp("downpour-mp") / "digits"
+    return Dataset.from_arrays(X_TR, Y_TR, path=path, portion_rows=512, label_kind="classes", n_classes=10)
+
+
+def _reference(
+    model: models.MLP | models.LocallyConnected, ds: Dataset, steps: int, **kw: float
+) -> np.ndarray:
+    plan = BatchPlan.for_rows(ds, 0, ds.n_rows, batch_size=32, seed=3, replica=0)
+    batches = list(itertools.islice(plan.global_batches(100), steps))
+    return sequential_sgd(model, X_TR, Y_TR, model.init_params(3), batches, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        models.LocallyConnected(64, 10, fields=[6, 3], strides=[2, 1]),
+        models.MLP([64, 12, 10], activation="tanh"),
+    ],
+    ids=["locally_connected", "mlp"],
+)
+def test_two_partitions_one_replica_is_sequential_sgd(
+    client: Client, digits: Dataset, model: models.MLP | models.LocallyConnected
+) -> None:
+    res = downpour.train(
+        model, digits, replicas=1, partitions=2, rule="sgd", lr=0.1, l2=1e-3, max_steps=40, seed=3,
+        max_staleness=0, trace=True, client=client,
+    )  # fmt: skip
+    ref = _reference(model, digits, 40, lr=0.1, l2=1e-3)
+    assert res.steps == 40 and res.stats["partitions"] == 2 and res.stop_reason == "max_steps"
+    np.testing.assert_allclose(res.losses[0], ref.losses, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(res.x, ref.x, rtol=1e-10, atol=1e-12)
+    # Each partition pushed only to its own shard: one shard per partition, one push per step each.
+    assert res.stats["shards"] == 2 and res.stats["pushes"] == 2 * 40
+    assert res.stats["messages_per_step"] > 0 and res.stats["bytes_per_step"] > 0
+
+
+def test_partitioned_adagrad_with_two_replicas_learns(client: Client, digits: Dataset) -> None:
+    model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
+    res = downpour.train(model, digits, replicas=2, partitions=2, epochs=2, lr=0.3, client=client)
+    assert res.steps == 2 * 2 * 23 and res.stop_reason == "epochs"  # 2 replicas x 2 epochs x ceil(719 / 32)
+    assert model.accuracy(res.x, X_TR, Y_TR) > 0.8
+
+
+def test_unsupported_options_are_refused(client: Client, digits: Dataset) -> None:
+    model = models.MLP([64, 10])
+    with pytest.raises(InvalidOptionError, match="n_fetch=3 is not supported with partitions=2"):
+        downpour.train(model, digits, partitions=2, n_fetch=3, max_steps=1, client=client)
+    with pytest.raises(InvalidOptionError, match="cannot be partitioned"):
+        downpour.train(models.Softmax(64, 10), digits, partitions=2, max_steps=1, client=client)

@@ -1,0 +1,134 @@
+"""Model parallelism in one process: partitioned models equal the whole model; the locally connected model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distbelief.errors import InvalidOptionError, ModelSpecError
+from distbelief.models import (
+    MLP,
+    LocallyConnected,
+    Softmax,
+    partition_plan,
+    run_partitioned,
+)
+from tests.models._helpers import assert_gradient_matches
+
+FAST = settings(max_examples=30, deadline=None)
+activations = st.sampled_from(["sigmoid", "tanh", "relu"])
+
+
+@st.composite
+def local_models(draw: st.DrawFn) -> LocallyConnected:
+    n_layers = draw(st.integers(1, 3))
+    fields, strides = [], []
+    width = draw(st.integers(1, 40))
+    n_features = width
+    for _ in range(n_layers):
+        if width < 1:
+            break
+        f = draw(st.integers(1, min(width, 5)))
+        s = draw(st.integers(1, 3))
+        fields.append(f)
+        strides.append(s)
+        width = (width - f) // s + 1
+    return LocallyConnected(
+        n_features, draw(st.integers(2, 4)), fields=fields, strides=strides, activation=draw(activations)
+    )
+
+
+@st.composite
+def mlps(draw: st.DrawFn) -> MLP:
+    sizes = draw(st.lists(st.integers(1, 9), min_size=1, max_size=4))
+    return MLP([*sizes, draw(st.integers(2, 5))], activation=draw(activations))
+
+
+def _check_equal(model: MLP | LocallyConnected, K: int, seed: int, rows: int) -> None:
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(rows, model.n_features))
+    y = rng.integers(0, model.n_classes, size=rows)
+    w = model.init_params(seed) + rng.normal(scale=0.1, size=model.n_params)
+    loss, grad = model.loss_and_grad(w, X, y)
+    plan = partition_plan(model, K)
+    assert sorted(plan.perm.tolist()) == list(range(model.n_params))  # every parameter owned exactly once
+    p_loss, p_grad, traffic = run_partitioned(plan, w, X, y)
+    assert abs(p_loss - loss) <= 1e-10 * max(1.0, abs(loss))
+    np.testing.assert_allclose(p_grad, grad, rtol=0, atol=1e-10)
+    if K == 1:
+        assert traffic.messages == 0
+
+
+@FAST
+@given(model=mlps(), K=st.integers(1, 4), seed=st.integers(0, 2**31), rows=st.integers(1, 7))
+def test_partitioned_mlp_equals_the_mlp(model: MLP, K: int, seed: int, rows: int) -> None:
+    _check_equal(model, K, seed, rows)
+
+
+@FAST
+@given(model=local_models(), K=st.integers(1, 4), seed=st.integers(0, 2**31), rows=st.integers(1, 7))
+def test_partitioned_locally_connected_equals_the_whole_model(
+    model: LocallyConnected, K: int, seed: int, rows: int
+) -> None:
+    _check_equal(model, K, seed, rows)
+
+
+@FAST
+@given(model=local_models(), seed=st.integers(0, 2**31), rows=st.integers(1, 6))
+def test_locally_connected_gradient_matches_finite_differences(
+    model: LocallyConnected, seed: int, rows: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(rows, model.n_features))
+    y = rng.integers(0, model.n_classes, size=rows)
+    w = rng.normal(scale=0.5, size=model.n_params)
+    if model.activation == "relu":  # keep away from the kinks, where differences are not derivatives
+        w = model.init_params(seed) + rng.normal(scale=0.01, size=model.n_params)
+    assert_gradient_matches(model, w, X, y)
+
+
+@pytest.mark.parametrize("K", [2, 3, 4])
+def test_message_counts_are_the_fewest_a_pass_needs(K: int) -> None:
+    # MLP with 2 hidden layers: per hidden layer an all-gather (K(K-1)) forward and a reduce-scatter
+    # (K(K-1)) backward, plus the logits to partition 0 and their gradients back (2(K-1)).
+    mlp = MLP([16, 12, 12, 4])
+    X, y = np.ones((3, 16)), np.array([0, 1, 2])
+    traffic = run_partitioned(partition_plan(mlp, K), mlp.init_params(0), X, y)[2]
+    assert traffic.messages == 2 * 2 * K * (K - 1) + 2 * (K - 1)
+    # Locally connected, 2 local layers: layer 2's halo comes only from the neighbours (at most one
+    # message per neighbour pair each way), forward (h) and the matching input-gradients back (g), plus
+    # the output reduce and broadcast.
+    lc = LocallyConnected(64, 4, fields=[5, 3], strides=[1, 1])
+    traffic = run_partitioned(partition_plan(lc, K), lc.init_params(0), np.ones((3, 64)), y)[2]
+    assert K - 1 <= traffic.by_kind["h"] == traffic.by_kind["g"] <= 2 * (K - 1)
+    assert (traffic.by_kind["z"], traffic.by_kind["dz"]) == (K - 1, K - 1)
+    lc_bytes, mlp_bytes = (
+        traffic.bytes,
+        run_partitioned(partition_plan(mlp, K), mlp.init_params(0), X, y)[2].bytes,
+    )
+    assert lc_bytes < mlp_bytes
+
+
+def test_a_partitions_input_is_its_receptive_fields_only() -> None:
+    plan = partition_plan(LocallyConnected(20, 2, fields=[4], strides=[2]), 2)
+    # 9 units: partition 0 owns units 0-3 (inputs 0..9), partition 1 units 4-8 (inputs 8..19).
+    assert plan.input_columns(0) == slice(0, 10)
+    assert plan.input_columns(1) == slice(8, 20)
+
+
+def test_models_without_a_partitioned_form_are_refused() -> None:
+    with pytest.raises(InvalidOptionError, match="partitions=1"):
+        partition_plan(Softmax(3, 2), 2)
+    with pytest.raises(InvalidOptionError, match="positive integer"):
+        partition_plan(MLP([3, 2]), 0)
+
+
+def test_bad_locally_connected_shapes_are_refused() -> None:
+    with pytest.raises(ModelSpecError, match="receptive field"):
+        LocallyConnected(4, 2, fields=[5], strides=[1])
+    with pytest.raises(ModelSpecError, match="same length"):
+        LocallyConnected(8, 2, fields=[3, 2], strides=[1])
+    with pytest.raises(ModelSpecError, match="n_classes"):
+        LocallyConnected(8, 1)
