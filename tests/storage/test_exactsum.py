@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -19,7 +20,7 @@ def _sum_grouped(terms: list[np.ndarray], order: list[int], cuts: list[int]) -> 
     """Deposit the terms in ``order``, in groups cut at ``cuts``, each group its own state, merged."""
     total = xs.zeros(N)
     bounds = [0, *sorted(set(cuts)), len(order)]
-    for a, b in zip(bounds, bounds[1:], strict=False):
+    for a, b in itertools.pairwise(bounds):
         part = xs.zeros(N)
         for k in order[a:b]:
             xs.deposit(part, terms[k])
@@ -50,7 +51,7 @@ def test_the_sum_is_as_accurate_as_float64_allows(raw) -> None:  # type: ignore[
             continue  # counted as infinite (tested below)
         exact = math.fsum(col)
         # Bits below 2**-64 of the largest term (at its bin's floor) are dropped, plus float64 rounding.
-        bound = 2.0 ** -63 * 2.0 ** (xs.WIDTH * math.ceil(math.frexp(np.max(np.abs(col)))[1] / xs.WIDTH))
+        bound = 2.0**-63 * 2.0 ** (xs.WIDTH * math.ceil(math.frexp(np.max(np.abs(col)))[1] / xs.WIDTH))
         assert abs(got[i] - exact) <= len(col) * bound + 2 * math.ulp(exact) + 2.0**-990
 
 
