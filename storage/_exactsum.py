@@ -45,7 +45,18 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["BINS", "HEADROOM_BITS", "MAX_TERMS", "WIDTH", "deposit", "merge", "state_bytes", "value", "zeros"]
+__all__ = [
+    "BINS",
+    "HEADROOM_BITS",
+    "MAX_TERMS",
+    "WIDTH",
+    "clear",
+    "deposit",
+    "merge",
+    "state_bytes",
+    "value",
+    "zeros",
+]
 
 #: Bits per bin.
 WIDTH = 32
@@ -74,6 +85,19 @@ def zeros(n: int) -> np.ndarray:
     """
     state = np.zeros((BINS + 1, n))
     state[0] = BIN_MIN
+    return state
+
+
+def clear(state: np.ndarray) -> np.ndarray:
+    """Empty ``state`` in place (as :func:`zeros`); returns it.
+
+    Examples
+    --------
+    >>> value(clear(deposit(zeros(1), np.array([5.0])))).tolist()
+    [0.0]
+    """
+    state[0] = BIN_MIN
+    state[1:] = 0.0
     return state
 
 
