@@ -384,6 +384,10 @@ class Shard:
         With ``expected`` (the number of portions), the push that completes the set runs ``finalize``
         (ops as in :meth:`run`; the first is normally ``("settle", name)``) and returns their results.
         """
+        if expected is not None and expected > _exactsum.MAX_TERMS:
+            raise InvalidOptionError(
+                f"{expected} portions per evaluation: at most {_exactsum.MAX_TERMS} are summed exactly"
+            )
         vec = self._target(name)
         vec.fill(0.0)
         old = self.accumulators.get(name)

@@ -142,6 +142,8 @@ def test_summed_and_solo_pushes_count_each_portion_exactly_once() -> None:
     shard.reset_accumulator("acc", epoch=2)
     assert shard.settle("acc") == []
     np.testing.assert_array_equal(shard.get("acc"), np.zeros(4))
+    with pytest.raises(InvalidOptionError, match="summed exactly"):
+        shard.reset_accumulator("acc", epoch=3, expected=_exactsum.MAX_TERMS + 1)
 
 
 @settings(max_examples=50, deadline=None)
