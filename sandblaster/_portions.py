@@ -171,6 +171,8 @@ class _Evaluation:
     stats: EvaluationStats = field(default_factory=EvaluationStats)
     #: Recomputations after a replica was lost: pushed solo.
     solo_queue: deque[int] = field(default_factory=deque)
+    #: Portion -> its loss (the first report's), summed exactly when the evaluation is done.
+    losses: dict[int, float] = field(default_factory=dict)
     #: Portions whose loss is counted.
     reported: set[int] = field(default_factory=set)
     #: Portions whose gradient every shard holds.
@@ -401,7 +403,7 @@ class PortionMachine:
             if p not in ev.reported:
                 # First result wins: the loss is counted once; the shards dedupe the gradient.
                 ev.reported.add(p)
-                stats.loss_sum += loss
+                ev.losses[p] = loss
                 stats.rows += rows
                 ev.computed_by[r].append(p)
                 stats.backups_won += int((r, p) in ev.backups)
@@ -520,6 +522,9 @@ class PortionMachine:
             self.home[survivors[k % len(survivors)]].append(p)
         for r in survivors:
             self.home[r].sort()
+        # Summed exactly (correctly rounded), so the objective's bits do not depend on which report came
+        # first (issue 18, item 6: reproducible runs).
+        stats.loss_sum = math.fsum(ev.losses.values())
         stats.portions = self.n_portions
         stats.wall_s = now - ev.t_start
         self._ev = None

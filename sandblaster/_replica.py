@@ -8,9 +8,10 @@ push). Work too small to be worth a thread hop (~0.2 ms) runs inline on the loop
 
 It fetches the parameters once per evaluation (every call of the evaluation awaits the same fetch), computes
 the loss and gradient of the portions it is given, and pushes their summed gradient to the shards before it
-reports, so what it reports is already safe on the shards: a replica that dies costs only the portions it had
-not pushed. Backup copies and recomputed portions are pushed *solo* (one portion per push); the shards count
-every portion exactly once whichever copies arrive (``Shard.accumulate``).
+reports (summed exactly, binned: :mod:`storage._exactsum`, so the shards' sum has the same bits whatever
+the grouping), so what it reports is already safe on the shards: a replica that dies costs only the
+portions it had not pushed. Backup copies and recomputed portions are pushed *solo* (one portion per
+push); the shards count every portion exactly once whichever copies arrive (``Shard.accumulate``).
 
 Data affinity: portions read once stay in memory (in the worker's :class:`storage.RowCache`, which outlives
 the replica, so the next run on the worker skips the read), and the scheduler gives a replica the same
@@ -26,11 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-from scipy.linalg import blas
 
 from distbelief.errors import ClusterError
 from distbelief.sandblaster._messages import PortionResult, WorkCall, WorkReport, decode, encode
-from distbelief.storage import Dataset, ShardMap, default_row_cache, keep_loop_responsive
+from distbelief.storage import Dataset, ShardMap, _exactsum, default_row_cache, keep_loop_responsive
 
 __all__ = ["INLINE_WORK", "Replica"]
 
@@ -118,7 +118,8 @@ class Replica:
         reads: list[int] = []
         results = []
         grads: list[tuple[list[int], np.ndarray]] = []
-        total: np.ndarray | None = None
+        total: np.ndarray | None = None  # the group's binned sum, once it has two portions
+        first: np.ndarray | None = None
         for p in assign:
             if p not in self.cache and not self._rows.holds(self.dataset, *self.dataset.portion_bounds(p)):
                 start = time.perf_counter()
@@ -134,12 +135,15 @@ class Replica:
             results.append((int(p), float(loss), int(X.shape[0])))
             if solo:
                 grads.append(([int(p)], grad))
-            elif total is None:
-                total = grad.copy()
+            elif first is None:
+                first = grad  # a group of one is pushed as it is: 8 bytes a parameter, not 32
             else:
-                blas.daxpy(grad, total, a=1.0)
-        if total is not None:
-            grads.append(([int(p) for p in assign], total))
+                if total is None:
+                    total = _exactsum.deposit(_exactsum.zeros(grad.size), first)
+                # Summed exactly (binned): the shards' sum is the same whichever portions share a push.
+                _exactsum.deposit(total, grad)
+        if not solo and first is not None:
+            grads.append(([int(p) for p in assign], first if total is None else total))
         return results, grads, time.perf_counter() - t0, read_s, reads
 
     async def _params(

@@ -247,8 +247,9 @@ class ShardMap:
         return vectors, reduce_results(ops, [p[2] for p in parts])
 
     def slices(self, vector: np.ndarray) -> list[np.ndarray]:
-        """``vector`` cut into the shards' ranges (views, no copy)."""
-        return [vector[lo:hi] for lo, hi in self.layout.ranges()]
+        """``vector`` cut into the shards' ranges along its last axis (views, no copy): a gradient, or a
+        binned sum of gradients (:mod:`storage._exactsum`, one row per bin)."""
+        return [vector[..., lo:hi] for lo, hi in self.layout.ranges()]
 
 
 #: Initial vectors up to this many bytes per shard travel with the shards' construction (see

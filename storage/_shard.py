@@ -19,6 +19,7 @@ import numpy as np
 from scipy.linalg import blas
 
 from distbelief.errors import InvalidOptionError, ProtocolError
+from distbelief.storage import _exactsum
 from distbelief.storage._rules import adagrad_update, sgd_update
 
 __all__ = ["OPS", "Shard"]
@@ -26,10 +27,15 @@ __all__ = ["OPS", "Shard"]
 
 @dataclass
 class _Accumulator:
-    """A gradient accumulator of one evaluation (``epoch``): its vector and which portions it holds."""
+    """A gradient accumulator of one evaluation (``epoch``): its vector and which portions it holds.
+
+    ``binned`` is the exact, order-independent sum of what was taken (:mod:`storage._exactsum`); ``values``
+    (the named vector) receives its rounded value when the accumulator settles.
+    """
 
     epoch: int
     values: np.ndarray
+    binned: np.ndarray
     covered: set[int] = field(default_factory=set)
     solos: dict[int, np.ndarray] = field(default_factory=dict)
     #: When set: the number of portions of the evaluation, and ops to run once all of them are in.
@@ -294,6 +300,11 @@ class Shard:
         :meth:`settle`. So whichever copies arrive, in whatever order, every portion counts once, even
         after a replica died half-way through pushing to the shards.
 
+        Reproducible (issue 18, item 6): ``values`` is either one portion's gradient slice (1-D), or a
+        *binned* sum of several (a :mod:`storage._exactsum` state, 2-D), and the shard sums exactly, so the
+        gradient's bits do not depend on which replica summed which portions or in what order pushes
+        arrive. A 1-D push of several portions is taken as one term: its own rounding is the pusher's.
+
         Pushes for another ``epoch`` (a straggler's late result from an earlier evaluation) change nothing.
         Returns whether anything was taken.
         """
@@ -301,9 +312,10 @@ class Shard:
         if epoch != acc.epoch:
             return False
         values = np.asarray(values, dtype=np.float64)
-        if values.shape != acc.values.shape:
+        if values.shape not in (acc.values.shape, acc.binned.shape):
             raise InvalidOptionError(
-                f"shard {self.index}: pushed slice has shape {values.shape}, expected {acc.values.shape}"
+                f"shard {self.index}: pushed slice has shape {values.shape}, expected {acc.values.shape} "
+                f"(a gradient) or {acc.binned.shape} (a binned sum)"
             )
         new = set(portions)
         if solo:
@@ -323,8 +335,7 @@ class Shard:
             )
         for p in new & acc.solos.keys():
             del acc.solos[p]  # the summed push holds it: its backup copy must not count too
-        if acc.values.size:
-            blas.daxpy(values, acc.values, a=1.0)
+        _add_exactly(acc.binned, values)
         acc.covered |= new
         return True
 
@@ -358,10 +369,11 @@ class Shard:
         """Add the solo portions no summed push covered; return every portion the accumulator now holds."""
         acc = self._accumulator(name)
         for values in acc.solos.values():
-            if acc.values.size:
-                blas.daxpy(values, acc.values, a=1.0)
+            _add_exactly(acc.binned, values)
         acc.covered |= acc.solos.keys()
         acc.solos = {}
+        # Rounded once, from the exact sum: the same bits whatever the pushes' grouping and order.
+        np.copyto(acc.values, _exactsum.value(acc.binned))
         return sorted(acc.covered)
 
     def reset_accumulator(
@@ -372,10 +384,19 @@ class Shard:
         With ``expected`` (the number of portions), the push that completes the set runs ``finalize``
         (ops as in :meth:`run`; the first is normally ``("settle", name)``) and returns their results.
         """
+        if expected is not None and expected > _exactsum.MAX_TERMS:
+            raise InvalidOptionError(
+                f"{expected} portions per evaluation: at most {_exactsum.MAX_TERMS} are summed exactly"
+            )
         vec = self._target(name)
         vec.fill(0.0)
+        old = self.accumulators.get(name)
+        if old is not None and old.binned.shape[1:] == vec.shape:
+            binned = _exactsum.clear(old.binned)  # reused: a wide shard's binned sum is 4 vectors
+        else:
+            binned = _exactsum.zeros(vec.size)
         self.accumulators[name] = _Accumulator(
-            epoch=epoch, values=vec, expected=expected, finalize=[tuple(op) for op in finalize]
+            epoch=epoch, values=vec, binned=binned, expected=expected, finalize=[tuple(op) for op in finalize]
         )
 
     def _accumulator(self, name: str) -> _Accumulator:
@@ -395,3 +416,11 @@ class Shard:
         """Inverse of :meth:`state`."""
         self.version = int(state.get("version", 0))
         self.last_seq = {str(k): int(v) for k, v in dict(state.get("last_seq", {})).items()}
+
+
+def _add_exactly(binned: np.ndarray, values: np.ndarray) -> None:
+    """Add a pushed gradient slice (one term) or binned sum (an :mod:`storage._exactsum` state) exactly."""
+    if values.ndim == 1:
+        _exactsum.deposit(binned, values)
+    else:
+        _exactsum.merge(binned, values)

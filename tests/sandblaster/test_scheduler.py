@@ -4,7 +4,8 @@
 reports, a replica is lost) and answers with instructions (send, cancel, done). Here a fake world carries
 those: its replicas "compute" known per-portion losses and gradients and push them into real
 ``storage._shard.Shard`` objects (whose ``accumulate`` dedupes backup copies), so every interleaving
-hypothesis draws must still count every portion exactly once, with the exact gradient. The end-to-end
+hypothesis draws must still count every portion exactly once, with the same bits of the gradient and the
+loss whatever the interleaving (issue 18, item 6: reproducible runs). The end-to-end
 behaviour on a real LocalCluster is in test_minimize.py.
 """
 
@@ -33,6 +34,7 @@ from distbelief.sandblaster._portions import (
     Send,
     initial_blocks,
 )
+from distbelief.storage import _exactsum
 from distbelief.storage._shard import Shard
 
 ACC = "acc"
@@ -56,10 +58,19 @@ class World:
 
     def __post_init__(self) -> None:
         self.shards = [Shard(0, 0, 2), Shard(1, 2, N_PARAMS)]
-        # Powers of two: a loss sum is exact, and tells exactly which portions it holds.
-        self.losses = [2.0**p for p in range(self.n_portions)]
+        # Of very different magnitudes: a float sum of these depends on its order.
+        self.losses = list(
+            self.rng.standard_normal(self.n_portions) * 10.0 ** self.rng.integers(-8, 8, self.n_portions)
+        )
         self.rows = [10 + p for p in range(self.n_portions)]
-        self.grads = self.rng.standard_normal((self.n_portions, N_PARAMS))
+        self.grads = self.rng.standard_normal((self.n_portions, N_PARAMS)) * 10.0 ** self.rng.integers(
+            -8, 8, (self.n_portions, 1)
+        )
+        # The one gradient every interleaving must give, bit for bit: the portions summed in index order.
+        reference = _exactsum.zeros(N_PARAMS)
+        for grad in self.grads:
+            _exactsum.deposit(reference, grad)
+        self.gradient = _exactsum.value(reference)
 
     def open(self) -> None:
         self.epoch += 1
@@ -77,9 +88,14 @@ class World:
         """Push the first ``groups`` groups to every shard, and the next one to ``shards_of_next`` shards."""
         todo = self.groups(send)
         for k, group in enumerate(todo[: groups + 1]):
-            grad = self.grads[group].sum(axis=0)
+            # As Replica.compute pushes: one portion as it is, several as their binned sum.
+            grad = self.grads[group[0]]
+            if len(group) > 1:
+                grad = _exactsum.zeros(N_PARAMS)
+                for p in group:
+                    _exactsum.deposit(grad, self.grads[p])
             for shard in self.shards[: len(self.shards) if k < groups else shards_of_next]:
-                part = grad[shard.lo : shard.hi]
+                part = grad[..., shard.lo : shard.hi]
                 shard.accumulate(ACC, part, group, epoch=epoch, solo=send.solo)
 
     def report(self, send: Send, pace: float) -> WorkReport:
@@ -92,7 +108,7 @@ class World:
 
     def check(self, stats: EvaluationStats, m: PortionMachine) -> None:
         """Every portion counted exactly once: loss, rows, gradient, and the replicas' next queues."""
-        assert stats.loss_sum == sum(self.losses)
+        assert stats.loss_sum == math.fsum(self.losses)
         assert stats.rows == sum(self.rows)
         assert stats.portions == self.n_portions
         # A replica lost after it reported is not in per_replica: what it computed counts all the same.
@@ -103,7 +119,7 @@ class World:
         for shard in self.shards:
             assert shard.settle(ACC) == list(range(self.n_portions))
             gradient.append(shard.vector(ACC))
-        np.testing.assert_allclose(np.concatenate(gradient), self.grads.sum(axis=0), rtol=1e-12)
+        assert np.array_equal(np.concatenate(gradient), self.gradient)  # ==: the same bits
         assert sorted(p for block in m.home for p in block) == list(range(self.n_portions))
         assert all(not m.home[r] for r in m.lost_replicas)
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distbelief.errors import InvalidOptionError, ProtocolError
-from distbelief.storage import Shard, adagrad_update, sgd_update
+from distbelief.storage import Shard, _exactsum, adagrad_update, sgd_update
 
 
 def make(size: int, seed: int = 0) -> tuple[Shard, dict[str, np.ndarray]]:
@@ -142,6 +142,8 @@ def test_summed_and_solo_pushes_count_each_portion_exactly_once() -> None:
     shard.reset_accumulator("acc", epoch=2)
     assert shard.settle("acc") == []
     np.testing.assert_array_equal(shard.get("acc"), np.zeros(4))
+    with pytest.raises(InvalidOptionError, match="summed exactly"):
+        shard.reset_accumulator("acc", epoch=3, expected=_exactsum.MAX_TERMS + 1)
 
 
 @settings(max_examples=50, deadline=None)
@@ -152,7 +154,8 @@ def test_summed_and_solo_pushes_count_each_portion_exactly_once() -> None:
 def test_any_order_of_pushes_and_copies_sums_every_portion_once(n_portions: int, seed: int) -> None:
     """Random splits into summed pushes plus random solo copies, in random order: the sum is exact."""
     rng = np.random.default_rng(seed)
-    grads = rng.standard_normal((n_portions, 5))
+    # Of very different magnitudes, so that a float sum's bits depend on its order and grouping.
+    grads = rng.standard_normal((n_portions, 5)) * 10.0 ** rng.integers(-8, 8, (n_portions, 1))
     order = rng.permutation(n_portions)
     cuts = sorted(rng.choice(np.arange(1, n_portions), size=min(2, n_portions - 1), replace=False))
     groups = [list(map(int, g)) for g in np.split(order, cuts) if len(g)]
@@ -162,6 +165,14 @@ def test_any_order_of_pushes_and_copies_sums_every_portion_once(n_portions: int,
     shard = Shard(0, 0, 5)
     shard.reset_accumulator("acc", epoch=7)
     for portions, solo in pushes:
-        shard.accumulate("acc", grads[portions].sum(axis=0), portions, epoch=7, solo=solo)
+        push = grads[portions[0]]
+        if len(portions) > 1:  # several portions travel as their binned sum, as a replica pushes them
+            push = _exactsum.zeros(5)
+            for p in portions:
+                _exactsum.deposit(push, grads[p])
+        shard.accumulate("acc", push, portions, epoch=7, solo=solo)
     assert shard.settle("acc") == list(range(n_portions))
-    np.testing.assert_allclose(shard.get("acc"), grads.sum(axis=0), rtol=1e-12, atol=1e-12)
+    reference = _exactsum.zeros(5)
+    for grad in grads:  # in portion order, one at a time
+        _exactsum.deposit(reference, grad)
+    assert np.array_equal(shard.get("acc"), _exactsum.value(reference))  # the same bits, whatever the order
