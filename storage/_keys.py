@@ -49,6 +49,7 @@ __all__ = [
     "SparsePortion",
     "compact_portion",
     "kv_bytes",
+    "param_keys",
     "sparse_layout_of",
     "split_keys",
     "union_keys",
@@ -134,12 +135,10 @@ def compact_portion(model: Any, X: Any, y: np.ndarray) -> SparsePortion:
     layout = sparse_layout_of(model)
     if layout is None:
         raise InvalidOptionError(f"{type(model).__name__} has no sparse parameter layout")
-    d, k, intercept = layout
+    d, k, _ = layout
     X = sp.csr_array(X)
     cols, inverse = np.unique(X.indices, return_inverse=True)
-    keys = (cols.astype(np.int64)[:, None] * k + np.arange(k)).ravel()
-    if intercept:
-        keys = np.concatenate([keys, d * k + np.arange(k, dtype=np.int64)])
+    keys = _expand(cols, layout)
     # Renumbering with a monotone map keeps every row's columns sorted and in the same order, so the
     # compact kernels add the same products in the same order as the full ones.
     idx_dtype = np.int32 if cols.size <= _INT32_MAX else np.int64
@@ -167,6 +166,31 @@ class _DropFirst:
     def loss_and_grad(self, w: np.ndarray, X: Any, y: np.ndarray) -> tuple[float, np.ndarray]:
         loss, grad = self.model.loss_and_grad(np.concatenate([np.zeros(self.k), w]), X, y)
         return loss, np.asarray(grad)[self.k :]
+
+
+def _expand(cols: np.ndarray, layout: tuple[int, int, bool]) -> IntArray:
+    """Parameter keys of sorted columns ``cols``: ``c * k + j`` for every output ``j``, intercepts last."""
+    d, k, intercept = layout
+    keys = (cols.astype(np.int64)[:, None] * k + np.arange(k)).ravel()
+    if intercept:
+        keys = np.concatenate([keys, d * k + np.arange(k, dtype=np.int64)])
+    return keys
+
+
+def param_keys(model: Any, X: Any) -> IntArray:
+    """The sorted parameter indices that CSR rows ``X`` touch (their columns' coefficients, intercepts).
+
+    Examples
+    --------
+    >>> from distbelief.models import Softmax
+    >>> X = sp.csr_array(np.array([[0.0, 1.0, 0.0]]))
+    >>> param_keys(Softmax(3, 2), X).tolist()
+    [2, 3, 6, 7]
+    """
+    layout = sparse_layout_of(model)
+    if layout is None:
+        raise InvalidOptionError(f"{type(model).__name__} has no sparse parameter layout")
+    return _expand(np.unique(sp.csr_array(X).indices), layout)
 
 
 def union_keys(parts: Sequence[IntArray]) -> IntArray:
