@@ -105,6 +105,8 @@ class Replica:
     ) -> None:
         keep_loop_responsive()  # its compute thread must not slow the shards' and its own messages
         self.sparse = communication == "sparse"
+        #: Key-value mode: the union of the held portions' keys, and which portions it covers.
+        self._kv_held: tuple[np.ndarray, frozenset[int]] = (np.zeros(0, dtype=np.int64), frozenset())
         #: Bytes of parameters and keys pulled, and of gradients and keys pushed (counted as sent).
         self.bytes_pulled = 0
         self.bytes_pushed = 0
@@ -210,26 +212,48 @@ class Replica:
             out.append((shard, asyncio.ensure_future(ask)))
         return out
 
+    def _keys_for(self, assign: Sequence[int]) -> tuple[np.ndarray, frozenset[int]]:
+        """The keys of every portion held and of ``assign``, and those portions (on the compute thread: it
+        may read rows). The union over the held portions is kept until the held set changes."""
+        held = frozenset(self.cache)
+        if held != self._kv_held[1]:
+            self._kv_held = (union_keys([self._kv_portion(p).keys for p in sorted(held)]), held)
+        extra = [p for p in assign if p not in held]
+        keys = self._kv_held[0]
+        if extra:
+            keys = union_keys([keys, *(self._kv_portion(p).keys for p in extra)])
+        return keys, held | frozenset(assign)
+
+    async def _first_pull(
+        self, eval_id: int, prep: Sequence[Sequence[Any]], x_name: str, assign: Sequence[int]
+    ) -> tuple[tuple[_KV, frozenset[int]], list[Any]]:
+        loop = asyncio.get_running_loop()
+        keys, covered = await loop.run_in_executor(self._compute, self._keys_for, assign)
+        w, prep_results = await self._pull(eval_id, prep, x_name, keys)
+        return (w, covered), prep_results
+
     async def _params_kv(
         self, eval_id: int, x_name: str, prep: Sequence[Sequence[Any]], assign: Sequence[int]
     ) -> tuple[_KV, list[Any], bool]:
         """:meth:`_params` by key: the first call of an evaluation pulls the keys of every portion this
-        replica holds (data affinity makes those the likely work) and of its own; a later call whose
-        portions need more keys (a backup copy of another replica's portion) pulls just the missing ones."""
+        replica holds (data affinity makes those the likely work: the scheduler hands them back) and of
+        its own, in the one round trip that carries the coordinator's ``prep`` ops; a later call with a
+        portion outside those (a backup copy of another replica's portion) pulls the missing keys."""
         fetched = self._fetch is None or self._fetch[0] != eval_id
         if fetched:
-            wanted = union_keys([self._kv_portion(p).keys for p in sorted(set(self.cache) | set(assign))])
-            self._fetch = (eval_id, asyncio.ensure_future(self._pull(eval_id, prep, x_name, wanted)))
+            self._fetch = (eval_id, asyncio.ensure_future(self._first_pull(eval_id, prep, x_name, assign)))
             self.fetches += 1
         assert self._fetch is not None
         try:
-            w, prep_results = await asyncio.shield(self._fetch[1])
-            missing = np.setdiff1d(
-                union_keys([self._kv_portion(p).keys for p in assign]), w.keys, assume_unique=True
-            )
-            if missing.size:
-                extra, _ = await self._pull(eval_id, (), x_name, missing)
-                w = w.merged(extra)
+            (w, covered), prep_results = await asyncio.shield(self._fetch[1])
+            others = [p for p in assign if p not in covered]
+            if others:
+                loop = asyncio.get_running_loop()
+                keys, _ = await loop.run_in_executor(self._compute, self._keys_for, others)
+                missing = np.setdiff1d(keys, w.keys, assume_unique=True)
+                if missing.size:
+                    extra, _ = await self._pull(eval_id, (), x_name, missing)
+                    w = w.merged(extra)
         except Exception as exc:
             raise ClusterError(f"replica {self.index} could not fetch from the shards: {exc!r}") from exc
         return w, (prep_results if fetched else []), fetched
