@@ -42,7 +42,7 @@ from threadpoolctl import threadpool_limits
 
 from distbelief import models, sandblaster
 from distbelief.storage import Dataset, embedded_client
-from distbelief.storage._keys import Communication, param_keys
+from distbelief.storage._keys import Communication, param_keys, sorted_unique
 
 RESULTS = Path(__file__).parent / "results"
 L2 = 1e-4
@@ -172,7 +172,7 @@ def main() -> None:
                     "rows": args.rows,
                     "features": 1 << bits,
                     "nnz": int(X.nnz),
-                    "touched_features": int(np.unique(X.indices).size),
+                    "touched_features": int(sorted_unique(X.indices).size),
                     "keys_per_portion_mean": float(np.mean(keys_per_portion)),
                     "max_abs_diff_sparse_dense_x": float(np.abs(xs["sparse"] - xs["dense"]).max()),
                     "bytes_ratio_dense_over_sparse": rows["dense"]["bytes_per_evaluation"]

@@ -425,9 +425,8 @@ class DownpourReplica:
     def _use_keys(self) -> None:
         """Key-value communication: the parameters this replica's rows touch, found in one pass over its
         segments (read now, and kept in memory within the cache budget, as the steps would read them)."""
-        keys = union_keys(
-            [param_keys(self.model, self._segment(s)[0]) for s in range(len(self.plan.segments))]
-        )
+        parts = [param_keys(self.model, self._segment(s)[0]) for s in range(len(self.plan.segments))]
+        keys = union_keys(parts, self.model.n_params)
         self.core.use_keys(split_keys(self._map.layout.bounds, keys))
 
     def _hold(self) -> None:

@@ -61,7 +61,7 @@ class _KV:
 
     def merged(self, other: _KV) -> _KV:
         """Both key sets' values (``other`` adds keys this one lacks)."""
-        keys = union_keys([self.keys, other.keys])
+        keys = union_keys([self.keys, other.keys])  # rare (a backup's missing keys): no mask
         values = np.empty(keys.size)
         values[np.searchsorted(keys, self.keys)] = self.values
         values[np.searchsorted(keys, other.keys)] = other.values
@@ -181,7 +181,7 @@ class Replica:
         if solo:
             solos = [([int(p)], kv) for p, kv in zip(assign, parts, strict=True)]
             return results, solos, *self._timing(t0, read_s, reads)
-        keys = union_keys([k for k, _ in parts])
+        keys = union_keys([k for k, _ in parts], self.model.n_params)
         total = np.zeros(keys.size)
         for k, g in parts:
             total[np.searchsorted(keys, k)] += g
@@ -217,11 +217,12 @@ class Replica:
         may read rows). The union over the held portions is kept until the held set changes."""
         held = frozenset(self.cache)
         if held != self._kv_held[1]:
-            self._kv_held = (union_keys([self._kv_portion(p).keys for p in sorted(held)]), held)
+            parts = [self._kv_portion(p).keys for p in sorted(held)]
+            self._kv_held = (union_keys(parts, self.model.n_params), held)
         extra = [p for p in assign if p not in held]
         keys = self._kv_held[0]
         if extra:
-            keys = union_keys([keys, *(self._kv_portion(p).keys for p in extra)])
+            keys = union_keys([keys, *(self._kv_portion(p).keys for p in extra)], self.model.n_params)
         return keys, held | frozenset(assign)
 
     async def _first_pull(

@@ -281,16 +281,7 @@ class Shard:
                 f"shard {self.index}: pushed slice has shape {grad.shape}, expected {w.shape}"
             )
         step = lr / (1.0 + staleness) if staleness_scale else lr
-        if rule == "sgd":
-            sgd_update(w, grad, lr=step)
-        elif rule == "adagrad":
-            acc_name = f"{param}.adagrad"
-            acc = self.vectors.get(acc_name)
-            if acc is None:
-                acc = self.vectors[acc_name] = np.zeros(self.size)
-            adagrad_update(w, grad, acc, lr=step)
-        else:
-            raise InvalidOptionError(f"unknown update rule {rule!r}; use 'sgd' or 'adagrad'")
+        self._apply_rule(w, grad, rule, step, param, None)
         self.last_seq[source] = seq
         self.version += 1
         return True, self.version, staleness
@@ -303,22 +294,32 @@ class Shard:
                 f"shard {self.index}: key-value push with {keys.size} keys and {grad.size} values "
                 f"for a slice of {w.size}"
             )
-        w_at = w[keys]
-        if rule == "sgd":
-            if keys.size:  # BLAS refuses empty vectors
-                sgd_update(w_at, grad, lr=step)
-        elif rule == "adagrad":
-            acc_name = f"{param}.adagrad"
-            acc = self.vectors.get(acc_name)
-            if acc is None:
-                acc = self.vectors[acc_name] = np.zeros(self.size)
-            if keys.size:
-                acc_at = acc[keys]
-                adagrad_update(w_at, grad, acc_at, lr=step)
-                acc[keys] = acc_at
-        else:
+        self._apply_rule(w, grad, rule, step, param, keys)
+
+    def _apply_rule(
+        self, w: np.ndarray, grad: np.ndarray, rule: str, step: float, param: str, keys: np.ndarray | None
+    ) -> None:
+        """SGD or Adagrad on ``w`` (the whole slice), or on its entries at ``keys`` (gathered, updated by
+        the same elementwise code, scattered back: the same floats as a dense update there)."""
+        if rule not in ("sgd", "adagrad"):
             raise InvalidOptionError(f"unknown update rule {rule!r}; use 'sgd' or 'adagrad'")
-        w[keys] = w_at
+        acc: np.ndarray | None = None
+        if rule == "adagrad":
+            acc = self.vectors.get(f"{param}.adagrad")
+            if acc is None:
+                acc = self.vectors[f"{param}.adagrad"] = np.zeros(self.size)
+        if keys is not None and not keys.size:
+            return  # nothing to update (and BLAS refuses empty vectors)
+        w_at = w if keys is None else w[keys]
+        acc_at = acc if keys is None or acc is None else acc[keys]
+        if acc_at is None:
+            sgd_update(w_at, grad, lr=step)
+        else:
+            adagrad_update(w_at, grad, acc_at, lr=step)
+        if keys is not None:
+            w[keys] = w_at
+            if acc is not None:
+                acc[keys] = acc_at
 
     def gather(self, name: str, keys: np.ndarray) -> np.ndarray:
         """The values of vector ``name`` at the local offsets ``keys`` (a key-value pull, ps-lite style).
