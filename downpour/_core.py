@@ -51,6 +51,7 @@ import numpy as np
 from scipy.linalg import blas
 
 from distbelief.errors import InvalidOptionError
+from distbelief.storage._keys import kv_bytes, split_keys
 
 __all__ = ["FetchRequest", "PushMessage", "ReplicaCore", "ReplicaCounters"]
 
@@ -90,6 +91,23 @@ class PushMessage:
     fetched_versions: tuple[int | None, ...]
     steps: int
     gen: int
+    #: Key-value push (``ReplicaCore.sparse``): per shard, the local offsets of the entries sent; ``grad``
+    #: then holds their values, shard after shard. None: ``grad`` is the whole vector.
+    keys: tuple[np.ndarray, ...] | None = None
+
+    def parts(self, bounds: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """``(values, keys)`` for every shard: the slices of a dense push, the pairs of a key-value one.
+
+        Examples
+        --------
+        >>> msg = PushMessage(0, np.array([5.0, 6.0]), (0, 0), 1, 0, keys=(np.array([1]), np.array([0])))
+        >>> [(v.tolist(), k.tolist()) for v, k in msg.parts((0, 2, 4))]
+        [([5.0], [1]), ([6.0], [0])]
+        """
+        if self.keys is None:
+            return [(self.grad[bounds[i] : bounds[i + 1]], None) for i in range(len(bounds) - 1)]
+        cuts = np.cumsum([0, *(k.size for k in self.keys)])
+        return [(self.grad[cuts[i] : cuts[i + 1]], k) for i, k in enumerate(self.keys)]
 
 
 @dataclass
@@ -129,6 +147,9 @@ class ReplicaCounters:
     #: constant gradient).
     applied_steps_sq: list[int] = field(default_factory=list)
     stale_waits: int = 0
+    #: Bytes of parameters (and keys) fetched and of gradients (and keys) pushed, as sent.
+    bytes_fetched: int = 0
+    bytes_pushed: int = 0
 
 
 class ReplicaCore:
@@ -157,6 +178,12 @@ class ReplicaCore:
         Pushes outstanding before the gradient keeps accruing instead.
     trace : bool
         Keep every step's mini-batch loss in :attr:`losses`.
+    fetch_keys : sequence of numpy.ndarray, optional
+        Key-value communication (ps-lite style pull/push): per shard, the local offsets of the parameters
+        this replica's rows touch, the only ones it fetches; pushes then carry only the accrued gradient's
+        nonzero entries. Exactly the dense run's floats when nothing but the data term moves a parameter
+        (``l2 = 0``): a zero gradient leaves SGD and Adagrad (weights and accumulators) unchanged, and
+        parameters no row touches are never read. May be set later, before the first fetch.
 
     Examples
     --------
@@ -187,6 +214,7 @@ class ReplicaCore:
         staleness_scale: bool = False,
         max_pushes_in_flight: int = 2,
         trace: bool = False,
+        fetch_keys: Sequence[np.ndarray] | None = None,
     ) -> None:
         if rule not in ("sgd", "adagrad"):
             raise InvalidOptionError(f"unknown update rule {rule!r}; use 'sgd' or 'adagrad'")
@@ -234,6 +262,25 @@ class ReplicaCore:
         )
         self.trace = trace
         self.losses: list[float] = []
+        self.fetch_keys: list[np.ndarray] | None = None
+        if fetch_keys is not None:
+            self.use_keys(fetch_keys)
+
+    @property
+    def sparse(self) -> bool:
+        """Whether fetches and pushes are key-value (see ``fetch_keys``)."""
+        return self.fetch_keys is not None
+
+    def use_keys(self, fetch_keys: Sequence[np.ndarray]) -> None:
+        """Switch to key-value communication with these per-shard local keys (see ``fetch_keys``)."""
+        if self.l2:
+            raise InvalidOptionError(
+                "key-value communication needs l2 = 0: the replica adds l2 * w to every gradient, which "
+                "moves every parameter"
+            )
+        if len(fetch_keys) != self.n_shards:
+            raise InvalidOptionError(f"fetch_keys: {len(fetch_keys)} key arrays for {self.n_shards} shards")
+        self.fetch_keys = [np.asarray(k) for k in fetch_keys]
 
     # -- state -------------------------------------------------------------------------------------------
     @property
@@ -293,6 +340,12 @@ class ReplicaCore:
         self._next_fid += 1
         self._fetch = _Fetch(request, set(range(self.n_shards)), self._unsent_dx.copy())
         self._fetch_due = False
+        if self.fetch_keys is None:
+            self.counters.bytes_fetched += 8 * self.n * len(request.names)
+        else:
+            self.counters.bytes_fetched += sum(
+                kv_bytes(k) + 8 * k.size * len(request.names) for k in self.fetch_keys
+            )
         return request
 
     def on_fetched(self, fid: int, shard: int, version: int, arrays: Sequence[np.ndarray]) -> None:
@@ -301,7 +354,11 @@ class ReplicaCore:
         if f is None or f.request.fid != fid or shard not in f.pending:
             return  # an abandoned fetch (the shard map changed): a newer one will come
         lo, hi = self.ranges[shard]
-        np.add(arrays[0], f.dx[lo:hi], out=self.x[lo:hi])
+        if self.fetch_keys is None:
+            np.add(arrays[0], f.dx[lo:hi], out=self.x[lo:hi])
+        else:
+            at = lo + self.fetch_keys[shard]
+            self.x[at] = arrays[0] + f.dx[at]
         self.base[shard] = int(version)
         self._base_gen[shard] = f.request.gen
         self._observe(shard, int(version), f.request.gen)
@@ -377,6 +434,14 @@ class ReplicaCore:
         if len(self._pending) >= self.max_pushes_in_flight:
             return None  # keep accruing: it goes out with the next push
         msg = PushMessage(self.seq, self.accrued, self._accrued_base, self.accrued_steps, self.gen)
+        if self.fetch_keys is not None:
+            # Only the entries this push moves: a zero entry would leave the shard's floats unchanged.
+            nonzero = np.flatnonzero(self.accrued)
+            keys = tuple(split_keys([lo for lo, _ in self.ranges] + [self.n], nonzero))
+            msg = PushMessage(msg.seq, self.accrued[nonzero], msg.fetched_versions, msg.steps, msg.gen, keys)
+            self.counters.bytes_pushed += kv_bytes(*keys, msg.grad)
+        else:
+            self.counters.bytes_pushed += msg.grad.nbytes
         self._pending[self.seq] = (set(range(self.n_shards)), self.accrued_steps)
         self.seq += 1
         self.accrued = np.zeros(self.n)
@@ -454,6 +519,8 @@ class ReplicaCore:
             "applied_weight": list(c.applied_weight),
             "applied_steps_sq": list(c.applied_steps_sq),
             "stale_waits": c.stale_waits,
+            "bytes_fetched": c.bytes_fetched,
+            "bytes_pushed": c.bytes_pushed,
             "known_versions": list(self.known),
             "diverged": self.diverged,
         }

@@ -78,6 +78,7 @@ class DownpourOptions:
     replica_workers: tuple[str, ...] | None = None
     trace: bool = False
     has_callback: bool = False
+    communication: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.rule in ("sgd", "adagrad"), "rule", self.rule, "'sgd' or 'adagrad'")
@@ -125,6 +126,18 @@ class DownpourOptions:
         )
         _check(_is_number(self.l2) and self.l2 >= 0, "l2", self.l2, "a finite number >= 0")
         _check(_is_int(self.seed) and self.seed >= 0, "seed", self.seed, "an int >= 0")
+        _check(
+            self.communication in ("auto", "dense", "sparse"),
+            "communication",
+            self.communication,
+            "'auto', 'dense' or 'sparse'",
+        )
+        _check(
+            not (self.communication == "sparse" and self.l2),
+            "communication",
+            self.communication,
+            "'auto' or 'dense' when l2 > 0 (the l2 term moves every parameter every step)",
+        )
         for name in ("shuffle", "trace"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "True or False")

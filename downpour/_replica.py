@@ -37,6 +37,7 @@ from distbelief.downpour._batches import BatchPlan
 from distbelief.downpour._core import FetchRequest, PushMessage, ReplicaCore
 from distbelief.storage import Dataset, ShardMap
 from distbelief.storage._calls import await_call
+from distbelief.storage._keys import param_keys, split_keys, union_keys
 from distbelief.storage._sparse import nbytes as rows_nbytes
 
 __all__ = ["DownpourReplica", "ReplicaConfig"]
@@ -74,6 +75,9 @@ class ReplicaConfig:
     staleness_scale: bool
     call_timeout: float
     trace: bool
+    #: "sparse": fetch only the parameters this replica's rows touch, push only the nonzero gradient
+    #: entries, as key-value pairs per shard (storage._keys); "dense": whole slices.
+    communication: str = "dense"
 
 
 class DownpourReplica:
@@ -262,6 +266,9 @@ class DownpourReplica:
         smap = self._map
         if op[0] == "fetch":
             request: FetchRequest = op[1]
+            keys = self.core.fetch_keys
+            if keys is not None:
+                return await smap.call(i, "gather", list(request.names), keys[i])
             return await smap.call(i, "fetch", list(request.names))
         msg: PushMessage = op[1]
         return await smap.call(
@@ -274,6 +281,7 @@ class DownpourReplica:
             lr=self.config.lr,
             fetched_version=msg.fetched_versions[i],
             staleness_scale=self.config.staleness_scale,
+            **({"keys": op[3]} if len(op) > 3 and op[3] is not None else {}),
         )
 
     # -- compute thread ----------------------------------------------------------------------------------
@@ -286,6 +294,10 @@ class DownpourReplica:
         self._dispatch([(i, ("fetch", request)) for i in range(self.core.n_shards)])
 
     def _send_push(self, msg: PushMessage) -> None:
+        if msg.keys is not None:
+            kv = msg.parts(self._map.layout.bounds)
+            self._dispatch([(i, ("push", msg, values, keys)) for i, (values, keys) in enumerate(kv)])
+            return
         parts = self._map.slices(msg.grad)
         self._dispatch([(i, ("push", msg, part)) for i, part in enumerate(parts)])
 
@@ -349,6 +361,8 @@ class DownpourReplica:
     def _run(self) -> None:
         try:
             with threadpool_limits(limits=1):
+                if self.config.communication == "sparse":
+                    self._use_keys()
                 self._steps()
                 self._flush()
         except BaseException as exc:
@@ -407,6 +421,13 @@ class DownpourReplica:
             if epochs is not None and self.epoch >= epochs:
                 self.stop_reason = "epochs"
                 return
+
+    def _use_keys(self) -> None:
+        """Key-value communication: the parameters this replica's rows touch, found in one pass over its
+        segments (read now, and kept in memory within the cache budget, as the steps would read them)."""
+        parts = [param_keys(self.model, self._segment(s)[0]) for s in range(len(self.plan.segments))]
+        keys = union_keys(parts, self.model.n_params)
+        self.core.use_keys(split_keys(self._map.layout.bounds, keys))
 
     def _hold(self) -> None:
         """Warm start: push what has accrued and idle until released or stopped."""

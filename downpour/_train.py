@@ -47,6 +47,7 @@ from distbelief.storage import (
     worker_addresses,
 )
 from distbelief.storage._calls import ShardRecovery, actor_gone, gather_calls, start_call
+from distbelief.storage._keys import use_sparse
 from distbelief.storage._sparse import as_csr, is_sparse
 
 __all__ = ["Progress", "TrainResult", "train"]
@@ -150,7 +151,8 @@ class TrainResult(FittedMixin):
         One entry per evaluation, over ``time`` (seconds since the replicas started): ``step``, ``epoch``,
         ``train_loss``, ``test_loss``, ``test_accuracy``, ``staleness_mean``, ``staleness_max``,
         ``replicas_alive``, ``push_errors``, ``stale_waits``, and per ``shard`` (cumulative) ``pushes``,
-        ``fetches`` and ``version`` (updates the shard has applied, as last reported).
+        ``fetches`` and ``version`` (updates the shard has applied, as last reported); ``bytes_moved``:
+        parameter and gradient bytes (keys included) the replicas have fetched and pushed so far.
     stop_reason : str
         ``"max_steps"``, ``"epochs"``, ``"time_limit"``, ``"callback"``, ``"diverged"`` or
         ``"replicas_lost"``.
@@ -232,6 +234,7 @@ def train(
     poll_every: float = 0.05,
     call_timeout: float = 30.0,
     partitions: int | None = None,
+    communication: str = "auto",
 ) -> TrainResult:
     """Train ``model`` with Downpour SGD: asynchronous replicas, a sharded parameter server, Adagrad.
 
@@ -319,6 +322,12 @@ def train(
         Model parallelism (paper, section 3): split every replica into this many partition actors with
         shards aligned to them (:func:`downpour._partitioned.train_partitioned`; ``models.MLP`` and
         ``models.LocallyConnected``). ``None`` or 1: one actor per replica.
+    communication : {"auto", "dense", "sparse"}
+        ``"sparse"``: each replica fetches only the parameters its rows touch and pushes only the nonzero
+        entries of its accrued gradient, as key-value pairs per shard (ps-lite's pull/push; needs CSR data,
+        a linear model and ``l2 = 0``, since the replicas add ``l2 * w`` to every gradient); the shards'
+        floats are those of ``"dense"``. ``"auto"`` (default): sparse when those hold. Bytes moved are in
+        ``history.bytes_moved`` and ``stats["bytes_per_step"]``.
 
     Returns
     -------
@@ -374,6 +383,7 @@ def train(
         replica_workers=tuple(replica_workers) if replica_workers is not None else None,
         trace=trace,
         has_callback=callback is not None,
+        communication=communication,
     )
     x_start = start_vector(model, x0, seed)
     eval_arrays = _eval_arrays(model, eval_data)
@@ -485,7 +495,7 @@ def objective_rows(dataset: Dataset, max_values: int = OBJECTIVE_MAX_VALUES) -> 
     budget = max(1, max_values // per_portion)
     chosen = np.unique(np.linspace(0, dataset.n_portions - 1, min(budget, dataset.n_portions)).round())
     parts = [dataset.read_portion(int(i)) for i in chosen]
-    if is_sparse(parts[0][0]):
+    if is_sparse(parts[0][0]):  # CSR portions stack as CSR (numpy cannot concatenate them)
         import scipy.sparse as sp
 
         return sp.vstack([X for X, _ in parts], format="csr"), np.concatenate([y for _, y in parts])
@@ -519,6 +529,7 @@ class _Row:
     pushes: list[int]
     fetches: list[int]
     version: list[int]
+    bytes_moved: int = 0
 
 
 class _Run:
@@ -562,6 +573,7 @@ class _Run:
         self._last_probe = -math.inf
         self._objective_rows: tuple[np.ndarray, np.ndarray] | None = None
         self.watch = Watchdog(opts.max_loss_growth)
+        self.communication = "dense"
 
     # -- setup / teardown ----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -573,6 +585,9 @@ class _Run:
         n_shards = min(opts.shards or (len(shard_workers) if n >= SHARD_MIN_PARAMS else 1), n)
         n_replicas = opts.replicas or len(replica_workers)
         ranges = split_rows(self.dataset.n_rows, n_replicas)
+        # Key-value fetch and push (storage._keys) for sparse rows, unless l2 moves every parameter.
+        wide = use_sparse(opts.communication, self.model, self.dataset.layout == "csr")
+        self.communication = "sparse" if wide and not opts.l2 else "dense"
         ps = ParameterServer.create(
             client,
             n,
@@ -607,6 +622,7 @@ class _Run:
             staleness_scale=opts.scales_staleness(n_replicas),
             call_timeout=opts.call_timeout,
             trace=opts.trace,
+            communication=self.communication,
         )
         shard_map = ps.shard_map()
         for r, (lo, hi) in enumerate(ranges):
@@ -717,8 +733,12 @@ class _Run:
             "pushes": [0] * s,
             "fetches": [0] * s,
             "version": [0] * s,
+            "bytes_fetched": 0,
+            "bytes_pushed": 0,
         }
         for st in self.status.values():
+            out["bytes_fetched"] += st.get("bytes_fetched", 0)
+            out["bytes_pushed"] += st.get("bytes_pushed", 0)
             for key in ("steps", "rows", "loss_sum", "staleness_count", "staleness_sum", "duplicates"):
                 out[key] += st[key]
             out["stale_waits"] += st["stale_waits"]
@@ -778,6 +798,7 @@ class _Run:
             pushes=t["pushes"],
             fetches=t["fetches"],
             version=t["version"],
+            bytes_moved=t["bytes_fetched"] + t["bytes_pushed"],
         )
         self.rows.append(row)
         self._prev = (t["rows"], t["loss_sum"], t["staleness_count"], t["staleness_sum"])
@@ -809,6 +830,7 @@ class _Run:
             "replicas_alive",
             "push_errors",
             "stale_waits",
+            "bytes_moved",
         ]
         data: dict[str, Any] = {k: ("time", np.array([getattr(r, k) for r in rows])) for k in scalar}
         for k in ("pushes", "fetches", "version"):
@@ -961,6 +983,10 @@ class _Run:
             "shard_losses": list(self.shard_losses),
             "recoveries": len(self.shard_losses),
             "checkpoints": self.checkpoints,
+            "communication": self.communication,
+            "bytes_fetched": t["bytes_fetched"],
+            "bytes_pushed": t["bytes_pushed"],
+            "bytes_per_step": (t["bytes_fetched"] + t["bytes_pushed"]) / max(1, t["steps"]),
             "per_replica": {r: {k: st[k] for k in _PER_REPLICA} for r, st in sorted(self.status.items())},
         }
         history, message = self._history(), _MESSAGES[stop_reason]

@@ -34,6 +34,7 @@ from distbelief.storage import (
     worker_addresses,
 )
 from distbelief.storage._calls import ShardRecovery
+from distbelief.storage._keys import COMMUNICATION, Communication, use_sparse
 
 __all__ = ["OptimizeResult", "SandblasterOptions", "minimize", "open_session"]
 
@@ -72,6 +73,7 @@ class SandblasterOptions:
     restart_every: int | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    communication: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in ("lbfgs", "cg", "gd"):
@@ -99,6 +101,7 @@ class SandblasterOptions:
             self.checkpoint_every,
             "an int >= 0 (0: never)",
         )
+        _check(self.communication in COMMUNICATION, "communication", self.communication, str(COMMUNICATION))
         for r, factor in self.slowdown.items():
             _check(factor >= 1.0, f"slowdown[{r}]", factor, "a factor >= 1")
 
@@ -198,6 +201,7 @@ def minimize(
     seed: int | None = 0,
     checkpoint_every: int = 0,
     resume: bool = False,
+    communication: Communication = "auto",
 ) -> OptimizeResult:
     """Minimize ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2`` with Sandblaster on a Dask cluster.
 
@@ -248,6 +252,12 @@ def minimize(
         the checkpoint, and the run goes on from there.
     resume : bool
         Continue the run checkpointed in ``store`` (same model, data and method) instead of starting anew.
+    communication : {"auto", "dense", "sparse"}
+        How replicas move parameters and gradients. ``"sparse"``: each pulls only the parameters its
+        portions' rows touch and pushes only those gradient entries, as key-value pairs per shard
+        (ps-lite's pull/push; needs CSR data and a linear model); the iterates are those of ``"dense"``
+        (whole slices). ``"auto"`` (default): sparse for sparse data and a linear model. Bytes moved are in
+        ``stats["bytes_per_evaluation"]``.
 
     Returns
     -------
@@ -280,6 +290,7 @@ def minimize(
         replica_workers=tuple(replica_workers) if replica_workers else None,
         checkpoint_every=checkpoint_every,
         resume=resume,
+        communication=communication,
     )
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
@@ -345,6 +356,7 @@ def open_session(
         rows = math.ceil(rows / dataset.chunk_rows) * dataset.chunk_rows
         dataset = dataset.with_portion_rows(rows)
     n_portions = dataset.n_portions
+    sparse = use_sparse(opts.communication, model, getattr(dataset, "layout", "dense") == "csr")
     params = str(Path(store) / "params")
     replica_futures: list[Any] = []
     replicas: list[tuple[Any, Any]] = []
@@ -364,6 +376,7 @@ def open_session(
                     None,
                     blocks[r],
                     opts.slowdown.get(r, 1.0),
+                    "sparse" if sparse else "dense",
                     actor=True,
                     workers=[replica_workers[r % len(replica_workers)]],
                     allow_other_workers=False,
@@ -466,6 +479,7 @@ def _run(
             "recoveries": recovery.recoveries,
             "portions_per_replica": list(scheduler.portions_done),
         }
+        stats.update(_bytes_moved(scheduler.replicas, coord.state.nfev))
         x = ps.gather(coord.state.x)
         stats["wall_s"] = time.perf_counter() - t_start
         return OptimizeResult(
@@ -504,6 +518,26 @@ def _run_method(
     return _minimize_gd(
         coord, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, step=opts.step, callback=callback
     )
+
+
+def _bytes_moved(replicas: Sequence[Any], nfev: int) -> dict[str, Any]:
+    """Parameter and gradient bytes the replicas moved (keys included), in total and per evaluation."""
+    pulled = pushed = 0
+    mode = "dense"
+    for replica in replicas:
+        actor = replica[0] if isinstance(replica, tuple) else replica
+        with contextlib.suppress(Exception):  # a lost replica's bytes are not known
+            got = actor.stats().result(timeout=10)
+            pulled += int(got.get("bytes_pulled", 0))
+            pushed += int(got.get("bytes_pushed", 0))
+            mode = "sparse" if got.get("sparse") else mode
+    per = max(1, nfev)
+    return {
+        "communication": mode,
+        "bytes_pulled": pulled,
+        "bytes_pushed": pushed,
+        "bytes_per_evaluation": (pulled + pushed) / per,
+    }
 
 
 def _history(records: list[IterationRecord]) -> xr.Dataset:

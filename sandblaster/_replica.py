@@ -24,6 +24,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ import numpy as np
 from distbelief.errors import ClusterError
 from distbelief.sandblaster._messages import PortionResult, WorkCall, WorkReport, decode, encode
 from distbelief.storage import Dataset, ShardMap, _exactsum, default_row_cache, keep_loop_responsive
+from distbelief.storage._keys import SparsePortion, compact_portion, kv_bytes, split_keys, union_keys
 
 __all__ = ["INLINE_WORK", "Replica"]
 
@@ -39,6 +41,31 @@ __all__ = ["INLINE_WORK", "Replica"]
 INLINE_WORK = 250_000
 
 Portion = tuple[np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True)
+class _KV:
+    """Parameters pulled by key: ``values[i]`` is parameter ``keys[i]`` (sorted global indices)."""
+
+    keys: np.ndarray
+    values: np.ndarray
+
+    @property
+    def size(self) -> int:
+        """Number of parameters held (the width a gradient costs)."""
+        return int(self.keys.size)
+
+    def at(self, keys: np.ndarray) -> np.ndarray:
+        """The values at ``keys`` (a subset of :attr:`keys`)."""
+        return self.values[np.searchsorted(self.keys, keys)]
+
+    def merged(self, other: _KV) -> _KV:
+        """Both key sets' values (``other`` adds keys this one lacks)."""
+        keys = union_keys([self.keys, other.keys])  # rare (a backup's missing keys): no mask
+        values = np.empty(keys.size)
+        values[np.searchsorted(keys, self.keys)] = self.values
+        values[np.searchsorted(keys, other.keys)] = other.values
+        return _KV(keys, values)
 
 
 class Replica:
@@ -60,6 +87,10 @@ class Replica:
     slowdown : float
         Fault injection for tests and benchmarks: after computing a portion in ``t`` seconds, sleep
         ``(slowdown - 1) * t``, so this replica is ``slowdown`` times slower than it would be.
+    communication : {"dense", "sparse"}
+        ``"sparse"``: pull only the parameters the portions' rows touch and push only those gradient
+        entries, as key-value pairs per shard (:mod:`storage._keys`); the model must be a linear one on
+        CSR rows. ``"dense"``: whole slices (the default).
     """
 
     def __init__(
@@ -70,8 +101,15 @@ class Replica:
         shard_map: ShardMap | None,
         preload: Sequence[int] = (),
         slowdown: float = 1.0,
+        communication: str = "dense",
     ) -> None:
         keep_loop_responsive()  # its compute thread must not slow the shards' and its own messages
+        self.sparse = communication == "sparse"
+        #: Key-value mode: the union of the held portions' keys, and which portions it covers.
+        self._kv_held: tuple[np.ndarray, frozenset[int]] = (np.zeros(0, dtype=np.int64), frozenset())
+        #: Bytes of parameters and keys pulled, and of gradients and keys pushed (counted as sent).
+        self.bytes_pulled = 0
+        self.bytes_pushed = 0
         self.index = index
         self.model = model
         self.dataset = dataset
@@ -103,6 +141,137 @@ class Replica:
         if data is None:
             data = self.cache[p] = self._rows.rows(self.dataset, *self.dataset.portion_bounds(p))
         return data
+
+    def _kv_portion(self, p: int) -> SparsePortion:
+        """Portion ``p`` renumbered to the parameters it touches, computed once with its rows (RowCache)."""
+        return self._rows.derived(
+            self.dataset,
+            *self.dataset.portion_bounds(p),
+            "kv",
+            lambda X, y: compact_portion(self.model, X, y),
+        )
+
+    def _compute_portions_kv(
+        self, w: _KV, assign: Sequence[int], solo: bool, eval_id: int | None = None
+    ) -> tuple[list[PortionResult], list[tuple[list[int], Any]], float, float, list[int]]:
+        """:meth:`_compute_portions` on key-value parameters: each portion's compact model at ``w``'s values
+        of its keys; the gradients to push are ``(keys, values)`` pairs. Summing a group on the union of its
+        keys adds the same floats in the same order as the dense sum (the other entries are zeros)."""
+        if eval_id is not None and self._fetch is not None and self._fetch[0] > eval_id:
+            return [], [], 0.0, 0.0, []
+        t0 = time.perf_counter()
+        read_s = 0.0
+        reads: list[int] = []
+        results = []
+        parts: list[tuple[np.ndarray, np.ndarray]] = []
+        for p in assign:
+            if p not in self.cache:
+                start = time.perf_counter()
+                if not self._rows.holds(self.dataset, *self.dataset.portion_bounds(p)):
+                    reads.append(int(p))
+                self._portion(p)
+                read_s += time.perf_counter() - start
+            start = time.perf_counter()
+            part = self._kv_portion(p)
+            loss, grad = part.model.loss_and_grad(w.at(part.keys), part.X, part.y)
+            if self.slowdown > 1.0:
+                time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
+            results.append((int(p), float(loss), int(part.X.shape[0])))
+            parts.append((part.keys, np.asarray(grad, dtype=np.float64)))
+        if solo:
+            solos = [([int(p)], kv) for p, kv in zip(assign, parts, strict=True)]
+            return results, solos, *self._timing(t0, read_s, reads)
+        if len(parts) == 1:  # a group of one is pushed as it is: 12 bytes a key, not 36
+            return results, [([int(p) for p in assign], parts[0])], *self._timing(t0, read_s, reads)
+        keys = union_keys([k for k, _ in parts], self.model.n_params)
+        # Summed exactly (binned, as the dense path): the shards' sum is the same whichever portions share a
+        # push, so sparse runs are as reproducible as dense ones.
+        total = _exactsum.zeros(keys.size)
+        for k, g in parts:
+            dense = np.zeros(keys.size)
+            dense[np.searchsorted(keys, k)] = g
+            _exactsum.deposit(total, dense)
+        grads: list[tuple[list[int], Any]] = [([int(p) for p in assign], (keys, total))] if parts else []
+        return results, grads, *self._timing(t0, read_s, reads)
+
+    @staticmethod
+    def _timing(t0: float, read_s: float, reads: list[int]) -> tuple[float, float, list[int]]:
+        return time.perf_counter() - t0, read_s, reads
+
+    def _push_kv(
+        self,
+        acc_name: str,
+        portions: list[int],
+        grad: tuple[np.ndarray, np.ndarray],
+        eval_id: int,
+        solo: bool,
+    ) -> list[tuple[int, asyncio.Future[Any]]]:
+        """One key-value push per shard (every shard, keys or not: each counts every portion once)."""
+        keys, values = grad
+        bounds = self.shards.layout.bounds
+        cuts = np.searchsorted(keys, bounds)
+        out: list[tuple[int, asyncio.Future[Any]]] = []
+        for shard, local in enumerate(split_keys(bounds, keys)):
+            part = values[..., cuts[shard] : cuts[shard + 1]]  # a binned group sum cuts like a vector
+            self.bytes_pushed += kv_bytes(local, part)
+            ask = self.shards.ask(shard, "accumulate_at", acc_name, local, part, portions, eval_id, solo)
+            out.append((shard, asyncio.ensure_future(ask)))
+        return out
+
+    def _keys_for(self, assign: Sequence[int]) -> tuple[np.ndarray, frozenset[int]]:
+        """The keys of every portion held and of ``assign``, and those portions (on the compute thread: it
+        may read rows). The union over the held portions is kept until the held set changes."""
+        held = frozenset(self.cache)
+        if held != self._kv_held[1]:
+            parts = [self._kv_portion(p).keys for p in sorted(held)]
+            self._kv_held = (union_keys(parts, self.model.n_params), held)
+        extra = [p for p in assign if p not in held]
+        keys = self._kv_held[0]
+        if extra:
+            keys = union_keys([keys, *(self._kv_portion(p).keys for p in extra)], self.model.n_params)
+        return keys, held | frozenset(assign)
+
+    async def _first_pull(
+        self, eval_id: int, prep: Sequence[Sequence[Any]], x_name: str, assign: Sequence[int]
+    ) -> tuple[tuple[_KV, frozenset[int]], list[Any]]:
+        loop = asyncio.get_running_loop()
+        keys, covered = await loop.run_in_executor(self._compute, self._keys_for, assign)
+        w, prep_results = await self._pull(eval_id, prep, x_name, keys)
+        return (w, covered), prep_results
+
+    async def _params_kv(
+        self, eval_id: int, x_name: str, prep: Sequence[Sequence[Any]], assign: Sequence[int]
+    ) -> tuple[_KV, list[Any], bool]:
+        """:meth:`_params` by key: the first call of an evaluation pulls the keys of every portion this
+        replica holds (data affinity makes those the likely work: the scheduler hands them back) and of
+        its own, in the one round trip that carries the coordinator's ``prep`` ops; a later call with a
+        portion outside those (a backup copy of another replica's portion) pulls the missing keys."""
+        fetched = self._fetch is None or self._fetch[0] != eval_id
+        if fetched:
+            self._fetch = (eval_id, asyncio.ensure_future(self._first_pull(eval_id, prep, x_name, assign)))
+            self.fetches += 1
+        assert self._fetch is not None
+        try:
+            (w, covered), prep_results = await asyncio.shield(self._fetch[1])
+            others = [p for p in assign if p not in covered]
+            if others:
+                loop = asyncio.get_running_loop()
+                keys, _ = await loop.run_in_executor(self._compute, self._keys_for, others)
+                missing = np.setdiff1d(keys, w.keys, assume_unique=True)
+                if missing.size:
+                    extra, _ = await self._pull(eval_id, (), x_name, missing)
+                    w = w.merged(extra)
+        except Exception as exc:
+            raise ClusterError(f"replica {self.index} could not fetch from the shards: {exc!r}") from exc
+        return w, (prep_results if fetched else []), fetched
+
+    async def _pull(
+        self, eval_id: int, prep: Sequence[Sequence[Any]], x_name: str, keys: np.ndarray
+    ) -> tuple[_KV, list[Any]]:
+        local = split_keys(self.shards.layout.bounds, keys)
+        values, prep_results = await self.shards.prepare_and_gather(eval_id, prep, x_name, local)
+        self.bytes_pulled += sum(kv_bytes(k, v) for k, v in zip(local, values, strict=True))
+        return _KV(keys, np.concatenate(values) if values else np.zeros(0)), prep_results
 
     def _compute_portions(
         self, w: np.ndarray, assign: Sequence[int], solo: bool, eval_id: int | None = None
@@ -157,6 +326,7 @@ class Replica:
                 asyncio.ensure_future(self.shards.prepare_and_fetch(eval_id, prep, [x_name])),
             )
             self.fetches += 1
+            self.bytes_pulled += 8 * self.shards.layout.n
         assert self._fetch is not None
         try:
             (w,), prep_results = await asyncio.shield(self._fetch[1])
@@ -203,7 +373,12 @@ class Replica:
         if self._fetch is not None and eval_id < self._fetch[0]:
             # A backup copy or a late call of an evaluation that is over: its push would be refused.
             return WorkReport()
-        w, prep_results, fetched = await self._params(eval_id, x_name, prep)
+        w: Any
+        if self.sparse:
+            w, prep_results, fetched = await self._params_kv(eval_id, x_name, prep, assign)
+        else:
+            w, prep_results, fetched = await self._params(eval_id, x_name, prep)
+        compute_portions: Any = self._compute_portions_kv if self.sparse else self._compute_portions
         t1 = time.perf_counter()
         step = max(1, push_every or len(assign) or 1)
         groups = [list(assign[k : k + step]) for k in range(0, len(assign), step)]
@@ -223,19 +398,24 @@ class Replica:
         # without waiting for the loop to hand it the next one (a thread hop each, ~0.3-0.6 ms on 2 busy
         # cores), while the loop pushes each group's gradient as it lands.
         queued = {
-            k: loop.run_in_executor(self._compute, self._compute_portions, w, group, solo, eval_id)
+            k: loop.run_in_executor(self._compute, compute_portions, w, group, solo, eval_id)
             for k, group in enumerate(groups)
             if not inline[k]
         }
         try:
             for k, group in enumerate(groups):
-                out = self._compute_portions(w, group, solo) if inline[k] else await queued[k]
+                out = compute_portions(w, group, solo) if inline[k] else await queued[k]
                 group_results, grads, group_busy, group_read_s, group_reads = out
                 results += group_results
                 reads += group_reads
                 busy += group_busy
                 read_s += group_read_s
                 # Sent now, awaited at the end: the push travels while the next group is computed.
+                if self.sparse:
+                    for portions, grad in grads:
+                        pushes += self._push_kv(acc_name, portions, grad, eval_id, solo)
+                    continue
+                self.bytes_pushed += 8 * sum(grad.size for _, grad in grads)
                 pushes += [
                     (
                         shard,
@@ -278,7 +458,13 @@ class Replica:
 
     async def stats(self) -> dict[str, Any]:
         """Counters for tests and benchmarks."""
-        return {"fetches": self.fetches, "cached_portions": sorted(self.cache)}
+        return {
+            "fetches": self.fetches,
+            "cached_portions": sorted(self.cache),
+            "bytes_pulled": self.bytes_pulled,
+            "bytes_pushed": self.bytes_pushed,
+            "sparse": self.sparse,
+        }
 
     async def attach(self, shard_map: ShardMap) -> dict[str, Any]:
         """Talk to these shards from now on (the run's new shards, or lost shards rebuilt on other

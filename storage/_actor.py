@@ -169,6 +169,38 @@ class ShardActor:
 
         return await self._do(_both)
 
+    async def gather(self, names: Sequence[str], keys: np.ndarray) -> tuple[int, list[np.ndarray]]:
+        """``(version, [values of each name at keys])``: a key-value fetch (see :mod:`storage._keys`)."""
+
+        def _gather() -> tuple[int, list[np.ndarray]]:
+            return self.core.version, [self.core.gather(name, keys) for name in names]
+
+        return await self._do(_gather)
+
+    async def prepare_and_gather(
+        self, epoch: int, ops: Sequence[Sequence[Any]], name: str, keys: np.ndarray
+    ) -> tuple[int, list[np.ndarray], list[Any]]:
+        """:meth:`prepare_and_fetch` of the values of ``name`` at ``keys`` only, in one round trip."""
+
+        def _both() -> tuple[int, list[np.ndarray], list[Any]]:
+            results = self.core.prepare(epoch, ops)
+            return self.core.version, [self.core.gather(name, keys)], results
+
+        return await self._do(_both)
+
+    async def accumulate_at(
+        self,
+        name: str,
+        keys: np.ndarray,
+        values: np.ndarray,
+        portions: Sequence[int],
+        epoch: int,
+        solo: bool = False,
+    ) -> tuple[bool, list[Any] | None]:
+        """Forward to :meth:`Shard.push_portions_at` (a key-value gradient push)."""
+        push = self.core.push_portions_at
+        return await self._do(push, name, keys, values, portions, epoch=epoch, solo=solo)
+
     async def set(self, name: str, lo: int, hi: int, values: np.ndarray) -> None:
         """Forward to :meth:`Shard.set`."""
         await self._do(self.core.set, name, lo, hi, values)

@@ -34,7 +34,8 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -46,6 +47,7 @@ __all__ = ["ROW_CACHE_ENV", "RowCache", "default_row_cache"]
 ROW_CACHE_ENV = "DISTBELIEF_ROW_CACHE_BYTES"
 FloatArray = npt.NDArray[np.float64]
 _Key = tuple[str, int, int]
+T = TypeVar("T")
 
 
 class RowCache:
@@ -60,6 +62,8 @@ class RowCache:
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = max(0, int(budget_bytes))
         self._entries: OrderedDict[_Key, tuple[FloatArray, FloatArray]] = OrderedDict()
+        #: What :meth:`derived` computed, by (dataset id, start, stop, tag).
+        self._derived: dict[tuple[str, int, int, str], Any] = {}
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -89,6 +93,33 @@ class RowCache:
         freeze(y)
         self._insert((dataset_id, start, stop), X, y)
         return X, y
+
+    def derived(self, dataset: Any, start: int, stop: int, tag: str, make: Callable[[Any, Any], T]) -> T:
+        """``make(X, y)`` of rows ``[start, stop)``, computed once and kept beside the cached rows.
+
+        For what a replica derives from a portion's rows every time it uses them, such as a sparse
+        portion's keys (the parameters its rows touch, for key-value pull and push: storage._keys). Dropped
+        with the row range that holds it; not kept (computed each call) when the rows are not cached.
+
+        Examples
+        --------
+        >>> import numpy as np, os, tempfile
+        >>> from distbelief.storage import Dataset
+        >>> ds = Dataset.from_arrays(np.eye(2), np.zeros(2), path=os.path.join(tempfile.mkdtemp(), "d"))
+        >>> cache = RowCache(1 << 20)
+        >>> cache.derived(ds, 0, 2, "rows", lambda X, y: X.shape[0])
+        2
+        """
+        key = (str(dataset.dataset_id), start, stop, tag)
+        with self._lock:
+            if key in self._derived:
+                return self._derived[key]
+        X, y = self.rows(dataset, start, stop)
+        value = make(X, y)
+        with self._lock:
+            if any(k[0] == key[0] and k[1] <= start and stop <= k[2] for k in self._entries):
+                self._derived[key] = value
+        return value
 
     def holds(self, dataset: Any, start: int, stop: int) -> bool:
         """Whether rows ``[start, stop)`` of ``dataset`` are in memory (no read, the LRU order unchanged)."""
@@ -126,13 +157,20 @@ class RowCache:
             self._entries[key] = (X, y)
             self._bytes += size
             while self._bytes > self.budget_bytes:
-                _, (X_old, y_old) = self._entries.popitem(last=False)
+                gone, (X_old, y_old) = self._entries.popitem(last=False)
                 self._bytes -= nbytes(X_old) + y_old.nbytes
+                self._drop_derived(gone)
+
+    def _drop_derived(self, gone: _Key) -> None:
+        """Forget what was derived from rows inside the evicted range ``gone`` (lock held)."""
+        for key in [k for k in self._derived if k[0] == gone[0] and gone[1] <= k[1] and k[2] <= gone[2]]:
+            del self._derived[key]
 
     def clear(self) -> None:
         """Drop every cached range."""
         with self._lock:
             self._entries.clear()
+            self._derived.clear()
             self._bytes = 0
 
     def stats(self) -> dict[str, int]:

@@ -246,6 +246,32 @@ class ShardMap:
         vectors = [np.concatenate([p[1][k] for p in parts]) for k in range(len(names))]
         return vectors, reduce_results(ops, [p[2] for p in parts])
 
+    async def prepare_and_gather(
+        self,
+        epoch: int,
+        ops: Sequence[Sequence[Any]],
+        name: str,
+        keys: Sequence[np.ndarray],
+        *,
+        timeout: float | None = 60.0,
+    ) -> tuple[list[np.ndarray], list[Any]]:
+        """:meth:`prepare_and_fetch` of ``name`` at ``keys[i]`` (local offsets) of every shard ``i`` only.
+
+        Returns the values per shard (in ``keys`` order) and the ops' reduced results. A shard with no key
+        is still asked when ``ops`` must run there (the first fetch of an epoch), else skipped.
+        """
+        asked = [i for i in range(self.layout.shards) if ops or keys[i].size]
+        parts = await asyncio.gather(
+            *(
+                self.ask(i, "prepare_and_gather", epoch, list(ops), name, keys[i], timeout=timeout)
+                for i in asked
+            )
+        )
+        values = [np.zeros(0)] * self.layout.shards
+        for i, p in zip(asked, parts, strict=True):
+            values[i] = p[1][0]
+        return values, reduce_results(ops, [p[2] for p in parts]) if ops else []
+
     def slices(self, vector: np.ndarray) -> list[np.ndarray]:
         """``vector`` cut into the shards' ranges along its last axis (views, no copy): a gradient, or a
         binned sum of gradients (:mod:`storage._exactsum`, one row per bin)."""

@@ -1,0 +1,185 @@
+"""Key-value pull and push (storage._keys and the shard's key ops) against numpy oracles.
+
+The oracle of every key op is the dense op with the untouched entries set to zero: a sparse push must give
+the very same floats (assert_array_equal, not allclose), since the runs compare sparse and dense iterates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distbelief import models
+from distbelief.errors import InvalidOptionError
+from distbelief.storage import Layout, Shard
+from distbelief.storage._keys import compact_portion, kv_bytes, split_keys, union_keys, use_sparse
+
+
+@st.composite
+def slices_and_keys(draw: Any) -> tuple[int, int, np.ndarray, np.random.Generator]:
+    lo = draw(st.integers(0, 50))
+    size = draw(st.integers(1, 60))
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    density = draw(st.floats(0.0, 1.0))
+    keys = np.flatnonzero(rng.random(size) < density).astype(np.int32)
+    return lo, size, keys, rng
+
+
+def _shard(lo: int, size: int, rng: np.random.Generator) -> Shard:
+    s = Shard(0, lo, lo + size)
+    s.set("x", lo, lo + size, rng.normal(size=size))
+    return s
+
+
+@given(slices_and_keys())
+def test_gather_is_numpy_fancy_indexing(case: tuple[int, int, np.ndarray, np.random.Generator]) -> None:
+    lo, size, keys, rng = case
+    s = _shard(lo, size, rng)
+    np.testing.assert_array_equal(s.gather("x", keys), s.get("x")[keys])
+
+
+def test_gather_refuses_keys_outside_the_slice() -> None:
+    s = _shard(10, 4, np.random.default_rng(0))
+    with pytest.raises(InvalidOptionError, match="outside"):
+        s.gather("x", np.array([4], dtype=np.int32))
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
+@given(case=slices_and_keys(), pushes=st.integers(1, 4), scale=st.booleans())
+def test_push_at_keys_equals_a_dense_push_with_zeros_elsewhere(
+    rule: str, case: tuple[int, int, np.ndarray, np.random.Generator], pushes: int, scale: bool
+) -> None:
+    lo, size, keys, rng = case
+    sparse, dense = _shard(lo, size, rng), Shard(0, lo, lo + size)
+    dense.set("x", lo, lo + size, sparse.get("x"))
+    for seq in range(pushes):
+        k = keys[rng.random(keys.size) < 0.7]  # each push its own subset of the keys
+        g = rng.normal(size=k.size)
+        full = np.zeros(size)
+        full[k] = g
+        kw = {"source": "r", "seq": seq, "rule": rule, "lr": 0.1, "fetched_version": 0}
+        kw["staleness_scale"] = scale
+        assert sparse.push(g, keys=k, **kw) == dense.push(full, **kw)
+        np.testing.assert_array_equal(sparse.get("x"), dense.get("x"))
+        if rule == "adagrad":
+            np.testing.assert_array_equal(sparse.get("x.adagrad"), dense.get("x.adagrad"))
+    # A retried key-value push is refused, as a dense one.
+    assert not sparse.push(np.ones(keys.size), keys=keys, source="r", seq=0, rule=rule, lr=0.1)[0]
+
+
+def test_push_at_refuses_mismatched_keys_and_values() -> None:
+    s = _shard(0, 4, np.random.default_rng(0))
+    with pytest.raises(InvalidOptionError, match="key-value push"):
+        s.push(np.ones(2), keys=np.array([1], dtype=np.int32), source="r", seq=0, rule="sgd", lr=0.1)
+
+
+@given(case=slices_and_keys(), n_portions=st.integers(1, 5), data=st.data())
+def test_key_value_accumulation_equals_dense_accumulation(
+    case: tuple[int, int, np.ndarray, np.random.Generator], n_portions: int, data: Any
+) -> None:
+    """Summed and solo pushes (retried and backup copies too) in any order: every portion once."""
+    lo, size, keys, rng = case
+    sparse, dense = Shard(0, lo, lo + size), Shard(0, lo, lo + size)
+    for s in (sparse, dense):
+        s.reset_accumulator("acc", 3, expected=n_portions, finalize=[("settle", "acc"), ("sum", "acc")])
+    pushes = []
+    for p in range(n_portions):
+        k = keys[rng.random(keys.size) < 0.5]
+        pushes.append(([p], k, rng.normal(size=k.size), data.draw(st.booleans())))
+    pushes += [pushes[i] for i in data.draw(st.lists(st.integers(0, n_portions - 1), max_size=3))]
+    order = data.draw(st.permutations(range(len(pushes))))
+    for i in order:
+        portions, k, g, solo = pushes[i]
+        full = np.zeros(size)
+        full[k] = g
+        got = sparse.push_portions_at("acc", k, g, portions, epoch=3, solo=solo)
+        want = dense.push_portions("acc", full, portions, epoch=3, solo=solo)
+        assert got == want
+        np.testing.assert_array_equal(sparse.get("acc"), dense.get("acc"))
+    assert sparse.final_results("acc", 3) is not None
+    assert sparse.settle("acc") == list(range(n_portions))
+    np.testing.assert_array_equal(sparse.get("acc"), dense.get("acc"))
+    assert sparse._scratch is None or not sparse._scratch.any()  # the scratch slice is zero again
+
+
+@given(n=st.integers(1, 500), shards=st.integers(1, 6), density=st.floats(0, 1), seed=st.integers(0, 2**31))
+@settings(max_examples=60)
+def test_split_keys_cuts_at_the_layout(n: int, shards: int, density: float, seed: int) -> None:
+    layout = Layout.split(n, min(shards, n), target_chunk=7)
+    keys = np.flatnonzero(np.random.default_rng(seed).random(n) < density)
+    parts = split_keys(layout.bounds, keys)
+    assert len(parts) == layout.shards
+    for (lo, hi), local in zip(layout.ranges(), parts, strict=True):
+        assert local.dtype == np.int32
+        assert ((local >= 0) & (local < hi - lo)).all()
+    back = [p + lo for p, (lo, _) in zip(parts, layout.ranges(), strict=True)]
+    np.testing.assert_array_equal(np.concatenate(back), keys)
+    assert kv_bytes(*parts) == 4 * keys.size
+
+
+def test_union_keys() -> None:
+    assert union_keys([]).size == 0
+    assert union_keys([np.array([3, 9]), np.array([1, 3])]).tolist() == [1, 3, 9]
+
+
+MODELS = [
+    models.Logistic(40),
+    models.Logistic(40, fit_intercept=False),
+    models.LeastSquares(40),
+    models.Softmax(40, 3),
+    models.Softmax(40, 3, fit_intercept=False),
+]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: f"{m.spec['kind']}-{m.spec['fit_intercept']}")
+@given(rows=st.integers(1, 30), density=st.floats(0.0, 0.3), seed=st.integers(0, 2**31))
+@settings(max_examples=30)
+def test_compact_portion_gives_the_full_gradient_at_its_keys(
+    model: Any, rows: int, density: float, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    X = sp.random_array((rows, 40), density=density, format="csr", rng=rng)
+    X.data = rng.normal(size=X.nnz)
+    softmax = model.spec["kind"] == "softmax"
+    y = rng.integers(0, 3, rows).astype(float) if softmax else rng.random(rows).round()
+    w = rng.normal(size=model.n_params)
+    part = compact_portion(model, X, y)
+    loss, grad = model.loss_and_grad(w, X, y)
+    c_loss, c_grad = part.model.loss_and_grad(w[part.keys], part.X, part.y)
+    assert part.keys.dtype == np.int64 and (np.diff(part.keys) > 0).all()
+    assert c_loss == pytest.approx(loss, rel=1e-13, abs=1e-13)
+    np.testing.assert_allclose(c_grad, grad[part.keys], rtol=1e-13, atol=1e-13)
+    outside = np.ones(model.n_params, bool)
+    outside[part.keys] = False
+    assert not grad[outside].any()  # the keys are every parameter the rows move
+
+
+def test_compact_portion_gives_bit_equal_gradients_for_the_compiled_logistic_kernel() -> None:
+    rng = np.random.default_rng(1)
+    X = sp.random_array((200, 1 << 12), density=0.01, format="csr", rng=rng)
+    X.data = rng.normal(size=X.nnz)
+    model = models.Logistic(1 << 12)
+    y = rng.random(200).round()
+    w = rng.normal(size=model.n_params)
+    part = compact_portion(model, X, y)
+    loss, grad = model.loss_and_grad(w, X, y)
+    c_loss, c_grad = part.model.loss_and_grad(w[part.keys], part.X, part.y)
+    assert c_loss == loss
+    np.testing.assert_array_equal(c_grad, grad[part.keys])
+
+
+def test_use_sparse_resolves_the_mode() -> None:
+    logistic = models.Logistic(3)
+    assert use_sparse("auto", logistic, True) and not use_sparse("auto", logistic, False)
+    assert not use_sparse("dense", logistic, True)
+    assert not use_sparse("auto", models.MLP([3, 4, 2]), True)
+    with pytest.raises(InvalidOptionError, match="needs a sparse"):
+        use_sparse("sparse", logistic, False)
+    with pytest.raises(InvalidOptionError, match="communication must be"):
+        use_sparse("fast", logistic, True)
