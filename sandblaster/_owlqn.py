@@ -46,7 +46,7 @@ from distbelief.sandblaster._space import (
     reference_result,
     stop_test,
 )
-from distbelief.sandblaster._vlbfgs import VLBFGSHistory, _minimize_lbfgs
+from distbelief.sandblaster._vlbfgs import VLBFGSHistory, _minimize_lbfgs, resumed_history
 
 __all__ = ["OWLQN_C1", "OWLQN_SHRINK", "_minimize_owlqn", "check_l1", "minimize_owlqn_reference"]
 
@@ -230,10 +230,7 @@ def _minimize_owlqn(
             return True, "pseudo-gradient inf-norm <= gtol at x0"
         pending = (hist, list(values), None)
     else:
-        if resume["hist"]["m"] != m:
-            started = resume["hist"]["m"]
-            raise InvalidOptionError(f"the run was started with history={started}; resume with it")
-        pending = (VLBFGSHistory.from_state(resume["hist"]), list(resume["next_values"]), resume["descent"])
+        pending = resumed_history(resume, m)
     while True:
         descent: float | None = None
         if pending is None:
