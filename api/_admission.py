@@ -94,6 +94,9 @@ def _n_params(spec: Mapping[str, Any]) -> int:
 def _vectors(algorithm: str, options: Mapping[str, Any]) -> int:
     if algorithm == "sandblaster-lbfgs":
         return 2 * int(options.get("history", 10)) + 6
+    if algorithm == "sandblaster-owlqn":
+        # L-BFGS's, and the pseudo-gradient's two buffers and the orthant.
+        return 2 * int(options.get("history", 10)) + 9
     if algorithm == "sandblaster-cg":
         return 7
     # sandblaster-gd: x, g, d, the trial point and its gradient; downpour-sgd: x, the Adagrad accumulator,

@@ -193,6 +193,7 @@ _ADAPTERS: dict[str, Callable[[RunContext], RunOutcome]] = {
     "sandblaster-lbfgs": run_sandblaster,
     "sandblaster-cg": run_sandblaster,
     "sandblaster-gd": run_sandblaster,
+    "sandblaster-owlqn": run_sandblaster,
     "downpour-sgd": run_downpour,
 }
 
@@ -864,16 +865,20 @@ class JobRunner:
 
 def _objective_of(summary: dict[str, Any], x: np.ndarray, options: dict[str, Any]) -> dict[str, float]:
     """``objective``: F(w) on the training data for every algorithm, as Sandblaster defines it,
-    ``train_loss + (l2/2)||x||^2`` (Sandblaster's own ``fun`` where the data was too large to evaluate).
+    ``train_loss + (l2/2)||x||^2 + l1 ||x||_1`` (Sandblaster's own ``fun`` where the data was too large to
+    evaluate).
 
     Examples
     --------
     >>> _objective_of({"train_loss": 0.5}, np.array([1.0, 1.0]), {"l2": 0.1})
     {'objective': 0.6}
+    >>> _objective_of({"train_loss": 0.5}, np.array([1.0, -1.0]), {"l2": 0.1, "l1": 0.25})
+    {'objective': 1.1}
     """
     if "train_loss" in summary:
-        l2 = float(options.get("l2") or 0.0)
-        return {"objective": float(summary["train_loss"]) + 0.5 * l2 * float(np.dot(x, x))}
+        l2, l1 = float(options.get("l2") or 0.0), float(options.get("l1") or 0.0)
+        penalty = 0.5 * l2 * float(np.dot(x, x)) + l1 * float(np.abs(x).sum())
+        return {"objective": float(summary["train_loss"]) + penalty}
     if "fun" in summary:
         return {"objective": float(summary["fun"])}
     return {}

@@ -51,8 +51,16 @@ __all__ = [
     "WorkerPublic",
 ]
 
-Algorithm = Literal["sandblaster-lbfgs", "sandblaster-cg", "sandblaster-gd", "downpour-sgd"]
-ALGORITHMS: tuple[str, ...] = ("sandblaster-lbfgs", "sandblaster-cg", "sandblaster-gd", "downpour-sgd")
+Algorithm = Literal[
+    "sandblaster-lbfgs", "sandblaster-cg", "sandblaster-gd", "sandblaster-owlqn", "downpour-sgd"
+]
+ALGORITHMS: tuple[str, ...] = (
+    "sandblaster-lbfgs",
+    "sandblaster-cg",
+    "sandblaster-gd",
+    "sandblaster-owlqn",
+    "downpour-sgd",
+)
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 JOB_STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
@@ -88,6 +96,9 @@ class SandblasterJobOptions(_Options):
     """
 
     l2: Annotated[_Finite, Field(ge=0, le=1e6)] | None = None
+    l1: Annotated[_Finite, Field(ge=0, le=1e6, description="L1 strength (sandblaster-owlqn only)")] | None = (
+        None
+    )
     shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] | None = None
     replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] | None = None
     history: Annotated[int, Field(ge=1, le=1000, description="L-BFGS memory m")] | None = None

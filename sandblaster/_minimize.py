@@ -22,6 +22,7 @@ from distbelief.sandblaster._cg import _minimize_cg
 from distbelief.sandblaster._coordinator import Coordinator, IterationRecord, RunState
 from distbelief.sandblaster._gd import _minimize_gd
 from distbelief.sandblaster._linesearch import LBFGSB_FTOL
+from distbelief.sandblaster._owlqn import _minimize_owlqn
 from distbelief.sandblaster._replica import Replica
 from distbelief.sandblaster._scheduler import PortionScheduler
 from distbelief.sandblaster._vlbfgs import _minimize_lbfgs
@@ -38,7 +39,7 @@ from distbelief.storage._keys import COMMUNICATION, Communication, use_sparse
 
 __all__ = ["OptimizeResult", "SandblasterOptions", "minimize", "open_session"]
 
-Method = Literal["lbfgs", "cg", "gd"]
+Method = Literal["lbfgs", "cg", "gd", "owlqn"]
 
 #: How many times a run rolls back to its checkpoint after losing a shard before it gives up.
 MAX_RECOVERIES = 3
@@ -54,6 +55,7 @@ class SandblasterOptions:
 
     method: Method = "lbfgs"
     l2: float = 0.0
+    l1: float = 0.0
     shards: int | None = None
     replicas: int | None = None
     history: int = 10
@@ -76,9 +78,15 @@ class SandblasterOptions:
     communication: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.method not in ("lbfgs", "cg", "gd"):
-            raise InvalidOptionError(f"method must be 'lbfgs', 'cg' or 'gd', got {self.method!r}")
+        if self.method not in ("lbfgs", "cg", "gd", "owlqn"):
+            raise InvalidOptionError(f"method must be 'lbfgs', 'cg', 'gd' or 'owlqn', got {self.method!r}")
         _check(self.l2 >= 0 and math.isfinite(self.l2), "l2", self.l2, "a finite number >= 0")
+        _check(self.l1 >= 0 and math.isfinite(self.l1), "l1", self.l1, "a finite number >= 0")
+        if self.l1 > 0 and self.method != "owlqn":
+            raise InvalidOptionError(
+                f"l1={self.l1!r} makes F nonsmooth, which method={self.method!r} cannot minimize; "
+                'use method="owlqn" (L1 / elastic-net L-BFGS)'
+            )
         for name in ("history", "maxiter", "maxfev", "maxls", "push_every", "in_flight"):
             value = getattr(self, name)
             _check(
@@ -182,6 +190,7 @@ def minimize(
     method: Method = "lbfgs",
     x0: np.ndarray | None = None,
     l2: float = 0.0,
+    l1: float = 0.0,
     shards: int | None = None,
     replicas: int | None = None,
     history: int = 10,
@@ -203,7 +212,7 @@ def minimize(
     resume: bool = False,
     communication: Communication = "auto",
 ) -> OptimizeResult:
-    """Minimize ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2`` with Sandblaster on a Dask cluster.
+    """Minimize ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2 + l1 ||w||_1`` with Sandblaster on Dask.
 
     The coordinator (this process) holds scalars only; ``x``, the gradient, the direction and the L-BFGS
     history live on parameter-server shards; replicas compute the data term portion by portion.
@@ -214,12 +223,16 @@ def minimize(
         Anything with ``n_params``, ``init_params(seed)`` and ``loss_and_grad(w, X, y)`` (sum over rows).
     data : storage.Dataset or (X, y)
         Training rows; arrays are first written to a dataset in ``store``.
-    method : {"lbfgs", "cg", "gd"}
-        Vector-free L-BFGS (default), Polak-Ribiere+ CG, or gradient descent with backtracking.
+    method : {"lbfgs", "cg", "gd", "owlqn"}
+        Vector-free L-BFGS (default), Polak-Ribiere+ CG, gradient descent with backtracking, or vector-free
+        OWL-QN (L1 / elastic net, Andrew & Gao 2007; the only method that takes ``l1 > 0``).
     x0 : numpy.ndarray, optional
         Starting point (default ``model.init_params(seed)``).
     l2 : float
         L2 regularization, applied on the shards.
+    l1 : float
+        L1 regularization (``method="owlqn"``; with ``l2`` the elastic net). The history then has a column
+        ``nnz``, the nonzero count of each iterate, and ``grad_norm`` is the pseudo-gradient's inf-norm.
     shards, replicas : int, optional
         Number of parameter-server shards and model replicas (default: one of each per worker).
     history : int
@@ -275,6 +288,7 @@ def minimize(
     opts = SandblasterOptions(
         method=method,
         l2=l2,
+        l1=l1,
         shards=shards,
         replicas=replicas,
         history=history,
@@ -510,6 +524,11 @@ def _run_method(
             coord, m=opts.history, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=opts.maxls,
             callback=callback, resume=resume,
         )  # fmt: skip
+    if opts.method == "owlqn":
+        return _minimize_owlqn(
+            coord, l1=opts.l1, m=opts.history, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev,
+            maxls=opts.maxls, callback=callback, resume=resume,
+        )  # fmt: skip
     if opts.method == "cg":
         return _minimize_cg(
             coord, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=opts.maxls,
@@ -544,7 +563,12 @@ def _history(records: list[IterationRecord]) -> xr.Dataset:
     rows = [asdict(r) for r in records]
     if not rows:
         return xr.Dataset(coords={"iteration": np.arange(0)})
-    columns = {k: np.array([row[k] for row in rows]) for k in rows[0] if k != "iteration"}
+    # ``nnz`` is OWL-QN's column only.
+    columns = {
+        k: np.array([row[k] for row in rows])
+        for k in rows[0]
+        if k != "iteration" and not (k == "nnz" and rows[0][k] is None)
+    }
     return xr.Dataset(
         {k: ("iteration", v) for k, v in columns.items()},
         coords={"iteration": np.array([row["iteration"] for row in rows])},

@@ -41,6 +41,7 @@ from distbelief.sandblaster._linesearch import (
     StrongWolfeLineSearch,
     relative_reduction_converged,
 )
+from distbelief.storage import _l1
 
 __all__ = [
     "Evaluation",
@@ -58,6 +59,9 @@ __all__ = [
     "stop_test",
     "wolfe_search",
 ]
+
+#: OWL-QN's ops (Andrew & Gao 2007), run with the shards' kernels (:mod:`storage._l1`).
+_L1_OPS = ("pseudo_grad", "sign_align", "orthant", "project_orthant", "nnz", "norm1")
 
 #: One vector op, in the shards' language: ``(name, *args)``.
 Op = tuple[Any, ...]
@@ -97,6 +101,8 @@ class IterationRecord:
     time_coordinator: float
     #: Portions read from the store during the iteration (not in a replica's memory yet).
     portions_read: int = 0
+    #: Nonzero parameters at the iterate (OWL-QN only; ``None`` for the smooth methods).
+    nnz: int | None = None
 
 
 @dataclass
@@ -182,13 +188,16 @@ def close_iteration(
     callback: Callable[[IterationRecord], None] | None,
     saved: list[str],
     extra: dict[str, Any] | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> None:
     """Record the iteration just accepted, checkpoint it when due, and hand its record to ``callback``.
 
     A checkpoint holds the vectors ``saved`` (``x``, its gradient and the method's own) and ``extra``,
-    the method's own scalars.
+    the method's own scalars. ``fields`` are the method's own columns of the record (OWL-QN's ``nnz``).
     """
     rec = space.end_iteration(step)
+    for name, value in (fields or {}).items():
+        setattr(rec, name, value)
     if space.checkpoint_due():
         space.checkpoint(saved, extra or {})
     if callback is not None:
@@ -410,7 +419,30 @@ class InProcessSpace:
         if kind == "lincomb":
             self._lincomb(*args)
             return None
-        raise ProtocolError(f"unknown op {kind!r}; an InProcessSpace runs dot, dots, norm_inf, copy, lincomb")
+        if kind in _L1_OPS:
+            return self._l1_op(kind, *args)
+        raise ProtocolError(
+            f"unknown op {kind!r}; an InProcessSpace runs dot, dots, norm_inf, copy, lincomb, "
+            f"{', '.join(_L1_OPS)}"
+        )
+
+    def _l1_op(self, kind: str, *args: Any) -> Any:
+        # OWL-QN's ops, with the shards' kernels (storage._l1).
+        if kind == "pseudo_grad":
+            dst, g, x, l1 = args
+            self.vectors[dst] = _l1.pseudo_gradient(self.vector(g), self.vector(x), float(l1))
+        elif kind == "sign_align":
+            _l1.sign_align(self.vector(args[0]), self.vector(args[1]))
+        elif kind == "orthant":
+            dst, x, v = args
+            self.vectors[dst] = _l1.orthant(self.vector(x), self.vector(v))
+        elif kind == "project_orthant":
+            _l1.project_orthant(self.vector(args[0]), self.vector(args[1]))
+        elif kind == "nnz":
+            return _l1.nnz(self.vector(args[0]))
+        else:
+            return _l1.norm1(self.vector(args[0]))
+        return None
 
     def _dot(self, a: str, b: str) -> float:
         return float(np.dot(self.vector(a), self.vector(b)))

@@ -52,6 +52,7 @@ __all__ = [
     "VLBFGSHistory",
     "_minimize_lbfgs",
     "minimize_lbfgs_reference",
+    "resumed_history",
     "two_loop_reference",
     "vlbfgs_coefficients",
 ]
@@ -472,6 +473,24 @@ class VLBFGSHistory:
             del self._dots[key]
 
 
+def resumed_history(resume: Mapping[str, Any], m: int) -> tuple[VLBFGSHistory, list[float], float | None]:
+    """The history a checkpoint saved, its pending Gram entries and ``-g.s`` of its pair (``descent``).
+
+    Shared by L-BFGS and OWL-QN, whose checkpoints hold ``hist``, ``next_values`` and ``descent``.
+
+    Examples
+    --------
+    >>> resumed_history({"hist": VLBFGSHistory(3).to_state(), "next_values": [1.0]}, 4)
+    Traceback (most recent call last):
+    ...
+    distbelief.errors.InvalidOptionError: the run was started with history=3; resume with it
+    """
+    if resume["hist"]["m"] != m:
+        started = resume["hist"]["m"]
+        raise InvalidOptionError(f"the run was started with history={started}; resume with it")
+    return VLBFGSHistory.from_state(resume["hist"]), list(resume["next_values"]), resume.get("descent")
+
+
 class _SpeculativePair:
     """The ops each trial runs with its gradient: the next pair ``s = t*d``, ``y = g_t - g`` in a free
     slot, and its new Gram entries, assuming the line search accepts the trial (it usually does at once).
@@ -556,11 +575,7 @@ def _minimize_lbfgs(
     # ``-g.s`` of its pair (for the curvature check).
     next_dots: tuple[VLBFGSHistory, list[float], float | None] | None = None
     if resume is not None:
-        if resume["hist"]["m"] != m:
-            started = resume["hist"]["m"]
-            raise InvalidOptionError(f"the run was started with history={started}; resume with it")
-        hist_state, values = VLBFGSHistory.from_state(resume["hist"]), list(resume["next_values"])
-        next_dots = (hist_state, values, resume.get("descent"))
+        next_dots = resumed_history(resume, m)
     while True:
         descent: float | None = None
         if next_dots is None:

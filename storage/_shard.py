@@ -19,7 +19,7 @@ import numpy as np
 from scipy.linalg import blas
 
 from distbelief.errors import InvalidOptionError, ProtocolError
-from distbelief.storage import _exactsum
+from distbelief.storage import _exactsum, _l1
 from distbelief.storage._rules import adagrad_update, sgd_update
 
 __all__ = ["OPS", "Shard"]
@@ -60,6 +60,13 @@ OPS: dict[str, str | None] = {
     "norm2": "sqrt_sum",
     "norm_inf": "max",
     "sum": "sum",
+    # OWL-QN (storage._l1): the pseudo-gradient, the sign-aligned direction, the orthant and its projection.
+    "pseudo_grad": None,
+    "sign_align": None,
+    "orthant": None,
+    "project_orthant": None,
+    "nnz": "sum",
+    "norm1": "sum",
 }
 
 
@@ -234,6 +241,29 @@ class Shard:
 
     def _op_sum(self, name: str) -> float:
         return float(self.vector(name).sum())
+
+    # -- OWL-QN (Andrew & Gao 2007; the kernels are storage._l1's) --------------------------------------
+    def _op_pseudo_grad(self, dst: str, g: str, x: str, l1: float) -> None:
+        """``dst`` = the pseudo-gradient of ``f + l1 ||x||_1`` from ``f``'s gradient ``g`` at ``x``."""
+        np.copyto(self._target(dst), _l1.pseudo_gradient(self.vector(g), self.vector(x), float(l1)))
+
+    def _op_sign_align(self, d: str, v: str) -> None:
+        """Zero the entries of ``d`` whose sign is not that of ``-v``."""
+        _l1.sign_align(self.vector(d), self.vector(v))
+
+    def _op_orthant(self, dst: str, x: str, v: str) -> None:
+        """``dst = sign(x)``, or ``sign(-v)`` where ``x`` is 0."""
+        np.copyto(self._target(dst), _l1.orthant(self.vector(x), self.vector(v)))
+
+    def _op_project_orthant(self, x: str, xi: str) -> None:
+        """Zero the entries of ``x`` whose sign is not ``xi``'s."""
+        _l1.project_orthant(self.vector(x), self.vector(xi))
+
+    def _op_nnz(self, name: str) -> int:
+        return _l1.nnz(self.vector(name))
+
+    def _op_norm1(self, name: str) -> float:
+        return _l1.norm1(self.vector(name))
 
     def prepare(self, epoch: int, ops: Sequence[Sequence[Any]]) -> list[Any]:
         """Run ``ops`` once for ``epoch``: the first caller runs them, later callers get the same results.

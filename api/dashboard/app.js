@@ -10,6 +10,7 @@ const DEFAULT_OPTIONS = {
   "sandblaster-lbfgs": { maxiter: 100, l2: 0.001 },
   "sandblaster-cg": { maxiter: 100, l2: 0.001 },
   "sandblaster-gd": { maxiter: 100, l2: 0.001 },
+  "sandblaster-owlqn": { maxiter: 100, l1: 0.001 },
   "downpour-sgd": { rule: "adagrad", lr: 0.1, replicas: 2, epochs: 5, l2: 0.001 },
 };
 

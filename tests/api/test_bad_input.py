@@ -128,6 +128,7 @@ JOB_CASES: list[tuple[str, dict[str, Any], int, tuple[str, ...]]] = [
         ("'l2'", "finite number"),
     ),
     ("unknown algorithm", {"json": _spec(algorithm="adam")}, 422, ("algorithm", "sandblaster-lbfgs")),
+    ("l1 for a smooth method", {"json": _spec(options={"l1": 0.1})}, 422, ('use method="owlqn"',)),
     (
         "missing dataset field",
         {"json": {"algorithm": "sandblaster-lbfgs", "model": LOGISTIC}},

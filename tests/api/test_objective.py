@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from distbelief import models
@@ -16,6 +17,7 @@ from tests.api.conftest import LOGISTIC, TOKEN, tiny_xy
 JOBS = {
     "sandblaster-lbfgs": {"l2": 0.05},
     "sandblaster-gd": {"l2": 0.05, "maxiter": 20},
+    "sandblaster-owlqn": {"l2": 0.05, "l1": 0.01},
     "downpour-sgd": {"l2": 0.05, "epochs": 30, "replicas": 2, "rule": "adagrad", "lr": 0.2},
 }
 
@@ -38,7 +40,10 @@ def test_every_algorithm_reports_f_of_w_on_the_training_data(
             record = api.wait(job_id, timeout=120, progress=False)
             assert record["status"] == "succeeded", record["message"]
             w = api.params(job_id)
-            f = models.objective(model, w, X, y, l2=0.05)[0]
+            f = (
+                models.objective(model, w, X, y, l2=0.05)[0]
+                + JOBS[algorithm].get("l1", 0.0) * np.abs(w).sum()
+            )
             result = record["result"]
             # The same F(w) for every algorithm, computed the same way; held-out metrics beside it.
             assert result["objective"] == pytest.approx(f, rel=1e-10), algorithm

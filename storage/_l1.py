@@ -1,0 +1,93 @@
+"""The L1 kernels of OWL-QN on one slice of the parameters (Andrew & Gao, ICML 2007).
+
+Plain numpy functions with no Dask or zarr inside, like :mod:`storage._rules`: a shard runs them on its slice
+(the ``pseudo_grad``, ``sign_align``, ``orthant``, ``project_orthant``, ``nnz`` and ``norm1`` ops of
+:class:`storage._shard.Shard`) and :class:`sandblaster._space.InProcessSpace` on the whole vector, so both
+spaces compute the same bits. Every one of them is elementwise, so a slice's result is the slice of the
+whole vector's result (``nnz`` and ``norm1`` return a partial the caller sums over shards).
+
+With ``F(x) = f(x) + l1 ||x||_1`` (``f`` smooth, gradient ``g``), OWL-QN needs:
+
+* the pseudo-gradient ``v`` (the minimum-norm element of the subdifferential, section 3.1 of the paper);
+* the direction ``d`` projected onto the signs of ``-v`` (``p = pi(d; -v)``);
+* the orthant ``xi = sign(x)``, or ``sign(-v)`` where ``x = 0``;
+* the trial point projected onto that orthant (``pi(x + t p; xi)``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["nnz", "norm1", "orthant", "project_orthant", "pseudo_gradient", "sign_align"]
+
+
+def pseudo_gradient(g: np.ndarray, x: np.ndarray, l1: float) -> np.ndarray:
+    """The pseudo-gradient of ``f(x) + l1 ||x||_1`` from the gradient ``g`` of ``f`` (a new array).
+
+    ``g_i + l1 sign(x_i)`` where ``x_i != 0``; where ``x_i = 0``, ``g_i + l1`` if that is negative,
+    ``g_i - l1`` if that is positive, else 0 (``g_i - clip(g_i, -l1, l1)``). With ``l1 = 0`` it is ``g``.
+
+    Examples
+    --------
+    >>> pseudo_gradient(np.array([0.5, 0.5, 2.0, -2.0]), np.array([1.0, 0.0, 0.0, 0.0]), 1.0)
+    array([ 1.5,  0. ,  1. , -1. ])
+    """
+    out = np.subtract(g, np.clip(g, -l1, l1))
+    moved = x != 0.0
+    out[moved] = g[moved] + l1 * np.sign(x[moved])
+    return out
+
+
+def sign_align(d: np.ndarray, v: np.ndarray) -> None:
+    """Zero, in place, every ``d_i`` whose sign is not that of ``-v_i`` (``d_i v_i >= 0``).
+
+    Examples
+    --------
+    >>> d = np.array([-1.0, 1.0, 1.0, 2.0]); sign_align(d, np.array([1.0, 1.0, 0.0, -1.0])); d
+    array([-1.,  0.,  0.,  2.])
+    """
+    d[d * v >= 0.0] = 0.0
+
+
+def orthant(x: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """The orthant OWL-QN's step stays in: ``sign(x_i)``, or ``sign(-v_i)`` where ``x_i = 0`` (a new array).
+
+    Examples
+    --------
+    >>> orthant(np.array([2.0, 0.0, 0.0, -1.0]), np.array([1.0, 1.0, 0.0, 3.0]))
+    array([ 1., -1.,  0., -1.])
+    """
+    return np.sign(np.where(x != 0.0, x, -v)) + 0.0  # + 0.0: no -0.0 entries
+
+
+def project_orthant(x: np.ndarray, xi: np.ndarray) -> None:
+    """Zero, in place, every ``x_i`` whose sign is not ``xi_i`` (the coordinates that left the orthant).
+
+    Examples
+    --------
+    >>> x = np.array([0.5, -0.5, 0.0, 3.0]); project_orthant(x, np.array([1.0, 1.0, -1.0, 0.0])); x
+    array([0.5, 0. , 0. , 0. ])
+    """
+    x[np.sign(x) != xi] = 0.0
+
+
+def nnz(x: np.ndarray) -> int:
+    """Number of nonzero entries.
+
+    Examples
+    --------
+    >>> nnz(np.array([0.0, -0.0, 1e-300, 2.0]))
+    2
+    """
+    return int(np.count_nonzero(x))
+
+
+def norm1(x: np.ndarray) -> float:
+    """``||x||_1``, summed as ``numpy.sum`` does (pairwise).
+
+    Examples
+    --------
+    >>> norm1(np.array([1.0, -2.0, 0.5]))
+    3.5
+    """
+    return float(np.abs(x).sum())
