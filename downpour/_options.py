@@ -76,6 +76,7 @@ class DownpourOptions:
     shard_workers: tuple[str, ...] | None = None
     replica_workers: tuple[str, ...] | None = None
     trace: bool = False
+    resume: bool = False
     has_callback: bool = False
 
     def __post_init__(self) -> None:
@@ -124,7 +125,7 @@ class DownpourOptions:
         )
         _check(_is_number(self.l2) and self.l2 >= 0, "l2", self.l2, "a finite number >= 0")
         _check(_is_int(self.seed) and self.seed >= 0, "seed", self.seed, "an int >= 0")
-        for name in ("staleness_scale", "shuffle", "trace"):
+        for name in ("staleness_scale", "shuffle", "trace", "resume"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "True or False")
         for name in ("shard_workers", "replica_workers"):
