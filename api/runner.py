@@ -2,8 +2,8 @@
 
 A job's record, metrics and result live in the store (:mod:`api._jobstore`), so the service can be stopped
 at any time: on the next start, finished jobs are all there, queued jobs are queued again, and a job that was
-running resumes from its last checkpoint (Sandblaster's ``checkpoint_every`` / ``resume``), starts over if it
-had none, or is marked failed with the reason when its algorithm cannot resume (Downpour).
+running resumes from its last checkpoint (Sandblaster's ``checkpoint_every`` / ``resume``; Downpour's shard
+checkpoints, every ``checkpoint_every_s`` seconds, with ``resume``), or starts over if it had none.
 
 Live state (the metrics rows of running jobs, subscribers to their events) is kept in memory; every change
 wakes the server-sent-event streams through :meth:`JobRunner.subscribe`.
@@ -152,6 +152,7 @@ def run_downpour(ctx: RunContext) -> RunOutcome:
         client=ctx.client,
         store=ctx.store,
         callback=ctx.callback,
+        **({"resume": True} if ctx.resume else {}),
         **ctx.options,
     )
     summary = _summary(res, "stop_reason", "success", "message", "steps", "wall_time", "stats")
@@ -341,12 +342,7 @@ class JobRunner:
         rec = job.record
         rec["restarts"] = int(rec.get("restarts") or 0) + 1
         if rec["algorithm"] == "downpour-sgd":
-            rec.update(
-                status="failed",
-                finished_at=_now(),
-                message="the server stopped while this Downpour job was running, and Downpour runs cannot "
-                "resume from a checkpoint; submit the job again",
-            )
+            self._recover_downpour(job)
         elif rec.get("checkpoint_iteration"):
             k = int(rec["checkpoint_iteration"])
             job.resume = True
@@ -369,6 +365,34 @@ class JobRunner:
                 "running it again from the start",
             )
         self.store.save_record(rec)
+
+    def _recover_downpour(self, job: _Job) -> None:
+        """A Downpour job left running: resume it from its last shard checkpoint, or start it again."""
+        from distbelief.downpour._resume import resume_point
+
+        rec = job.record
+        point = resume_point(self.store.run_dir(rec["id"]))
+        if point is None:
+            rec.update(
+                status="queued",
+                iterations=0,
+                latest={},
+                message="the server restarted before the job's first checkpoint; "
+                "running it again from the start",
+            )
+            return
+        job.resume = True
+        rec.update(
+            status="queued",
+            resumed_from=point.step,
+            message=f"the server restarted; resuming from the checkpoint at step {point.step} "
+            f"({point.time:.3g} s into the run)",
+        )
+        with contextlib.suppress(StoreError):  # unreadable metrics: the resumed run writes new ones
+            stored = self.store.load_metrics(rec["id"])
+            if stored is not None:
+                job.dim, job.columns, rows = stored
+                job.rows = [r for r in rows if r[0] <= point.time]
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop taking jobs; ask running jobs to stop at their next iteration and save what they have.
@@ -767,8 +791,9 @@ class JobRunner:
                 return  # the server is going down: the job stays "running" and is taken up on restart
             reason = str(exc) or type(exc).__name__
             if resume:
+                where = "step" if rec["algorithm"] == "downpour-sgd" else "iteration"
                 reason = (
-                    f"could not resume from the checkpoint of iteration {rec.get('resumed_from')}: {reason}"
+                    f"could not resume from the checkpoint of {where} {rec.get('resumed_from')}: {reason}"
                 )
             if not isinstance(exc, DistbeliefError | ValueError):
                 reason = f"{type(exc).__name__}: {reason}"
