@@ -286,6 +286,21 @@ def test_the_compose_commands_run_a_job_end_to_end_and_survive_an_api_crash(depl
         assert record["resumed_from"] >= 10 and record["restarts"] == 1 and record["result"]["nit"] == 120
         assert list(api.metrics(long["id"]).iteration.values) == list(range(121))
         w_long = api.params(long["id"])
+        # The resumed Sandblaster job's parameters are the uninterrupted run's: bit for bit when two
+        # uninterrupted runs on this cluster agree bit for bit (Sandblaster runs reproducible), else to 1e-9.
+        digits = Dataset.in_store(d.store / "datasets", "digits")
+        opts = {k: v for k, v in LBFGS.items() if k != "checkpoint_every"}
+        with DaskClient(f"tcp://127.0.0.1:{d.ports['8786']}", direct_to_workers=True) as dask_client:
+            refs = [
+                sandblaster.minimize(
+                    softmax, digits, client=dask_client, store=str(d.store / f"ref{i}"), **opts
+                )
+                for i in range(2)
+            ]
+        if np.array_equal(refs[0].x, refs[1].x):
+            np.testing.assert_array_equal(w_long, refs[0].x)
+        else:
+            np.testing.assert_allclose(w_long, refs[0].x, rtol=1e-9, atol=1e-12)
         # A Downpour job (~56 steps an epoch: 1200 epochs run well past the checkpoint awaited), killed once
         # its shards have a checkpoint past step 3000.
         down = api.submit(
@@ -318,20 +333,7 @@ def test_the_compose_commands_run_a_job_end_to_end_and_survive_an_api_crash(depl
         assert h.time.values[first] == pytest.approx(point.time) and h.step.values[first] == point.step
         assert float(h.objective.values[first]) == pytest.approx(f_ckpt, rel=1e-12)
         assert np.all(h.objective.values[first:] < 0.5 * f0)
-        assert models.objective(softmax, api.params(down["id"]), X, y)[0] < f_ckpt
-    # The resumed Sandblaster job's parameters are the uninterrupted run's: bit for bit when two
-    # uninterrupted runs on this cluster agree bit for bit (Sandblaster runs reproducible), else to 1e-9.
-    digits = Dataset.in_store(d.store / "datasets", "digits")
-    opts = {k: v for k, v in LBFGS.items() if k != "checkpoint_every"}
-    with DaskClient(f"tcp://127.0.0.1:{d.ports['8786']}", direct_to_workers=True) as dask_client:
-        refs = [
-            sandblaster.minimize(softmax, digits, client=dask_client, store=str(d.store / f"ref{i}"), **opts)
-            for i in range(2)
-        ]
-    if np.array_equal(refs[0].x, refs[1].x):
-        np.testing.assert_array_equal(w_long, refs[0].x)
-    else:
-        np.testing.assert_allclose(w_long, refs[0].x, rtol=1e-9, atol=1e-12)
+        assert models.objective(softmax, api.params(down["id"]), X, y)[0] < 0.1 * f0
     # Every service's healthcheck passes on the running deployment; a stopped worker's fails, the other's not.
     for service in ("scheduler", "worker-1", "worker-2", "api"):
         check = d.healthcheck(service)

