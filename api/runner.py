@@ -338,24 +338,23 @@ class JobRunner:
                 self._pool.submit(self._execute, record["id"])
 
     def _recover(self, job: _Job) -> None:
-        """A job the previous server left running: resume it, start it again, or fail it with the reason."""
+        """A job the previous server left running: resume it from its last checkpoint, or start it again."""
         rec = job.record
         rec["restarts"] = int(rec.get("restarts") or 0) + 1
-        if rec["algorithm"] == "downpour-sgd":
-            self._recover_downpour(job)
-        elif rec.get("checkpoint_iteration"):
-            k = int(rec["checkpoint_iteration"])
+        point = self._checkpoint_of(job)
+        if point is not None:
+            resumed_from, last_row, where = point
             job.resume = True
             rec.update(
                 status="queued",
-                resumed_from=k,
-                message=f"the server restarted; resuming from the checkpoint of iteration {k}",
+                resumed_from=resumed_from,
+                message=f"the server restarted; resuming from the checkpoint {where}",
             )
             with contextlib.suppress(StoreError):  # unreadable metrics: the resumed run writes new ones
                 stored = self.store.load_metrics(rec["id"])
                 if stored is not None:
                     job.dim, job.columns, rows = stored
-                    job.rows = [r for r in rows if r[0] <= k]
+                    job.rows = [r for r in rows if r[0] <= last_row]
         else:
             rec.update(
                 status="queued",
@@ -366,33 +365,24 @@ class JobRunner:
             )
         self.store.save_record(rec)
 
-    def _recover_downpour(self, job: _Job) -> None:
-        """A Downpour job left running: resume it from its last shard checkpoint, or start it again."""
-        from distbelief.downpour._resume import resume_point
+    def _checkpoint_of(self, job: _Job) -> tuple[int, float, str] | None:
+        """Where a job left running would resume: ``(resumed_from, last metrics row kept, in words)``.
 
+        Sandblaster: the checkpoint iteration the record holds. Downpour: the last shard checkpoint in the
+        job's run directory (its step count; metrics rows are kept up to its time).
+        """
         rec = job.record
-        point = resume_point(self.store.run_dir(rec["id"]))
-        if point is None:
-            rec.update(
-                status="queued",
-                iterations=0,
-                latest={},
-                message="the server restarted before the job's first checkpoint; "
-                "running it again from the start",
-            )
-            return
-        job.resume = True
-        rec.update(
-            status="queued",
-            resumed_from=point.step,
-            message=f"the server restarted; resuming from the checkpoint at step {point.step} "
-            f"({point.time:.3g} s into the run)",
-        )
-        with contextlib.suppress(StoreError):  # unreadable metrics: the resumed run writes new ones
-            stored = self.store.load_metrics(rec["id"])
-            if stored is not None:
-                job.dim, job.columns, rows = stored
-                job.rows = [r for r in rows if r[0] <= point.time]
+        if rec["algorithm"] == "downpour-sgd":
+            from distbelief.downpour._resume import resume_point
+
+            point = resume_point(self.store.run_dir(rec["id"]))
+            if point is None:
+                return None
+            return point.step, point.time, f"at step {point.step} ({point.time:.3g} s into the run)"
+        if not rec.get("checkpoint_iteration"):
+            return None
+        k = int(rec["checkpoint_iteration"])
+        return k, float(k), f"of iteration {k}"
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop taking jobs; ask running jobs to stop at their next iteration and save what they have.

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import anyio
+import httpx
 import numpy as np
 import pytest
 from distributed import Client as DaskClient
@@ -25,6 +27,13 @@ SOFTMAX = {"kind": "softmax", "n_features": 64, "n_classes": 10}
 LONG = {"gtol": 0.0, "ftol": 0.0, "maxiter": 120, "l2": 1e-3, "checkpoint_every": 3}
 
 
+async def submit(http: httpx.AsyncClient, algorithm: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Submit a softmax job on the uploaded digits."""
+    body = {"algorithm": algorithm, "dataset": "digits", "model": SOFTMAX, "options": options}
+    job: dict[str, Any] = (await http.post("/api/jobs", json=body)).json()
+    return job
+
+
 async def test_a_running_job_resumes_from_its_checkpoint_after_a_restart(
     tmp_path: Path, client: DaskClient
 ) -> None:
@@ -32,30 +41,10 @@ async def test_a_running_job_resumes_from_its_checkpoint_after_a_restart(
     settings = settings_for(tmp_path)
     async with running_app(settings, client) as (_, http):
         await http.post("/api/datasets", data={"name": "digits"}, files={"file": ("d.npz", npz_bytes(X, y))})
-        short = (
-            await http.post(
-                "/api/jobs",
-                json={
-                    "algorithm": "sandblaster-lbfgs",
-                    "dataset": "digits",
-                    "model": SOFTMAX,
-                    "options": {"maxiter": 5},
-                },
-            )
-        ).json()
+        short = await submit(http, "sandblaster-lbfgs", {"maxiter": 5})
         finished = await wait_final(http, short["id"])
         finished_metrics = (await http.get(f"/api/jobs/{short['id']}/metrics")).json()
-        long = (
-            await http.post(
-                "/api/jobs",
-                json={
-                    "algorithm": "sandblaster-lbfgs",
-                    "dataset": "digits",
-                    "model": SOFTMAX,
-                    "options": LONG,
-                },
-            )
-        ).json()
+        long = await submit(http, "sandblaster-lbfgs", LONG)
         for _ in range(600):
             record = (await http.get(f"/api/jobs/{long['id']}")).json()
             if (record["checkpoint_iteration"] or 0) >= 6:
@@ -164,17 +153,7 @@ async def test_a_running_downpour_job_resumes_from_its_shard_checkpoint(
     settings = settings_for(tmp_path)
     async with running_app(settings, client) as (_, http):
         await http.post("/api/datasets", data={"name": "digits"}, files={"file": ("d.npz", npz_bytes(X, y))})
-        job = (
-            await http.post(
-                "/api/jobs",
-                json={
-                    "algorithm": "downpour-sgd",
-                    "dataset": "digits",
-                    "model": SOFTMAX,
-                    "options": DOWNPOUR,
-                },
-            )
-        ).json()
+        job = await submit(http, "downpour-sgd", DOWNPOUR)
         run_dir = tmp_path / "jobs" / job["id"] / "run"
         for _ in range(1200):
             point = resume_point(run_dir)
