@@ -2,8 +2,8 @@
 
 A job's record, metrics and result live in the store (:mod:`api._jobstore`), so the service can be stopped
 at any time: on the next start, finished jobs are all there, queued jobs are queued again, and a job that was
-running resumes from its last checkpoint (Sandblaster's ``checkpoint_every`` / ``resume``), starts over if it
-had none, or is marked failed with the reason when its algorithm cannot resume (Downpour).
+running resumes from its last checkpoint (Sandblaster's ``checkpoint_every`` / ``resume``; Downpour's shard
+checkpoints, every ``checkpoint_every_s`` seconds, with ``resume``), or starts over if it had none.
 
 Live state (the metrics rows of running jobs, subscribers to their events) is kept in memory; every change
 wakes the server-sent-event streams through :meth:`JobRunner.subscribe`.
@@ -152,6 +152,7 @@ def run_downpour(ctx: RunContext) -> RunOutcome:
         client=ctx.client,
         store=ctx.store,
         callback=ctx.callback,
+        **({"resume": True} if ctx.resume else {}),
         **ctx.options,
     )
     summary = _summary(res, "stop_reason", "success", "message", "steps", "wall_time", "stats")
@@ -338,29 +339,23 @@ class JobRunner:
                 self._pool.submit(self._execute, record["id"])
 
     def _recover(self, job: _Job) -> None:
-        """A job the previous server left running: resume it, start it again, or fail it with the reason."""
+        """A job the previous server left running: resume it from its last checkpoint, or start it again."""
         rec = job.record
         rec["restarts"] = int(rec.get("restarts") or 0) + 1
-        if rec["algorithm"] == "downpour-sgd":
-            rec.update(
-                status="failed",
-                finished_at=_now(),
-                message="the server stopped while this Downpour job was running, and Downpour runs cannot "
-                "resume from a checkpoint; submit the job again",
-            )
-        elif rec.get("checkpoint_iteration"):
-            k = int(rec["checkpoint_iteration"])
+        point = self._checkpoint_of(job)
+        if point is not None:
+            resumed_from, last_row, where = point
             job.resume = True
             rec.update(
                 status="queued",
-                resumed_from=k,
-                message=f"the server restarted; resuming from the checkpoint of iteration {k}",
+                resumed_from=resumed_from,
+                message=f"the server restarted; resuming from the checkpoint {where}",
             )
             with contextlib.suppress(StoreError):  # unreadable metrics: the resumed run writes new ones
                 stored = self.store.load_metrics(rec["id"])
                 if stored is not None:
                     job.dim, job.columns, rows = stored
-                    job.rows = [r for r in rows if r[0] <= k]
+                    job.rows = [r for r in rows if r[0] <= last_row]
         else:
             rec.update(
                 status="queued",
@@ -370,6 +365,25 @@ class JobRunner:
                 "running it again from the start",
             )
         self.store.save_record(rec)
+
+    def _checkpoint_of(self, job: _Job) -> tuple[int, float, str] | None:
+        """Where a job left running would resume: ``(resumed_from, last metrics row kept, in words)``.
+
+        Sandblaster: the checkpoint iteration the record holds. Downpour: the last shard checkpoint in the
+        job's run directory (its step count; metrics rows are kept up to its time).
+        """
+        rec = job.record
+        if rec["algorithm"] == "downpour-sgd":
+            from distbelief.downpour._resume import resume_point
+
+            point = resume_point(self.store.run_dir(rec["id"]))
+            if point is None:
+                return None
+            return point.step, point.time, f"at step {point.step} ({point.time:.3g} s into the run)"
+        if not rec.get("checkpoint_iteration"):
+            return None
+        k = int(rec["checkpoint_iteration"])
+        return k, float(k), f"of iteration {k}"
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop taking jobs; ask running jobs to stop at their next iteration and save what they have.
@@ -768,8 +782,9 @@ class JobRunner:
                 return  # the server is going down: the job stays "running" and is taken up on restart
             reason = str(exc) or type(exc).__name__
             if resume:
+                where = "step" if rec["algorithm"] == "downpour-sgd" else "iteration"
                 reason = (
-                    f"could not resume from the checkpoint of iteration {rec.get('resumed_from')}: {reason}"
+                    f"could not resume from the checkpoint of {where} {rec.get('resumed_from')}: {reason}"
                 )
             if not isinstance(exc, DistbeliefError | ValueError):
                 reason = f"{type(exc).__name__}: {reason}"

@@ -77,6 +77,7 @@ class DownpourOptions:
     shard_workers: tuple[str, ...] | None = None
     replica_workers: tuple[str, ...] | None = None
     trace: bool = False
+    resume: bool = False
     has_callback: bool = False
     communication: str = "auto"
 
@@ -138,7 +139,7 @@ class DownpourOptions:
             self.communication,
             "'auto' or 'dense' when l2 > 0 (the l2 term moves every parameter every step)",
         )
-        for name in ("shuffle", "trace"):
+        for name in ("shuffle", "trace", "resume"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "True or False")
         _check(

@@ -196,6 +196,13 @@ class DownpourReplica:
         )
         return out
 
+    async def resume_at(self, steps: int, rows: int, epoch: int) -> None:
+        """Before :meth:`start`, continue a resumed run: its counters at the checkpoint (the epoch ``epoch``
+        starts again from its first mini-batch; see :mod:`downpour._resume`)."""
+        self.core.counters.steps = int(steps)
+        self.core.counters.rows = int(rows)
+        self.epoch = int(epoch)
+
     async def set_step_limit(self, limit: int | None) -> None:
         """Stop (and flush) after ``limit`` steps of this replica."""
         self.step_limit = limit
@@ -282,6 +289,7 @@ class DownpourReplica:
             fetched_version=msg.fetched_versions[i],
             staleness_scale=self.config.staleness_scale,
             **({"keys": op[3]} if len(op) > 3 and op[3] is not None else {}),
+            steps=msg.steps,
         )
 
     # -- compute thread ----------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from distributed import Client, Future
 from distbelief.downpour._batches import split_rows
 from distbelief.downpour._options import DownpourOptions, Rule
 from distbelief.downpour._replica import DownpourReplica, ReplicaConfig
+from distbelief.downpour._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
 from distbelief.downpour._watch import StepRuleStallWarning, Watchdog, gradient_norms, stall_message
 from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
 from distbelief.models import objective
@@ -151,8 +152,10 @@ class TrainResult(FittedMixin):
         One entry per evaluation, over ``time`` (seconds since the replicas started): ``step``, ``epoch``,
         ``train_loss``, ``test_loss``, ``test_accuracy``, ``staleness_mean``, ``staleness_max``,
         ``replicas_alive``, ``push_errors``, ``stale_waits``, and per ``shard`` (cumulative) ``pushes``,
-        ``fetches`` and ``version`` (updates the shard has applied, as last reported); ``bytes_moved``:
-        parameter and gradient bytes (keys included) the replicas have fetched and pushed so far.
+        ``fetches`` and ``version`` (updates the shard has applied, as last reported), and ``applied``
+        (pushes the shard's vectors hold, counted on the shard: :meth:`storage.Shard.counters`);
+        ``bytes_moved``: parameter and gradient bytes (keys included) the replicas have fetched and pushed so
+        far.
     stop_reason : str
         ``"max_steps"``, ``"epochs"``, ``"time_limit"``, ``"callback"``, ``"diverged"`` or
         ``"replicas_lost"``.
@@ -225,6 +228,7 @@ def train(
     max_staleness: int | None = None,
     max_loss_growth: float | None = 10.0,
     checkpoint_every_s: float = 5.0,
+    resume: bool = False,
     seed: int = 0,
     x0: np.ndarray | None = None,
     shuffle: bool = True,
@@ -303,7 +307,12 @@ def train(
         fetch first (0 with one replica is sequential SGD).
     checkpoint_every_s : float
         Seconds between checkpoints of the shards to zarr (0: only the initial one); a lost shard is
-        rebuilt from the last.
+        rebuilt from the last, and a run started again with ``resume=True`` continues from it.
+    resume : bool
+        Continue the run whose checkpoints are in ``store`` (which must be given) from its last checkpoint:
+        parameters, Adagrad accumulators, shard clocks and the replicas' step and epoch counters as they
+        were then (see :mod:`downpour._resume`); ``epochs``, ``max_steps`` and ``time_limit`` count the whole
+        run. The other options should be those of the interrupted run.
     seed : int
         Seed of the starting point (``model.init_params``) and of the mini-batch shuffles.
     x0 : numpy.ndarray, optional
@@ -375,6 +384,7 @@ def train(
         max_staleness=max_staleness,
         max_loss_growth=max_loss_growth,
         checkpoint_every_s=checkpoint_every_s,
+        resume=resume,
         seed=seed,
         shuffle=shuffle,
         poll_every=poll_every,
@@ -385,6 +395,8 @@ def train(
         has_callback=callback is not None,
         communication=communication,
     )
+    if resume and store is None:
+        raise InvalidOptionError("resume=True needs the store= of the run to continue")
     x_start = start_vector(model, x0, seed)
     eval_arrays = _eval_arrays(model, eval_data)
     tmp = None
@@ -530,6 +542,7 @@ class _Row:
     fetches: list[int]
     version: list[int]
     bytes_moved: int = 0
+    applied: list[int] = field(default_factory=list)
 
 
 class _Run:
@@ -574,6 +587,8 @@ class _Run:
         self._objective_rows: tuple[np.ndarray, np.ndarray] | None = None
         self.watch = Watchdog(opts.max_loss_growth)
         self.communication = "dense"
+        #: With ``resume=True``: the checkpoint the run continues from.
+        self.resumed: ResumePoint | None = None
 
     # -- setup / teardown ----------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -588,23 +603,26 @@ class _Run:
         # Key-value fetch and push (storage._keys) for sparse rows, unless l2 moves every parameter.
         wide = use_sparse(opts.communication, self.model, self.dataset.layout == "csr")
         self.communication = "sparse" if wide and not opts.l2 else "dense"
-        ps = ParameterServer.create(
-            client,
-            n,
-            shards=n_shards,
-            store=os.path.join(self.store, "params"),
-            workers=shard_workers,
-            overwrite=True,
-            timeout=opts.call_timeout,
-        )
+        if opts.resume:
+            ps = self._reopen(n_replicas, shard_workers)
+        else:
+            ps = ParameterServer.create(
+                client,
+                n,
+                shards=n_shards,
+                store=params_store(self.store),
+                workers=shard_workers,
+                overwrite=True,
+                timeout=opts.call_timeout,
+            )
+            ps.scatter("x", self.x_start)
+            if opts.rule == "adagrad":
+                # The accumulators exist from the start: every checkpoint (and a restored shard) holds them.
+                ps.fill("x.adagrad", 0.0)
+            ps.checkpoint(meta=checkpoint_meta(0.0, {}, n_replicas))
+            self.checkpoints = 1
         self.ps = ps
         self.recovery = ShardRecovery(ps, max_recoveries=MAX_RECOVERIES, on_restored=self._restored)
-        ps.scatter("x", self.x_start)
-        if opts.rule == "adagrad":
-            # The accumulators exist from the start, so every checkpoint (and a restored shard) holds them.
-            ps.fill("x.adagrad", 0.0)
-        ps.checkpoint(meta={"step": 0})
-        self.checkpoints = 1
         config = ReplicaConfig(
             run_id=uuid.uuid4().hex[:12],
             rule=opts.rule,
@@ -646,6 +664,46 @@ class _Run:
         self.actors = [f.result(timeout=opts.call_timeout) for f in self.futures]
         self.alive = [True] * n_replicas
         self.started = [False] * n_replicas
+        if self.resumed is not None:
+            self._resume_replicas(self.resumed)
+
+    def _reopen(self, n_replicas: int, shard_workers: list[str]) -> ParameterServer:
+        """``resume=True``: the shards as the last checkpoint left them (vectors, clocks, counters)."""
+        point = require_resume_point(self.store, n_replicas)
+        ps = ParameterServer.open(
+            self.client, store=params_store(self.store), workers=shard_workers, timeout=self.opts.call_timeout
+        )
+        if ps.n != self.x_start.size:
+            ps.close()
+            raise InvalidOptionError(
+                f"the checkpoint holds {ps.n} parameters but the model has {self.x_start.size}; resume with "
+                "the model of the interrupted run"
+            )
+        self.x_start = ps.gather("x")
+        self.resumed = point
+        return ps
+
+    def _resume_replicas(self, point: ResumePoint) -> None:
+        """Hand every replica its counters at the checkpoint; they are the driver's starting totals."""
+        every = list(range(len(self.actors)))
+        for r, p in enumerate(point.replicas):
+            self._call([r], "resume_at", (p["steps"], p["rows"], p["epoch"]))
+        for r, (ok, value) in self._call(every, "status").items():
+            if not ok:
+                raise ClusterError(f"replica {r} did not answer after resuming: {value!r}")
+            self.status[r] = value
+        t = self._totals()
+        self._prev = (t["rows"], t["loss_sum"], t["staleness_count"], t["staleness_sum"])
+
+    def _checkpoint(self, now: float) -> None:
+        """A periodic checkpoint of the shards, with the counters ``resume=True`` needs."""
+        assert self.ps is not None
+        ps, meta = self.ps, self._checkpoint_meta(now)
+        self._ps_call(lambda: ps.checkpoint(meta=meta))
+
+    def _checkpoint_meta(self, now: float, **extra: Any) -> dict[str, Any]:
+        """What a checkpoint saves beside the shards, for ``resume=True`` (:func:`checkpoint_meta`)."""
+        return checkpoint_meta(now, self.status, len(self.actors), **extra)
 
     def teardown(self) -> None:
         live = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r] and not self.stopped]
@@ -799,11 +857,29 @@ class _Run:
             fetches=t["fetches"],
             version=t["version"],
             bytes_moved=t["bytes_fetched"] + t["bytes_pushed"],
+            applied=self._shard_applied(),
         )
         self.rows.append(row)
         self._prev = (t["rows"], t["loss_sum"], t["staleness_count"], t["staleness_sum"])
         self._window_max = 0
         return Progress(**{k: v for k, v in asdict(row).items() if k in Progress.__dataclass_fields__})
+
+    def _shard_counters(self) -> list[dict[str, Any]] | None:
+        """Every shard's applied-push counters (None if a shard does not answer)."""
+        assert self.ps is not None
+        ps = self.ps
+        try:
+            counters: list[dict[str, Any]] = self._ps_call(ps.counters)
+        except ClusterError:
+            return None
+        return counters
+
+    def _shard_applied(self) -> list[int]:
+        counters = self._shard_counters()
+        if counters is None:  # keep the last known counts
+            s = self.ps.shards if self.ps is not None else 1
+            return list(self.rows[-1].applied) if self.rows else [0] * s
+        return [int(c["applied"]) for c in counters]
 
     def _gather_x(self) -> np.ndarray | None:
         assert self.ps is not None
@@ -833,7 +909,7 @@ class _Run:
             "bytes_moved",
         ]
         data: dict[str, Any] = {k: ("time", np.array([getattr(r, k) for r in rows])) for k in scalar}
-        for k in ("pushes", "fetches", "version"):
+        for k in ("pushes", "fetches", "version", "applied"):
             values = np.array([getattr(r, k) for r in rows], dtype=np.int64).reshape(-1, s)
             data[k] = (("time", "shard"), values)
         data["train_loss"] = (*data["train_loss"], {"long_name": "running mini-batch loss"})
@@ -861,17 +937,18 @@ class _Run:
     def drive(self) -> TrainResult:
         opts = self.opts
         assert self.ps is not None
-        ps = self.ps
         n_replicas = len(self.actors)
-        warm = opts.warmstart_steps > 0 and n_replicas > 1
-        self.t0 = time.perf_counter()
+        warm = opts.warmstart_steps > 0 and n_replicas > 1 and self.resumed is None
+        # A resumed run's clock goes on from its checkpoint's (time_limit counts the whole run).
+        start = self.resumed.time if self.resumed is not None else 0.0
+        self.t0 = time.perf_counter() - start
         if warm:
             self._call([0], "hold", (opts.warmstart_steps,))
         self._start([0] if warm else list(range(n_replicas)))
-        _diverged(self.watch, self._record(0.0, self.x_start), self.x_start)
+        _diverged(self.watch, self._record(start, self.x_start), self.x_start)
         waiting = list(range(1, n_replicas)) if warm else []
-        next_eval = self._eval_interval(0.0)
-        next_ckpt = opts.checkpoint_every_s if opts.checkpoint_every_s > 0 else math.inf
+        next_eval = start + self._eval_interval(start)
+        next_ckpt = start + opts.checkpoint_every_s if opts.checkpoint_every_s > 0 else math.inf
         stop_reason: str | None = None
         while stop_reason is None:
             now = time.perf_counter() - self.t0
@@ -908,7 +985,7 @@ class _Run:
                     stop_reason = "diverged"
             if now >= next_ckpt:
                 with contextlib.suppress(ClusterError):
-                    self._ps_call(lambda: ps.checkpoint(meta={"step": self._totals()["steps"]}))
+                    self._checkpoint(now)
                     self.checkpoints += 1
                 next_ckpt = now + opts.checkpoint_every_s
             stop_reason = stop_reason or self._stop_condition(now, waiting)
@@ -956,7 +1033,8 @@ class _Run:
                 self._fail(r, st)
         wall = time.perf_counter() - self.t0
         # The store ends up holding the final state (parameters, Adagrad accumulators, shard versions).
-        self._ps_call(lambda: ps.checkpoint(meta={"step": self._totals()["steps"], "final": True}))
+        final_meta = self._checkpoint_meta(wall, final=True)
+        self._ps_call(lambda: ps.checkpoint(meta=final_meta))
         self.checkpoints += 1
         x: np.ndarray = self._ps_call(lambda: ps.gather("x"))
         last = self._record(wall, x)
@@ -987,6 +1065,8 @@ class _Run:
             "bytes_fetched": t["bytes_fetched"],
             "bytes_pushed": t["bytes_pushed"],
             "bytes_per_step": (t["bytes_fetched"] + t["bytes_pushed"]) / max(1, t["steps"]),
+            "shard_counters": self._shard_counters(),
+            "resumed_from": self.resumed.step if self.resumed is not None else None,
             "per_replica": {r: {k: st[k] for k in _PER_REPLICA} for r, st in sorted(self.status.items())},
         }
         history, message = self._history(), _MESSAGES[stop_reason]

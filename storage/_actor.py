@@ -252,6 +252,10 @@ class ShardActor:
 
         await self._do(_swap)
 
+    async def counters(self) -> dict[str, Any]:
+        """Forward to :meth:`Shard.counters` (on the event loop: a few scalars)."""
+        return self.core.counters()
+
     async def names(self) -> list[str]:
         """Names of the vectors this shard holds."""
         return sorted(self.core.vectors)

@@ -502,6 +502,11 @@ class ParameterServer:
         names: list[str] = self._call_all("names", [()] * self.shards)[0]
         return names
 
+    def counters(self) -> list[dict[str, Any]]:
+        """Every shard's Downpour counters (:meth:`Shard.counters`): updates applied, in one round trip."""
+        out: list[dict[str, Any]] = self._call_all("counters", [()] * self.shards)
+        return out
+
     # -- calls -----------------------------------------------------------------------------------------
     def _call_all(self, method: str, args: Sequence[tuple[Any, ...]], **kwargs: Any) -> list[Any]:
         """Call ``method`` on every shard at once (one round trip) and return the per-shard results."""

@@ -26,14 +26,25 @@ import pytest
 import yaml
 from distributed import Client as DaskClient
 
-from distbelief import models
+from distbelief import models, sandblaster
 from distbelief.api import ApiError, Client
-from distbelief.storage import load_digits
+from distbelief.downpour._resume import checkpoint_vector, resume_point
+from distbelief.storage import Dataset, load_digits
 from tests.api.conftest import LOGISTIC, scipy_logistic, tiny_xy
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TOKEN = "compose-token-0123456789abcdef"
+SOFTMAX = {"kind": "softmax", "n_features": 64, "n_classes": 10}
+LBFGS = {"gtol": 0.0, "ftol": 0.0, "maxiter": 120, "checkpoint_every": 5, "l2": 1e-3}
+DOWNPOUR = {"epochs": 1200, "lr": 0.3, "checkpoint_every_s": 0.2, "replicas": 2}
+
+
+class _NoPoint:
+    step = -1
+
+
+NO_POINT = _NoPoint()
 
 
 def _compose() -> dict[str, Any]:
@@ -81,6 +92,8 @@ class Deployment:
         self.env = {**os.environ, "DISTBELIEF_API_TOKEN": TOKEN}
         for var in ("DISTBELIEF_DASK_DASHBOARD_URL", "DISTBELIEF_MAX_CONCURRENT_JOBS", "DISTBELIEF_PORT"):
             self.env.pop(var, None)
+        # The services run this checkout's code (its distbelief/ links), not whichever copy is installed.
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
     def localize(self, text: str) -> str:
         text = text.replace("0.0.0.0", "127.0.0.1").replace("/data/store", str(self.store))
@@ -247,10 +260,10 @@ def test_the_compose_commands_run_a_job_end_to_end_and_survive_an_api_crash(depl
             {
                 "algorithm": "sandblaster-lbfgs",
                 "dataset": "digits",
-                "model": {"kind": "softmax", "n_features": 64, "n_classes": 10},
+                "model": SOFTMAX,
                 # 120 iterations (it converges at 162): ~100 are left after checkpoint 10,
                 # so the job is still running when the API is killed, even on a loaded machine.
-                "options": {"gtol": 0.0, "ftol": 0.0, "maxiter": 120, "checkpoint_every": 5, "l2": 1e-3},
+                "options": LBFGS,
             }
         )
         # Killed once the store records a checkpoint past the first: the store is all the next API gets.
@@ -265,12 +278,62 @@ def test_the_compose_commands_run_a_job_end_to_end_and_survive_an_api_crash(depl
     d.stop("api", signal.SIGKILL)
     d.start("api")
     d.wait_api()
+    softmax = models.Softmax(64, 10)
     with Client(d.url, TOKEN) as api:
         assert api.job(job["id"])["status"] == "succeeded"
         record = api.wait(long["id"], timeout=120, progress=False)
         assert record["status"] == "succeeded", record["message"] + d.logs()
         assert record["resumed_from"] >= 10 and record["restarts"] == 1 and record["result"]["nit"] == 120
         assert list(api.metrics(long["id"]).iteration.values) == list(range(121))
+        w_long = api.params(long["id"])
+        # The resumed Sandblaster job's parameters are the uninterrupted run's: bit for bit when two
+        # uninterrupted runs on this cluster agree bit for bit (Sandblaster runs reproducible), else to 1e-9.
+        digits = Dataset.in_store(d.store / "datasets", "digits")
+        opts = {k: v for k, v in LBFGS.items() if k != "checkpoint_every"}
+        with DaskClient(f"tcp://127.0.0.1:{d.ports['8786']}", direct_to_workers=True) as dask_client:
+            refs = [
+                sandblaster.minimize(
+                    softmax, digits, client=dask_client, store=str(d.store / f"ref{i}"), **opts
+                )
+                for i in range(2)
+            ]
+        if np.array_equal(refs[0].x, refs[1].x):
+            np.testing.assert_array_equal(w_long, refs[0].x)
+        else:
+            np.testing.assert_allclose(w_long, refs[0].x, rtol=1e-9, atol=1e-12)
+        # A Downpour job (~56 steps an epoch: 1200 epochs run well past the checkpoint awaited), killed once
+        # its shards have a checkpoint past step 3000.
+        down = api.submit(
+            {"algorithm": "downpour-sgd", "dataset": "digits", "model": SOFTMAX, "options": DOWNPOUR}
+        )
+        down_run = d.store / "jobs" / down["id"] / "run"
+        deadline = time.monotonic() + 120
+        while (resume_point(down_run) or NO_POINT).step < 3000:
+            assert time.monotonic() < deadline, api.job(down["id"])
+            time.sleep(0.02)
+        assert api.job(down["id"])["status"] == "running"
+    d.stop("api", signal.SIGKILL)
+    # What the Downpour job left: its last shard checkpoint, far from the start.
+    point = resume_point(down_run)
+    assert point is not None and 3000 <= point.step < 1200 * 56
+    x_ckpt = checkpoint_vector(down_run)
+    f0 = models.objective(softmax, softmax.init_params(0), X, y)[0]
+    f_ckpt = models.objective(softmax, x_ckpt, X, y)[0]
+    assert f_ckpt < 0.5 * f0
+    d.start("api")
+    d.wait_api()
+    with Client(d.url, TOKEN) as api:
+        # The Downpour job went on from its checkpoint (not from x0) and reached its target.
+        resumed = api.wait(down["id"], timeout=180, progress=False)
+        assert resumed["status"] == "succeeded", resumed["message"] + d.logs()
+        assert resumed["resumed_from"] == point.step and resumed["restarts"] == 1
+        assert resumed["result"]["stop_reason"] == "epochs" and resumed["result"]["steps"] > point.step
+        h = api.metrics(down["id"])
+        first = int(np.searchsorted(h.time.values, point.time))
+        assert h.time.values[first] == pytest.approx(point.time) and h.step.values[first] == point.step
+        assert float(h.objective.values[first]) == pytest.approx(f_ckpt, rel=1e-12)
+        assert np.all(h.objective.values[first:] < 0.5 * f0)
+        assert models.objective(softmax, api.params(down["id"]), X, y)[0] < 0.1 * f0
     # Every service's healthcheck passes on the running deployment; a stopped worker's fails, the other's not.
     for service in ("scheduler", "worker-1", "worker-2", "api"):
         check = d.healthcheck(service)

@@ -1,0 +1,83 @@
+"""``downpour.train(..., resume=True)`` continues a run from its last shard checkpoint: parameters, Adagrad
+accumulators, shard clocks and the replicas' step and epoch counters, checked in closed form under
+:class:`ConstantGradient` (every step's gradient is ``c``: the parameters say how many steps were applied)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import cloudpickle
+import numpy as np
+import pytest
+from distributed import Client
+
+from distbelief import downpour
+from distbelief.downpour import Progress
+from distbelief.downpour._resume import checkpoint_vector, resume_point
+from distbelief.errors import InvalidOptionError
+from tests.downpour import _helpers
+from tests.downpour._helpers import ConstantGradient
+
+cloudpickle.register_pickle_by_value(_helpers)
+
+N = 500
+LR = 1e-3
+DATA = (np.zeros((600, 1)), np.zeros(600))
+
+
+def stop_after(steps: int) -> Callable[[Progress], None]:
+    def callback(p: Progress) -> None:
+        if p.step >= steps:
+            raise StopIteration
+
+    return callback
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adagrad"])
+def test_a_resumed_run_continues_from_its_checkpoint(client: Client, tmp_path: Path, rule: str) -> None:
+    model = ConstantGradient(N)
+    opts = {"replicas": 2, "rule": rule, "lr": LR, "batch_size": 5, "epochs": 100, "client": client}
+    first = downpour.train(model, DATA, **opts, store=tmp_path, eval_every=0.01, callback=stop_after(2000))
+    assert first.stop_reason == "callback"
+    point = resume_point(tmp_path)
+    assert point is not None and point.final and point.step == first.steps > 0
+    assert [p["epoch"] for p in point.replicas] < [100, 100]
+    x_ckpt = checkpoint_vector(tmp_path)
+    np.testing.assert_array_equal(x_ckpt, first.x)
+
+    res = downpour.train(model, DATA, **opts, store=tmp_path, resume=True)
+    assert res.success and res.stop_reason == "epochs", res.message
+    assert res.stats["resumed_from"] == first.steps
+    per = res.stats["per_replica"]
+    # The replicas' counters went on from the checkpoint's: 100 epochs of their 300 rows each in all (the
+    # epoch a replica was in when stopped is visited again from its start).
+    assert all(st["steps"] >= 100 * 60 for st in per.values())
+    assert res.steps == sum(st["steps"] for st in per.values()) > first.steps
+    # The history goes on from the checkpoint: the first entry is the checkpoint's parameters, at its time.
+    h = res.history
+    assert h.time.values[0] == pytest.approx(point.time) and h.step.values[0] == first.steps
+    (shard,) = res.stats["shard_counters"]
+    if rule == "sgd":
+        # Every step of both runs applied exactly once: the parameters continue from the checkpoint's, not x0.
+        assert shard["applied_weight"] == res.steps
+        np.testing.assert_allclose(res.x, -LR * model.c * res.steps, rtol=1e-9)
+    else:
+        # The accumulators were restored too (zeroed ones would hold only the second run's pushes).
+        acc = checkpoint_vector(tmp_path, "x.adagrad")
+        np.testing.assert_allclose(acc, shard["applied_steps_sq"] * model.c**2, rtol=1e-12)
+        assert shard["applied_weight"] == res.steps
+        assert np.all(res.x < x_ckpt)  # went on descending from the checkpoint
+    # The shard clock went on from the checkpoint's.
+    assert shard["version"] == shard["applied"] > first.stats["shard_counters"][0]["applied"]
+
+
+def test_resume_needs_a_checkpoint(client: Client, tmp_path: Path) -> None:
+    model = ConstantGradient(N)
+    with pytest.raises(InvalidOptionError, match="holds no Downpour checkpoint"):
+        downpour.train(model, DATA, max_steps=10, client=client, store=tmp_path, resume=True)
+    with pytest.raises(InvalidOptionError, match="needs the store"):
+        downpour.train(model, DATA, max_steps=10, client=client, resume=True)
+    downpour.train(model, DATA, replicas=2, max_steps=10, client=client, store=tmp_path)
+    with pytest.raises(InvalidOptionError, match="resume it with replicas=2"):
+        downpour.train(model, DATA, replicas=1, max_steps=10, client=client, store=tmp_path, resume=True)
