@@ -71,6 +71,7 @@ class SandblasterOptions:
     restart_every: int | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    shard_memory: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in ("lbfgs", "cg", "gd"):
@@ -100,6 +101,17 @@ class SandblasterOptions:
         )
         for r, factor in self.slowdown.items():
             _check(factor >= 1.0, f"slowdown[{r}]", factor, "a factor >= 1")
+        _check(
+            self.shard_memory in (None, "auto")
+            or (
+                isinstance(self.shard_memory, int)
+                and not isinstance(self.shard_memory, bool)
+                and self.shard_memory >= 0
+            ),
+            "shard_memory",
+            self.shard_memory,
+            "bytes per shard (an int >= 0), 'auto' or None",
+        )
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
@@ -191,6 +203,7 @@ def minimize(
     seed: int | None = 0,
     checkpoint_every: int = 0,
     resume: bool = False,
+    shard_memory: int | str | None = "auto",
 ) -> OptimizeResult:
     """Minimize ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2`` with Sandblaster on a Dask cluster.
 
@@ -241,6 +254,10 @@ def minimize(
         the checkpoint, and the run goes on from there.
     resume : bool
         Continue the run checkpointed in ``store`` (same model, data and method) instead of starting anew.
+    shard_memory : int, "auto" or None
+        Bytes of vectors each shard keeps in RAM; colder ones (the L-BFGS history first) spill to local
+        files and are streamed in chunks. ``"auto"``: a share of the worker's ``memory_limit``; ``None``:
+        no limit. See ``ParameterServer.create(memory_budget=...)``.
 
     Returns
     -------
@@ -273,6 +290,7 @@ def minimize(
         replica_workers=tuple(replica_workers) if replica_workers else None,
         checkpoint_every=checkpoint_every,
         resume=resume,
+        shard_memory=shard_memory,
     )
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
@@ -362,7 +380,9 @@ def open_session(
                 )
             )
         if opts.resume:
-            ps = ParameterServer.open(client, store=params, workers=shard_workers)
+            ps = ParameterServer.open(
+                client, store=params, workers=shard_workers, memory_budget=opts.shard_memory
+            )
             if ps.n != n or not ps.checkpoint_id:
                 raise InvalidOptionError(
                     f"{params!r} holds no checkpoint of a run with {n} parameters; "
@@ -377,6 +397,7 @@ def open_session(
                 workers=shard_workers,
                 overwrite=True,
                 vectors=None if x0 is None else {RunState.x: x0},
+                memory_budget=opts.shard_memory,
             )
         shard_map = ps.shard_map()
         replicas = [(f.result(), f) for f in replica_futures]

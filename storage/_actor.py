@@ -22,6 +22,7 @@ import numpy as np
 
 from distbelief.storage._shard import Shard
 from distbelief.storage._store import open_group
+from distbelief.storage._vectorstore import default_budget
 from distbelief.storage._wire import pack_if_small
 
 __all__ = [
@@ -82,7 +83,11 @@ def read_checkpoint(url: str, slot: str, lo: int, hi: int, names: Sequence[str])
 
 class ShardActor:
     """Dask actor holding one shard; restored from checkpoint ``slot`` of ``url`` when ``slot`` is given,
-    else starting with ``vectors`` (this shard's slices, by name)."""
+    else starting with ``vectors`` (this shard's slices, by name).
+
+    ``memory_budget`` is the bytes of vectors the shard keeps in RAM (the rest spill to local files, see
+    :mod:`storage._vectorstore`): ``"auto"`` takes a share of this worker's ``memory_limit`` split over its
+    ``shards_here`` shards, ``None`` keeps everything in RAM."""
 
     def __init__(
         self,
@@ -94,9 +99,14 @@ class ShardActor:
         names: Sequence[str] = (),
         state: dict[str, Any] | None = None,
         vectors: dict[str, np.ndarray] | None = None,
+        memory_budget: int | str | None = None,
+        shards_here: int = 1,
+        spill_dir: str | None = None,
     ) -> None:
         keep_loop_responsive()
-        self.core = Shard(index, lo, hi)
+        budget = default_budget(shards_here) if memory_budget == "auto" else memory_budget
+        assert budget is None or isinstance(budget, int)
+        self.core = Shard(index, lo, hi, memory_budget=budget, spill_dir=spill_dir)
         for name, values in (vectors or {}).items():
             self.core.set(name, lo, hi, values)
         self.url = url
@@ -214,7 +224,9 @@ class ShardActor:
         vectors = await asyncio.to_thread(read_checkpoint, self.url, slot, self.core.lo, self.core.hi, names)
 
         def _swap() -> None:
-            self.core.vectors = vectors
+            # Cleared and refilled rather than replaced: the store keeps its memory budget and spill files.
+            self.core.vectors.clear()
+            self.core.vectors.update(vectors)
             self.core.accumulators = {}
             self.core.load_state(state)
 
@@ -225,6 +237,7 @@ class ShardActor:
         return sorted(self.core.vectors)
 
     async def close(self) -> None:
-        """Release the shard's thread."""
+        """Release the shard's thread and its spilled vector files."""
         if self._executor is not None:
             self._executor.shutdown(wait=False)
+        self.core.close()

@@ -288,6 +288,8 @@ class ParameterServer:
         self._meta = meta  # what the store's attributes hold now (written or read by the caller)
         self._slot_arrays: dict[str, set[str]] = {}
         self._group: Any = None
+        #: Per-shard RAM budget the shards were made with (see :meth:`create`), reused for rebuilt shards.
+        self.memory_budget: int | str | None = "auto"
 
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -303,6 +305,7 @@ class ParameterServer:
         overwrite: bool = False,
         timeout: float = 120.0,
         vectors: Mapping[str, np.ndarray] | None = None,
+        memory_budget: int | str | None = "auto",
     ) -> ParameterServer:
         """Create a new server for ``n`` parameters in ``shards`` shards, persisted at ``store``.
 
@@ -329,6 +332,11 @@ class ParameterServer:
             come to at most :data:`INLINE_VECTOR_BYTES` per shard, each shard's slices travel with its
             construction (no round trip of their own); bigger ones are scattered once the shards exist
             (a construction's arguments stay in the scheduler's task graph).
+        memory_budget : int, "auto" or None
+            Bytes of vectors each shard keeps in RAM; the others spill to local files on its worker and
+            the ops stream them in chunks (:mod:`storage._vectorstore`). ``"auto"``: a share
+            (``SHARD_MEMORY_FRACTION``) of the worker's ``memory_limit`` split over the shards placed on
+            it; ``None``: no limit.
         """
         layout = Layout.split(n, shards, target_chunk=target_chunk)
         initial = {name: _as_vector(values) for name, values in (vectors or {}).items()}
@@ -354,6 +362,7 @@ class ParameterServer:
                 hi,
                 url,
                 vectors={name: values[lo:hi] for name, values in initial.items()} if inline else None,
+                **_budget_kwargs(memory_budget, placement, i),
                 actor=True,
                 workers=[placement[i]],
                 allow_other_workers=False,
@@ -377,6 +386,7 @@ class ParameterServer:
                     del group[slot]
             group.attrs[ATTR] = meta
             server = cls(client, url, layout, futures, timeout=timeout, meta=json.loads(json.dumps(meta)))
+            server.memory_budget = memory_budget
         except BaseException:
             _release(futures)
             raise
@@ -397,8 +407,12 @@ class ParameterServer:
         store: str,
         workers: Sequence[str] | None = None,
         timeout: float = 120.0,
+        memory_budget: int | str | None = "auto",
     ) -> ParameterServer:
-        """Reopen the server at ``store``: new actors, every vector restored from the last checkpoint."""
+        """Reopen the server at ``store``: new actors, every vector restored from the last checkpoint.
+
+        ``memory_budget`` is as in :meth:`create`.
+        """
         url = normalize_url(store)
         meta = _read_attrs(url)
         layout = Layout.from_dict(meta["layout"])
@@ -414,6 +428,7 @@ class ParameterServer:
                 None if slot is None else f"slot{slot}",
                 meta["names"],
                 meta["states"][i] if slot is not None else None,
+                **_budget_kwargs(memory_budget, placement, i),
                 actor=True,
                 workers=[placement[i]],
                 allow_other_workers=False,
@@ -423,7 +438,9 @@ class ParameterServer:
             for i, (lo, hi) in enumerate(layout.ranges())
         ]
         try:
-            return cls(client, url, layout, futures, timeout=timeout, meta=meta)
+            server = cls(client, url, layout, futures, timeout=timeout, meta=meta)
+            server.memory_budget = memory_budget
+            return server
         except BaseException:
             _release(futures)  # e.g. a shard that could not be restored: the others must not linger
             raise
@@ -560,6 +577,7 @@ class ParameterServer:
                 None if slot is None else f"slot{slot}",
                 self._meta.get("names", []),
                 self._meta["states"][i] if restored else None,
+                **_budget_kwargs(self.memory_budget, [placement[k]], 0),  # its worker's other shards unknown
                 actor=True,
                 workers=[placement[k]],
                 allow_other_workers=False,
@@ -847,6 +865,13 @@ def _read_attrs(url: str) -> dict[str, Any]:
     if meta.get("format") != FORMAT_VERSION:
         raise StoreError(f"{url!r} was written by format {meta.get('format')}, this is {FORMAT_VERSION}")
     return dict(meta)
+
+
+def _budget_kwargs(budget: int | str | None, placement: Sequence[str], i: int) -> dict[str, Any]:
+    """The ShardActor keywords for the memory budget of the shard placed at ``placement[i]``."""
+    if budget is not None and budget != "auto" and not (isinstance(budget, int) and budget >= 0):
+        raise InvalidOptionError(f"memory_budget must be bytes (an int >= 0), 'auto' or None, got {budget!r}")
+    return {"memory_budget": budget, "shards_here": max(1, list(placement).count(placement[i]))}
 
 
 def _placement(client: Client, count: int, workers: Sequence[str] | None) -> list[str]:
