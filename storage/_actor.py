@@ -232,6 +232,17 @@ class ShardActor:
 
         await self._do(_swap)
 
+    async def memory(self) -> dict[str, Any]:
+        """Where the vectors are: RAM bytes and budget, spilled names, bytes streamed to and from disk."""
+        vs = self.core.vectors
+        return {
+            "ram_bytes": vs.ram_bytes,
+            "budget": vs.budget,
+            "spilled": sorted(vs.spilled),
+            "bytes_read": vs.bytes_read,
+            "bytes_written": vs.bytes_written,
+        }
+
     async def names(self) -> list[str]:
         """Names of the vectors this shard holds."""
         return sorted(self.core.vectors)

@@ -167,7 +167,9 @@ class Shard:
         if not self.vectors.spilled or not self.size:
             return False
         operands = op_operands(op)
-        return operands is not None and any(self.vectors.is_spilled(n) for n in operands[0] + operands[1])
+        if operands is None or any(n not in self.vectors for n in operands[0]):
+            return False  # a missing operand: the in-RAM path raises the error that says what to do
+        return any(self.vectors.is_spilled(n) for n in operands[0] + operands[1])
 
     def _on_chunk(self, op: Sequence[Any], views: dict[str, np.ndarray], n: int) -> Any:
         # The op's own in-RAM code on one chunk of every operand: same kernels, same order within a chunk.
