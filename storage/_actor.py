@@ -114,7 +114,8 @@ class ShardActor:
         inline = hi - lo <= INLINE_MAX_ELEMENTS
         self._executor = None if inline else ThreadPoolExecutor(1, thread_name_prefix=f"shard{index}")
         if slot is not None:
-            self.core.vectors.update(read_checkpoint(url, slot, lo, hi, names))
+            for name in names:  # one vector at a time: the budget places each before the next is read
+                self.core.vectors.update(read_checkpoint(url, slot, lo, hi, [name]))
             self.core.load_state(state or {})
 
     async def _do(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -221,7 +222,20 @@ class ShardActor:
 
     async def restore(self, slot: str, names: Sequence[str], state: dict[str, Any]) -> None:
         """Replace every vector by the checkpoint in ``slot`` (a rollback)."""
-        vectors = await asyncio.to_thread(read_checkpoint, self.url, slot, self.core.lo, self.core.hi, names)
+        lo, hi = self.core.lo, self.core.hi
+        if self._executor is not None:
+            # Large shard: read one vector at a time on its op thread (ops wait, as they would for the
+            # swap), so a restore never holds every vector in RAM at once beside the memory budget.
+            def _reload() -> None:
+                self.core.vectors.clear()
+                self.core.accumulators = {}
+                for name in names:
+                    self.core.vectors.update(read_checkpoint(self.url, slot, lo, hi, [name]))
+                self.core.load_state(state)
+
+            await self._do(_reload)
+            return
+        vectors = await asyncio.to_thread(read_checkpoint, self.url, slot, lo, hi, names)
 
         def _swap() -> None:
             # Cleared and refilled rather than replaced: the store keeps its memory budget and spill files.
