@@ -139,6 +139,8 @@ class PeakSampler:
         return {
             "pid": self.proc.pid,
             "rss_peak_sampled": self.peak,
+            # Linux carries the high-water mark over fork+exec: a spawned worker's starts at the
+            # coordinator's peak when it was spawned, so rss_peak_sampled is the figure for workers.
             "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "shards": self.spill,
         }
@@ -238,6 +240,9 @@ def run_distbelief(
     out["spill_bytes_written"] = sum(s["bytes_written"] for s in spill)
     out["spill_bytes_per_eval"] = (out["spill_bytes_read"] + out["spill_bytes_written"]) / max(1, out["nfev"])
     out["peak_rss_max"] = max(p["rss_peak_sampled"] for p in out["processes"].values())
+    out["peak_rss_workers_max"] = max(
+        (p["rss_peak_sampled"] for k, p in out["processes"].items() if k != "coordinator"), default=0
+    )
     return out
 
 
@@ -375,6 +380,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         p = [r["n_params"] for r in pts]
         ax_t.plot(p, [r["s_per_iter"] for r in pts], marker, label=method)
         ax_m.plot(p, [r["peak_rss_max"] / 2**30 for r in pts], marker, label=f"{method} (largest process)")
+        if method == "distbelief":  # the coordinator holds the generated matrix; the workers hold the model
+            ax_m.plot(
+                p, [r["peak_rss_workers_max"] / 2**30 for r in pts], "o:", label=f"{method} (largest worker)"
+            )
         for r in rows:
             if r["method"] == method and r.get("status") != "ok":
                 ax_t.annotate(
