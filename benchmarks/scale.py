@@ -175,7 +175,12 @@ def communication_bytes(res: Any, n_params: int, push_every: int, mode: str) -> 
 
 
 def run_distbelief(
-    dataset: Any, n_features: int, maxiter: int, shard_memory: int | str | None, workers: int
+    dataset: Any,
+    n_features: int,
+    maxiter: int,
+    shard_memory: int | str | None,
+    workers: int,
+    push_every: int = 4,
 ) -> dict[str, Any]:
     from distributed import Client, LocalCluster
 
@@ -205,6 +210,7 @@ def run_distbelief(
                 ftol=0.0,
                 client=client,
                 shard_memory=shard_memory,
+                push_every=push_every,
             )
         finally:
             per_worker = client.run(_stop_sampler)
@@ -228,7 +234,8 @@ def run_distbelief(
         replicas=res.stats.get("replicas"),
         portions=res.stats.get("portions"),
         worker_memory_limit=memory_limit,
-        **communication_bytes(res, model.n_params, 4, "dense"),
+        push_every=push_every,
+        **communication_bytes(res, model.n_params, push_every, "dense"),
     )
     del res
     out["processes"] = {
@@ -427,6 +434,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--maxiter", type=int, default=5)
     ap.add_argument("--workers", type=int, default=2)
+    # Every pushed group holds a whole dense gradient until its push is answered: at 2^27 (1 GB a gradient)
+    # push once or twice per evaluation (e.g. 64), not every 4 portions.
+    ap.add_argument("--push-every", type=int, default=4)
     ap.add_argument("--shard-memory", default="auto", help="bytes per shard, 'auto' or 'none'")
     ap.add_argument("--scipy-memory-gb", type=float, default=6.0)
     ap.add_argument("--scipy-timeout", type=float, default=900.0)
@@ -481,7 +491,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             for mode in COMMUNICATION_MODES:
                 row = {"log2": k, "n_params": n_params, "nnz": int(X.nnz), "generate_s": gen_s}
                 try:
-                    row.update(run_distbelief(ds, 1 << k, args.maxiter, shard_memory, args.workers))
+                    row.update(
+                        run_distbelief(ds, 1 << k, args.maxiter, shard_memory, args.workers, args.push_every)
+                    )
                 except Exception as e:  # recorded, not fatal: the other sizes still run
                     row.update(
                         method="distbelief", communication=mode, status=f"{type(e).__name__}: {e}"[:300]
