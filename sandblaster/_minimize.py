@@ -76,6 +76,7 @@ class SandblasterOptions:
     checkpoint_every: int = 0
     resume: bool = False
     communication: str = "auto"
+    shard_memory: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in ("lbfgs", "cg", "gd", "owlqn"):
@@ -112,6 +113,17 @@ class SandblasterOptions:
         _check(self.communication in COMMUNICATION, "communication", self.communication, str(COMMUNICATION))
         for r, factor in self.slowdown.items():
             _check(factor >= 1.0, f"slowdown[{r}]", factor, "a factor >= 1")
+        _check(
+            self.shard_memory in (None, "auto")
+            or (
+                isinstance(self.shard_memory, int)
+                and not isinstance(self.shard_memory, bool)
+                and self.shard_memory >= 0
+            ),
+            "shard_memory",
+            self.shard_memory,
+            "bytes per shard (an int >= 0), 'auto' or None",
+        )
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
@@ -211,6 +223,7 @@ def minimize(
     checkpoint_every: int = 0,
     resume: bool = False,
     communication: Communication = "auto",
+    shard_memory: int | str | None = "auto",
 ) -> OptimizeResult:
     """Minimize ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2 + l1 ||w||_1`` with Sandblaster on Dask.
 
@@ -271,6 +284,10 @@ def minimize(
         (ps-lite's pull/push; needs CSR data and a linear model); the iterates are those of ``"dense"``
         (whole slices). ``"auto"`` (default): sparse for sparse data and a linear model. Bytes moved are in
         ``stats["bytes_per_evaluation"]``.
+    shard_memory : int, "auto" or None
+        Bytes of vectors each shard keeps in RAM; colder ones (the L-BFGS history first) spill to local
+        files and are streamed in chunks. ``"auto"``: a share of the worker's ``memory_limit``; ``None``:
+        no limit. See ``ParameterServer.create(memory_budget=...)``.
 
     Returns
     -------
@@ -305,6 +322,7 @@ def minimize(
         checkpoint_every=checkpoint_every,
         resume=resume,
         communication=communication,
+        shard_memory=shard_memory,
     )
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
@@ -398,7 +416,9 @@ def open_session(
                 )
             )
         if opts.resume:
-            ps = ParameterServer.open(client, store=params, workers=shard_workers)
+            ps = ParameterServer.open(
+                client, store=params, workers=shard_workers, memory_budget=opts.shard_memory
+            )
             if ps.n != n or not ps.checkpoint_id:
                 raise InvalidOptionError(
                     f"{params!r} holds no checkpoint of a run with {n} parameters; "
@@ -413,6 +433,7 @@ def open_session(
                 workers=shard_workers,
                 overwrite=True,
                 vectors=None if x0 is None else {RunState.x: x0},
+                memory_budget=opts.shard_memory,
             )
         shard_map = ps.shard_map()
         replicas = [(f.result(), f) for f in replica_futures]

@@ -22,6 +22,7 @@ import numpy as np
 
 from distbelief.storage._shard import Shard
 from distbelief.storage._store import open_group
+from distbelief.storage._vectorstore import default_budget
 from distbelief.storage._wire import pack_if_small
 
 __all__ = [
@@ -82,7 +83,11 @@ def read_checkpoint(url: str, slot: str, lo: int, hi: int, names: Sequence[str])
 
 class ShardActor:
     """Dask actor holding one shard; restored from checkpoint ``slot`` of ``url`` when ``slot`` is given,
-    else starting with ``vectors`` (this shard's slices, by name)."""
+    else starting with ``vectors`` (this shard's slices, by name).
+
+    ``memory_budget`` is the bytes of vectors the shard keeps in RAM (the rest spill to local files, see
+    :mod:`storage._vectorstore`): ``"auto"`` takes a share of this worker's ``memory_limit`` split over its
+    ``shards_here`` shards, ``None`` keeps everything in RAM."""
 
     def __init__(
         self,
@@ -94,9 +99,14 @@ class ShardActor:
         names: Sequence[str] = (),
         state: dict[str, Any] | None = None,
         vectors: dict[str, np.ndarray] | None = None,
+        memory_budget: int | str | None = None,
+        shards_here: int = 1,
+        spill_dir: str | None = None,
     ) -> None:
         keep_loop_responsive()
-        self.core = Shard(index, lo, hi)
+        budget = default_budget(shards_here) if memory_budget == "auto" else memory_budget
+        assert budget is None or isinstance(budget, int)
+        self.core = Shard(index, lo, hi, memory_budget=budget, spill_dir=spill_dir)
         for name, values in (vectors or {}).items():
             self.core.set(name, lo, hi, values)
         self.url = url
@@ -104,7 +114,8 @@ class ShardActor:
         inline = hi - lo <= INLINE_MAX_ELEMENTS
         self._executor = None if inline else ThreadPoolExecutor(1, thread_name_prefix=f"shard{index}")
         if slot is not None:
-            self.core.vectors.update(read_checkpoint(url, slot, lo, hi, names))
+            for name in names:  # one vector at a time: the budget places each before the next is read
+                self.core.vectors.update(read_checkpoint(url, slot, lo, hi, [name]))
             self.core.load_state(state or {})
 
     async def _do(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -243,10 +254,25 @@ class ShardActor:
 
     async def restore(self, slot: str, names: Sequence[str], state: dict[str, Any]) -> None:
         """Replace every vector by the checkpoint in ``slot`` (a rollback)."""
-        vectors = await asyncio.to_thread(read_checkpoint, self.url, slot, self.core.lo, self.core.hi, names)
+        lo, hi = self.core.lo, self.core.hi
+        if self._executor is not None:
+            # Large shard: read one vector at a time on its op thread (ops wait, as they would for the
+            # swap), so a restore never holds every vector in RAM at once beside the memory budget.
+            def _reload() -> None:
+                self.core.vectors.clear()
+                self.core.accumulators = {}
+                for name in names:
+                    self.core.vectors.update(read_checkpoint(self.url, slot, lo, hi, [name]))
+                self.core.load_state(state)
+
+            await self._do(_reload)
+            return
+        vectors = await asyncio.to_thread(read_checkpoint, self.url, slot, lo, hi, names)
 
         def _swap() -> None:
-            self.core.vectors = vectors
+            # Cleared and refilled rather than replaced: the store keeps its memory budget and spill files.
+            self.core.vectors.clear()
+            self.core.vectors.update(vectors)
             self.core.accumulators = {}
             self.core.load_state(state)
 
@@ -256,11 +282,23 @@ class ShardActor:
         """Forward to :meth:`Shard.counters` (on the event loop: a few scalars)."""
         return self.core.counters()
 
+    async def memory(self) -> dict[str, Any]:
+        """Where the vectors are: RAM bytes and budget, spilled names, bytes streamed to and from disk."""
+        vs = self.core.vectors
+        return {
+            "ram_bytes": vs.ram_bytes,
+            "budget": vs.budget,
+            "spilled": sorted(vs.spilled),
+            "bytes_read": vs.bytes_read,
+            "bytes_written": vs.bytes_written,
+        }
+
     async def names(self) -> list[str]:
         """Names of the vectors this shard holds."""
         return sorted(self.core.vectors)
 
     async def close(self) -> None:
-        """Release the shard's thread."""
+        """Release the shard's thread and its spilled vector files."""
         if self._executor is not None:
             self._executor.shutdown(wait=False)
+        self.core.close()

@@ -315,6 +315,8 @@ class ParameterServer:
         self._meta = meta  # what the store's attributes hold now (written or read by the caller)
         self._slot_arrays: dict[str, set[str]] = {}
         self._group: Any = None
+        #: Per-shard RAM budget the shards were made with (see :meth:`create`), reused for rebuilt shards.
+        self.memory_budget: int | str | None = "auto"
 
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -331,6 +333,7 @@ class ParameterServer:
         timeout: float = 120.0,
         vectors: Mapping[str, np.ndarray] | None = None,
         layout: Layout | None = None,
+        memory_budget: int | str | None = "auto",
     ) -> ParameterServer:
         """Create a new server for ``n`` parameters in ``shards`` shards, persisted at ``store``.
 
@@ -360,6 +363,11 @@ class ParameterServer:
         layout : storage.Layout, optional
             The shards' ranges, instead of ``shards`` balanced ones (e.g. aligned to a model's partitions:
             :func:`storage.partition_layout`).
+        memory_budget : int, "auto" or None
+            Bytes of vectors each shard keeps in RAM; the others spill to local files on its worker and
+            the ops stream them in chunks (:mod:`storage._vectorstore`). ``"auto"``: a share
+            (``SHARD_MEMORY_FRACTION``) of the worker's ``memory_limit`` split over the shards placed on
+            it; ``None``: no limit.
         """
         if layout is None:
             layout = Layout.split(n, shards, target_chunk=target_chunk)
@@ -388,6 +396,7 @@ class ParameterServer:
                 hi,
                 url,
                 vectors={name: values[lo:hi] for name, values in initial.items()} if inline else None,
+                **_budget_kwargs(memory_budget, placement, i),
                 actor=True,
                 workers=[placement[i]],
                 allow_other_workers=False,
@@ -411,6 +420,7 @@ class ParameterServer:
                     del group[slot]
             group.attrs[ATTR] = meta
             server = cls(client, url, layout, futures, timeout=timeout, meta=json.loads(json.dumps(meta)))
+            server.memory_budget = memory_budget
         except BaseException:
             _release(futures)
             raise
@@ -431,8 +441,12 @@ class ParameterServer:
         store: str,
         workers: Sequence[str] | None = None,
         timeout: float = 120.0,
+        memory_budget: int | str | None = "auto",
     ) -> ParameterServer:
-        """Reopen the server at ``store``: new actors, every vector restored from the last checkpoint."""
+        """Reopen the server at ``store``: new actors, every vector restored from the last checkpoint.
+
+        ``memory_budget`` is as in :meth:`create`.
+        """
         url = normalize_url(store)
         meta = _read_attrs(url)
         layout = Layout.from_dict(meta["layout"])
@@ -448,6 +462,7 @@ class ParameterServer:
                 None if slot is None else f"slot{slot}",
                 meta["names"],
                 meta["states"][i] if slot is not None else None,
+                **_budget_kwargs(memory_budget, placement, i),
                 actor=True,
                 workers=[placement[i]],
                 allow_other_workers=False,
@@ -457,7 +472,9 @@ class ParameterServer:
             for i, (lo, hi) in enumerate(layout.ranges())
         ]
         try:
-            return cls(client, url, layout, futures, timeout=timeout, meta=meta)
+            server = cls(client, url, layout, futures, timeout=timeout, meta=meta)
+            server.memory_budget = memory_budget
+            return server
         except BaseException:
             _release(futures)  # e.g. a shard that could not be restored: the others must not linger
             raise
@@ -599,6 +616,7 @@ class ParameterServer:
                 None if slot is None else f"slot{slot}",
                 self._meta.get("names", []),
                 self._meta["states"][i] if restored else None,
+                **_budget_kwargs(self.memory_budget, [placement[k]], 0),  # its worker's other shards unknown
                 actor=True,
                 workers=[placement[k]],
                 allow_other_workers=False,
@@ -886,6 +904,13 @@ def _read_attrs(url: str) -> dict[str, Any]:
     if meta.get("format") != FORMAT_VERSION:
         raise StoreError(f"{url!r} was written by format {meta.get('format')}, this is {FORMAT_VERSION}")
     return dict(meta)
+
+
+def _budget_kwargs(budget: int | str | None, placement: Sequence[str], i: int) -> dict[str, Any]:
+    """The ShardActor keywords for the memory budget of the shard placed at ``placement[i]``."""
+    if budget is not None and budget != "auto" and not (isinstance(budget, int) and budget >= 0):
+        raise InvalidOptionError(f"memory_budget must be bytes (an int >= 0), 'auto' or None, got {budget!r}")
+    return {"memory_budget": budget, "shards_here": max(1, list(placement).count(placement[i]))}
 
 
 def _placement(client: Client, count: int, workers: Sequence[str] | None) -> list[str]:

@@ -11,6 +11,7 @@ which would allocate a temporary per op (~4x slower on 1e7 elements).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from scipy.linalg import blas
 from distbelief.errors import InvalidOptionError, ProtocolError
 from distbelief.storage import _exactsum, _l1
 from distbelief.storage._rules import adagrad_update, sgd_update
+from distbelief.storage._vectorstore import VectorStore, op_operands, run_chunked
 
 __all__ = ["OPS", "Shard"]
 
@@ -79,6 +81,11 @@ class Shard:
         Shard number.
     lo, hi : int
         The global range this shard owns.
+    memory_budget : int, optional
+        Bytes of vectors to keep in RAM; the rest are spilled to ``spill_dir`` and streamed in chunks by
+        the ops (:mod:`storage._vectorstore`). ``None``: everything in RAM.
+    spill_dir : str, optional
+        Local directory for spilled vectors (default: a temporary directory).
 
     Examples
     --------
@@ -87,11 +94,13 @@ class Shard:
     [5.0]
     """
 
-    def __init__(self, index: int, lo: int, hi: int) -> None:
+    def __init__(
+        self, index: int, lo: int, hi: int, *, memory_budget: int | None = None, spill_dir: str | None = None
+    ) -> None:
         self.index = index
         self.lo = lo
         self.hi = hi
-        self.vectors: dict[str, np.ndarray] = {}
+        self.vectors = VectorStore(hi - lo, memory_budget, spill_dir=spill_dir)
         #: Number of updates applied by :meth:`push` (Downpour's shard clock, for staleness).
         self.version = 0
         #: Highest sequence number applied per push source: a retried push is applied once.
@@ -130,8 +139,7 @@ class Shard:
         """The slice of ``name`` to overwrite, created (uninitialised) if it does not exist yet."""
         vec = self.vectors.get(name)
         if vec is None:
-            vec = np.empty(self.size)
-            self.vectors[name] = vec
+            vec = self.vectors.create(name)  # in RAM or spilled, by the memory budget
         return vec
 
     def get(self, name: str, lo: int | None = None, hi: int | None = None) -> np.ndarray:
@@ -169,8 +177,30 @@ class Shard:
             handler = getattr(self, f"_op_{op[0]}", None)
             if handler is None or op[0] not in OPS:
                 raise ProtocolError(f"unknown shard op {op[0]!r}; known ops: {sorted(OPS)}")
-            out.append(handler(*op[1:]))
+            if self._streams(op):
+                out.append(run_chunked(self.vectors, op, functools.partial(self._on_chunk, op)))
+            else:
+                out.append(handler(*op[1:]))
         return out
+
+    def _streams(self, op: Sequence[Any]) -> bool:
+        """Whether ``op`` touches a spilled vector and can run chunk by chunk (else: on the memmap)."""
+        if not self.vectors.spilled or not self.size:
+            return False
+        operands = op_operands(op)
+        if operands is None or any(n not in self.vectors for n in operands[0]):
+            return False  # a missing operand: the in-RAM path raises the error that says what to do
+        return any(self.vectors.is_spilled(n) for n in operands[0] + operands[1])
+
+    def _on_chunk(self, op: Sequence[Any], views: dict[str, np.ndarray], n: int) -> Any:
+        # The op's own in-RAM code on one chunk of every operand: same kernels, same order within a chunk.
+        chunk = Shard(self.index, 0, n)
+        chunk.vectors.update(views)
+        return getattr(chunk, f"_op_{op[0]}")(*op[1:])
+
+    def close(self) -> None:
+        """Remove this shard's spilled vector files."""
+        self.vectors.close()
 
     def _op_fill(self, name: str, value: float) -> None:
         self._target(name).fill(value)

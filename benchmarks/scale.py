@@ -1,0 +1,524 @@
+"""Wide sparse logistic regression at growing parameter counts: Sandblaster L-BFGS against SciPy's L-BFGS-B.
+
+Usage::
+
+    python benchmarks/scale.py [--quick] [--sizes 16,20,24,27] [--rows 2000000] [--maxiter 5]
+                               [--scipy-memory-gb 6] [--scipy-timeout 900] [--shard-memory auto]
+
+A click-through-shaped synthetic set (raw feature ids with power-law frequencies, ~40 nonzeros per row,
+binary values, labels from a planted model) is generated in chunks straight into a ``scipy.sparse`` CSR
+matrix, hashed to ``2**k`` buckets for every ``k`` of ``--sizes`` and written as a sparse dataset. Per size:
+
+* **distbelief**: ``sandblaster.minimize`` (L-BFGS, ``history=10``) on a fresh two-worker ``LocalCluster``
+  (so every worker's lifetime peak RSS belongs to this size), shards within their memory budget (history
+  spilled to local files beyond it, ``storage._vectorstore``);
+* **scipy**: ``scipy.optimize.minimize(method="L-BFGS-B", maxcor=10)`` on the same CSR matrix in one child
+  process under an address-space rlimit and a timeout, so it cannot take the machine down; where it runs
+  out of memory or time is recorded.
+
+Recorded per size: seconds per iteration, bytes moved per evaluation (dense pull/push: every replica fetch
+pulls ``x`` whole and every pushed group sends a whole gradient slice; plus bytes the shards streamed
+from/to their spill files), peak RSS of every process (a psutil sampler thread in every worker and in the
+coordinator, and each process's ``ru_maxrss``), and the final objective. ``--spill-ops`` also times shard ops
+on in-RAM against spilled vectors. Writes ``scale.json`` and ``scale.png`` to ``--out``.
+
+HOOK(sparsepush): once branch ``sparsepush`` lands (replicas pull/push only touched keys, a
+``communication=`` option and byte counters), add its mode to :data:`COMMUNICATION_MODES` and read the
+measured counters in :func:`communication_bytes`: the JSON rows and the table already carry a
+``communication`` column per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import scipy.sparse as sp
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "results"
+NNZ_PER_ROW = 40
+HISTORY = 10
+L2 = 1e-6
+#: HOOK(sparsepush): add "sparse" here once minimize(communication="sparse") exists.
+COMMUNICATION_MODES: tuple[str, ...] = ("dense",)
+
+
+# -- data ----------------------------------------------------------------------------------------------------
+def ctr_chunks(
+    rows: int, seed: int = 0, chunk_rows: int = 250_000
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Raw (unhashed) feature ids, ``NNZ_PER_ROW`` a row, and labels, ``chunk_rows`` rows at a time.
+
+    Feature frequencies follow a Zipf law (``a=1.2``: a few ids in most rows, a long tail seen once), as
+    click-through features do; labels come from a planted model that is a hash of the raw id.
+    """
+    rng = np.random.default_rng(seed)
+    for start in range(0, rows, chunk_rows):
+        n = min(chunk_rows, rows - start)
+        raw = rng.zipf(1.2, size=(n, NNZ_PER_ROW)).astype(np.uint64)
+        raw += np.arange(NNZ_PER_ROW, dtype=np.uint64) << np.uint64(40)  # one field per column
+        planted = ((raw * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(44)).astype(np.float64) / 2**19 - 1.0
+        margin = planted.sum(axis=1) / math.sqrt(NNZ_PER_ROW)
+        y = (rng.random(n) < 1.0 / (1.0 + np.exp(-margin))).astype(np.float64)
+        yield raw, y
+
+
+def hashed_csr(rows: int, log2_buckets: int, seed: int = 0) -> tuple[sp.csr_array, np.ndarray]:
+    """The CTR set hashed to ``2**log2_buckets`` columns, built chunk by chunk (collisions in a row add)."""
+    mask = np.uint64((1 << log2_buckets) - 1)
+    parts, ys = [], []
+    for raw, y in ctr_chunks(rows, seed):
+        # Multiplicative hashing of a mixed id: the top bits of the product (the low ones would keep the
+        # field offset out of the bucket).
+        mixed = (raw ^ (raw >> np.uint64(29))) * np.uint64(0xC2B2AE3D27D4EB4F)
+        cols = (mixed >> np.uint64(64 - log2_buckets)) & mask
+        n = raw.shape[0]
+        X = sp.csr_array(
+            (
+                np.ones(cols.size),
+                np.sort(cols, axis=1).ravel().astype(np.int64),
+                np.arange(0, cols.size + 1, NNZ_PER_ROW),
+            ),
+            shape=(n, 1 << log2_buckets),
+        )
+        X.sum_duplicates()
+        parts.append(X)
+        ys.append(y)
+    return sp.vstack(parts, format="csr"), np.concatenate(ys)
+
+
+# -- memory sampling -----------------------------------------------------------------------------------------
+class PeakSampler:
+    """Samples this process's RSS every ``interval`` seconds in a daemon thread; keeps the peak.
+
+    Also keeps the largest spill counters of the shards on this process (when it is a Dask worker).
+    """
+
+    def __init__(self, interval: float = 0.05, worker: Any = None) -> None:
+        self.proc = psutil.Process()
+        self.peak = self.proc.memory_info().rss
+        self.worker = worker
+        self.spill: dict[str, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            if self.worker is not None:
+                for key, actor in list(self.worker.state.actors.items()):
+                    vs = getattr(getattr(actor, "core", None), "vectors", None)
+                    if vs is not None and hasattr(vs, "bytes_read"):
+                        self.spill[str(key)] = {
+                            "bytes_read": vs.bytes_read,
+                            "bytes_written": vs.bytes_written,
+                            "ram_bytes": vs.ram_bytes,
+                            "spilled": len(vs.spilled),
+                            "budget": vs.budget,
+                        }
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        return {
+            "pid": self.proc.pid,
+            "rss_peak_sampled": self.peak,
+            # Linux carries the high-water mark over fork+exec: a spawned worker's starts at the
+            # coordinator's peak when it was spawned, so rss_peak_sampled is the figure for workers.
+            "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "shards": self.spill,
+        }
+
+
+def _start_sampler(dask_worker: Any) -> None:
+    dask_worker.__dict__["_scale_sampler"] = PeakSampler(worker=dask_worker)
+
+
+def _stop_sampler(dask_worker: Any) -> dict[str, Any]:
+    return dask_worker.__dict__.pop("_scale_sampler").stop()
+
+
+# -- the project's run --------------------------------------------------------------------------------------
+def communication_bytes(res: Any, n_params: int, push_every: int, mode: str) -> dict[str, float]:
+    """Bytes moved between replicas and shards per evaluation.
+
+    Dense pull/push (today): every fetch pulls the whole ``x`` (``8 n`` bytes) and every pushed group of
+    ``push_every`` portions sends a whole gradient (``8 n``), so the figure is computed from the counts.
+    HOOK(sparsepush): for ``mode == "sparse"`` read the measured counters from ``res.stats`` instead.
+    """
+    if mode != "dense":
+        raise NotImplementedError("sparse pull/push: read res.stats byte counters here (branch sparsepush)")
+    nfev = max(1, int(res.nfev))
+    fetches = float(res.history.fetches.values.sum()) if "fetches" in res.history else float("nan")
+    portions = int(res.stats.get("portions", 1))
+    replicas = int(res.stats.get("replicas", 1))
+    pushes_per_eval = replicas * math.ceil(portions / replicas / push_every)
+    pulled = 8.0 * n_params * fetches / nfev
+    pushed = 8.0 * n_params * pushes_per_eval
+    return {"pull_bytes_per_eval": pulled, "push_bytes_per_eval": pushed, "bytes_per_eval": pulled + pushed}
+
+
+def run_distbelief(
+    dataset: Any,
+    n_features: int,
+    maxiter: int,
+    shard_memory: int | str | None,
+    workers: int,
+    push_every: int = 4,
+) -> dict[str, Any]:
+    from distributed import Client, LocalCluster
+
+    from distbelief import sandblaster
+    from distbelief.models import Logistic
+
+    model = Logistic(n_features)
+    out: dict[str, Any] = {"method": "distbelief", "communication": "dense"}
+    coordinator = PeakSampler()
+    t0 = time.perf_counter()
+    with (
+        LocalCluster(
+            n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.run(_start_sampler)
+        try:
+            res = sandblaster.minimize(
+                model,
+                dataset,
+                x0=np.zeros(model.n_params),
+                l2=L2,
+                history=HISTORY,
+                maxiter=maxiter,
+                gtol=0.0,
+                ftol=0.0,
+                client=client,
+                shard_memory=shard_memory,
+                push_every=push_every,
+            )
+        finally:
+            per_worker = client.run(_stop_sampler)
+        memory_limit = list(client.run(lambda dask_worker: dask_worker.memory_manager.memory_limit).values())
+    wall = time.perf_counter() - t0
+    walls = np.asarray(res.history.wall_time.values, dtype=float)
+    # As for scipy: the iterations after the first (which compiles the kernel on every replica).
+    walls = walls[1:] if walls.size >= 4 else walls
+    per_iter = float(np.median(np.diff(walls))) if walls.size > 1 else float("nan")
+    out.update(
+        status="ok",
+        nit=int(res.nit),
+        nfev=int(res.nfev),
+        fun=float(res.fun),
+        wall_s=wall,
+        s_per_iter=per_iter,
+        time_gradient=float(res.history.time_gradient.values.sum()),
+        time_shard_ops=float(res.history.time_shard_ops.values.sum()),
+        time_coordinator=float(res.history.time_coordinator.values.sum()),
+        shards=res.stats.get("shards"),
+        replicas=res.stats.get("replicas"),
+        portions=res.stats.get("portions"),
+        worker_memory_limit=memory_limit,
+        push_every=push_every,
+        **communication_bytes(res, model.n_params, push_every, "dense"),
+    )
+    del res
+    out["processes"] = {
+        "coordinator": coordinator.stop(),
+        **{f"worker {a}": v for a, v in per_worker.items()},
+    }
+    spill = [s for p in out["processes"].values() for s in p.get("shards", {}).values()]
+    out["spill_bytes_read"] = sum(s["bytes_read"] for s in spill)
+    out["spill_bytes_written"] = sum(s["bytes_written"] for s in spill)
+    out["spill_bytes_per_eval"] = (out["spill_bytes_read"] + out["spill_bytes_written"]) / max(1, out["nfev"])
+    out["peak_rss_max"] = max(p["rss_peak_sampled"] for p in out["processes"].values())
+    out["peak_rss_workers_max"] = max(
+        (p["rss_peak_sampled"] for k, p in out["processes"].items() if k != "coordinator"), default=0
+    )
+    return out
+
+
+# -- scipy in a guarded child process ------------------------------------------------------------------------
+def scipy_child(path: str, maxiter: int) -> None:
+    """Child entry: L-BFGS-B on the saved CSR matrix; prints one JSON line."""
+    from scipy.optimize import minimize
+
+    from distbelief.models import Logistic
+
+    t0 = time.perf_counter()
+    try:
+        X = sp.load_npz(f"{path}/X.npz")
+        y = np.load(f"{path}/y.npy")
+        model = Logistic(X.shape[1])
+        n = X.shape[0]
+        times: list[float] = []
+
+        def fun(w: np.ndarray) -> tuple[float, np.ndarray]:
+            loss, grad = model.loss_and_grad(w, X, y)
+            return loss / n + 0.5 * L2 * float(w @ w), grad / n + L2 * w
+
+        t1 = time.perf_counter()
+        res = minimize(
+            fun,
+            np.zeros(model.n_params),
+            jac=True,
+            method="L-BFGS-B",
+            callback=lambda w: times.append(time.perf_counter()),
+            options={"maxiter": maxiter, "maxcor": HISTORY, "gtol": 0.0, "ftol": 0.0},
+        )
+        # Iterations after the first: the first one also compiles the model's kernel.
+        ticks = times if len(times) >= 3 else [t1, *times]
+        per_iter = float(np.median(np.diff(ticks))) if len(ticks) >= 2 else float("nan")
+        answer = {
+            "status": "ok",
+            "nit": int(res.nit),
+            "nfev": int(res.nfev),
+            "fun": float(res.fun),
+            "s_per_iter": per_iter,
+        }
+    except MemoryError:
+        answer = {"status": "out of memory (rlimit)"}
+    answer["wall_s"] = time.perf_counter() - t0
+    answer["ru_maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps(answer))
+
+
+def run_scipy(
+    X: sp.csr_array, y: np.ndarray, maxiter: int, memory_gb: float, timeout: float
+) -> dict[str, Any]:
+    limit = int(memory_gb * 2**30)
+
+    def guard() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    with tempfile.TemporaryDirectory(prefix="scale-scipy-") as tmp:
+        sp.save_npz(f"{tmp}/X.npz", X, compressed=False)
+        np.save(f"{tmp}/y.npy", y)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--scipy-child", tmp, "--maxiter", str(maxiter)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        out: dict[str, Any] = {"method": "scipy L-BFGS-B", "memory_limit": limit}
+        t0 = time.perf_counter()
+        try:
+            done = subprocess.run(
+                cmd, preexec_fn=guard, capture_output=True, text=True, timeout=timeout, env=env
+            )
+        except subprocess.TimeoutExpired:
+            return {**out, "status": f"timeout after {timeout:.0f} s"}
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if lines:
+            out.update(json.loads(lines[-1]))
+        else:
+            tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            out["status"] = "MemoryError" if "MemoryError" in done.stderr else f"failed: {tail[0][:200]}"
+        out.setdefault("wall_s", time.perf_counter() - t0)
+        out["peak_rss_max"] = out.get("ru_maxrss")
+        return out
+
+
+# -- shard ops on in-RAM and spilled vectors -----------------------------------------------------------------
+def spill_ops(size: int, reps: int = 3) -> list[dict[str, Any]]:
+    """Seconds and GB/s of shard ops on ``size``-element vectors, all in RAM against all spilled.
+
+    Spilled vectors are read through the page cache, which holds them when the machine has room: this
+    measures the streaming code, and disk bandwidth only once the vectors exceed the cache.
+    """
+    from distbelief.storage._shard import Shard
+
+    rows = []
+    rng = np.random.default_rng(0)
+    values = {n: rng.normal(size=size) for n in ("x", "d", "s0", "y0", "s1", "y1")}
+    ops = {
+        "dot": (("dot", "s0", "y0"), 2),
+        "dots(4)": (("dots", [("d", "s0"), ("d", "y0"), ("d", "s1"), ("d", "y1")]), 8),
+        "axpy": (("axpy", 0.5, "d", "s0"), 3),
+        "lincomb(5)": (("lincomb", "d", [1.0, 0.5, -0.5, 0.25, -0.25], ["x", "s0", "y0", "s1", "y1"]), 6),
+    }
+    with tempfile.TemporaryDirectory(prefix="scale-spill-", dir=OUT) as tmp:
+        for where, budget in (("ram", None), ("spilled", 0)):
+            shard = Shard(0, 0, size, memory_budget=budget, spill_dir=tmp)
+            for n, v in values.items():
+                shard.set(n, 0, size, v)
+            for name, (op, touched) in ops.items():
+                best = math.inf
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    shard.run([op])
+                    best = min(best, time.perf_counter() - t0)
+                rows.append(
+                    {
+                        "op": name,
+                        "where": where,
+                        "size": size,
+                        "s": best,
+                        "GB_per_s": 8 * size * touched / best / 1e9,
+                    }
+                )
+            shard.close()
+    return rows
+
+
+# -- plot and table ------------------------------------------------------------------------------------------
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method, marker in (("distbelief", "o-"), ("scipy L-BFGS-B", "s--")):
+        pts = [r for r in rows if r["method"] == method and r.get("status") == "ok"]
+        if not pts:
+            continue
+        p = [r["n_params"] for r in pts]
+        ax_t.plot(p, [r["s_per_iter"] for r in pts], marker, label=method)
+        ax_m.plot(p, [r["peak_rss_max"] / 2**30 for r in pts], marker, label=f"{method} (largest process)")
+        if method == "distbelief":  # the coordinator holds the generated matrix; the workers hold the model
+            ax_m.plot(
+                p, [r["peak_rss_workers_max"] / 2**30 for r in pts], "o:", label=f"{method} (largest worker)"
+            )
+        for r in rows:
+            if r["method"] == method and r.get("status") != "ok":
+                ax_t.annotate(
+                    str(r["status"])[:24], (r["n_params"], ax_t.get_ylim()[1]), fontsize=7, rotation=90
+                )
+    for ax, label in ((ax_t, "seconds per iteration"), (ax_m, "peak RSS (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("parameters")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Sparse logistic regression, hashed CTR features, L-BFGS m=10 (shared, loaded 2-core box)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'params':>10} {'method':>15} {'comm':>5} {'status':>12} {'s/iter':>8} {'MB/eval':>9} "
+        f"{'peak GiB':>8} {'objective':>12}"
+    )
+    lines = [head]
+    for r in rows:
+        mb = r.get("bytes_per_eval", float("nan")) / 1e6
+        peak = (r.get("peak_rss_max") or float("nan")) / 2**30
+        lines.append(
+            f"{r['n_params']:>10} {r['method']:>15} {r.get('communication', '-'):>5} "
+            f"{str(r.get('status'))[:12]:>12} {r.get('s_per_iter', float('nan')):8.3f} {mb:9.1f} "
+            f"{peak:8.2f} {r.get('fun', float('nan')):12.6g}"
+        )
+    return "\n".join(lines)
+
+
+# -- main ----------------------------------------------------------------------------------------------------
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for the test suite")
+    ap.add_argument("--sizes", default="16,20,24,27", help="log2 parameter counts, comma separated")
+    ap.add_argument("--rows", type=int, default=2_000_000)
+    ap.add_argument("--maxiter", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=2)
+    # Every pushed group holds a whole dense gradient until its push is answered: at 2^27 (1 GB a gradient)
+    # push once or twice per evaluation (e.g. 64), not every 4 portions.
+    ap.add_argument("--push-every", type=int, default=4)
+    ap.add_argument("--shard-memory", default="auto", help="bytes per shard, 'auto' or 'none'")
+    ap.add_argument("--scipy-memory-gb", type=float, default=6.0)
+    ap.add_argument("--scipy-timeout", type=float, default=900.0)
+    ap.add_argument("--no-scipy", action="store_true")
+    ap.add_argument("--spill-ops", type=int, default=1 << 24, help="vector size for the op timings (0: skip)")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--scipy-child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.rows, args.maxiter, args.spill_ops = "10,12", 3000, 2, 1 << 12
+        args.scipy_timeout = min(args.scipy_timeout, 120.0)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    if args.scipy_child:
+        scipy_child(args.scipy_child, args.maxiter)
+        return {}
+    from distbelief.storage import Dataset
+
+    shard_memory: int | str | None = {"auto": "auto", "none": None}.get(args.shard_memory.lower())
+    if args.shard_memory.lower() not in ("auto", "none"):
+        shard_memory = int(args.shard_memory)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    result: dict[str, Any] = {
+        "argv": list(argv) if argv is not None else sys.argv[1:],
+        "rows_per_set": args.rows,
+        "nnz_per_row": NNZ_PER_ROW,
+        "history": HISTORY,
+        "maxiter": args.maxiter,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "ram_gib": psutil.virtual_memory().total / 2**30,
+            "available_gib_at_start": psutil.virtual_memory().available / 2**30,
+            "load_avg_at_start": os.getloadavg(),
+        },
+        "note": "shared machine: other engineers' test runs were using the 2 cores; wall times are loaded",
+        "rows": rows,
+    }
+    json_path = args.out / ("scale_quick.json" if args.quick else "scale.json")
+    for k in sizes:
+        t0 = time.perf_counter()
+        X, y = hashed_csr(args.rows, k)
+        gen_s = time.perf_counter() - t0
+        n_params = (1 << k) + 1  # hashed buckets and the intercept
+        print(f"2^{k}: {X.shape[0]} rows, {X.nnz} nonzeros, generated in {gen_s:.1f} s", flush=True)
+        with tempfile.TemporaryDirectory(prefix="scale-data-", dir=args.out) as tmp:
+            ds = Dataset.from_arrays(X, y, path=f"{tmp}/data", overwrite=True)
+            for mode in COMMUNICATION_MODES:
+                row = {"log2": k, "n_params": n_params, "nnz": int(X.nnz), "generate_s": gen_s}
+                try:
+                    row.update(
+                        run_distbelief(ds, 1 << k, args.maxiter, shard_memory, args.workers, args.push_every)
+                    )
+                except Exception as e:  # recorded, not fatal: the other sizes still run
+                    row.update(
+                        method="distbelief", communication=mode, status=f"{type(e).__name__}: {e}"[:300]
+                    )
+                rows.append(row)
+                print(table([row]).splitlines()[-1], flush=True)
+        if not args.no_scipy:
+            row = {"log2": k, "n_params": n_params, "nnz": int(X.nnz)}
+            row.update(run_scipy(X, y, args.maxiter, args.scipy_memory_gb, args.scipy_timeout))
+            rows.append(row)
+            print(table([row]).splitlines()[-1], flush=True)
+        del X, y
+        json_path.write_text(json.dumps(result, indent=1, default=str))
+    if args.spill_ops:
+        result["spill_ops"] = spill_ops(args.spill_ops)
+    json_path.write_text(json.dumps(result, indent=1, default=str))
+    plot(rows, json_path.with_suffix(".png"))
+    print(table(rows))
+    for r in result.get("spill_ops", []):
+        print(
+            f"  {r['op']:>10} {r['where']:>7} {r['size']:>10} {r['s'] * 1e3:8.1f} ms "
+            f"{r['GB_per_s']:6.2f} GB/s"
+        )
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Spilled shard vectors (storage._vectorstore) against the same ops on in-RAM vectors, numpy as oracle."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from distributed import Client
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distbelief.errors import InvalidOptionError
+from distbelief.sandblaster import SandblasterOptions
+from distbelief.storage import ParameterServer, _vectorstore
+from distbelief.storage._shard import Shard
+from distbelief.storage._vectorstore import VectorStore
+
+NAMES = ["x", "g", "d", "s0", "y0", "s1"]
+REDUCTIONS = {"dot", "dots", "norm2", "sum"}
+
+name = st.sampled_from(NAMES)
+coef = st.floats(-3, 3, allow_nan=False)
+op = st.one_of(
+    st.tuples(st.just("fill"), name, coef),
+    st.tuples(st.just("copy"), name, name),
+    st.tuples(st.just("scale"), coef, name),
+    st.tuples(st.just("axpy"), coef, name, name),
+    st.integers(1, 3).flatmap(
+        lambda k: st.tuples(
+            st.just("lincomb"),
+            name,
+            st.lists(coef, min_size=k, max_size=k),
+            st.lists(name, min_size=k, max_size=k),
+        )
+    ),
+    st.tuples(st.just("mul"), name, name, name),
+    st.tuples(st.just("dot"), name, name),
+    st.tuples(st.just("dots"), st.lists(st.tuples(name, name), min_size=1, max_size=3)),
+    st.tuples(st.just("norm2"), name),
+    st.tuples(st.just("norm_inf"), name),
+    st.tuples(st.just("sum"), name),
+    st.tuples(st.just("delete"), name),
+)
+
+
+def outcome(shard: Shard, one: tuple[Any, ...]) -> Any:
+    try:
+        return shard.run([one])[0]
+    except InvalidOptionError as e:
+        return type(e)
+
+
+@settings(max_examples=150)
+@given(
+    size=st.integers(1, 40),
+    chunk=st.integers(1, 7),
+    in_ram=st.integers(0, 6),
+    ops=st.lists(op, max_size=12),
+    seed=st.integers(0, 2**16),
+)
+def test_ops_on_spilled_vectors_match_in_ram_bit_for_bit(
+    size: int, chunk: int, in_ram: int, ops: list[tuple[Any, ...]], seed: int, tmp_path_factory: Any
+) -> None:
+    rng = np.random.default_rng(seed)
+    ram = Shard(0, 10, 10 + size)
+    spill = Shard(
+        0, 10, 10 + size, memory_budget=8 * size * in_ram, spill_dir=str(tmp_path_factory.mktemp("s"))
+    )
+    for n in NAMES:
+        values = rng.normal(size=size)
+        ram.set(n, 10, 10 + size, values)
+        spill.set(n, 10, 10 + size, values)
+    old = _vectorstore.SPILL_CHUNK
+    _vectorstore.SPILL_CHUNK = chunk  # several chunks per vector even at these sizes
+    try:
+        for one in ops:
+            want, got = outcome(ram, one), outcome(spill, one)
+            if one[0] in REDUCTIONS and isinstance(want, (float, list)):
+                # Per-chunk partial sums: the same terms, added in another order.
+                np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * size)
+            else:
+                assert got == want
+        assert sorted(ram.vectors) == sorted(spill.vectors)
+        for n in ram.vectors:
+            np.testing.assert_array_equal(spill.get(n), ram.get(n))  # elementwise ops: the same bits
+    finally:
+        _vectorstore.SPILL_CHUNK = old
+        spill.close()
+
+
+def test_history_spills_first_and_hot_vectors_evict_it(tmp_path: Path) -> None:
+    vs = VectorStore(100, budget=2 * 800, spill_dir=str(tmp_path))
+    vs["x"] = np.zeros(100)
+    vs["s0"] = np.ones(100)
+    assert vs.spilled == set()
+    vs["g"] = np.full(100, 2.0)  # hot, over budget: the cold s0 goes to disk to make room
+    assert vs.spilled == {"s0"} and vs.ram_bytes == 1600
+    vs["y0"] = np.full(100, 3.0)  # cold, over budget: straight to disk
+    vs.create("d")  # hot, but no cold vector left in RAM: spilled too
+    assert vs.spilled == {"s0", "y0", "d"}
+    assert float(vs["s0"].sum()) == 100.0 and float(vs["y0"].sum()) == 300.0
+    assert vs.bytes_written == 2 * 800
+    del vs["s0"]
+    assert len(os.listdir(tmp_path)) == 2
+    vs.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_accumulator_on_disk_counts_every_portion_once(tmp_path: Path) -> None:
+    shard = Shard(0, 0, 6, memory_budget=0, spill_dir=str(tmp_path))
+    shard.run([("reset_acc", "ga", 1, 2, [("settle", "ga"), ("dot", "ga", "ga")])])
+    assert shard.vectors.spilled == {"ga"}
+    assert shard.push_portions("ga", np.ones(6), [0], epoch=1) == (True, None)
+    assert shard.push_portions("ga", np.full(6, 5.0), [1], epoch=1, solo=True) == (True, [2, 216.0])
+    np.testing.assert_array_equal(shard.get("ga"), np.full(6, 6.0))
+    shard.close()
+
+
+def test_a_bad_budget_is_refused_with_a_message() -> None:
+    with pytest.raises(InvalidOptionError, match="memory budget"):
+        VectorStore(3, budget=-1)
+    with pytest.raises(InvalidOptionError, match="shard_memory"):
+        SandblasterOptions(shard_memory=-5)
+    with pytest.raises(InvalidOptionError, match="shard_memory"):
+        SandblasterOptions(shard_memory="lots")
+
+
+# 140,000 over two shards is above storage._actor.INLINE_MAX_ELEMENTS: ops and the rollback on the op thread.
+@pytest.mark.parametrize("n", [1000, 140_000])
+def test_a_server_with_no_memory_budget_spills_everything_and_still_agrees(
+    client: Client, tmp_path: Path, n: int
+) -> None:
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=n), rng.normal(size=n)
+    with ParameterServer.create(client, n, shards=2, store=str(tmp_path / "ps"), memory_budget=0) as ps:
+        ps.scatter("x", a)
+        ps.scatter("s0", b)
+        ps.lincomb("d", [2.0, -1.0], ["x", "s0"])
+        ps.axpy(0.5, "d", "s0")
+        np.testing.assert_array_equal(ps.gather("s0"), b + 0.5 * (2.0 * a - b))
+        assert ps.dot("x", "s0") == pytest.approx(float(a @ (b + 0.5 * (2.0 * a - b))), rel=1e-12)
+        ps.checkpoint(["x", "s0"])
+        ps.scale(0.0, "x")
+        ps.rollback()
+        np.testing.assert_array_equal(ps.gather("x"), a)
+        report = ps._call_all("memory", [()] * ps.shards)
+        assert [r["spilled"] for r in report] == [["s0", "x"]] * 2  # d was not checkpointed: rolled away
+        assert all(r["ram_bytes"] == 0 and r["bytes_read"] > 0 for r in report)
