@@ -9,6 +9,7 @@ or a location inside the store, never another local path.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import IO, Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Request, Response, status
@@ -116,7 +117,9 @@ def _build(file: IO[bytes], filename: str, path: str, label_column: str | None) 
         return Dataset.from_npz(file, path=path)
     column: int | str = -1
     if label_column is not None:
-        column = int(label_column) if label_column.lstrip("-").isdigit() else label_column
+        # An ASCII integer is a column index; anything else a header name ("¹".isdigit() is True, but int()
+        # refuses it: found by schemathesis).
+        column = int(label_column) if re.fullmatch(r"-?[0-9]+", label_column) else label_column
     return Dataset.from_csv(file, path=path, label_column=column)
 
 

@@ -92,6 +92,17 @@ def test_a_nul_byte_url_and_a_truncated_npz_are_422_and_the_connection_stays_ope
 
 
 @pytest.mark.anyio
+async def test_a_unicode_digit_label_column_is_a_name_not_a_crash(asgi: httpx.AsyncClient) -> None:
+    # Found by schemathesis: "¹".isdigit() is True but int("¹") raises, which was a 500.
+    csv = b"a,b\n1,2\n3,4\n"
+    r = await asgi.post(
+        "/api/datasets", data={"name": "sup", "label_column": "\u00b9"}, files={"file": ("t.csv", csv)}
+    )
+    assert r.status_code == 422, r.text
+    assert "\u00b9" in r.json()["detail"] or "label" in r.json()["detail"]
+
+
+@pytest.mark.anyio
 async def test_an_npy_upload_is_named_as_such(asgi: httpx.AsyncClient) -> None:
     buf = io.BytesIO()
     np.save(buf, np.eye(3))
