@@ -569,7 +569,7 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "time_limit": None,
     "eval_data": None,
     "callback": None,
-    "staleness_scale": False,
+    "staleness_scale": None,  # the default (on for multi-replica SGD elsewhere): partitions run unscaled
     "shard_workers": None,
     "replica_workers": None,
 }
@@ -586,6 +586,8 @@ def train_from_options(model: Any, data: Any, *, partitions: int, given: dict[st
     """
     for name, default in _UNSUPPORTED_DEFAULTS.items():
         if name in given and given[name] is not default and given[name] != default:
+            if name == "staleness_scale" and given[name] is False:
+                continue  # unscaled is what a partitioned run does
             raise InvalidOptionError(
                 f"{name}={given[name]!r} is not supported with partitions={partitions}; leave it at its "
                 f"default ({default!r}) or train with partitions=1"
