@@ -10,6 +10,7 @@ import contextlib
 import gc
 import importlib.util
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException
 from fastapi.responses import FileResponse, RedirectResponse
 
 from distbelief.api._docs import add_docs
-from distbelief.api._http import BodyLimitMiddleware, install_error_handlers
+from distbelief.api._http import BodyLimitMiddleware, UnexpectedErrorMiddleware, install_error_handlers
 from distbelief.api._jobstore import JobStore
 from distbelief.api.deps import require_token
 from distbelief.api.routes import cluster, datasets, health, jobs
@@ -37,6 +38,8 @@ log = logging.getLogger("distbelief.api")
 
 DASHBOARD = Path(__file__).parent / "dashboard"
 _DASHBOARD_FILES = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html"}
+#: Seconds of the interpreter's thread switch interval while the app runs (see the lifespan in create_app).
+SWITCH_INTERVAL = 0.0005
 # The dashboard loads nothing from anywhere else (no CDN): say so to the browser.
 _CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
@@ -156,6 +159,13 @@ def create_app(settings: Settings | None = None, *, client: Client | None = None
         # milliseconds instead of ~0.1-0.3 s of holding the GIL (which stalled every request meanwhile).
         gc.collect()
         gc.freeze()
+        backend.runner.freeze_after_first_job = True
+        # Job threads (the Sandblaster coordinator, the Dask client's IO loop, metrics writes) hold the GIL
+        # in turns with the event loop, which gives it up at every socket call: with CPython's default
+        # switch interval of 5 ms, each of those can wait 5 ms for it to come back, so a burst of requests
+        # queued behind a running job at that rate. A shorter interval bounds the wait.
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch_interval, SWITCH_INTERVAL))
         app.state.backend = backend
         app.state.runner = backend.runner
         try:
@@ -164,6 +174,7 @@ def create_app(settings: Settings | None = None, *, client: Client | None = None
             app.state.runner = None
             await anyio.to_thread.run_sync(backend.close)
             gc.unfreeze()  # what was frozen at the start is the collector's again
+            sys.setswitchinterval(switch_interval)
 
     app = FastAPI(
         title="distbelief",
@@ -179,6 +190,9 @@ def create_app(settings: Settings | None = None, *, client: Client | None = None
     app.add_middleware(
         BodyLimitMiddleware, limit=settings.max_body_bytes, upload_limit=settings.max_upload_bytes
     )
+    # Added last, so it wraps the others: an unexpected error anywhere below is a JSON 500 on a connection
+    # that stays open.
+    app.add_middleware(UnexpectedErrorMiddleware)
     install_error_handlers(app)
 
     guarded = APIRouter(dependencies=[Depends(require_token)])

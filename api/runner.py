@@ -43,6 +43,7 @@ _log = logging.getLogger(__name__)
 
 __all__ = [
     "ANNOTATION",
+    "SERVICE_OPTIONS",
     "JobNotFoundError",
     "JobRunner",
     "JobStateError",
@@ -115,6 +116,33 @@ class RunOutcome:
     summary: dict[str, Any]
 
 
+#: Arguments of the algorithms that the service sets itself: a job's options never carry them (a user's
+#: ``resume`` would clash with the runner's, which says whether the job is taken up after a restart).
+SERVICE_OPTIONS = frozenset({"resume", "client", "store", "callback", "eval_data", "method"})
+
+
+def _user_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A job's options, refusing those the service sets itself (see :data:`SERVICE_OPTIONS`).
+
+    Examples
+    --------
+    >>> _user_options({"maxiter": 3})
+    {'maxiter': 3}
+    >>> _user_options({"resume": True})
+    Traceback (most recent call last):
+    ...
+    distbelief.errors.InvalidOptionError: the service sets 'resume' itself; remove it from the options ...
+    """
+    clash = sorted(SERVICE_OPTIONS.intersection(options))
+    if clash:
+        named = ", ".join(repr(k) for k in clash)
+        raise InvalidOptionError(
+            f"the service sets {named} itself; remove it from the options of the job (a job that was "
+            "running when the service stopped resumes from its checkpoint by itself)"
+        )
+    return dict(options)
+
+
 def run_sandblaster(ctx: RunContext) -> RunOutcome:
     """Run a ``sandblaster-*`` job with :func:`sandblaster.minimize`."""
     from distbelief import sandblaster
@@ -127,7 +155,7 @@ def run_sandblaster(ctx: RunContext) -> RunOutcome:
         store=ctx.store,
         callback=ctx.callback,
         resume=ctx.resume,
-        **ctx.options,
+        **_user_options(ctx.options),
     )
     summary = _summary(res, "fun", "grad_norm", "nit", "nfev", "success", "status", "message", "stats")
     return RunOutcome(x=res.x, history=res.history, summary=summary)
@@ -152,8 +180,8 @@ def run_downpour(ctx: RunContext) -> RunOutcome:
         client=ctx.client,
         store=ctx.store,
         callback=ctx.callback,
-        **({"resume": True} if ctx.resume else {}),
-        **ctx.options,
+        resume=ctx.resume,
+        **_user_options(ctx.options),
     )
     summary = _summary(res, "stop_reason", "success", "message", "steps", "wall_time", "stats")
     return RunOutcome(x=np.asarray(res.x, dtype=np.float64), history=res.history, summary=summary)
@@ -315,6 +343,15 @@ class JobRunner:
         self._pool = ThreadPoolExecutor(max_workers=settings.max_concurrent_jobs, thread_name_prefix="job")
         self._running: set[str] = set()
         self._last_gc = 0.0
+        self._refrozen = False
+        #: Set by the app when it froze the objects of its imports (create_app): only then does the runner
+        #: freeze more, once, after the first job (see _collect_garbage).
+        self.freeze_after_first_job = False
+        # Opened datasets by name, with the store's datasets_version they were opened at: a submission
+        # opens its dataset twice (admission, then the checks of submit), and opening one costs several
+        # round trips through zarr's IO thread, which under load is most of a submission's latency.
+        self._datasets: dict[str, tuple[int, Dataset]] = {}
+        self._datasets_lock = threading.Lock()
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -505,18 +542,34 @@ class JobRunner:
 
     # -- datasets -----------------------------------------------------------------------------------
     def open_dataset(self, name: str) -> Dataset:
-        """The dataset called ``name`` (uploaded into the store, or registered by URL)."""
+        """The dataset called ``name`` (uploaded into the store, or registered by URL).
+
+        Opened once per version of the store's datasets (:attr:`JobStore.datasets_version`, bumped by every
+        upload, deletion and registration through the service) and kept: a ``Dataset`` is immutable once
+        written and safe to share between threads.
+        """
+        version = self.store.datasets_version  # read first: a change during the open makes the entry stale
+        with self._datasets_lock:
+            hit = self._datasets.get(name)
+            if hit is not None and hit[0] == version:
+                return hit[1]
         link = self.store.links().get(name)
         if link is not None:
-            return Dataset.open(link)
-        path = resolve_name(self.store.datasets_root, name)
-        if not Dataset.exists(path):
-            known = self.dataset_names()
-            hint = f"known datasets: {', '.join(known)}" if known else "there are none yet"
-            raise UnknownDatasetError(
-                f"no dataset named {name!r}; upload it first (POST /api/datasets) — {hint}"
-            )
-        return Dataset.open(path)
+            data = Dataset.open(link)
+        else:
+            path = resolve_name(self.store.datasets_root, name)
+            if not Dataset.exists(path):
+                known = self.dataset_names()
+                hint = f"known datasets: {', '.join(known)}" if known else "there are none yet"
+                raise UnknownDatasetError(
+                    f"no dataset named {name!r}; upload it first (POST /api/datasets) — {hint}"
+                )
+            data = Dataset.open(path)
+        with self._datasets_lock:
+            if any(v != version for v, _ in self._datasets.values()):
+                self._datasets.clear()  # stale entries go at once: the cache holds one version's names
+            self._datasets[name] = (version, data)
+        return data
 
     def dataset_names(self) -> list[str]:
         """Names of every dataset (uploaded and registered)."""
@@ -548,6 +601,7 @@ class JobRunner:
         """
         if self._stopping.is_set():
             raise QueueFullError("the server is shutting down; submit the job again once it is back")
+        _user_options(create.options)  # a JobCreate built without validation may carry them
         model = models.from_spec(create.model)
         data = self.open_dataset(create.dataset)
         data.check_model(model)
@@ -711,6 +765,9 @@ class JobRunner:
             job.record.update(status="running", started_at=job.record.get("started_at") or _now())
             if job.rows is None:
                 job.rows = []
+            # The record says "running" now (persisted below); metrics follow metrics_flush_seconds later,
+            # so a job shorter than that writes them once, at its end (each write is a zarr group).
+            job.last_flush = time.monotonic()
         with self._jobs_lock:
             self._running.add(job_id)
         self._persist(job)
@@ -744,7 +801,20 @@ class JobRunner:
             if not (idle or due):
                 return
             self._last_gc = time.monotonic()
+            # The first job imports the algorithms' modules (sandblaster, numba, dask.array, ...): tens of
+            # thousands of objects that live as long as the process and that every later collection would
+            # walk, holding the GIL (~10-30 ms each, a stall of every request). Once the runner is idle for
+            # the first time (no job running or queued, so no job's objects are alive), move them out of the
+            # collector's sight as the app did with the imports at its start (see create_app).
+            refreeze = idle and not self._refrozen and self.freeze_after_first_job and not self._queued()
+            if refreeze:
+                self._refrozen = True
         gc.collect()
+        if refreeze:
+            gc.freeze()
+
+    def _queued(self) -> bool:
+        return any(j.record["status"] == "queued" for j in list(self._jobs.values()))
 
     @staticmethod
     def _model(job: _Job) -> Any:
