@@ -811,7 +811,13 @@ class JobRunner:
                 self._refrozen = True
         gc.collect()
         if refreeze:
-            gc.freeze()
+            with self._jobs_lock:
+                # Again: a job submitted during the collection must not have its objects frozen with the rest.
+                still_idle = not self._running and not self._queued()
+                if not still_idle:
+                    self._refrozen = False  # the next idle moment then
+            if still_idle:
+                gc.freeze()
 
     def _queued(self) -> bool:
         return any(j.record["status"] == "queued" for j in list(self._jobs.values()))
