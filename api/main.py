@@ -10,7 +10,6 @@ import contextlib
 import gc
 import importlib.util
 import logging
-import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +37,6 @@ log = logging.getLogger("distbelief.api")
 
 DASHBOARD = Path(__file__).parent / "dashboard"
 _DASHBOARD_FILES = {"app.js": "text/javascript", "style.css": "text/css", "index.html": "text/html"}
-#: Seconds of the interpreter's thread switch interval while the app runs (see the lifespan in create_app).
-SWITCH_INTERVAL = 0.0005
 # The dashboard loads nothing from anywhere else (no CDN): say so to the browser.
 _CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
@@ -160,12 +157,6 @@ def create_app(settings: Settings | None = None, *, client: Client | None = None
         gc.collect()
         gc.freeze()
         backend.runner.freeze_after_first_job = True
-        # Job threads (the Sandblaster coordinator, the Dask client's IO loop, metrics writes) hold the GIL
-        # in turns with the event loop, which gives it up at every socket call: with CPython's default
-        # switch interval of 5 ms, each of those can wait 5 ms for it to come back, so a burst of requests
-        # queued behind a running job at that rate. A shorter interval bounds the wait.
-        switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(switch_interval, SWITCH_INTERVAL))
         app.state.backend = backend
         app.state.runner = backend.runner
         try:
@@ -174,7 +165,6 @@ def create_app(settings: Settings | None = None, *, client: Client | None = None
             app.state.runner = None
             await anyio.to_thread.run_sync(backend.close)
             gc.unfreeze()  # what was frozen at the start is the collector's again
-            sys.setswitchinterval(switch_interval)
 
     app = FastAPI(
         title="distbelief",

@@ -8,7 +8,6 @@ for Sandblaster on every run and for Downpour on every resumed run.
 from __future__ import annotations
 
 import gc
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ import pytest
 from distributed import Client as DaskClient
 
 from distbelief import downpour, models, sandblaster
-from distbelief.api import main as api_main
 from distbelief.api._jobstore import JobStore
 from distbelief.api.runner import (
     SERVICE_OPTIONS,
@@ -132,16 +130,14 @@ def test_an_opened_dataset_is_reused_until_the_datasets_change(tmp_path: Path, c
 
 
 @pytest.mark.anyio
-async def test_the_app_shortens_the_switch_interval_and_freezes_once_after_its_first_job(
+async def test_the_app_freezes_once_after_its_first_job(
     tmp_path: Path, client: DaskClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     freezes: list[int] = []
     freeze = gc.freeze
     monkeypatch.setattr(gc, "freeze", lambda: (freezes.append(1), freeze())[1])
-    before = sys.getswitchinterval()
     async with running_app(settings_for(tmp_path / "store"), client) as (app, _):
         runner = app.state.runner
-        assert sys.getswitchinterval() == min(before, api_main.SWITCH_INTERVAL)
         assert freezes == [1]  # the app's own, at its start
         # A job's thread collects garbage as the job ends: the first time the runner is idle then, what the
         # first job left (its modules' objects) is frozen ...
@@ -150,7 +146,6 @@ async def test_the_app_shortens_the_switch_interval_and_freezes_once_after_its_f
         # ... and only then: later collections leave the frozen set alone.
         runner._collect_garbage()
         assert len(freezes) == 2
-    assert sys.getswitchinterval() == before
     # A runner of its own (not the app's) never freezes: the process is not the service's.
     alone = JobRunner(settings_for(tmp_path / "store"), JobStore(str(tmp_path / "store")), client)
     alone._collect_garbage()
