@@ -47,7 +47,13 @@ from distbelief.storage import (
 from distbelief.storage._calls import gather_calls, start_call
 from distbelief.storage._server import _current_worker
 
-__all__ = ["PartitionActor", "PartitionConfig", "memory_needed", "train_partitioned"]
+__all__ = [
+    "PartitionActor",
+    "PartitionConfig",
+    "check_partitioned_options",
+    "memory_needed",
+    "train_partitioned",
+]
 
 #: Float64 copies of its parameter slice a partition costs a worker: the shard's vector and Adagrad
 #: accumulator, the partition's fetched copy and its gradient.
@@ -273,6 +279,7 @@ class PartitionActor:
             "staleness": list(self.staleness),
             "seconds": dict(self.seconds),
             "param_bytes": 8 * sum(hi - lo for lo, hi in self._ranges),
+            "worker": getattr(_current_worker(), "address", None),  # where it runs (the dashboard's groups)
         }
 
     async def status(self) -> dict[str, Any]:
@@ -575,14 +582,22 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
 }
 
 
-def train_from_options(model: Any, data: Any, *, partitions: int, given: dict[str, Any]) -> Any:
-    """``downpour.train(..., partitions=K)``: check the options a partitioned run supports, then run it.
+def check_partitioned_options(partitions: int, given: dict[str, Any]) -> dict[str, Any]:
+    """Refuse the ``downpour.train`` options a partitioned run does not support; the ones it takes.
+
+    ``given`` maps option names to values (``downpour.train``'s locals, or a job's options).
+
+    Raises
+    ------
+    distbelief.errors.InvalidOptionError
+        An option other than its default that partitions do not support, or no ``epochs``/``max_steps``.
 
     Examples
     --------
-    >>> train_from_options(model, data, partitions=2, given={"n_fetch": 3})  # doctest: +SKIP
+    >>> check_partitioned_options(2, {"n_fetch": 3})
     Traceback (most recent call last):
-    distbelief.errors.InvalidOptionError: n_fetch=3 is not supported with partitions=2; ...
+    ...
+    distbelief.errors.InvalidOptionError: n_fetch=3 is not supported with partitions=2; leave it at ...
     """
     for name, default in _UNSUPPORTED_DEFAULTS.items():
         if name in given and given[name] is not default and given[name] != default:
@@ -597,7 +612,24 @@ def train_from_options(model: Any, data: Any, *, partitions: int, given: dict[st
             f"max_staleness={given['max_staleness']!r} is not supported with partitions={partitions}: every "
             "partition fetches before each step (pass 0 or None)"
         )
+    if given.get("epochs") is None and given.get("max_steps") is None:
+        raise InvalidOptionError(
+            f"give epochs or max_steps with partitions={partitions} (a partitioned run needs a known length)"
+        )
     kwargs = {name: given[name] for name in _SUPPORTED if name in given}
     if kwargs.get("replicas") is None:
         kwargs.pop("replicas", None)
+    return kwargs
+
+
+def train_from_options(model: Any, data: Any, *, partitions: int, given: dict[str, Any]) -> Any:
+    """``downpour.train(..., partitions=K)``: check the options a partitioned run supports, then run it.
+
+    Examples
+    --------
+    >>> train_from_options(model, data, partitions=2, given={"n_fetch": 3})  # doctest: +SKIP
+    Traceback (most recent call last):
+    distbelief.errors.InvalidOptionError: n_fetch=3 is not supported with partitions=2; ...
+    """
+    kwargs = check_partitioned_options(partitions, given)
     return train_partitioned(model, data, partitions=partitions, **kwargs)
