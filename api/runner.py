@@ -844,7 +844,9 @@ class JobRunner:
             if placement:
                 rec["placement"] = placement
             rec["result"] = json_safe(summary)
-            if job.stopped:
+            # A partitioned run has no callback to stop it: a cancel asked while it ran is honoured at its end.
+            partitioned = int(rec["options"].get("partitions", 1)) > 1
+            if job.stopped or (partitioned and job.cancel.is_set()):
                 rec.update(status="cancelled", finished_at=_now(), message="cancelled while running")
             elif summary.get("stop_reason") == "diverged":
                 # A diverged Downpour run is a failed job (its message says what to change); its history and

@@ -1,11 +1,11 @@
 """Model parallelism (paper, section 3, Figure 3): time per mini-batch against partitions per replica.
 
-For a small and a large locally connected model (and an MLP of the same input width, for its all-gather
-traffic), one Downpour replica is split into 1, 2 and 4 partition actors (``downpour.train(partitions=K)``;
-K = 1 runs the partitioned code path with a single partition, so the comparison is like for like). Reported
-per configuration: milliseconds per mini-batch (median of the repeats), messages and bytes exchanged
-between partitions per step, and where the time of a partition went (compute, waiting for peers, fetch,
-push).
+For a small and a large locally connected model, 1-D and 2-D (image patches, split into bands of map rows),
+and an MLP (for its all-gather traffic), one Downpour replica is split into 1, 2 and 4 partition actors
+(``downpour.train(partitions=K)``; K = 1 runs the partitioned code path with a single partition, so the
+comparison is like for like). Reported per configuration: milliseconds per mini-batch (median of the
+repeats), messages and bytes exchanged between partitions per step, and where the time of a partition went
+(compute, waiting for peers, fetch, push).
 
 Then the memory case: on a cluster whose workers have a small ``memory_limit``, an MLP whose parameters do
 not fit one worker is refused with ``partitions=1`` (InvalidOptionError saying how many partitions would
@@ -53,15 +53,23 @@ def _data(n_features: int, n_classes: int, rows: int, seed: int = 0) -> tuple[np
 
 
 def _models(quick: bool) -> dict[str, Any]:
+    # The 2-D rows are the paper's image models in miniature: digits-sized 8 x 8 images, and 28 x 28 ones
+    # (MNIST-sized), split into bands of map rows.
     if quick:
         return {
             "small_lc": models.LocallyConnected(256, 10, fields=[9, 5]),
             "large_lc": models.LocallyConnected(4096, 10, fields=[32, 16], strides=[2, 1]),
+            "small_lc2d": models.LocallyConnected2D((8, 8), 10, patches=[3, 3], filters=[4, 4]),
+            "large_lc2d": models.LocallyConnected2D(
+                (28, 28), 10, patches=[5, 3], strides=[1, 1], filters=[8, 4]
+            ),
             "mlp": models.MLP([256, 128, 128, 10]),
         }
     return {
         "small_lc": models.LocallyConnected(1024, 10, fields=[16, 8]),
         "large_lc": models.LocallyConnected(32768, 10, fields=[128, 64], strides=[2, 1]),
+        "small_lc2d": models.LocallyConnected2D((8, 8), 10, patches=[3, 3], filters=[16, 8]),
+        "large_lc2d": models.LocallyConnected2D((28, 28), 10, patches=[5, 5], filters=[32, 16]),
         "mlp": models.MLP([1024, 512, 512, 10]),
     }
 
