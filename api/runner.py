@@ -844,7 +844,7 @@ class JobRunner:
             if placement:
                 rec["placement"] = placement
             rec["result"] = json_safe(summary)
-            # A partitioned run has no callback to stop it: a cancel asked while it ran is honoured at its end.
+            # A partitioned run has no callback to stop it: a cancel asked while it ran counts at its end.
             partitioned = int(rec["options"].get("partitions", 1)) > 1
             if job.stopped or (partitioned and job.cancel.is_set()):
                 rec.update(status="cancelled", finished_at=_now(), message="cancelled while running")
@@ -890,6 +890,8 @@ class JobRunner:
                 if placement and placement != seen:
                     seen = placement
                     with job.lock:
+                        if done.is_set():
+                            return  # the run has ended: its final placement (with counters) is the record's
                         job.record["placement"] = placement
                     self._notify(job_id)
 

@@ -18,6 +18,8 @@ def test_quick_run_writes_json_and_png_with_traffic_by_partitions(
     stored = json.loads((tmp_path / "model_parallel_quick.json").read_text())
     assert (tmp_path / "model_parallel_quick.png").stat().st_size > 0
     assert set(stored["timings"]) == {"small_lc", "large_lc", "small_lc2d", "large_lc2d", "mlp"}
+    assert set(stored["in_process_ms"]) == set(stored["timings"])
+    assert all(ms > 0 for ms in stored["in_process_ms"].values())  # the single-process numpy reference row
     for name, rows in result["timings"].items():
         assert [r["partitions"] for r in rows] == [1, 2, 4]
         assert rows[0]["messages_per_step"] == 0 and all(r["ms_per_batch"] > 0 for r in rows)
