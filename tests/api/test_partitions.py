@@ -97,7 +97,7 @@ async def test_bad_specs_and_partitions_get_422_and_nothing_is_stored(
 
 
 @pytest.mark.anyio
-async def test_a_partition_too_big_for_a_worker_is_refused_and_more_partitions_admit_it(
+async def test_admission_weighs_a_partition_and_a_job_shows_its_replicas_as_groups_of_partitions(
     tmp_path: Path, client: DaskClient
 ) -> None:
     limit, n_workers = WorkerMemory(client, ttl=0).get()
@@ -120,31 +120,21 @@ async def test_a_partition_too_big_for_a_worker_is_refused_and_more_partitions_a
         assert r.status_code == 422 and "would need" in r.text, r.text
         r = await http.post("/api/jobs", json=_downpour(spec, partitions=2))
         assert r.status_code == 422 and "a partition would need" in r.text, r.text
-        r = await http.post("/api/jobs", json=_downpour(spec, partitions=4, max_steps=1))
-        assert r.status_code == 201, r.text
-        record = await wait_final(http, r.json()["id"])
-        assert record["status"] == "succeeded", record["message"]
+        assert "more partitions (option 'partitions') spread it" in r.text
 
-
-@pytest.mark.anyio
-async def test_a_partitioned_downpour_job_shows_its_replicas_as_groups_of_partitions(
-    tmp_path: Path, client: DaskClient
-) -> None:
-    async with running_app(settings_for(tmp_path), client) as (_, http):
-        await upload_digits(http)
-        r = await http.post("/api/jobs", json=_downpour(LC2D, partitions=2, replicas=2, max_steps=6))
+        r = await http.post("/api/jobs", json=_downpour(spec, partitions=4, replicas=2, max_steps=6))
         assert r.status_code == 201, r.text
-        assert r.json()["options"]["partitions"] == 2
+        assert r.json()["options"]["partitions"] == 4
         record = await wait_final(http, r.json()["id"])
         assert record["status"] == "succeeded", record["message"]
         workers = {w["address"] for w in (await http.get("/api/cluster")).json()["workers"]}
         groups = record["placement"]
         assert [g["replica"] for g in groups] == [0, 1]
         for group in groups:
-            assert [p["partition"] for p in group["partitions"]] == [0, 1]
+            assert [p["partition"] for p in group["partitions"]] == [0, 1, 2, 3]
             assert {p["worker"] for p in group["partitions"]} <= workers
             assert all(p["steps"] == 3 for p in group["partitions"])
             assert all(p["messages"] > 0 and p["bytes"] > 0 for p in group["partitions"])
         result = record["result"]
-        assert result["stats"]["partitions"] == 2 and result["steps"] == 6
+        assert result["stats"]["partitions"] == 4 and result["steps"] == 6
         assert 0 < result["train_loss"] < 10 and result["objective"] >= result["train_loss"]
