@@ -149,3 +149,44 @@ async def test_admission_weighs_a_partition_and_a_job_shows_its_replicas_as_grou
         assert result["stats"]["partitions"] == 2 and result["steps"] == 4
         # No l2: the objective is the training loss, evaluated at the end like every job's.
         assert math.isfinite(result["train_loss"]) and result["objective"] == result["train_loss"]
+
+
+def test_a_running_jobs_placement_follows_its_partition_actors() -> None:
+    # The watcher of a running partitioned job, on a stand-in for the runner's scheduler query: the record
+    # gets the groups as soon as the actors are placed, and is left alone once the run has ended.
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from distbelief.api.runner import JobRunner, _Job
+
+    table: list[dict[str, Any]] = [{"key": "shard-0-x", "kind": "shard", "job_id": "j", "worker": "tcp://a"}]
+    notified: list[str] = []
+    fake = SimpleNamespace(actors=lambda: list(table), _stopping=threading.Event(), _notify=notified.append)
+    job = _Job.of({"id": "j", "algorithm": "downpour-sgd", "placement": None})
+    done = JobRunner._watch_placement(fake, job, every=0.01)  # type: ignore[arg-type]
+    time.sleep(0.05)
+    assert job.record["placement"] is None  # no partition yet
+    table += [
+        {"key": "partition-0-1-r", "kind": "partition", "job_id": "j", "worker": "tcp://b", "replica": 0,
+         "partition": 1},
+        {"key": "partition-0-0-r", "kind": "partition", "job_id": "j", "worker": "tcp://a", "replica": 0,
+         "partition": 0},
+        {"key": "partition-0-0-q", "kind": "partition", "job_id": "other", "worker": "tcp://c", "replica": 0,
+         "partition": 0},
+    ]  # fmt: skip
+    deadline = time.monotonic() + 10
+    while job.record["placement"] is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert job.record["placement"] == [
+        {
+            "replica": 0,
+            "partitions": [{"partition": 0, "worker": "tcp://a"}, {"partition": 1, "worker": "tcp://b"}],
+        }
+    ]
+    assert notified and set(notified) == {"j"}
+    done.set()
+    job.record["placement"] = "final"
+    table[1]["worker"] = "tcp://moved"
+    time.sleep(0.05)
+    assert job.record["placement"] == "final"
