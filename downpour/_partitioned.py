@@ -32,7 +32,7 @@ from distributed import Client
 
 from distbelief.downpour._batches import BatchPlan, split_rows
 from distbelief.errors import ClusterError, InvalidOptionError
-from distbelief.models._partitioned import PartitionPlan, Recv, Send, Traffic, partition_plan
+from distbelief.models._partitioned import PartitionPlan, partition_plan
 from distbelief.storage import (
     Dataset,
     ParameterServer,
@@ -45,7 +45,7 @@ from distbelief.storage import (
     worker_addresses,
 )
 from distbelief.storage._calls import gather_calls, start_call
-from distbelief.storage._server import _current_worker
+from distbelief.storage._exchange import PartitionPeer
 
 __all__ = ["PartitionActor", "PartitionConfig", "memory_needed", "train_partitioned"]
 
@@ -75,25 +75,7 @@ class PartitionConfig:
     call_timeout: float
 
 
-async def _call(actor: Any, method: str, *args: Any) -> Any:
-    """Call ``method`` on another actor from an event loop; in-process when it lives on this worker."""
-    worker = _current_worker()
-    if worker is not None and getattr(actor, "_address", None) == worker.address:
-        local = worker.state.actors.get(actor.key)
-        if local is not None:
-            return await getattr(local, method)(*args)
-    return await getattr(actor, method)(*args)
-
-
-def _advance(gen: Any, value: Any) -> tuple[bool, Any]:
-    """``(False, next op)`` or ``(True, the pass's result)``: a StopIteration cannot cross a Future."""
-    try:
-        return False, gen.send(value)
-    except StopIteration as stop:
-        return True, stop.value
-
-
-class PartitionActor:
+class PartitionActor(PartitionPeer):
     """Dask actor: partition ``k`` of replica ``replica``, training on rows ``[lo, hi)``.
 
     Parameters
@@ -131,38 +113,21 @@ class PartitionActor:
         shards: Sequence[int],
         config: PartitionConfig,
     ) -> None:
-        self.replica, self.k, self.plan, self.dataset, self.config = replica, k, plan, dataset, config
+        super().__init__(replica, k, call_timeout=config.call_timeout)
+        self.plan, self.dataset, self.config = plan, dataset, config
         self.batches = BatchPlan.for_rows(
             dataset, lo, hi, batch_size=config.batch_size, seed=config.seed, replica=replica,
             shuffle=config.shuffle,
         )  # fmt: skip
         self.map = shard_map
         self.shards = list(shards)
-        self.peers: list[Any] = []
         self.columns = plan.input_columns(k)
-        self.mailbox: dict[tuple[int, str, int], asyncio.Future[np.ndarray]] = {}
-        self.traffic = Traffic()
         self.losses: list[float] = []
         self.steps = 0
         self.staleness: list[int] = []
-        self.seconds = {"fetch": 0.0, "compute": 0.0, "wait": 0.0, "push": 0.0}
+        self.seconds.update({"fetch": 0.0, "push": 0.0})
         self._segments: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._source = f"{config.run_id}/replica-{replica}/partition-{k}"
-
-    async def connect(self, peers: list[Any]) -> None:
-        """The K partition actors of this replica (itself included), by partition number."""
-        self.peers = list(peers)
-
-    def _slot(self, src: int, tag: str, step: int) -> asyncio.Future[np.ndarray]:
-        key = (src, tag, step)
-        fut = self.mailbox.get(key)
-        if fut is None:
-            fut = self.mailbox[key] = asyncio.get_running_loop().create_future()
-        return fut
-
-    async def deliver(self, src: int, tag: str, step: int, array: np.ndarray) -> None:
-        """A message from partition ``src`` (never waits: it only fills the mailbox)."""
-        self._slot(src, tag, step).set_result(array)
 
     def _segment(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         if s not in self._segments:
@@ -170,39 +135,6 @@ class PartitionActor:
             X, y = self.dataset.read_rows(lo, hi)
             self._segments[s] = (np.ascontiguousarray(X[:, self.columns]), y)
         return self._segments[s]
-
-    async def _pass(
-        self, step: int, w_k: np.ndarray, X_k: np.ndarray, y: np.ndarray
-    ) -> tuple[Any, np.ndarray]:
-        gen = self.plan.partition_pass(self.k, w_k, X_k, y)
-        value: np.ndarray | None = None
-        timeout = self.config.call_timeout
-        while True:
-            t0 = time.perf_counter()
-            done, op = await asyncio.to_thread(_advance, gen, value)
-            if done:
-                self.seconds["compute"] += time.perf_counter() - t0
-                result: tuple[Any, np.ndarray] = op
-                return result
-            t1 = time.perf_counter()
-            self.seconds["compute"] += t1 - t0
-            if isinstance(op, Send):
-                self.traffic.add(op)
-                await asyncio.wait_for(
-                    _call(self.peers[op.dest], "deliver", self.k, op.tag, step, op.array), timeout
-                )
-                value = None
-            else:
-                assert isinstance(op, Recv)
-                try:
-                    value = await asyncio.wait_for(self._slot(op.src, op.tag, step), timeout)
-                except TimeoutError:
-                    raise ClusterError(
-                        f"partition {self.k} of replica {self.replica} waited {timeout:g} s for {op.tag!r} "
-                        f"from partition {op.src}; its worker may have died (restart the run from the shards)"
-                    ) from None
-                del self.mailbox[(op.src, op.tag, step)]
-            self.seconds["wait"] += time.perf_counter() - t1
 
     async def run(self) -> dict[str, Any]:
         """Train until ``step_limit`` steps; the partition's counters."""
@@ -221,7 +153,7 @@ class PartitionActor:
                 self.seconds["fetch"] += time.perf_counter() - t0
                 X_seg, y_seg = self._segment(s)
                 X_k, y = X_seg[rows], y_seg[rows]
-                loss, grad = await self._pass(self.steps, w_k, X_k, y)
+                loss, grad = await self.run_pass(self.steps, self.plan.partition_pass(self.k, w_k, X_k, y))
                 n = len(rows)
                 g = grad / n
                 if cfg.l2:
@@ -266,9 +198,9 @@ class PartitionActor:
             "replica": self.replica,
             "partition": self.k,
             "steps": self.steps,
-            "messages": self.traffic.messages,
-            "bytes": self.traffic.bytes,
-            "by_kind": dict(self.traffic.by_kind),
+            "messages": self.messages,
+            "bytes": self.bytes,
+            "by_kind": dict(self.by_kind),
             "losses": list(self.losses),
             "staleness": list(self.staleness),
             "seconds": dict(self.seconds),
