@@ -73,6 +73,9 @@ class PartitionConfig:
     shuffle: bool
     step_limit: int
     call_timeout: float
+    n_fetch: int = 1
+    n_push: int = 1
+    local_lr: float | None = None
 
 
 class PartitionActor(PartitionPeer):
@@ -124,6 +127,7 @@ class PartitionActor(PartitionPeer):
         self.columns = plan.input_columns(k)
         self.losses: list[float] = []
         self.steps = 0
+        self.pushes_sent = 0
         self.staleness: list[int] = []
         self.seconds.update({"fetch": 0.0, "push": 0.0})
         self._segments: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -136,21 +140,63 @@ class PartitionActor(PartitionPeer):
             self._segments[s] = (np.ascontiguousarray(X[:, self.columns]), y)
         return self._segments[s]
 
-    async def run(self) -> dict[str, Any]:
-        """Train until ``step_limit`` steps; the partition's counters."""
+    async def _fetch(self) -> tuple[np.ndarray, list[int]]:
+        t0 = time.perf_counter()
+        parts = await asyncio.gather(
+            *(self.map.ask(i, "fetch", ["x"], timeout=self.config.call_timeout) for i in self.shards)
+        )
+        self.seconds["fetch"] += time.perf_counter() - t0
+        return np.concatenate([p[1][0] for p in parts]), [int(p[0]) for p in parts]
+
+    async def _push(self, accrued: np.ndarray, steps: int, versions: list[int]) -> None:
         cfg = self.config
+        t0 = time.perf_counter()
+        answers = await asyncio.gather(
+            *(
+                self.map.ask(
+                    i,
+                    "push",
+                    accrued[lo - self.base : hi - self.base],
+                    source=self._source,
+                    seq=self.pushes_sent,
+                    rule=cfg.rule,
+                    lr=cfg.lr,
+                    fetched_version=v,
+                    steps=steps,
+                    timeout=cfg.call_timeout,
+                )
+                for i, v, (lo, hi) in zip(self.shards, versions, self._ranges, strict=True)
+            )
+        )
+        self.pushes_sent += 1
+        self.seconds["push"] += time.perf_counter() - t0
+        self.staleness += [int(a[2]) for a in answers]
+
+    async def run(self) -> dict[str, Any]:
+        """Train until ``step_limit`` steps; the partition's counters.
+
+        The paper's replica loop (section 4.1, Algorithm 7.1) on this partition's slice, one step at a time:
+        fetch before every ``n_fetch``-th step, take the local step ``w -= local_lr * g``, push the gradient
+        accrued since the last push after every ``n_push``-th (and what is left at the end). A fetch lands
+        as the fetched slice *minus the local steps not pushed yet* (the shards cannot hold those), so one
+        replica with ``rule="sgd"`` and ``local_lr = lr`` is sequential mini-batch SGD whatever
+        ``n_fetch`` and ``n_push`` are. Every partition of a replica fetches and pushes at the same steps.
+        """
+        cfg = self.config
+        local_lr = cfg.lr if cfg.local_lr is None else cfg.local_lr
         epoch = 0
+        w_k = np.zeros(0)
+        versions: list[int] = []
+        accrued: np.ndarray | None = None
+        accrued_steps = 0
         while self.steps < cfg.step_limit:
             for s, rows in self.batches.epoch(epoch):
                 if self.steps >= cfg.step_limit:
                     break
-                t0 = time.perf_counter()
-                parts = await asyncio.gather(
-                    *(self.map.ask(i, "fetch", ["x"], timeout=cfg.call_timeout) for i in self.shards)
-                )
-                versions = [int(p[0]) for p in parts]
-                w_k = np.concatenate([p[1][0] for p in parts])
-                self.seconds["fetch"] += time.perf_counter() - t0
+                if self.steps % cfg.n_fetch == 0:
+                    w_k, versions = await self._fetch()
+                    if accrued is not None and local_lr:
+                        w_k -= local_lr * accrued  # read your own writes: the local steps not pushed yet
                 X_seg, y_seg = self._segment(s)
                 X_k, y = X_seg[rows], y_seg[rows]
                 loss, grad = await self.run_pass(self.steps, self.plan.partition_pass(self.k, w_k, X_k, y))
@@ -160,27 +206,17 @@ class PartitionActor(PartitionPeer):
                     g += cfg.l2 * w_k
                 if loss is not None:
                     self.losses.append(float(loss) / n)
-                t0 = time.perf_counter()
-                answers = await asyncio.gather(
-                    *(
-                        self.map.ask(
-                            i,
-                            "push",
-                            g[lo - self.base : hi - self.base],
-                            source=self._source,
-                            seq=self.steps,
-                            rule=cfg.rule,
-                            lr=cfg.lr,
-                            fetched_version=v,
-                            timeout=cfg.call_timeout,
-                        )
-                        for i, v, (lo, hi) in zip(self.shards, versions, self._ranges, strict=True)
-                    )
-                )
-                self.seconds["push"] += time.perf_counter() - t0
-                self.staleness += [int(a[2]) for a in answers]
+                accrued = g if accrued is None else accrued + g
+                accrued_steps += 1
+                if local_lr and (cfg.n_fetch > 1 or cfg.n_push > 1):
+                    w_k = w_k - local_lr * g  # the local step (replaced by the next fetch when n_fetch = 1)
                 self.steps += 1
+                if self.steps % cfg.n_push == 0:
+                    await self._push(accrued, accrued_steps, versions)
+                    accrued, accrued_steps = None, 0
             epoch += 1
+        if accrued is not None:
+            await self._push(accrued, accrued_steps, versions)  # the last steps' gradient
         return self.status_now()
 
     @property
@@ -272,6 +308,9 @@ def train_partitioned(
     workers: Sequence[str] | None = None,
     call_timeout: float = 60.0,
     trace: bool = False,
+    n_fetch: int = 1,
+    n_push: int = 1,
+    local_lr: float | None = None,
 ) -> Any:
     """Downpour SGD with ``replicas`` model replicas, each split into ``partitions`` partition actors.
 
@@ -301,6 +340,10 @@ def train_partitioned(
         with its shards.
     call_timeout : float
         Seconds a partition waits for a shard or a peer's message before the run fails.
+    n_fetch, n_push, local_lr
+        As in ``downpour.train``: every partition of a replica fetches its slice before every
+        ``n_fetch``-th step and pushes its accrued gradient after every ``n_push``-th, with local steps
+        ``w -= local_lr * g`` in between (``local_lr`` defaults to ``lr``; 0: none).
 
     Returns
     -------
@@ -330,6 +373,13 @@ def train_partitioned(
         raise InvalidOptionError("give epochs or max_steps (a partitioned run needs a known length)")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise InvalidOptionError(f"replicas must be a positive integer, got {replicas!r}")
+    for name, value in (("n_fetch", n_fetch), ("n_push", n_push)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidOptionError(f"{name} must be a positive integer, got {value!r}")
+    if local_lr is not None and (
+        isinstance(local_lr, bool) or not isinstance(local_lr, int | float) or not local_lr >= 0
+    ):
+        raise InvalidOptionError(f"local_lr must be a number >= 0 or None, got {local_lr!r}")
     step_lr = lr if lr is not None else (0.1 if rule == "sgd" else 0.2)
     x_start = start_vector(model, x0, seed)
     layout = partition_layout(plan.bounds, shards_per_partition=shards_per_partition)
@@ -376,7 +426,10 @@ def train_partitioned(
                     TrainResult,
                     reason,
                 )
-                return _drive(c, ps, plan, dataset, row_ranges, owned, places, limits, *args)
+                return _drive(
+                    c, ps, plan, dataset, row_ranges, owned, places, limits, *args,
+                    sync=(n_fetch, n_push, local_lr),
+                )  # fmt: skip
             finally:
                 ps.close()
     finally:
@@ -403,13 +456,19 @@ def _drive(
     trace: bool,
     result_cls: Any,
     stop_reason: str,
+    *,
+    sync: tuple[int, int, float | None] = (1, 1, None),
 ) -> Any:
     run_id = uuid.uuid4().hex[:12]
+    n_fetch, n_push, local_lr = sync
     K = plan.partitions
     shard_map = ps.shard_map()
     futures: list[list[Any]] = []
     for r, (lo, hi) in enumerate(row_ranges):
-        config = PartitionConfig(run_id, rule, lr, l2, batch_size, seed, shuffle, limits[r], call_timeout)
+        config = PartitionConfig(
+            run_id, rule, lr, l2, batch_size, seed, shuffle, limits[r], call_timeout,
+            n_fetch=n_fetch, n_push=n_push, local_lr=local_lr,
+        )  # fmt: skip
         futures.append(
             [
                 c.submit(
@@ -491,12 +550,9 @@ def _drive(
 
 #: ``downpour.train`` options a partitioned run takes, and the defaults of the ones it does not support.
 _SUPPORTED = ("replicas", "rule", "lr", "l2", "batch_size", "epochs", "max_steps", "seed", "x0", "shuffle",
-              "client", "store", "trace", "call_timeout")  # fmt: skip
+              "client", "store", "trace", "call_timeout", "n_fetch", "n_push", "local_lr")  # fmt: skip
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "shards": None,
-    "local_lr": None,
-    "n_fetch": 1,
-    "n_push": 1,
     "warmstart_steps": 0,
     "time_limit": None,
     "eval_data": None,
@@ -512,9 +568,9 @@ def train_from_options(model: Any, data: Any, *, partitions: int, given: dict[st
 
     Examples
     --------
-    >>> train_from_options(model, data, partitions=2, given={"n_fetch": 3})  # doctest: +SKIP
+    >>> train_from_options(model, data, partitions=2, given={"warmstart_steps": 3})  # doctest: +SKIP
     Traceback (most recent call last):
-    distbelief.errors.InvalidOptionError: n_fetch=3 is not supported with partitions=2; ...
+    distbelief.errors.InvalidOptionError: warmstart_steps=3 is not supported with partitions=2; ...
     """
     for name, default in _UNSUPPORTED_DEFAULTS.items():
         if name in given and given[name] is not default and given[name] != default:

@@ -55,6 +55,21 @@ def test_two_partitions_one_replica_is_sequential_sgd(
     assert res.stats["messages_per_step"] > 0 and res.stats["bytes_per_step"] > 0
 
 
+def test_fetching_and_pushing_every_few_steps_is_sequential_sgd(client: Client, digits: Dataset) -> None:
+    # One replica, rule="sgd", local_lr = lr: the local steps between fetches and pushes are the shards'
+    # updates taken early, so the run is sequential SGD whatever n_fetch and n_push (paper, Algorithm 7.1).
+    model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
+    res = downpour.train(
+        model, digits, replicas=1, partitions=2, rule="sgd", lr=0.1, l2=1e-3, max_steps=40, seed=3,
+        n_fetch=2, n_push=3, trace=True, client=client,
+    )  # fmt: skip
+    ref = _reference(model, digits, 40, lr=0.1, l2=1e-3)
+    np.testing.assert_allclose(res.losses[0], ref.losses, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(res.x, ref.x, rtol=1e-10, atol=1e-12)
+    # Each partition pushed to its one shard after steps 3, 6, ..., 39, and once more for step 40.
+    assert res.stats["pushes"] == 2 * (40 // 3 + 1)
+
+
 def test_partitioned_adagrad_with_two_replicas_learns(client: Client, digits: Dataset) -> None:
     model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
     res = downpour.train(model, digits, replicas=2, partitions=2, epochs=2, lr=0.3, client=client)
@@ -64,7 +79,9 @@ def test_partitioned_adagrad_with_two_replicas_learns(client: Client, digits: Da
 
 def test_unsupported_options_are_refused(client: Client, digits: Dataset) -> None:
     model = models.MLP([64, 10])
-    with pytest.raises(InvalidOptionError, match="n_fetch=3 is not supported with partitions=2"):
-        downpour.train(model, digits, partitions=2, n_fetch=3, max_steps=1, client=client)
+    with pytest.raises(InvalidOptionError, match="warmstart_steps=3 is not supported with partitions=2"):
+        downpour.train(model, digits, partitions=2, warmstart_steps=3, max_steps=1, client=client)
+    with pytest.raises(InvalidOptionError, match="n_push"):
+        downpour.train(model, digits, partitions=2, n_push=0, max_steps=1, client=client)
     with pytest.raises(InvalidOptionError, match="cannot be partitioned"):
         downpour.train(models.Softmax(64, 10), digits, partitions=2, max_steps=1, client=client)
