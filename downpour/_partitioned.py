@@ -17,6 +17,8 @@ sequential mini-batch SGD (or Adagrad) exactly; with several, the replicas stay 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import math
 import os
 import tempfile
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 from distributed import Client
+from distributed.utils import sync
 
 from distbelief.downpour._batches import BatchPlan, split_rows
 from distbelief.errors import ClusterError, InvalidOptionError
@@ -44,8 +47,14 @@ from distbelief.storage import (
     start_vector,
     worker_addresses,
 )
-from distbelief.storage._calls import gather_calls, start_call
-from distbelief.storage._exchange import PartitionPeer
+from distbelief.storage._calls import (
+    DEAD_STATES,
+    POLL,
+    confirm_dead_async,
+    gather_calls,
+    start_call,
+)
+from distbelief.storage._exchange import PartitionPeer, PassAborted
 
 __all__ = ["PartitionActor", "PartitionConfig", "memory_needed", "train_partitioned"]
 
@@ -97,6 +106,8 @@ class PartitionActor(PartitionPeer):
         This partition's shards.
     config : PartitionConfig
         The run's options.
+    generation : int
+        How many times this replica was rebuilt before (its pushes' source name has it).
 
     Examples
     --------
@@ -115,6 +126,7 @@ class PartitionActor(PartitionPeer):
         shard_map: ShardMap,
         shards: Sequence[int],
         config: PartitionConfig,
+        generation: int = 0,
     ) -> None:
         super().__init__(replica, k, call_timeout=config.call_timeout)
         self.plan, self.dataset, self.config = plan, dataset, config
@@ -131,7 +143,11 @@ class PartitionActor(PartitionPeer):
         self.staleness: list[int] = []
         self.seconds.update({"fetch": 0.0, "push": 0.0})
         self._segments: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._source = f"{config.run_id}/replica-{replica}/partition-{k}"
+        # A rebuilt replica's partitions push under a name of their own: their sequence numbers restart.
+        self._source = f"{config.run_id}/replica-{replica}/partition-{k}/generation-{generation}"
+        self.generation = generation
+        self.applied = 0
+        self._stopped = False
 
     def _segment(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         if s not in self._segments:
@@ -171,8 +187,14 @@ class PartitionActor(PartitionPeer):
         self.pushes_sent += 1
         self.seconds["push"] += time.perf_counter() - t0
         self.staleness += [int(a[2]) for a in answers]
+        self.applied += sum(bool(a[0]) for a in answers)
 
-    async def run(self) -> dict[str, Any]:
+    async def stop(self) -> None:
+        """Stop training at the next step (the replica lost a partition): passes under way are aborted."""
+        self._stopped = True
+        self.abort_all()
+
+    async def run(self, start: int = 0) -> dict[str, Any]:
         """Train until ``step_limit`` steps; the partition's counters.
 
         The paper's replica loop (section 4.1, Algorithm 7.1) on this partition's slice, one step at a time:
@@ -181,7 +203,18 @@ class PartitionActor(PartitionPeer):
         as the fetched slice *minus the local steps not pushed yet* (the shards cannot hold those), so one
         replica with ``rule="sgd"`` and ``local_lr = lr`` is sequential mini-batch SGD whatever
         ``n_fetch`` and ``n_push`` are. Every partition of a replica fetches and pushes at the same steps.
+
+        ``start``: a rebuilt replica goes on from this step (the mini-batches before it are skipped). A
+        stopped partition (:meth:`stop`) returns its counters with ``stopped=True``.
         """
+        try:
+            return await self._train(start)
+        except PassAborted:
+            if not self._stopped:
+                raise
+            return self.status_now()
+
+    async def _train(self, start: int) -> dict[str, Any]:
         cfg = self.config
         local_lr = cfg.lr if cfg.local_lr is None else cfg.local_lr
         epoch = 0
@@ -189,11 +222,15 @@ class PartitionActor(PartitionPeer):
         versions: list[int] = []
         accrued: np.ndarray | None = None
         accrued_steps = 0
-        while self.steps < cfg.step_limit:
+        skip = self.steps = start
+        while self.steps < cfg.step_limit and not self._stopped:
             for s, rows in self.batches.epoch(epoch):
-                if self.steps >= cfg.step_limit:
+                if skip:
+                    skip -= 1
+                    continue
+                if self.steps >= cfg.step_limit or self._stopped:
                     break
-                if self.steps % cfg.n_fetch == 0:
+                if self.steps % cfg.n_fetch == 0 or w_k.size == 0:
                     w_k, versions = await self._fetch()
                     if accrued is not None and local_lr:
                         w_k -= local_lr * accrued  # read your own writes: the local steps not pushed yet
@@ -215,7 +252,7 @@ class PartitionActor(PartitionPeer):
                     await self._push(accrued, accrued_steps, versions)
                     accrued, accrued_steps = None, 0
             epoch += 1
-        if accrued is not None:
+        if accrued is not None and not self._stopped:
             await self._push(accrued, accrued_steps, versions)  # the last steps' gradient
         return self.status_now()
 
@@ -233,6 +270,10 @@ class PartitionActor(PartitionPeer):
         return {
             "replica": self.replica,
             "partition": self.k,
+            "generation": self.generation,
+            "stopped": self._stopped,
+            "applied": self.applied,
+            "shard_ids": list(self.shards),
             "steps": self.steps,
             "messages": self.messages,
             "bytes": self.bytes,
@@ -311,6 +352,7 @@ def train_partitioned(
     n_fetch: int = 1,
     n_push: int = 1,
     local_lr: float | None = None,
+    shard_workers: Sequence[str] | None = None,
 ) -> Any:
     """Downpour SGD with ``replicas`` model replicas, each split into ``partitions`` partition actors.
 
@@ -337,7 +379,10 @@ def train_partitioned(
         As in ``downpour.train``.
     workers : list of str, optional
         Worker addresses (default: every worker); partition ``k`` goes to ``workers[k % len(workers)]``
-        with its shards.
+        with its shards (``downpour.train``'s ``replica_workers``). A replica that loses a partition's
+        worker is rebuilt on the others (its K partitions go on from the step it reached).
+    shard_workers : list of str, optional
+        Where the shards go instead (partition ``k``'s to ``shard_workers[k % len(shard_workers)]``).
     call_timeout : float
         Seconds a partition waits for a shard or a peer's message before the run fails.
     n_fetch, n_push, local_lr
@@ -407,7 +452,8 @@ def train_partitioned(
                 if max_steps is not None:
                     limit = min(limit, max_steps // replicas + (1 if r < max_steps % replicas else 0))
                 limits.append(int(limit))
-            shard_places = [places[k % len(places)] for k in range(plan.partitions) for _ in owned[k]]
+            homes = list(shard_workers) if shard_workers else places
+            shard_places = [homes[k % len(homes)] for k in range(plan.partitions) for _ in owned[k]]
             ps = ParameterServer.create(
                 c, model.n_params, store=os.path.join(store, "ps"), workers=shard_places, layout=layout,
                 vectors={"x": x_start[plan.perm]}, timeout=call_timeout,
@@ -437,6 +483,131 @@ def train_partitioned(
             tmp.cleanup()
 
 
+#: Times a run may rebuild a replica that lost a partition's worker before the run fails.
+MAX_REBUILDS = 8
+
+
+class _Supervisor:
+    """Waits for every partition's ``run`` (on the client's event loop) and rebuilds a replica that lost a
+    partition's worker: its surviving partitions are stopped, and K new ones go on from the step the
+    survivors reached, on live workers (issue 14, item 4). What the lost partition had not pushed is lost,
+    as a lost replica's gradient is in Downpour; the shards count what they applied (``Shard.counters``)."""
+
+    def __init__(
+        self,
+        client: Client,
+        futures: list[list[Any]],
+        actors: list[list[Any]],
+        places: Sequence[str],
+        submit: Any,
+        call_timeout: float,
+        max_steps: int,
+    ) -> None:
+        self.client, self.futures, self.actors = client, futures, actors
+        self.places, self.submit, self.call_timeout = list(places), submit, call_timeout
+        self.budget = call_timeout * (1 + max_steps)
+        self.generation = [0] * len(actors)
+        self.rebuilt: list[int] = []
+
+    def run(self) -> tuple[list[dict[str, Any]], list[int]]:
+        """Every partition's final counters (stopped generations included) and the replicas rebuilt."""
+        loop = self.client.loop
+        if loop is None:
+            raise ClusterError("the Dask client is closed; connect a client and try again")
+        result: tuple[list[dict[str, Any]], list[int]] = sync(loop, self._run)
+        return result
+
+    def _dead(self, r: int) -> bool:
+        return any(f.status in DEAD_STATES for f in self.futures[r])
+
+    async def _run(self) -> tuple[list[dict[str, Any]], list[int]]:
+        statuses: list[dict[str, Any]] = []
+        tasks: dict[asyncio.Future[Any], tuple[int, int]] = {}
+
+        def start(r: int, step: int) -> None:
+            for k, a in enumerate(self.actors[r]):
+                task = asyncio.ensure_future(a.run(step)._result())
+                task.add_done_callback(lambda f: f.cancelled() or f.exception())
+                tasks[task] = (r, k)
+
+        for r in range(len(self.actors)):
+            start(r, 0)
+        deadline = time.monotonic() + self.budget
+        while tasks:
+            done, _ = await asyncio.wait(list(tasks), timeout=POLL, return_when=asyncio.FIRST_COMPLETED)
+            broken: set[int] = set()
+            for task in done:
+                r, _ = tasks.pop(task)
+                if task.exception() is None:
+                    statuses.append(task.result())
+                else:
+                    broken.add(r)
+            broken |= {r for r, _ in tasks.values() if self._dead(r)}
+            for r in sorted(broken):
+                step = await self._stop(r, tasks, statuses)
+                if not await confirm_dead_async(functools.partial(self._dead, r), ConnectionError()):
+                    raise ClusterError(f"a partition of replica {r} failed (its worker is alive)")
+                await self._rebuild(r)
+                start(r, step)
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the partitions did not finish within {self.budget:.3g} s")
+        return statuses, self.rebuilt
+
+    async def _stop(
+        self, r: int, tasks: dict[asyncio.Future[Any], tuple[int, int]], statuses: list[dict[str, Any]]
+    ) -> int:
+        """Stop replica ``r``'s surviving partitions; the step the replica goes on from."""
+        mine = [t for t, (rr, _) in tasks.items() if rr == r]
+        for k, a in enumerate(self.actors[r]):
+            if self.futures[r][k].status not in DEAD_STATES:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(a.stop()._result(), self.call_timeout)
+        if mine:
+            await asyncio.wait(mine, timeout=self.call_timeout)
+        steps = []
+        for task in mine:
+            tasks.pop(task, None)
+            if task.done() and not task.cancelled() and task.exception() is None:
+                statuses.append(task.result())
+                steps.append(task.result()["steps"])
+            else:
+                task.cancel()
+        for k, a in enumerate(self.actors[r]):
+            if self.futures[r][k].status not in DEAD_STATES and not steps:
+                with contextlib.suppress(Exception):
+                    got = await asyncio.wait_for(a.status()._result(), self.call_timeout)
+                    statuses.append({**got, "stopped": True})
+                    steps.append(got["steps"])
+        return max(steps, default=0)
+
+    async def _rebuild(self, r: int) -> None:
+        """K new partitions for replica ``r`` on the workers still alive."""
+        if len(self.rebuilt) >= MAX_REBUILDS:
+            raise ClusterError(
+                f"replica {r} lost a partition's worker after {MAX_REBUILDS} rebuilds; giving up (check the "
+                "workers' health and logs)"
+            )
+        gone = {
+            getattr(a, "_address", None)
+            for a, f in zip(self.actors[r], self.futures[r], strict=True)
+            if f.status in DEAD_STATES
+        }
+        live = [w for w in self.places if w not in gone]
+        if not live:
+            raise ClusterError(f"replica {r} lost a partition and no worker is left to rebuild it on")
+        self.generation[r] += 1
+        g = self.generation[r]
+        K = len(self.actors[r])
+        old = self.futures[r]
+        self.futures[r] = [self.submit(r, k, live[k % len(live)], g) for k in range(K)]
+        self.actors[r] = [await f._result() for f in self.futures[r]]
+        await asyncio.gather(*(a.connect(self.actors[r])._result() for a in self.actors[r]))
+        for f in old:
+            with contextlib.suppress(Exception):
+                f.release()
+        self.rebuilt.append(r)
+
+
 def _drive(
     c: Client,
     ps: ParameterServer,
@@ -463,54 +634,37 @@ def _drive(
     n_fetch, n_push, local_lr = sync
     K = plan.partitions
     shard_map = ps.shard_map()
-    futures: list[list[Any]] = []
-    for r, (lo, hi) in enumerate(row_ranges):
+    configs = []
+    for r in range(len(row_ranges)):
         config = PartitionConfig(
             run_id, rule, lr, l2, batch_size, seed, shuffle, limits[r], call_timeout,
             n_fetch=n_fetch, n_push=n_push, local_lr=local_lr,
         )  # fmt: skip
-        futures.append(
-            [
-                c.submit(
-                    PartitionActor,
-                    r,
-                    k,
-                    plan,
-                    dataset,
-                    lo,
-                    hi,
-                    shard_map,
-                    owned[k],
-                    config,
-                    actor=True,
-                    workers=[places[k % len(places)]],
-                    allow_other_workers=False,
-                    pure=False,
-                    key=f"partition-{r}-{k}-{run_id}",
-                )
-                for k in range(K)
-            ]
-        )
+        configs.append(config)
+
+    def submit(r: int, k: int, place: str, generation: int) -> Any:
+        lo, hi = row_ranges[r]
+        return c.submit(
+            PartitionActor, r, k, plan, dataset, lo, hi, shard_map, owned[k], configs[r], generation,
+            actor=True, workers=[place], allow_other_workers=False, pure=False,
+            key=f"partition-{r}-{k}-{generation}-{run_id}",
+        )  # fmt: skip
+
+    futures = [[submit(r, k, places[k % len(places)], 0) for k in range(K)] for r in range(len(row_ranges))]
     actors = [[f.result() for f in row] for row in futures]
     for row in actors:
         for ok, value in gather_calls(c, [start_call(a, "connect", row) for a in row], timeout=call_timeout):
             if not ok:
                 raise ClusterError(f"a partition could not be connected to its peers: {value!r}")
     t0 = time.perf_counter()
-    flat = [a for row in actors for a in row]
-    budget = call_timeout * (1 + max(limits))
-    outcomes = gather_calls(c, [start_call(a, "run") for a in flat], timeout=budget)
+    supervisor = _Supervisor(c, futures, actors, places, submit, call_timeout, max(limits))
+    statuses, rebuilt = supervisor.run()
     wall = time.perf_counter() - t0
-    for ok, value in outcomes:
-        if not ok:
-            raise ClusterError(f"a partition failed: {value!r}") from (
-                value if isinstance(value, BaseException) else None
-            )
-    statuses = [value for _, value in outcomes]
     x_perm = ps.gather("x")
     x = np.empty_like(x_perm)
     x[plan.perm] = x_perm
-    steps = sum(st["steps"] for st in statuses if st["partition"] == 0)
+    # A stopped generation's steps are counted by the generation that went on from them.
+    steps = sum(st["steps"] for st in statuses if st["partition"] == 0 and not st.get("stopped"))
     messages = sum(st["messages"] for st in statuses)
     n_bytes = sum(st["bytes"] for st in statuses)
     by_kind: dict[str, float] = {}
@@ -530,6 +684,8 @@ def _drive(
         "replicas": len(row_ranges),
         "partitions": K,
         "shards": ps.shards,
+        "rebuilt_replicas": rebuilt,
+        "shard_counters": ps.counters(),
         "pushes": sum(len(st["staleness"]) for st in statuses),
         "staleness_mean": float(np.mean(staleness)) if staleness else math.nan,
         "steps_per_s": steps / wall if wall > 0 else math.nan,
@@ -550,7 +706,8 @@ def _drive(
 
 #: ``downpour.train`` options a partitioned run takes, and the defaults of the ones it does not support.
 _SUPPORTED = ("replicas", "rule", "lr", "l2", "batch_size", "epochs", "max_steps", "seed", "x0", "shuffle",
-              "client", "store", "trace", "call_timeout", "n_fetch", "n_push", "local_lr")  # fmt: skip
+              "client", "store", "trace", "call_timeout", "n_fetch", "n_push", "local_lr",
+              "shard_workers")  # fmt: skip
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "shards": None,
     "warmstart_steps": 0,
@@ -558,8 +715,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "eval_data": None,
     "callback": None,
     "staleness_scale": None,  # the default (on for multi-replica SGD elsewhere): partitions run unscaled
-    "shard_workers": None,
-    "replica_workers": None,
 }
 
 
@@ -586,6 +741,8 @@ def train_from_options(model: Any, data: Any, *, partitions: int, given: dict[st
             "partition fetches before each step (pass 0 or None)"
         )
     kwargs = {name: given[name] for name in _SUPPORTED if name in given}
+    if given.get("replica_workers"):
+        kwargs["workers"] = given["replica_workers"]
     if kwargs.get("replicas") is None:
         kwargs.pop("replicas", None)
     return train_partitioned(model, data, partitions=partitions, **kwargs)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import threading
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,7 +16,7 @@ from distributed import Client
 from distbelief import downpour, models
 from distbelief.downpour import BatchPlan, sequential_sgd
 from distbelief.errors import InvalidOptionError
-from distbelief.storage import Dataset
+from distbelief.storage import Dataset, worker_addresses
 from distbelief.storage._digits import train_test_split_digits
 
 X_TR, Y_TR, _, _ = train_test_split_digits(seed=0)
@@ -85,3 +90,49 @@ def test_unsupported_options_are_refused(client: Client, digits: Dataset) -> Non
         downpour.train(model, digits, partitions=2, n_push=0, max_steps=1, client=client)
     with pytest.raises(InvalidOptionError, match="cannot be partitioned"):
         downpour.train(models.Softmax(64, 10), digits, partitions=2, max_steps=1, client=client)
+
+
+def _steps_here(dask_worker: Any) -> int:
+    """The most steps any partition actor on this worker has taken (run on the worker)."""
+    return max((int(getattr(a, "steps", 0)) for a in dask_worker.state.actors.values()), default=0)
+
+
+def test_a_killed_partition_worker_is_rebuilt_and_the_shards_count_every_applied_push(
+    client: Client, digits: Dataset
+) -> None:
+    home, other = worker_addresses(client)
+    killed: list[int] = []
+
+    def kill_once_training() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            steps = client.run(_steps_here, workers=[other]).get(other, 0)
+            if steps >= 20:
+                pid = client.run(os.getpid, workers=[other])[other]
+                os.kill(pid, signal.SIGKILL)
+                killed.append(steps)
+                return
+            time.sleep(0.02)
+
+    # Partition 0 of both replicas and every shard on one worker, partition 1 of both on the other.
+    model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
+    thread = threading.Thread(target=kill_once_training)
+    thread.start()
+    res = downpour.train(
+        model, digits, replicas=2, partitions=2, rule="sgd", lr=0.05, max_steps=400, client=client,
+        shard_workers=[home], replica_workers=[home, other], call_timeout=20.0,
+    )  # fmt: skip
+    thread.join()
+    assert killed, "the run ended before the kill"
+    assert res.success and res.steps == 400
+    assert sorted(res.stats["rebuilt_replicas"]) == [0, 1]
+    per = res.stats["per_partition"]
+    shard0, shard1 = res.stats["shard_counters"]
+    # Partition 0 survived (and was stopped, then replaced): every push its generations saw applied is on
+    # its shard, and nothing else is.
+    assert shard0["applied"] == sum(p["applied"] for p in per if p["partition"] == 0)
+    # Partition 1's first generation died with its worker: its shard also holds the pushes it made before.
+    after = sum(p["applied"] for p in per if p["partition"] == 1)
+    stopped_at = sum(p["steps"] for p in per if p["partition"] == 0 and p["stopped"])
+    assert after < shard1["applied"] <= after + stopped_at
+    assert np.isfinite(res.x).all() and model.accuracy(res.x, X_TR, Y_TR) > 0.5
