@@ -53,7 +53,7 @@ from distbelief.sandblaster._scheduler import PortionScheduler
 from distbelief.storage import Dataset, ShardMap, _exactsum, default_row_cache, keep_loop_responsive
 from distbelief.storage import reduce_results as _reduce_results
 from distbelief.storage._calls import DEAD_STATES, await_call
-from distbelief.storage._exchange import PartitionPeer, call_peer
+from distbelief.storage._exchange import PartitionPeer, PassAborted, call_peer
 from distbelief.storage._server import _worker_alive
 
 __all__ = [
@@ -245,6 +245,12 @@ class SandblasterPartition(PartitionPeer):
         self._active.add(token)
         try:
             return await self._share(token, call)
+        except OSError as exc:
+            # A shard's connection dropped: a failed call of this partition, as an unpartitioned replica
+            # reports it (the coordinator then probes the shards and restores a lost one).
+            raise ClusterError(
+                f"partition {self.k} of replica {self.replica} could not reach its shards: {exc!r}"
+            ) from exc
         finally:
             self._active.discard(token)
 
@@ -314,12 +320,22 @@ class SandblasterPartition(PartitionPeer):
             # The scheduler query may block: keep it off the event loop the shards and peers run on.
             return not await asyncio.to_thread(_worker_alive, address)
 
-        result: dict[str, Any] = await await_call(
-            call_peer(peer, "share", token, call),
-            timeout=None,
-            gone=gone,
-            what=f"partition {m} of replica {self.replica}",
-        )
+        try:
+            result: dict[str, Any] = await await_call(
+                call_peer(peer, "share", token, call),
+                timeout=None,
+                gone=gone,
+                what=f"partition {m} of replica {self.replica}",
+            )
+        except PassAborted:
+            raise
+        except Exception as exc:
+            # The peer itself lost (or a dropped connection to it, which the scheduler may not know of yet):
+            # the replica is broken, an OSError tells the portion scheduler to check for a dead worker. Any
+            # other failure (its shards') is the call's own.
+            if isinstance(exc, OSError) or not await asyncio.to_thread(_worker_alive, address):
+                raise ConnectionError(f"partition {m} of replica {self.replica} was lost: {exc!r}") from exc
+            raise
         return result
 
     async def work(self, request: bytes) -> bytes:
@@ -328,8 +344,10 @@ class SandblasterPartition(PartitionPeer):
         Raises
         ------
         ConnectionError
-            A peer partition (or a shard) could not be reached: the scheduler then checks whether the
-            replica lost a worker and rebuilds it (an ``OSError``, as a dropped connection would be).
+            A peer partition was lost: the scheduler then checks whether the replica lost a worker and
+            rebuilds it (an ``OSError``, as a dropped connection to an unpartitioned replica would be).
+        distbelief.errors.ClusterError
+            A shard could not be reached (the coordinator probes the shards and restores a lost one).
         """
         call = decode(request, WorkCall)
         if self._fetch is not None and call.eval_id < self._fetch[0]:
@@ -351,13 +369,13 @@ class SandblasterPartition(PartitionPeer):
             for t in tasks:
                 if t.done() and not t.cancelled():
                     t.exception()  # seen
-            # The first real failure, not a pass aborted because of it.
-            errors = [t.exception() for t in failed]
-            exc = next((e for e in errors if type(e).__name__ != "PassAborted"), errors[0])
-            assert exc is not None
-            if isinstance(exc, OSError | ClusterError):
-                raise ConnectionError(f"replica {self.replica} lost a partition or a shard: {exc!r}") from exc
-            raise exc
+            # A lost peer first (the replica is rebuilt), else the first real failure (not a pass aborted
+            # because of it): a shard's goes to the coordinator as a ClusterError, as an unpartitioned
+            # replica's does.
+            errors = [e for e in (t.exception() for t in failed) if e is not None]
+            lost = [e for e in errors if isinstance(e, ConnectionError)]
+            real = [e for e in errors if not isinstance(e, PassAborted)]
+            raise (lost or real or errors)[0]
         parts = [t.result() for t in tasks]
         if any(part.get("stale") for part in parts):
             return encode(WorkReport())

@@ -101,7 +101,7 @@ def _kill_worker(client: Client, address: str) -> None:
     os.kill(pids[address], signal.SIGKILL)
 
 
-def test_a_killed_partition_worker_is_rebuilt_and_the_answer_is_the_same(client: Client) -> None:
+def test_a_killed_partition_or_shard_worker_changes_nothing_in_the_answer(client: Client) -> None:
     shards_on, other = worker_addresses(client)
     kw: dict[str, Any] = {
         "l2": 1e-2, "maxiter": 8, "replicas": 2, "portions": 4, "partitions": 2, "client": client,
@@ -125,6 +125,22 @@ def test_a_killed_partition_worker_is_rebuilt_and_the_answer_is_the_same(client:
     assert res.fun == plain.fun
     assert np.array_equal(res.x, plain.x)
     np.testing.assert_array_equal(res.history.objective.values, plain.history.objective.values)
+
+    # A lost *shard* (its worker killed): rebuilt from the last checkpoint, every shard rolled back to it,
+    # every partition of every replica repointed at the new shards (the head tells its peers); same answer.
+    client.wait_for_workers(2, timeout=60)
+    keep, shards_on = worker_addresses(client)
+    lost: list[int] = []
+
+    def kill_shards(record: sandblaster.IterationRecord) -> None:
+        if record.iteration == 5 and not lost:
+            lost.append(record.iteration)
+            _kill_worker(client, shards_on)
+
+    kw |= {"shard_workers": [shards_on], "replica_workers": [keep], "checkpoint_every": 2}
+    again = sandblaster.minimize(LC, (X, Y), callback=kill_shards, **kw)
+    assert lost and again.stats["recoveries"] == 1 and again.nit == plain.nit
+    assert again.fun == plain.fun and np.array_equal(again.x, plain.x)
 
 
 def test_examples_run() -> None:
