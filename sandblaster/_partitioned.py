@@ -599,7 +599,9 @@ def check_partitioned(model: Any, data: Any, partitions: int) -> MLPPlan | Local
     distbelief.errors.InvalidOptionError: partitions=3 is more than the narrowest layer of MLP ...
     """
     plan = partition_plan(model, partitions)
-    if plan.min_units < 1:
+    # Plans that say how their units are split (MLPPlan, LocallyConnectedPlan) are checked here; any other
+    # is left to partition_layout, which refuses a partition with no parameters at all.
+    if getattr(plan, "min_units", 1) < 1:
         narrowest = min(layer[-1][1] for layer in plan._units)
         raise InvalidOptionError(
             f"partitions={partitions} is more than the narrowest layer of {type(model).__name__} has units "
