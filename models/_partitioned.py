@@ -203,6 +203,11 @@ class _PlanBase:
         """Partition ``k`` owns ``w[perm][bounds[k]:bounds[k+1]]``."""
         return self._bounds
 
+    @property
+    def min_units(self) -> int:
+        """The fewest units a partition owns in any layer (0: some partition has a layer with none)."""
+        return min(hi - lo for layer in self._units for lo, hi in layer)
+
 
 class MLPPlan(_PlanBase):
     """:class:`models.MLP` split by units within every layer (including the output layer).

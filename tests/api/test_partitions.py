@@ -71,7 +71,7 @@ async def test_bad_specs_and_partitions_get_422_and_nothing_is_stored(
                 _downpour({"kind": "softmax", "n_features": 64, "n_classes": 10}, partitions=2),
                 "cannot be partitioned",
             ),
-            (_downpour(LC2D, partitions=2, n_fetch=3), "n_fetch=3 is not supported with partitions=2"),
+            (_downpour(LC2D, partitions=2, warmstart_steps=3), "warmstart_steps=3 is not supported with"),
             (
                 _downpour(LC2D, partitions=2, max_steps=None, time_limit=5.0),
                 "time_limit=5.0 is not supported",
@@ -86,12 +86,15 @@ async def test_bad_specs_and_partitions_get_422_and_nothing_is_stored(
             "algorithm": "sandblaster-lbfgs",
             "dataset": "digits",
             "model": LC2D,
-            "options": {"maxiter": 2, "partitions": 2},
+            "options": {"maxiter": 1, "partitions": 2},
         }
         r = await http.post("/api/jobs", json=sandblaster)
         if front_door_takes_partitions("sandblaster-lbfgs"):
             assert r.status_code == 201, r.text  # sandblaster.minimize(partitions=K) exists: passed through
-            await wait_final(http, r.json()["id"])
+            assert r.json()["options"]["partitions"] == 2
+            record = await wait_final(http, r.json()["id"])
+            assert record["status"] == "succeeded", record["message"]
+            assert record["result"]["nit"] == 1
         else:
             assert r.status_code == 422 and "Downpour-only for now" in r.text, r.text
             assert sorted(os.listdir(tmp_path / "jobs")) == jobs_before
