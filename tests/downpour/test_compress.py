@@ -274,3 +274,25 @@ def test_a_fused_core_sends_one_message_per_shard_a_step() -> None:
     np.testing.assert_allclose(core.x, [-0.3] * 4)
     # n_push != n_fetch: nothing to fuse.
     assert not ReplicaCore([(0, 2)], rule="sgd", lr=0.1, fuse=True, n_push=2).fuse
+
+
+def test_compression_takes_over_key_value_pushes_and_keeps_fetching_keys() -> None:
+    """Sparse communication and compression: fetches stay key-value; pushes are the sign-coded keys."""
+    keys = [np.array([0, 2], np.int32), np.array([1], np.int32)]
+    core = ReplicaCore(
+        [(0, 3), (3, 6)], rule="sgd", lr=0.1, fetch_keys=keys, compression=Compression(tau=2.0), fuse=True
+    )
+    req = core.start_fetch()
+    for i, k in enumerate(keys):
+        core.on_fetched(req.fid, i, 0, [np.zeros(k.size)])
+    model = ConstantGradient(6)  # c = [1, 2, 3, 4, 5, 6]
+    core.compute(model, np.zeros((1, 1)), np.zeros(1))
+    msg = core.take_push()
+    assert msg is not None and msg.tau == 2.0 and msg.fetch is not None
+    parts = msg.parts((0, 3, 6))
+    decoded = [decode_signs(codes) for _, codes in parts]
+    assert [values for values, _ in parts] == [None, None]
+    assert [k.tolist() for k, _ in decoded] == [[1, 2], [0, 1, 2]]  # |c| >= 2: global 1, 2, 3, 4, 5
+    assert not any(neg.any() for _, neg in decoded)
+    np.testing.assert_array_equal(core.compressor.residual, [1, 0, 1, 2, 3, 4])
+    assert core.counters.bytes_pushed == 4 * 5 + 8 * 2
