@@ -723,6 +723,7 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "eval_data": None,
     "callback": None,
     "staleness_scale": None,  # the default (on for multi-replica SGD elsewhere): partitions run unscaled
+    "compression": None,
 }
 
 
