@@ -173,16 +173,22 @@ def run_downpour(ctx: RunContext) -> RunOutcome:
             "Downpour is not available in this installation (downpour.train is missing); "
             "use a sandblaster-* algorithm"
         )
-    res = train(
-        ctx.model,
-        ctx.data,
-        eval_data=ctx.eval_data,
-        client=ctx.client,
-        store=ctx.store,
-        callback=ctx.callback,
-        resume=ctx.resume,
-        **_user_options(ctx.options),
-    )
+    options = _user_options(ctx.options)
+    if int(options.get("partitions", 1)) > 1:
+        # A partitioned run reports at its end (its placement is followed live by JobRunner) and starts over
+        # on a restart; the held-out rows are evaluated when it has finished, as for every job.
+        res = train(ctx.model, ctx.data, client=ctx.client, store=ctx.store, **options)
+    else:
+        res = train(
+            ctx.model,
+            ctx.data,
+            eval_data=ctx.eval_data,
+            client=ctx.client,
+            store=ctx.store,
+            callback=ctx.callback,
+            resume=ctx.resume,
+            **options,
+        )
     summary = _summary(res, "stop_reason", "success", "message", "steps", "wall_time", "stats")
     return RunOutcome(x=np.asarray(res.x, dtype=np.float64), history=res.history, summary=summary)
 
@@ -612,16 +618,21 @@ class JobRunner:
             options.setdefault("checkpoint_every", self.settings.checkpoint_every)
             from distbelief import sandblaster
 
-            # The algorithm's own checks, now rather than when the job starts.
+            # The algorithm's own checks, now rather than when the job starts ("partitions" was checked by
+            # JobCreate against the front door, which takes it whether or not its options class lists it).
+            known = {f.name for f in dataclasses.fields(sandblaster.SandblasterOptions)}
+            skip = {"seed"} | ({"partitions"} - known)
             sandblaster.SandblasterOptions(
                 method=create.algorithm.removeprefix("sandblaster-"),  # type: ignore[arg-type]
-                **{k: v for k, v in options.items() if k != "seed"},
+                **{k: v for k, v in options.items() if k not in skip},
             )
         else:
             with contextlib.suppress(ImportError, AttributeError):  # no Downpour: the job fails, saying so
                 from distbelief import downpour
 
-                downpour.DownpourOptions(**options, has_callback=True)
+                downpour.DownpourOptions(
+                    **{k: v for k, v in options.items() if k != "partitions"}, has_callback=True
+                )
         queued = sum(1 for j in list(self._jobs.values()) if j.record["status"] == "queued")
         if queued >= self.settings.max_queued_jobs:
             raise QueueFullError(
@@ -650,6 +661,7 @@ class JobRunner:
             "resumed_from": None,
             "restarts": 0,
             "cancel_requested": False,
+            "placement": None,
         }
         job = _Job.of(record, rows=[], model=model)
         self.store.save_record(record)
@@ -851,8 +863,13 @@ class JobRunner:
                 resume=resume,
             )
             # Every actor the run creates carries the job's id, so GET /api/cluster can tell whose it is.
-            with dask.annotate(**{ANNOTATION: job_id}):
-                outcome = _ADAPTERS[rec["algorithm"]](ctx)
+            watch = self._watch_placement(job) if int(options.get("partitions", 1)) > 1 else None
+            try:
+                with dask.annotate(**{ANNOTATION: job_id}):
+                    outcome = _ADAPTERS[rec["algorithm"]](ctx)
+            finally:
+                if watch is not None:
+                    watch.set()
         except Exception as exc:
             if self._stopping.is_set():
                 return  # the server is going down: the job stays "running" and is taken up on restart
@@ -899,9 +916,14 @@ class JobRunner:
                     rec["iterations"] = int(rows[2][-1][0])
                     rec["latest"] = _latest(job.columns, job.rows[-1])
         self.store.save_params(rec["id"], outcome.x)
+        placement = placement_of_stats(summary.get("stats"))
         with job.lock:
+            if placement:
+                rec["placement"] = placement
             rec["result"] = json_safe(summary)
-            if job.stopped:
+            # A partitioned run has no callback to stop it: a cancel asked while it ran counts at its end.
+            partitioned = int(rec["options"].get("partitions", 1)) > 1
+            if job.stopped or (partitioned and job.cancel.is_set()):
                 rec.update(status="cancelled", finished_at=_now(), message="cancelled while running")
             elif summary.get("stop_reason") == "diverged":
                 # A diverged Downpour run is a failed job (its message says what to change); its history and
@@ -928,6 +950,31 @@ class JobRunner:
         )
         return result
 
+    def _watch_placement(self, job: _Job, every: float = 0.5) -> threading.Event:
+        """Follow where a partitioned job's partition actors are (``record["placement"]``) until the
+        returned event is set: the dashboard draws every replica as its group of partitions and workers."""
+        done = threading.Event()
+        job_id = job.record["id"]
+
+        def follow() -> None:
+            seen: list[dict[str, Any]] | None = None
+            while not done.wait(every) and not self._stopping.is_set():
+                try:
+                    mine = [a for a in self.actors() if a["job_id"] == job_id and a["kind"] == "partition"]
+                except Exception:  # the scheduler is away for a moment: try again
+                    continue
+                placement = placement_of_actors(mine)
+                if placement and placement != seen:
+                    seen = placement
+                    with job.lock:
+                        if done.is_set():
+                            return  # the run has ended: its final placement (with counters) is the record's
+                        job.record["placement"] = placement
+                    self._notify(job_id)
+
+        threading.Thread(target=follow, name=f"placement-{job_id}", daemon=True).start()
+        return done
+
     # -- cluster ------------------------------------------------------------------------------------
     def actors(self) -> list[dict[str, Any]]:
         """Every shard and replica actor on the cluster, with its worker, state and job."""
@@ -937,21 +984,89 @@ class JobRunner:
             out = []
             for key, ts in dask_scheduler.tasks.items():
                 name = str(key)
-                # Shards are keyed shard-<i>-<uuid>; replicas by their class name.
+                # Shards are keyed shard-<i>-<uuid>, partitions partition-<replica>-<k>-<run>; replicas by
+                # their class name.
                 kind = (
-                    "shard" if name.startswith("shard-") else "replica" if "replica" in name.lower() else ""
+                    "shard"
+                    if name.startswith("shard-")
+                    else "partition"
+                    if name.startswith("partition-")
+                    else "replica"
+                    if "replica" in name.lower()
+                    else ""
                 )
                 if not getattr(ts, "actor", False) or not kind:
                     continue
                 holders = list(getattr(ts, "who_has", None) or ())
                 on = holders[0] if holders else ts.processing_on
                 job = (ts.annotations or {}).get(annotation)
-                out.append(
-                    {"key": name, "kind": kind, "worker": on and on.address, "state": ts.state, "job_id": job}
-                )
+                row = {
+                    "key": name,
+                    "kind": kind,
+                    "worker": on and on.address,
+                    "state": ts.state,
+                    "job_id": job,
+                }
+                parts = name.split("-")
+                if kind == "partition" and len(parts) >= 3 and parts[1].isdigit() and parts[2].isdigit():
+                    row.update(replica=int(parts[1]), partition=int(parts[2]))
+                out.append(row)
             return out
 
         return list(self.client.run_on_scheduler(actor_table, annotation=ANNOTATION))
+
+
+def _groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_replica: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_replica.setdefault(int(row["replica"]), []).append(row)
+    return [
+        {"replica": r, "partitions": sorted(parts, key=lambda p: p["partition"])}
+        for r, parts in sorted(by_replica.items())
+    ]
+
+
+def placement_of_actors(actors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Partition actors (rows of :meth:`JobRunner.actors`) as replicas, each a group of partitions.
+
+    Examples
+    --------
+    >>> placement_of_actors([{"replica": 0, "partition": 1, "worker": "tcp://b"},
+    ...                      {"replica": 0, "partition": 0, "worker": "tcp://a"}])
+    [{'replica': 0, 'partitions': [{'partition': 0, 'worker': 'tcp://a'}, {'partition': 1, 'worker': 'tcp://b'}]}]
+    """
+    rows = [
+        {"replica": a["replica"], "partition": a["partition"], "worker": a.get("worker")}
+        for a in actors
+        if a.get("replica") is not None and a.get("partition") is not None
+    ]
+    return [
+        {
+            "replica": g["replica"],
+            "partitions": [{k: v for k, v in p.items() if k != "replica"} for p in g["partitions"]],
+        }
+        for g in _groups(rows)
+    ]
+
+
+def placement_of_stats(stats: Any) -> list[dict[str, Any]] | None:
+    """A finished partitioned run's ``stats["per_partition"]`` as replicas, each a group of partitions with
+    its worker, steps and traffic (None for a run without partitions).
+
+    Examples
+    --------
+    >>> placement_of_stats({"per_partition": [{"replica": 0, "partition": 0, "worker": "tcp://a", "steps": 3,
+    ...     "messages": 6, "bytes": 480, "param_bytes": 800}]})[0]["partitions"][0]["messages"]
+    6
+    """
+    if not isinstance(stats, dict) or not isinstance(stats.get("per_partition"), list):
+        return None
+    keep = ("partition", "worker", "steps", "messages", "bytes", "param_bytes")
+    rows = [{"replica": st["replica"], **{k: st.get(k) for k in keep}} for st in stats["per_partition"]]
+    return [
+        {"replica": g["replica"], "partitions": [{k: p[k] for k in keep} for p in g["partitions"]]}
+        for g in _groups(rows)
+    ]
 
 
 def _objective_of(summary: dict[str, Any], x: np.ndarray, options: dict[str, Any]) -> dict[str, float]:

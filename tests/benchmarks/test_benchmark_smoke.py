@@ -123,6 +123,17 @@ def test_downpour_figure4_quick_run(tmp_path: Path, capsys: pytest.CaptureFixtur
                 if row["kind"] == "downpour":
                     assert isinstance(run["success"], bool) and run["message"]
                     assert run["staleness_scale"] == (row["rule"] == "sgd" and row["replicas"] > 1)
+    # Communication rows (first problem in --quick): fused vs unfused vs compressed, side by side.
+    first = next(iter(saved["problems"].values()))
+    comm = {c["label"]: c for c in first["communication"]["rows"]}
+    assert comm["Downpour Adagrad, 2 replicas"]["bytes_per_step_ratio"] == 1.0
+    unfused = comm["Downpour Adagrad, 2 replicas, unfused"]
+    (packed,) = (c for label, c in comm.items() if "compressed" in label)
+    for c in (unfused, packed):
+        assert c["messages_per_step"] > 0 and c["bytes_per_step"] > 0
+    # 4 bytes an entry sent above the threshold against 8 a parameter: far fewer gradient bytes.
+    assert packed["bytes_pushed_per_step_ratio"] < 0.5
+    assert "messages/step x" in printed
     assert saved["throughput"]["rows"]
 
 
