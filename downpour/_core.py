@@ -146,6 +146,8 @@ class ReplicaCounters:
     #: Per shard, the sum over applied pushes of ``steps**2`` (how Adagrad's accumulators grow under a
     #: constant gradient).
     applied_steps_sq: list[int] = field(default_factory=list)
+    #: Largest staleness since the last :meth:`ReplicaCore.record` (which resets it).
+    record_staleness_max: int = 0
     stale_waits: int = 0
     #: Bytes of parameters (and keys) fetched and of gradients (and keys) pushed, as sent.
     bytes_fetched: int = 0
@@ -462,6 +464,7 @@ class ReplicaCore:
             c.staleness_sum += int(staleness)
             c.staleness_count += 1
             c.staleness_max = max(c.staleness_max, int(staleness))
+            c.record_staleness_max = max(c.record_staleness_max, int(staleness))
             c.applied_weight[shard] += steps / (1.0 + staleness) if self.staleness_scale else float(steps)
             c.applied_steps_sq[shard] += steps * steps
         else:
@@ -500,10 +503,37 @@ class ReplicaCore:
         self._fetch = None
         self._fetch_due = True
 
-    def snapshot(self) -> dict[str, Any]:
-        """The counters as plain data; resets the windowed maximum staleness."""
+    def snapshot(self, *, reset: bool = True) -> dict[str, Any]:
+        """The counters as plain data; resets the windowed maximum staleness (unless ``reset=False``)."""
         c = self.counters
-        out = {
+        out = self._counters()
+        if reset:
+            c.staleness_max = 0
+        return out
+
+    def record(self, *, with_x: bool) -> dict[str, Any]:
+        """The counters for a history row, and with ``with_x`` a copy of the local parameters.
+
+        ``staleness_max`` here is the largest staleness since the previous record (the driver's polls keep
+        their own window). The driver evaluates the objective on ``x`` after the fact, so a history row
+        costs no round trip (:mod:`downpour._train`).
+
+        Examples
+        --------
+        >>> core = ReplicaCore([(0, 2)], rule="sgd", lr=0.1)
+        >>> rec = core.record(with_x=True); rec["steps"], rec["x"].tolist()
+        (0, [0.0, 0.0])
+        """
+        c = self.counters
+        out = self._counters()
+        out["staleness_max"] = c.record_staleness_max
+        out["x"] = self.x.copy() if with_x else None
+        c.record_staleness_max = 0
+        return out
+
+    def _counters(self) -> dict[str, Any]:
+        c = self.counters
+        return {
             "steps": c.steps,
             "rows": c.rows,
             "loss_sum": c.loss_sum,
@@ -524,5 +554,3 @@ class ReplicaCore:
             "known_versions": list(self.known),
             "diverged": self.diverged,
         }
-        c.staleness_max = 0
-        return out
