@@ -26,18 +26,32 @@ where the paper leaves room, each for a reason:
   the held-out accuracy oscillated by 20 points, as each replica took many near-``lr`` steps per
   coordinate between fetches; plain SGD did not.
 * **Pushes coalesce.** At most ``max_pushes_in_flight`` pushes are outstanding; while that many are, the
-  gradient keeps accruing and goes out with the next push, so a slow network never stalls the computation
+  gradient keeps accruing and goes out with the next push, so a slow network does not stall the computation
   (the push "thread" of the paper, busy, would do the same). As in the paper with ``n_push > 1``, the shards
-  treat a push as one gradient: Adagrad adds the square of the *sum* to its accumulators. For a sum of k
-  similar gradients that is ~k times the sum of their squares, so coalesced (and so staler) pushes get
-  smaller rates. Adding the sum of squares instead (the same accumulators as k separate pushes) was tried
-  and made 2-replica runs on digits markedly less stable at the same ``lr``.
-* **Staleness** of a push, as the shard measures it, is the number of updates the shard applied between the
-  fetch the gradient's parameters came from and the push (own earlier pushes included). With
-  ``max_staleness = s`` the replica waits, before computing, for a fresh fetch whenever what it knows
-  (versions reported by the shards plus its own pushes still in flight) already puts the coming push more
-  than ``s`` updates behind (a stale-synchronous bound in the spirit of Ho et al. 2013; see the overview
-  in ``papers/``). ``s = 0`` with one replica is sequential SGD or Adagrad, step for step.
+  treat a push as one gradient: Adagrad adds the square of the *sum* to its accumulators. While the k
+  gradients of a push agree (early in a run) that is ~k times the sum of their squares, and Adagrad never
+  forgets: heavily coalesced pushes shrink its rate for the rest of the run. Near the optimum, where the
+  gradients are mostly noise, the square of the sum equals the sum of the squares in expectation, so the
+  rule itself stays the paper's; instead, with ``rule="adagrad"`` at most ``max_coalesce``
+  (:data:`ADAGRAD_MAX_COALESCE`) steps accrue while pushes are outstanding, after which the replica waits
+  for an answer. Measured (issue 17; two-feature logistic, 10 epochs, default rates, 5 seeds, load average
+  ~22-27): 2 replicas coalesced 25-58 steps a push, their accumulators grew to 30-50 times those of
+  sequential Adagrad and they ended 1-10% above the batch optimum; capped at 8, 0.03-0.07% (1 replica:
+  0.25-0.9%, capped 0.0-0.03%). Adding the sum of squares instead (the same accumulators as k separate
+  pushes, twice the bytes) was tried and made 2-replica runs on digits markedly less stable at the same
+  ``lr``; dividing the square of the sum by k (k pushes of the mean) ended 0.2-17% above (too large steps
+  once the gradients are noise).
+* **Staleness** of a push, as the shard measures and reports it, is the number of updates the shard
+  applied between the fetch the gradient's parameters came from and the push (own earlier pushes
+  included). The staleness-aware step (``staleness_scale``) divides by one plus the *other* replicas'
+  updates only (:meth:`storage.Shard.others_since`): the replica's own earlier pushes are in its local copy
+  (read your own writes), so they do not make its gradient stale. Counting them too gave 2 replicas with
+  ``rule="sgd"`` 14-28% of the unscaled rate and 2.4-12% gaps on the logistic problem above; without them
+  26-52% and 0.04-4.8%. With ``max_staleness = s`` the replica waits, before computing, for a fresh fetch
+  whenever what it knows (versions reported by the shards plus its own pushes still in flight) already puts
+  the coming push more than ``s`` updates behind (a stale-synchronous bound in the spirit of Ho et al.
+  2013; see the overview in ``papers/``). ``s = 0`` with one replica is sequential SGD or Adagrad, step for
+  step.
 """
 
 from __future__ import annotations
@@ -53,7 +67,11 @@ from scipy.linalg import blas
 from distbelief.errors import InvalidOptionError
 from distbelief.storage._keys import kv_bytes, split_keys
 
-__all__ = ["FetchRequest", "PushMessage", "ReplicaCore", "ReplicaCounters"]
+__all__ = ["ADAGRAD_MAX_COALESCE", "FetchRequest", "PushMessage", "ReplicaCore", "ReplicaCounters"]
+
+#: With ``rule="adagrad"``, the most steps a replica accrues while its pushes are all outstanding (see
+#: "Pushes coalesce" above); then it waits for a push to be answered.
+ADAGRAD_MAX_COALESCE = 8
 
 
 @dataclass(frozen=True)
@@ -115,6 +133,8 @@ class _Fetch:
     request: FetchRequest
     pending: set[int]
     dx: np.ndarray
+    #: Pushes this replica had sent when the fetch was issued (those after it are not in its answer).
+    sent: int = 0
 
 
 @dataclass
@@ -178,6 +198,10 @@ class ReplicaCore:
         Whether the shards divide the step by ``1 + staleness`` (only used for :attr:`counters`).
     max_pushes_in_flight : int
         Pushes outstanding before the gradient keeps accruing instead.
+    max_coalesce : int, optional
+        With that many pushes outstanding, the most steps that accrue before :meth:`push_backlogged` says
+        the next step waits for an answer (None: no limit). :class:`downpour._replica.DownpourReplica`
+        sets :data:`ADAGRAD_MAX_COALESCE` for ``rule="adagrad"``.
     trace : bool
         Keep every step's mini-batch loss in :attr:`losses`.
     fetch_keys : sequence of numpy.ndarray, optional
@@ -215,6 +239,7 @@ class ReplicaCore:
         max_staleness: int | None = None,
         staleness_scale: bool = False,
         max_pushes_in_flight: int = 2,
+        max_coalesce: int | None = None,
         trace: bool = False,
         fetch_keys: Sequence[np.ndarray] | None = None,
     ) -> None:
@@ -231,12 +256,14 @@ class ReplicaCore:
         self.max_staleness = max_staleness
         self.staleness_scale = staleness_scale
         self.max_pushes_in_flight = max_pushes_in_flight
+        self.max_coalesce = max_coalesce
         self.local_rate = self.lr if local_lr is None else float(local_lr)
         self.fetch_names: tuple[str, ...] = ("x",)
         self.x = np.zeros(self.n)
         self.accrued = np.zeros(self.n)
         self.accrued_steps = 0
         self._accrued_base: tuple[int | None, ...] = (None,) * self.n_shards
+        self._accrued_base_sent: tuple[int, ...] = (0,) * self.n_shards
         # Local steps whose gradient no fetch can contain yet (not sent in a push).
         self._unsent_dx = np.zeros(self.n)
         self.gen = 0
@@ -248,10 +275,14 @@ class ReplicaCore:
         #: Per shard: the version the local copy was fetched at, and the generation of that fetch.
         self.base: list[int | None] = [None] * self.n_shards
         self._base_gen = [-1] * self.n_shards
+        #: Per shard: pushes sent before the fetch the local copy's slice came from was issued.
+        self._base_sent = [0] * self.n_shards
         #: Per shard: the newest version the shard has reported (in the current generation).
         self.known = [0] * self.n_shards
         self._known_gen = [0] * self.n_shards
-        self._pending: dict[int, tuple[set[int], int]] = {}  # seq -> (shards not answered, steps)
+        # seq -> (shards not answered, steps, per shard: own pushes the shard applied after the push's base
+        # fetch, which the shard leaves out of the staleness it scales by)
+        self._pending: dict[int, tuple[set[int], int, tuple[int, ...]]] = {}
         self._landed_once = [False] * self.n_shards
         self.diverged = False
         self.counters = ReplicaCounters(
@@ -309,7 +340,7 @@ class ReplicaCore:
         """A lower bound on the staleness a push sent now would have, at its worst shard."""
         worst = 0
         unacked = [0] * self.n_shards
-        for shards, _ in self._pending.values():
+        for shards, _, _ in self._pending.values():
             for i in shards:
                 unacked[i] += 1
         for i in range(self.n_shards):
@@ -326,6 +357,15 @@ class ReplicaCore:
             return True
         return self.max_staleness is not None and self.staleness_estimate() > self.max_staleness
 
+    def push_backlogged(self) -> bool:
+        """Whether the next step must wait for a push to be answered: ``max_coalesce`` steps have accrued
+        and ``max_pushes_in_flight`` pushes are outstanding."""
+        return (
+            self.max_coalesce is not None
+            and self.accrued_steps >= self.max_coalesce
+            and len(self._pending) >= self.max_pushes_in_flight
+        )
+
     # -- fetch -------------------------------------------------------------------------------------------
     def begin_step(self) -> None:
         """Mark a fetch as due on every ``n_fetch``-th step (it starts as soon as none is in flight)."""
@@ -340,7 +380,7 @@ class ReplicaCore:
         """Begin a fetch from every shard; the local steps it cannot contain are tracked from here on."""
         request = FetchRequest(self._next_fid, self.fetch_names, self.gen)
         self._next_fid += 1
-        self._fetch = _Fetch(request, set(range(self.n_shards)), self._unsent_dx.copy())
+        self._fetch = _Fetch(request, set(range(self.n_shards)), self._unsent_dx.copy(), self.seq)
         self._fetch_due = False
         if self.fetch_keys is None:
             self.counters.bytes_fetched += 8 * self.n * len(request.names)
@@ -363,6 +403,7 @@ class ReplicaCore:
             self.x[at] = arrays[0] + f.dx[at]
         self.base[shard] = int(version)
         self._base_gen[shard] = f.request.gen
+        self._base_sent[shard] = f.sent
         self._observe(shard, int(version), f.request.gen)
         self._landed_once[shard] = True
         self.counters.fetches[shard] += 1
@@ -412,6 +453,7 @@ class ReplicaCore:
             self._accrued_base = tuple(
                 b if bg == self.gen else None for b, bg in zip(self.base, self._base_gen, strict=True)
             )
+            self._accrued_base_sent = tuple(self._base_sent)
         blas.daxpy(g, self.accrued, a=1.0)
         self.accrued_steps += 1
         f = self._fetch
@@ -444,7 +486,10 @@ class ReplicaCore:
             self.counters.bytes_pushed += kv_bytes(*keys, msg.grad)
         else:
             self.counters.bytes_pushed += msg.grad.nbytes
-        self._pending[self.seq] = (set(range(self.n_shards)), self.accrued_steps)
+        # Own pushes sent after the base fetch was issued reach each shard after that fetch's answer and
+        # before this push (one ordered channel per shard).
+        own = tuple(self.seq - sent for sent in self._accrued_base_sent)
+        self._pending[self.seq] = (set(range(self.n_shards)), self.accrued_steps, own)
         self.seq += 1
         self.accrued = np.zeros(self.n)
         self.accrued_steps = 0
@@ -457,7 +502,7 @@ class ReplicaCore:
         self, seq: int, shard: int, applied: bool, version_after: int, staleness: int, gen: int
     ) -> None:
         """Shard ``shard`` answered push ``seq`` with ``(applied, version_after, staleness)``."""
-        steps = self._answer(seq, shard)
+        steps, own = self._answer(seq, shard)
         c = self.counters
         if applied:
             c.pushes[shard] += 1
@@ -465,7 +510,9 @@ class ReplicaCore:
             c.staleness_count += 1
             c.staleness_max = max(c.staleness_max, int(staleness))
             c.record_staleness_max = max(c.record_staleness_max, int(staleness))
-            c.applied_weight[shard] += steps / (1.0 + staleness) if self.staleness_scale else float(steps)
+            # The shard scales by the other replicas' updates only (storage.Shard.others_since).
+            others = max(0, int(staleness) - own)
+            c.applied_weight[shard] += steps / (1.0 + others) if self.staleness_scale else float(steps)
             c.applied_steps_sq[shard] += steps * steps
         else:
             c.duplicates += 1
@@ -476,15 +523,15 @@ class ReplicaCore:
         self._answer(seq, shard)
         self.counters.push_errors[shard] += 1
 
-    def _answer(self, seq: int, shard: int) -> int:
+    def _answer(self, seq: int, shard: int) -> tuple[int, int]:
         entry = self._pending.get(seq)
         if entry is None:
-            return 0
-        shards, steps = entry
+            return 0, 0
+        shards, steps, own = entry
         shards.discard(shard)
         if not shards:
             del self._pending[seq]
-        return steps
+        return steps, own[shard]
 
     def _observe(self, shard: int, version: int, gen: int) -> None:
         if gen > self._known_gen[shard]:

@@ -572,6 +572,7 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "staleness_scale": None,  # the default (on for multi-replica SGD elsewhere): partitions run unscaled
     "shard_workers": None,
     "replica_workers": None,
+    "max_coalesce": None,
 }
 
 

@@ -103,6 +103,8 @@ class ReplicaConfig:
     communication: str = "dense"
     #: When to record history points (changed later through :meth:`DownpourReplica.status`).
     record: RecordPlan = RecordPlan()
+    #: The most steps a push may sum while every push is outstanding (None: no limit); see downpour._core.
+    max_coalesce: int | None = None
 
 
 class DownpourReplica:
@@ -160,6 +162,7 @@ class DownpourReplica:
             max_staleness=config.max_staleness,
             staleness_scale=config.staleness_scale,
             trace=config.trace,
+            max_coalesce=config.max_coalesce,
         )
         self._map = shard_map
         self._source = f"{config.run_id}/replica-{index}"
@@ -459,6 +462,14 @@ class DownpourReplica:
                     self.wait_s += time.perf_counter() - t_wait
                     if self._stop.is_set():
                         continue
+                if core.push_backlogged():
+                    t_wait = time.perf_counter()
+                    while core.push_backlogged() and not self._stop.is_set():
+                        self._drain(_WAIT_SLICE)
+                    self.wait_s += time.perf_counter() - t_wait
+                    msg = core.take_push()
+                    if msg is not None:
+                        self._send_push(msg)
                 X, y = self._segment(s)
                 t_compute = time.perf_counter()
                 core.compute(self.model, X[rows], y[rows])
