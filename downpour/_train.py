@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 from distributed import Client, Future
+from threadpoolctl import threadpool_limits
 
 from distbelief.downpour._batches import BatchPlan, split_rows
 from distbelief.downpour._options import DownpourOptions, Rule
@@ -953,25 +954,44 @@ class _Run:
                 frontier = min(frontier, points[-1][0])
         return frontier
 
-    def _rows_from_records(self, upto: float) -> list[tuple[Progress, np.ndarray | None]]:
-        """History rows for the replicas' records up to time ``upto``, in time order.
+    def _rows_from_records(
+        self, upto: float, budget_s: float = math.inf
+    ) -> list[tuple[Progress, np.ndarray | None]]:
+        """History rows for the replicas' records up to time ``upto``, in time order, for at most about
+        ``budget_s`` seconds of evaluation (the rest stay pending: the driver must keep deciding when to
+        stop; a row of the digits MLP took ~0.15 s to evaluate at load average ~30).
 
         A row's counters are the replicas' at the record's time (the recording replica's exactly, the others'
         as of their last record or poll before it); its objective and held-out metrics are evaluated here
         on the recording replica's parameters (its local copy: the last fetch plus its own steps since).
         """
         ready = sorted((p for p in self.pending if p[0] <= upto), key=lambda p: p[0])
-        self.pending = [p for p in self.pending if p[0] > upto]
+        later = [p for p in self.pending if p[0] > upto]
         out = []
-        for t, _, record in ready:
-            last = self.rows[-1].time if self.rows else -math.inf
-            t = max(t, float(np.nextafter(last, math.inf)))
-            self._window_max = max(self._window_max, int(record["staleness_max"]))
-            x = record["x"]
-            out.append((self._record(t, x, self._totals_at(t)), x))
-        if ready:
-            self._prune(ready[-1][0])
+        deadline = time.perf_counter() + budget_s
+        done = 0
+        with threadpool_limits(limits=1):  # small evaluations; the cores are the replicas'
+            for t_record, _, record in ready:
+                if time.perf_counter() > deadline:
+                    break
+                last = self.rows[-1].time if self.rows else -math.inf
+                t = max(t_record, float(np.nextafter(last, math.inf)))
+                self._window_max = max(self._window_max, int(record["staleness_max"]))
+                x = record["x"]
+                out.append((self._record(t, x, self._totals_at(t)), x))
+                done += 1
+        self.pending = ready[done:] + later
+        if done:
+            self._prune(ready[done - 1][0])
         return out
+
+    def _thin_pending(self, keep: int) -> None:
+        """Keep ``keep`` of the pending records, evenly spread in time (bounds the work left at the end)."""
+        if len(self.pending) <= keep:
+            return
+        ordered = sorted(self.pending, key=lambda p: p[0])
+        chosen = np.unique(np.linspace(0, len(ordered) - 1, max(1, keep)).round().astype(int))
+        self.pending = [ordered[i] for i in chosen]
 
     def _prune(self, t: float) -> None:
         """Forget points no later row needs: per replica, those before its last one at or before ``t``."""
@@ -1117,7 +1137,7 @@ class _Run:
                 with contextlib.suppress(ClusterError):
                     self._probe()
             # The rows the replicas recorded since the last poll (no round trip of their own).
-            for progress, x in self._rows_from_records(self._frontier()):
+            for progress, x in self._rows_from_records(self._frontier(), budget_s=opts.poll_every):
                 if self.callback is not None and stop_reason is None:
                     try:
                         self.callback(progress)
@@ -1175,6 +1195,8 @@ class _Run:
             st = self.status.get(r, {})
             if st.get("error"):
                 self._fail(r, st)
+        # At most about HISTORY_POINTS more rows to evaluate (the run is over: only the history waits).
+        self._thin_pending(max(HISTORY_POINTS, 2 * HISTORY_POINTS - len(self.rows)))
         for progress, x_row in self._rows_from_records(math.inf):
             if _diverged(self.watch, progress, x_row) and stop_reason in _SUCCESS:
                 stop_reason = "diverged"
