@@ -26,18 +26,32 @@ where the paper leaves room, each for a reason:
   the held-out accuracy oscillated by 20 points, as each replica took many near-``lr`` steps per
   coordinate between fetches; plain SGD did not.
 * **Pushes coalesce.** At most ``max_pushes_in_flight`` pushes are outstanding; while that many are, the
-  gradient keeps accruing and goes out with the next push, so a slow network never stalls the computation
+  gradient keeps accruing and goes out with the next push, so a slow network does not stall the computation
   (the push "thread" of the paper, busy, would do the same). As in the paper with ``n_push > 1``, the shards
-  treat a push as one gradient: Adagrad adds the square of the *sum* to its accumulators. For a sum of k
-  similar gradients that is ~k times the sum of their squares, so coalesced (and so staler) pushes get
-  smaller rates. Adding the sum of squares instead (the same accumulators as k separate pushes) was tried
-  and made 2-replica runs on digits markedly less stable at the same ``lr``.
-* **Staleness** of a push, as the shard measures it, is the number of updates the shard applied between the
-  fetch the gradient's parameters came from and the push (own earlier pushes included). With
-  ``max_staleness = s`` the replica waits, before computing, for a fresh fetch whenever what it knows
-  (versions reported by the shards plus its own pushes still in flight) already puts the coming push more
-  than ``s`` updates behind (a stale-synchronous bound in the spirit of Ho et al. 2013; see the overview
-  in ``papers/``). ``s = 0`` with one replica is sequential SGD or Adagrad, step for step.
+  treat a push as one gradient: Adagrad adds the square of the *sum* to its accumulators. While the k
+  gradients of a push agree (early in a run) that is ~k times the sum of their squares, and Adagrad never
+  forgets: heavily coalesced pushes shrink its rate for the rest of the run. Near the optimum, where the
+  gradients are mostly noise, the square of the sum equals the sum of the squares in expectation, so the
+  rule itself stays the paper's; instead, with ``rule="adagrad"`` at most ``max_coalesce``
+  (:data:`ADAGRAD_MAX_COALESCE`) steps accrue while pushes are outstanding, after which the replica waits
+  for an answer. Measured (issue 17; two-feature logistic, 10 epochs, default rates, 5 seeds, load average
+  ~22-27): 2 replicas coalesced 25-58 steps a push, their accumulators grew to 30-50 times those of
+  sequential Adagrad and they ended 1-10% above the batch optimum; capped at 8, 0.03-0.07% (1 replica:
+  0.25-0.9%, capped 0.0-0.03%). Adding the sum of squares instead (the same accumulators as k separate
+  pushes, twice the bytes) was tried and made 2-replica runs on digits markedly less stable at the same
+  ``lr``; dividing the square of the sum by k (k pushes of the mean) ended 0.2-17% above (too large steps
+  once the gradients are noise).
+* **Staleness** of a push, as the shard measures and reports it, is the number of updates the shard
+  applied between the fetch the gradient's parameters came from and the push (own earlier pushes
+  included). The staleness-aware step (``staleness_scale``) divides by one plus the *other* replicas'
+  updates only (:meth:`storage.Shard.others_since`): the replica's own earlier pushes are in its local copy
+  (read your own writes), so they do not make its gradient stale. Counting them too gave 2 replicas with
+  ``rule="sgd"`` 14-28% of the unscaled rate and 2.4-12% gaps on the logistic problem above; without them
+  26-52% and 0.04-4.8%. With ``max_staleness = s`` the replica waits, before computing, for a fresh fetch
+  whenever what it knows (versions reported by the shards plus its own pushes still in flight) already puts
+  the coming push more than ``s`` updates behind (a stale-synchronous bound in the spirit of Ho et al.
+  2013; see the overview in ``papers/``). ``s = 0`` with one replica is sequential SGD or Adagrad, step for
+  step.
 * **Fused push and fetch** (``fuse=True``, with ``n_push == n_fetch``). Step ``k``'s push and step
   ``k + 1``'s fetch would go out back to back on every shard's channel; instead the push carries the fetch
   (:attr:`PushMessage.fetch`) and the shard answers both in one message (``Shard.push_and_fetch``), so a
@@ -67,7 +81,11 @@ from distbelief.downpour._compress import Compression, ThresholdCompressor, enco
 from distbelief.errors import InvalidOptionError
 from distbelief.storage._keys import kv_bytes, split_keys
 
-__all__ = ["FetchRequest", "PushMessage", "ReplicaCore", "ReplicaCounters"]
+__all__ = ["ADAGRAD_MAX_COALESCE", "FetchRequest", "PushMessage", "ReplicaCore", "ReplicaCounters"]
+
+#: With ``rule="adagrad"``, the most steps a replica accrues while its pushes are all outstanding (see
+#: "Pushes coalesce" above); then it waits for a push to be answered.
+ADAGRAD_MAX_COALESCE = 8
 
 
 @dataclass(frozen=True)
@@ -137,6 +155,8 @@ class _Fetch:
     request: FetchRequest
     pending: set[int]
     dx: np.ndarray
+    #: Pushes this replica had sent when the fetch was issued (those after it are not in its answer).
+    sent: int = 0
 
 
 @dataclass
@@ -168,6 +188,8 @@ class ReplicaCounters:
     #: Per shard, the sum over applied pushes of ``steps**2`` (how Adagrad's accumulators grow under a
     #: constant gradient).
     applied_steps_sq: list[int] = field(default_factory=list)
+    #: Largest staleness since the last :meth:`ReplicaCore.record` (which resets it).
+    record_staleness_max: int = 0
     stale_waits: int = 0
     #: Bytes of parameters (and keys) fetched and of gradients (and keys) pushed, as sent.
     bytes_fetched: int = 0
@@ -202,6 +224,10 @@ class ReplicaCore:
         Whether the shards divide the step by ``1 + staleness`` (only used for :attr:`counters`).
     max_pushes_in_flight : int
         Pushes outstanding before the gradient keeps accruing instead.
+    max_coalesce : int, optional
+        With that many pushes outstanding, the most steps that accrue before :meth:`push_backlogged` says
+        the next step waits for an answer (None: no limit). :class:`downpour._replica.DownpourReplica`
+        sets :data:`ADAGRAD_MAX_COALESCE` for ``rule="adagrad"``.
     trace : bool
         Keep every step's mini-batch loss in :attr:`losses`.
     fuse : bool
@@ -244,6 +270,7 @@ class ReplicaCore:
         max_staleness: int | None = None,
         staleness_scale: bool = False,
         max_pushes_in_flight: int = 2,
+        max_coalesce: int | None = None,
         trace: bool = False,
         fuse: bool = False,
         compression: Compression | None = None,
@@ -262,12 +289,14 @@ class ReplicaCore:
         self.max_staleness = max_staleness
         self.staleness_scale = staleness_scale
         self.max_pushes_in_flight = max_pushes_in_flight
+        self.max_coalesce = max_coalesce
         self.local_rate = self.lr if local_lr is None else float(local_lr)
         self.fetch_names: tuple[str, ...] = ("x",)
         self.x = np.zeros(self.n)
         self.accrued = np.zeros(self.n)
         self.accrued_steps = 0
         self._accrued_base: tuple[int | None, ...] = (None,) * self.n_shards
+        self._accrued_base_sent: tuple[int, ...] = (0,) * self.n_shards
         # Local steps whose gradient no fetch can contain yet (not sent in a push).
         self._unsent_dx = np.zeros(self.n)
         self.gen = 0
@@ -286,10 +315,14 @@ class ReplicaCore:
         #: Per shard: the version the local copy was fetched at, and the generation of that fetch.
         self.base: list[int | None] = [None] * self.n_shards
         self._base_gen = [-1] * self.n_shards
+        #: Per shard: pushes sent before the fetch the local copy's slice came from was issued.
+        self._base_sent = [0] * self.n_shards
         #: Per shard: the newest version the shard has reported (in the current generation).
         self.known = [0] * self.n_shards
         self._known_gen = [0] * self.n_shards
-        self._pending: dict[int, tuple[set[int], int]] = {}  # seq -> (shards not answered, steps)
+        # seq -> (shards not answered, steps, per shard: own pushes the shard applied after the push's base
+        # fetch, which the shard leaves out of the staleness it scales by)
+        self._pending: dict[int, tuple[set[int], int, tuple[int, ...]]] = {}
         self._landed_once = [False] * self.n_shards
         self.diverged = False
         self.counters = ReplicaCounters(
@@ -347,7 +380,7 @@ class ReplicaCore:
         """A lower bound on the staleness a push sent now would have, at its worst shard."""
         worst = 0
         unacked = [0] * self.n_shards
-        for shards, _ in self._pending.values():
+        for shards, _, _ in self._pending.values():
             for i in shards:
                 unacked[i] += 1
         for i in range(self.n_shards):
@@ -363,6 +396,15 @@ class ReplicaCore:
         if not self.ready:
             return True
         return self.max_staleness is not None and self.staleness_estimate() > self.max_staleness
+
+    def push_backlogged(self) -> bool:
+        """Whether the next step must wait for a push to be answered: ``max_coalesce`` steps have accrued
+        and ``max_pushes_in_flight`` pushes are outstanding."""
+        return (
+            self.max_coalesce is not None
+            and self.accrued_steps >= self.max_coalesce
+            and len(self._pending) >= self.max_pushes_in_flight
+        )
 
     # -- fetch -------------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -386,7 +428,9 @@ class ReplicaCore:
     def _new_fetch(self) -> FetchRequest:
         request = FetchRequest(self._next_fid, self.fetch_names, self.gen)
         self._next_fid += 1
-        self._fetches[request.fid] = _Fetch(request, set(range(self.n_shards)), self._unsent_dx.copy())
+        self._fetches[request.fid] = _Fetch(
+            request, set(range(self.n_shards)), self._unsent_dx.copy(), self.seq
+        )
         self._fetch_due = False
         if self.fetch_keys is None:
             self.counters.bytes_fetched += 8 * self.n * len(request.names)
@@ -413,6 +457,7 @@ class ReplicaCore:
             self.x[at] = arrays[0] + f.dx[at]
         self.base[shard] = int(version)
         self._base_gen[shard] = f.request.gen
+        self._base_sent[shard] = f.sent
         self._observe(shard, int(version), f.request.gen)
         self._landed_once[shard] = True
         self.counters.fetches[shard] += 1
@@ -462,6 +507,7 @@ class ReplicaCore:
             self._accrued_base = tuple(
                 b if bg == self.gen else None for b, bg in zip(self.base, self._base_gen, strict=True)
             )
+            self._accrued_base_sent = tuple(self._base_sent)
         blas.daxpy(g, self.accrued, a=1.0)
         self.accrued_steps += 1
         if self.local_rate:
@@ -502,7 +548,10 @@ class ReplicaCore:
         else:
             self.counters.bytes_pushed += msg.grad.nbytes
         fused = self.fuse and self._push_due
-        self._pending[self.seq] = (set(range(self.n_shards)), self.accrued_steps)
+        # Own pushes sent after the base fetch was issued reach each shard after that fetch's answer and
+        # before this push (one ordered channel per shard).
+        own = tuple(self.seq - sent for sent in self._accrued_base_sent)
+        self._pending[self.seq] = (set(range(self.n_shards)), self.accrued_steps, own)
         self.seq += 1
         self.accrued = np.zeros(self.n)
         self.accrued_steps = 0
@@ -524,14 +573,17 @@ class ReplicaCore:
         self, seq: int, shard: int, applied: bool, version_after: int, staleness: int, gen: int
     ) -> None:
         """Shard ``shard`` answered push ``seq`` with ``(applied, version_after, staleness)``."""
-        steps = self._answer(seq, shard)
+        steps, own = self._answer(seq, shard)
         c = self.counters
         if applied:
             c.pushes[shard] += 1
             c.staleness_sum += int(staleness)
             c.staleness_count += 1
             c.staleness_max = max(c.staleness_max, int(staleness))
-            c.applied_weight[shard] += steps / (1.0 + staleness) if self.staleness_scale else float(steps)
+            c.record_staleness_max = max(c.record_staleness_max, int(staleness))
+            # The shard scales by the other replicas' updates only (storage.Shard.others_since).
+            others = max(0, int(staleness) - own)
+            c.applied_weight[shard] += steps / (1.0 + others) if self.staleness_scale else float(steps)
             c.applied_steps_sq[shard] += steps * steps
         else:
             c.duplicates += 1
@@ -542,15 +594,15 @@ class ReplicaCore:
         self._answer(seq, shard)
         self.counters.push_errors[shard] += 1
 
-    def _answer(self, seq: int, shard: int) -> int:
+    def _answer(self, seq: int, shard: int) -> tuple[int, int]:
         entry = self._pending.get(seq)
         if entry is None:
-            return 0
-        shards, steps = entry
+            return 0, 0
+        shards, steps, own = entry
         shards.discard(shard)
         if not shards:
             del self._pending[seq]
-        return steps
+        return steps, own[shard]
 
     def _observe(self, shard: int, version: int, gen: int) -> None:
         if gen > self._known_gen[shard]:
@@ -569,10 +621,37 @@ class ReplicaCore:
         self._fetches.clear()
         self._fetch_due = True
 
-    def snapshot(self) -> dict[str, Any]:
-        """The counters as plain data; resets the windowed maximum staleness."""
+    def snapshot(self, *, reset: bool = True) -> dict[str, Any]:
+        """The counters as plain data; resets the windowed maximum staleness (unless ``reset=False``)."""
         c = self.counters
-        out = {
+        out = self._counters()
+        if reset:
+            c.staleness_max = 0
+        return out
+
+    def record(self, *, with_x: bool) -> dict[str, Any]:
+        """The counters for a history row, and with ``with_x`` a copy of the local parameters.
+
+        ``staleness_max`` here is the largest staleness since the previous record (the driver's polls keep
+        their own window). The driver evaluates the objective on ``x`` after the fact, so a history row
+        costs no round trip (:mod:`downpour._train`).
+
+        Examples
+        --------
+        >>> core = ReplicaCore([(0, 2)], rule="sgd", lr=0.1)
+        >>> rec = core.record(with_x=True); rec["steps"], rec["x"].tolist()
+        (0, [0.0, 0.0])
+        """
+        c = self.counters
+        out = self._counters()
+        out["staleness_max"] = c.record_staleness_max
+        out["x"] = self.x.copy() if with_x else None
+        c.record_staleness_max = 0
+        return out
+
+    def _counters(self) -> dict[str, Any]:
+        c = self.counters
+        return {
             "steps": c.steps,
             "rows": c.rows,
             "loss_sum": c.loss_sum,
@@ -595,5 +674,3 @@ class ReplicaCore:
             "known_versions": list(self.known),
             "diverged": self.diverged,
         }
-        c.staleness_max = 0
-        return out

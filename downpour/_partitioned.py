@@ -724,6 +724,7 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "callback": None,
     "staleness_scale": None,  # the default (on for multi-replica SGD elsewhere): partitions run unscaled
     "compression": None,
+    "max_coalesce": None,
 }
 
 

@@ -43,13 +43,36 @@ from distbelief.storage._calls import await_call
 from distbelief.storage._keys import param_keys, split_keys, union_keys
 from distbelief.storage._sparse import nbytes as rows_nbytes
 
-__all__ = ["DownpourReplica", "ReplicaConfig"]
+__all__ = ["DownpourReplica", "RecordPlan", "ReplicaConfig"]
 
 #: A replica keeps the segments it read in memory up to this many bytes (data affinity); beyond, it
 #: re-reads them from the store each epoch.
 CACHE_BYTES = 1 << 30
 #: How long the compute thread sleeps at most while waiting for the shards (seconds).
 _WAIT_SLICE = 0.02
+#: Parameter copies a replica holds for the driver (history records not yet polled) up to this many bytes;
+#: past it, records go without their copy (the driver polls every ``poll_every`` seconds, so this binds
+#: only for a model of hundreds of megabytes or a driver that stopped polling).
+MAX_PENDING_RECORD_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class RecordPlan:
+    """When a replica records a history point: every ``every_steps`` of its steps (None: not by steps; and
+    no sooner than ``min_s`` seconds after the last record) or every ``every_s`` seconds, whichever comes
+    first, with a copy of its parameters on every ``x_every``-th record (0: never). The driver sets it
+    (:mod:`downpour._train`) and may change it with each poll.
+
+    Examples
+    --------
+    >>> RecordPlan(every_steps=3).x_every
+    1
+    """
+
+    every_steps: int | None = None
+    every_s: float = 1.0
+    x_every: int = 1
+    min_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +108,10 @@ class ReplicaConfig:
     fuse: bool = False
     #: Compressed pushes (Strom 2015, downpour._compress), or None.
     compression: Compression | None = None
+    #: When to record history points (changed later through :meth:`DownpourReplica.status`).
+    record: RecordPlan = RecordPlan()
+    #: The most steps a push may sum while every push is outstanding (None: no limit); see downpour._core.
+    max_coalesce: int | None = None
 
 
 class DownpourReplica:
@@ -144,6 +171,7 @@ class DownpourReplica:
             trace=config.trace,
             fuse=config.fuse,
             compression=config.compression,
+            max_coalesce=config.max_coalesce,
         )
         self._map = shard_map
         self._source = f"{config.run_id}/replica-{index}"
@@ -172,6 +200,15 @@ class DownpourReplica:
         self.epoch = 0
         self.wait_s = 0.0
         self.compute_s = 0.0
+        # History records (downpour._train): appended by the compute thread, taken by status() on the event
+        # loop, under the lock (with the bytes of the parameter copies they hold).
+        self._plan = config.record
+        self._records: list[dict[str, Any]] = []
+        self._records_bytes = 0
+        self._records_lock = threading.Lock()
+        self._record_count = 0
+        self._record_steps = 0
+        self._record_t = time.monotonic()
 
     # -- actor methods (event loop) ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -187,10 +224,20 @@ class DownpourReplica:
         self._thread = threading.Thread(target=self._run, name=f"downpour-replica-{self.index}", daemon=True)
         self._thread.start()
 
-    async def status(self) -> dict[str, Any]:
-        """Counters, losses and state, for the driver's poll (cheap; resets the windowed max staleness)."""
+    async def status(self, plan: RecordPlan | None = None) -> dict[str, Any]:
+        """Counters, losses and state, for the driver's poll (cheap; resets the windowed max staleness),
+        with the history records taken since the last poll (``records``) and the wall ``time``.
+
+        ``plan`` replaces the record plan from now on.
+        """
+        if plan is not None:
+            self._plan = plan
+        with self._records_lock:
+            records, self._records, self._records_bytes = self._records, [], 0
         out = self.core.snapshot()
         out.update(
+            time=time.time(),
+            records=records,
             index=self.index,
             started=self.started,
             holding=self.holding,
@@ -441,6 +488,14 @@ class DownpourReplica:
                     self.wait_s += time.perf_counter() - t_wait
                     if self._stop.is_set():
                         continue
+                if core.push_backlogged():
+                    t_wait = time.perf_counter()
+                    while core.push_backlogged() and not self._stop.is_set():
+                        self._drain(_WAIT_SLICE)
+                    self.wait_s += time.perf_counter() - t_wait
+                    msg = core.take_push()
+                    if msg is not None:
+                        self._send_push(msg)
                 X, y = self._segment(s)
                 t_compute = time.perf_counter()
                 core.compute(self.model, X[rows], y[rows])
@@ -451,10 +506,29 @@ class DownpourReplica:
                 msg = core.take_push()
                 if msg is not None:
                     self._send_push(msg)
+                self._maybe_record()
             self.epoch += 1
             if epochs is not None and self.epoch >= epochs:
                 self.stop_reason = "epochs"
                 return
+
+    def _maybe_record(self) -> None:
+        """Record a history point when the plan says one is due (a counters dict, perhaps a copy of x)."""
+        plan, steps, now = self._plan, self.core.counters.steps, time.monotonic()
+        since = now - self._record_t
+        by_steps = plan.every_steps is not None and steps - self._record_steps >= plan.every_steps
+        if not ((by_steps and since >= plan.min_s) or since >= plan.every_s):
+            return
+        size = self.core.x.nbytes
+        with_x = plan.x_every > 0 and self._record_count % plan.x_every == 0
+        with_x = with_x and self._records_bytes + size <= MAX_PENDING_RECORD_BYTES
+        record = self.core.record(with_x=with_x)
+        record["time"] = time.time()
+        with self._records_lock:
+            self._records.append(record)
+            self._records_bytes += size if with_x else 0
+        self._record_count += 1
+        self._record_steps, self._record_t = steps, now
 
     def _use_keys(self) -> None:
         """Key-value communication: the parameters this replica's rows touch, found in one pass over its

@@ -3,9 +3,19 @@
 The driver (this process) never takes part in the optimization. It places the shards and the replicas, lets
 one replica warm up alone (the paper's "warmstarting"), then lets all of them loose, and from then on only
 watches: every ``poll_every`` seconds it asks each replica for its counters (a cheap ``async`` call), every
-``eval_every`` seconds it gathers the parameters and evaluates the held-out loss and accuracy while the
-replicas go on training, every ``checkpoint_every_s`` seconds it checkpoints the shards to zarr, and it
-decides when to stop.
+``checkpoint_every_s`` seconds it checkpoints the shards to zarr, and it decides when to stop.
+
+The history costs no round trip of its own. Each replica records a history point at set step counts (about
+``HISTORY_POINTS`` over the run, when its length is known in steps; at set times, re-planned by the measured
+step rate, when it is known by a time limit; at least every ``eval_every`` seconds): its counters and a copy
+of its parameters. The driver's regular poll carries the records back, and the driver evaluates the
+training objective ``F(w)`` and the held-out metrics on the recorded parameters, once every replica has
+reported past that time. (Gathering the shards' parameters for every point cost a round trip to every
+replica and shard, ~20 ms idle and up to 150 ms loaded: a 0.3 s run got 15 points.) The first row is at the
+starting point and the last at the shards' final parameters. Cost for big models: the parameter copies a
+run sends for its history are bounded by ``HISTORY_X_BYTES`` (past it only every k-th record carries one;
+the others have the counters and a NaN objective), and a replica holds at most
+``_replica.MAX_PENDING_RECORD_BYTES`` of them between polls.
 
 Faults (the paper's "tolerate ... the wholesale failure of model replicas"): a replica whose worker dies is
 dropped and the others carry on (its rows are no longer visited). A shard lost with its worker is rebuilt by
@@ -16,7 +26,9 @@ where shards restart from checkpoints).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import dataclasses
 import math
 import os
 import tempfile
@@ -30,11 +42,12 @@ from typing import Any
 import numpy as np
 import xarray as xr
 from distributed import Client, Future
+from threadpoolctl import threadpool_limits
 
-from distbelief.downpour._batches import split_rows
+from distbelief.downpour._batches import BatchPlan, split_rows
 from distbelief.downpour._compress import Compression
 from distbelief.downpour._options import DownpourOptions, Rule
-from distbelief.downpour._replica import DownpourReplica, ReplicaConfig
+from distbelief.downpour._replica import DownpourReplica, RecordPlan, ReplicaConfig
 from distbelief.downpour._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
 from distbelief.downpour._watch import StepRuleStallWarning, Watchdog, gradient_norms, stall_message
 from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
@@ -59,11 +72,14 @@ STALL_CHECK_MAX_VALUES = 1 << 25
 
 #: How many lost shards a run recovers from before it gives up.
 MAX_RECOVERIES = 5
-#: History entries a run aims at, whatever its length (the evaluation cadence adapts to it). A run shorter
-#: than about a second gets fewer: one per poll of the replicas (a round trip to each, and to each shard).
+#: History entries a run aims at, whatever its length. The replicas record them at set step counts (or
+#: times) and the driver's regular polls carry them back, so an entry costs no round trip.
 HISTORY_POINTS = 100
-#: The shortest time between two history entries, in seconds.
-MIN_EVAL_EVERY = 0.005
+#: The shortest time between two records of one replica, in seconds (a run known only by its time limit).
+MIN_EVAL_EVERY = 0.002
+#: Parameter copies the replicas send for the history, in bytes per run: past it, only every k-th record
+#: carries one (the others have the counters and a NaN objective). 100 entries up to ~670,000 parameters.
+HISTORY_X_BYTES = 512 << 20
 #: The training objective is computed on at most this many values of X (rows x features); a larger dataset
 #: is evaluated on an evenly spread sample of its portions.
 OBJECTIVE_MAX_VALUES = 4_000_000
@@ -107,11 +123,14 @@ class Progress:
         The running mini-batch loss: the mean loss (data term, per row) of the mini-batches of the steps
         since the previous row, each at the parameters the replica had then. Not the objective.
     objective : float
-        ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2`` on the training rows at the shards' parameters,
-        computed as Sandblaster's objective (:func:`models.objective`); on a large dataset, on an evenly
-        spread sample of its portions (``history.attrs["objective_rows"]`` says how many rows).
+        ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2`` on the training rows at the parameters recorded
+        for the row (a replica's local copy: its last fetch from the shards plus its own steps since; the
+        shards' parameters on the first and last rows), computed as Sandblaster's objective
+        (:func:`models.objective`); on a large dataset, on an evenly spread sample of its portions
+        (``history.attrs["objective_rows"]`` says how many rows). NaN on a row recorded without its
+        parameters (a model too big for ``HISTORY_X_BYTES``).
     test_loss, test_accuracy : float
-        Held-out loss (data term, per row) and accuracy at the shards' parameters (NaN without
+        Held-out loss (data term, per row) and accuracy at the same parameters (NaN without
         ``eval_data``; accuracy NaN for a model without ``accuracy``).
     staleness_mean, staleness_max : float
         Over the pushes answered since the previous row (NaN if none).
@@ -150,10 +169,12 @@ class TrainResult(FittedMixin):
     x : numpy.ndarray
         The parameters on the shards at the end.
     history : xarray.Dataset
-        One entry per evaluation, over ``time`` (seconds since the replicas started): ``step``, ``epoch``,
+        One entry per record (see the module docstring), over ``time`` (seconds since the replicas
+        started): ``step`` (steps all replicas had taken then), ``epoch``,
         ``train_loss``, ``test_loss``, ``test_accuracy``, ``staleness_mean``, ``staleness_max``,
         ``replicas_alive``, ``push_errors``, ``stale_waits``, and per ``shard`` (cumulative) ``pushes``,
         ``fetches`` and ``version`` (updates the shard has applied, as last reported), and ``applied``
+        (measured on the shards every ``eval_every`` seconds, at the start and at the end)
         (pushes the shard's vectors hold, counted on the shard: :meth:`storage.Shard.counters`);
         ``bytes_moved``: parameter and gradient bytes (keys included) the replicas have fetched and pushed so
         far; ``messages``: messages the replicas have sent to shards so far (a fused push and fetch is one
@@ -177,6 +198,9 @@ class TrainResult(FittedMixin):
         Totals: pushes, fetches, push/fetch errors, duplicates, staleness, recoveries, lost replicas, ...
     losses : dict of int to numpy.ndarray
         With ``trace=True``, every replica's per-step mini-batch losses.
+    snapshots : list of (float, int, numpy.ndarray)
+        With ``trace=True``, ``(time, step, w)`` for every history row that has its parameters: the ``w``
+        its ``objective`` was evaluated at.
 
     Examples
     --------
@@ -195,6 +219,7 @@ class TrainResult(FittedMixin):
     store: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
     losses: dict[int, np.ndarray] = field(default_factory=dict)
+    snapshots: list[tuple[float, int, np.ndarray]] = field(default_factory=list)
     model: Any = field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
@@ -243,6 +268,7 @@ def train(
     communication: str = "auto",
     fuse: bool = True,
     compression: Compression | None = None,
+    max_coalesce: int | None = None,
 ) -> TrainResult:
     """Train ``model`` with Downpour SGD: asynchronous replicas, a sharded parameter server, Adagrad.
 
@@ -284,9 +310,11 @@ def train(
     eval_data : storage.Dataset or (X, y), optional
         Held-out rows, evaluated every ``eval_every`` seconds while the replicas go on training.
     eval_every : float
-        Longest time between history entries. The cadence adapts to the run's length (known from
-        ``epochs``, ``max_steps`` or ``time_limit``), so that a run of a second or more records about
-        ``HISTORY_POINTS`` entries (a shorter one, one per poll of the replicas).
+        Longest time between two history records of a replica; also how often the shards' ``applied``
+        counters are measured. The cadence adapts to the run's length (known from ``epochs``,
+        ``max_steps`` or ``time_limit``) so that a run records about ``HISTORY_POINTS`` entries however
+        short it is: the replicas record them and the driver evaluates them afterwards (no round trip per
+        entry).
     l2 : float
         L2 regularization (added to every mini-batch gradient).
     client : distributed.Client, optional
@@ -326,7 +354,8 @@ def train(
     shard_workers, replica_workers : list of str, optional
         Worker addresses to place shards and replicas on (default: every worker, round robin).
     trace : bool
-        Keep every replica's per-step mini-batch loss (``TrainResult.losses``).
+        Keep every replica's per-step mini-batch loss (``TrainResult.losses``) and the parameters of every
+        history row (``TrainResult.snapshots``).
     poll_every : float
         Seconds between the driver's polls of the replicas.
     call_timeout : float
@@ -353,6 +382,14 @@ def train(
         (4 bytes an entry), keeping the rest for later pushes. With SGD or Adagrad, dense or sparse
         communication, fused or not. The residual lives on the replica: a resumed run starts it at zero.
         None (default): uncompressed.
+    max_coalesce : int, optional
+        While all of a replica's pushes are outstanding its gradient accrues; past this many steps the
+        replica waits for an answer instead. Default (None): 8 for ``rule="adagrad"``, whose
+        accumulators a push of many summed gradients inflates for the rest of the run (uncapped, 2
+        replicas on a cheap two-feature problem summed ~27 steps a push and ended 0.6-6.8% above the
+        optimum after 10 epochs; capped, 0.05-0.17%), no limit for ``"sgd"``. 0: no limit. The cap costs
+        waiting when round trips are slow against the steps: on that problem at load average ~31 on 2
+        cores, 10 epochs took 3.4 s instead of 1.0 s (medians of 6).
 
     Returns
     -------
@@ -412,6 +449,7 @@ def train(
         communication=communication,
         fuse=fuse,
         compression=compression,
+        max_coalesce=max_coalesce,
     )
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
@@ -601,6 +639,18 @@ class _Run:
         self.stopped = False
         self._prev = (0, 0.0, 0, 0)  # rows, loss_sum, staleness_count, staleness_sum at the last row
         self._window_max = 0
+        #: Wall-clock time (time.time()) of the run's time 0: replicas stamp their records with it.
+        self.t0_wall = 0.0
+        #: Per replica, time-sorted ``(time, counters)``: its history records and its polled statuses.
+        self.points: dict[int, list[tuple[float, dict[str, Any]]]] = {}
+        #: Records not yet made history rows: ``(time, replica, record)``.
+        self.pending: list[tuple[float, int, dict[str, Any]]] = []
+        #: Shard-counted applied pushes, as measured: ``(time, per shard)``.
+        self.applied_log: list[tuple[float, list[int]]] = []
+        self.plan = RecordPlan()
+        self.snapshots: list[tuple[float, int, np.ndarray]] = []
+        self._planned_every: int | None = None
+        self._rate_mark: tuple[float, int] | None = None  # (time, steps) at the last replan
         self._errors_seen = 0
         self._last_probe = -math.inf
         self._objective_rows: tuple[np.ndarray, np.ndarray] | None = None
@@ -662,6 +712,8 @@ class _Run:
             communication=self.communication,
             fuse=opts.fuses,
             compression=opts.compression,
+            record=self._record_plan(ranges),
+            max_coalesce=opts.coalesce_limit,
         )
         shard_map = ps.shard_map()
         for r, (lo, hi) in enumerate(ranges):
@@ -713,6 +765,7 @@ class _Run:
             if not ok:
                 raise ClusterError(f"replica {r} did not answer after resuming: {value!r}")
             self.status[r] = value
+            self.points[r] = [(point.time, value)]
         t = self._totals()
         self._prev = (t["rows"], t["loss_sum"], t["staleness_count"], t["staleness_sum"])
 
@@ -769,12 +822,22 @@ class _Run:
         if not which:
             return
         timeout = max(5.0, 20 * self.opts.poll_every)
-        for r, (ok, value) in self._call(which, "status", timeout=timeout).items():
+        for r, (ok, value) in self._call(which, "status", (self.plan,), timeout=timeout).items():
             if ok:
-                self.status[r] = value
-                self._window_max = max(self._window_max, int(value["staleness_max"]))
+                self._ingest(r, value)
             elif self._is_dead(r):
                 self._lose(r)
+
+    def _ingest(self, r: int, value: dict[str, Any]) -> None:
+        """A replica's status: the latest counters, and its history records queued for rows."""
+        self.status[r] = value
+        self._window_max = max(self._window_max, int(value["staleness_max"]))
+        points = self.points.setdefault(r, [])
+        for record in value.pop("records", []):
+            t = float(record["time"]) - self.t0_wall
+            points.append((t, record))
+            self.pending.append((t, r, record))
+        points.append((float(value["time"]) - self.t0_wall, value))
 
     # -- parameter server ------------------------------------------------------------------------------
     def _ps_call(self, fn: Callable[[], Any]) -> Any:
@@ -798,6 +861,19 @@ class _Run:
 
     # -- history ---------------------------------------------------------------------------------------
     def _totals(self) -> dict[str, Any]:
+        """The replicas' counters summed, as their latest statuses say."""
+        return self._sum(list(self.status.values()))
+
+    def _totals_at(self, t: float) -> dict[str, Any]:
+        """The replicas' counters summed at time ``t`` (each one's last record or status at or before it)."""
+        parts = []
+        for points in self.points.values():
+            i = bisect.bisect_right(points, t, key=lambda p: p[0]) - 1
+            if i >= 0:
+                parts.append(points[i][1])
+        return self._sum(parts)
+
+    def _sum(self, statuses: Sequence[dict[str, Any]]) -> dict[str, Any]:
         s = self.ps.shards if self.ps is not None else 1
         out: dict[str, Any] = {
             "steps": 0,
@@ -817,7 +893,7 @@ class _Run:
             "messages": 0,
             "fused": 0,
         }
-        for st in self.status.values():
+        for st in statuses:
             for key in ("bytes_fetched", "bytes_pushed", "messages", "fused"):
                 out[key] += st.get(key, 0)
             for key in ("steps", "rows", "loss_sum", "staleness_count", "staleness_sum", "duplicates"):
@@ -840,27 +916,116 @@ class _Run:
         X, y = self._objective_rows
         return float(objective(self.model, x, X, y, l2=self.opts.l2)[0])
 
-    def _eval_interval(self, now: float) -> float:
-        """Seconds to the next history entry: about the run's expected length over ``HISTORY_POINTS``."""
-        opts = self.opts
-        planned: list[float] = []
-        if opts.time_limit is not None:
-            planned.append(opts.time_limit)
-        steps = self._totals()["steps"] if self.status else 0
-        total_steps = [opts.max_steps] if opts.max_steps is not None else []
+    def _record_plan(self, ranges: Sequence[tuple[int, int]]) -> RecordPlan:
+        """When the replicas record history points: about ``HISTORY_POINTS`` over the run, whose length is
+        known in steps (``max_steps``, ``epochs``) or seconds (``time_limit``), and at least every
+        ``eval_every`` seconds; a parameter copy on every record while ``HISTORY_X_BYTES`` allows."""
+        opts, n_replicas = self.opts, len(ranges)
+        done = self.resumed.step if self.resumed is not None else 0
+        planned: list[int] = [opts.max_steps] if opts.max_steps is not None else []
         if opts.epochs is not None:
-            total_steps.append(opts.epochs * math.ceil(self.dataset.n_rows / opts.batch_size))
-        if total_steps and steps > 0:
-            planned.append(now * min(total_steps) / steps)
-        elif total_steps:
-            return min(opts.eval_every, 5 * MIN_EVAL_EVERY)  # no rate known yet: look again soon
-        if not planned:
-            return opts.eval_every
-        return min(opts.eval_every, max(MIN_EVAL_EVERY, min(planned) / HISTORY_POINTS))
+            batches = [
+                BatchPlan.for_rows(self.dataset, lo, hi, batch_size=opts.batch_size, seed=0, replica=r)
+                .batches_per_epoch
+                for r, (lo, hi) in enumerate(ranges)
+            ]  # fmt: skip
+            planned.append(opts.epochs * sum(batches))
+        every_steps = max(1, (min(planned) - done) // HISTORY_POINTS) if planned else None
+        every_s = opts.eval_every
+        if opts.time_limit is not None:
+            left = opts.time_limit - (self.resumed.time if self.resumed is not None else 0.0)
+            every_s = min(every_s, max(MIN_EVAL_EVERY, n_replicas * left / HISTORY_POINTS))
+        x_bytes = 8 * self.x_start.size
+        x_every = 0 if x_bytes > HISTORY_X_BYTES else math.ceil(HISTORY_POINTS * x_bytes / HISTORY_X_BYTES)
+        self.plan = RecordPlan(every_steps=every_steps, every_s=every_s, x_every=x_every)
+        self._planned_every = every_steps
+        return self.plan
 
-    def _record(self, now: float, x: np.ndarray | None) -> Progress:
+    def _replan(self, now: float) -> None:
+        """A run known by its time limit: record by steps too, at the step rate measured since the first
+        steps, so that the records left come to about ``HISTORY_POINTS`` (a record due by time waits for a
+        step, and a loaded host delays steps in bursts: records by time alone came to about half). Records
+        by steps stay at least half the time interval apart, so a rate misjudged low cannot flood the run."""
+        opts = self.opts
+        steps = self._totals()["steps"] if self.status else 0
+        if opts.time_limit is None:
+            return
+        if self._rate_mark is None:
+            if steps > 0:
+                self._rate_mark = (now, steps)
+            return
+        t_mark, s_mark = self._rate_mark
+        if now <= t_mark or steps <= s_mark:
+            return
+        rate = (steps - s_mark) / (now - t_mark)
+        left = max(1, HISTORY_POINTS - len(self.rows) - len(self.pending))
+        every = max(1, int(rate * max(0.0, opts.time_limit - now)) // left)
+        if self._planned_every is not None:
+            every = min(every, self._planned_every)
+        self.plan = dataclasses.replace(self.plan, every_steps=every, min_s=self.plan.every_s / 2)
+
+    def _frontier(self) -> float:
+        """The time up to which every replica's records are in: rows before it can be made."""
+        frontier = math.inf
+        for r in range(len(self.actors)):
+            if not (self.alive[r] and self.started[r]):
+                continue  # not started: no steps yet; lost: it will send no more
+            points = self.points.get(r)
+            if not points:
+                return -math.inf
+            if not self.status[r].get("done"):
+                frontier = min(frontier, points[-1][0])
+        return frontier
+
+    def _rows_from_records(
+        self, upto: float, budget_s: float = math.inf
+    ) -> list[tuple[Progress, np.ndarray | None]]:
+        """History rows for the replicas' records up to time ``upto``, in time order, for at most about
+        ``budget_s`` seconds of evaluation (the rest stay pending: the driver must keep deciding when to
+        stop; a row of the digits MLP took ~0.15 s to evaluate at load average ~30).
+
+        A row's counters are the replicas' at the record's time (the recording replica's exactly, the others'
+        as of their last record or poll before it); its objective and held-out metrics are evaluated here
+        on the recording replica's parameters (its local copy: the last fetch plus its own steps since).
+        """
+        ready = sorted((p for p in self.pending if p[0] <= upto), key=lambda p: p[0])
+        later = [p for p in self.pending if p[0] > upto]
+        out = []
+        deadline = time.perf_counter() + budget_s
+        done = 0
+        with threadpool_limits(limits=1):  # small evaluations; the cores are the replicas'
+            for t_record, _, record in ready:
+                if time.perf_counter() > deadline:
+                    break
+                last = self.rows[-1].time if self.rows else -math.inf
+                t = max(t_record, float(np.nextafter(last, math.inf)))
+                self._window_max = max(self._window_max, int(record["staleness_max"]))
+                x = record["x"]
+                out.append((self._record(t, x, self._totals_at(t)), x))
+                done += 1
+        self.pending = ready[done:] + later
+        if done:
+            self._prune(ready[done - 1][0])
+        return out
+
+    def _thin_pending(self, keep: int) -> None:
+        """Keep ``keep`` of the pending records, evenly spread in time (bounds the work left at the end)."""
+        if len(self.pending) <= keep:
+            return
+        ordered = sorted(self.pending, key=lambda p: p[0])
+        chosen = np.unique(np.linspace(0, len(ordered) - 1, max(1, keep)).round().astype(int))
+        self.pending = [ordered[i] for i in chosen]
+
+    def _prune(self, t: float) -> None:
+        """Forget points no later row needs: per replica, those before its last one at or before ``t``."""
+        for r, points in self.points.items():
+            i = bisect.bisect_right(points, t, key=lambda p: p[0]) - 1
+            if i > 0:
+                self.points[r] = points[i:]
+
+    def _record(self, now: float, x: np.ndarray | None, t: dict[str, Any] | None = None) -> Progress:
         test_loss, test_acc = _evaluate(self.model, x, self.eval_arrays) if x is not None else (math.nan,) * 2
-        t = self._totals()
+        t = self._totals() if t is None else t
         rows0, loss0, count0, sum0 = self._prev
         d_rows, d_count = t["rows"] - rows0, t["staleness_count"] - count0
         row = _Row(
@@ -881,12 +1046,26 @@ class _Run:
             version=t["version"],
             bytes_moved=t["bytes_fetched"] + t["bytes_pushed"],
             messages=t["messages"],
-            applied=self._shard_applied(),
+            applied=self._applied_at(now),
         )
         self.rows.append(row)
+        if self.opts.trace and x is not None:
+            self.snapshots.append((now, row.step, x))
         self._prev = (t["rows"], t["loss_sum"], t["staleness_count"], t["staleness_sum"])
         self._window_max = 0
         return Progress(**{k: v for k, v in asdict(row).items() if k in Progress.__dataclass_fields__})
+
+    def _applied_at(self, t: float) -> list[int]:
+        """The shards' applied-push counts as last measured at or before ``t`` (every ``eval_every``)."""
+        i = bisect.bisect_right(self.applied_log, t, key=lambda p: p[0]) - 1
+        if i >= 0:
+            return list(self.applied_log[i][1])
+        return [0] * (self.ps.shards if self.ps is not None else 1)
+
+    def _measure_applied(self, now: float) -> None:
+        counters = self._shard_counters()
+        if counters is not None:  # else keep the last known counts
+            self.applied_log.append((now, [int(c["applied"]) for c in counters]))
 
     def _shard_counters(self) -> list[dict[str, Any]] | None:
         """Every shard's applied-push counters (None if a shard does not answer)."""
@@ -897,22 +1076,6 @@ class _Run:
         except ClusterError:
             return None
         return counters
-
-    def _shard_applied(self) -> list[int]:
-        counters = self._shard_counters()
-        if counters is None:  # keep the last known counts
-            s = self.ps.shards if self.ps is not None else 1
-            return list(self.rows[-1].applied) if self.rows else [0] * s
-        return [int(c["applied"]) for c in counters]
-
-    def _gather_x(self) -> np.ndarray | None:
-        assert self.ps is not None
-        ps = self.ps
-        try:
-            x: np.ndarray = self._ps_call(lambda: ps.gather("x"))
-        except ClusterError:
-            return None
-        return x
 
     def _history(self) -> xr.Dataset:
         rows = self.rows
@@ -969,17 +1132,19 @@ class _Run:
         # A resumed run's clock goes on from its checkpoint's (time_limit counts the whole run).
         start = self.resumed.time if self.resumed is not None else 0.0
         self.t0 = time.perf_counter() - start
+        self.t0_wall = time.time() - start
         if warm:
             self._call([0], "hold", (opts.warmstart_steps,))
         self._start([0] if warm else list(range(n_replicas)))
+        self._measure_applied(start)
         _diverged(self.watch, self._record(start, self.x_start), self.x_start)
         waiting = list(range(1, n_replicas)) if warm else []
-        next_eval = start + self._eval_interval(start)
+        next_measure = start + opts.eval_every
         next_ckpt = start + opts.checkpoint_every_s if opts.checkpoint_every_s > 0 else math.inf
         stop_reason: str | None = None
         while stop_reason is None:
-            now = time.perf_counter() - self.t0
-            time.sleep(max(0.0, min(opts.poll_every, next_eval - now)))
+            time.sleep(opts.poll_every)
+            self._replan(time.perf_counter() - self.t0)
             self._poll()
             now = time.perf_counter() - self.t0
             for r, st in self.status.items():
@@ -998,18 +1163,18 @@ class _Run:
                 self._last_probe = now
                 with contextlib.suppress(ClusterError):
                     self._probe()
-            if now >= next_eval:
-                x = self._gather_x()
-                progress = self._record(now, x)
-                # On a fixed grid from the last target (the time taken to record does not stretch it).
-                next_eval = max(now, next_eval + self._eval_interval(now))
-                if self.callback is not None:
+            # The rows the replicas recorded since the last poll (no round trip of their own).
+            for progress, x in self._rows_from_records(self._frontier(), budget_s=opts.poll_every):
+                if self.callback is not None and stop_reason is None:
                     try:
                         self.callback(progress)
                     except StopIteration:
                         stop_reason = "callback"
                 if _diverged(self.watch, progress, x):
-                    stop_reason = "diverged"
+                    stop_reason = stop_reason or "diverged"
+            if now >= next_measure:
+                self._measure_applied(now)
+                next_measure = now + opts.eval_every
             if now >= next_ckpt:
                 with contextlib.suppress(ClusterError):
                     self._checkpoint(now)
@@ -1050,21 +1215,27 @@ class _Run:
         self.stopped = True
         for r, (ok, value) in finals.items():
             if ok:
-                self.status[r] = value
-                self._window_max = max(self._window_max, int(value["staleness_max"]))
+                self._ingest(r, value)
             elif self._is_dead(r):
                 self._lose(r)
         for r in live:
             st = self.status.get(r, {})
             if st.get("error"):
                 self._fail(r, st)
+        # At most about HISTORY_POINTS more rows to evaluate (the run is over: only the history waits).
+        self._thin_pending(max(HISTORY_POINTS, 2 * HISTORY_POINTS - len(self.rows)))
+        for progress, x_row in self._rows_from_records(math.inf):
+            if _diverged(self.watch, progress, x_row) and stop_reason in _SUCCESS:
+                stop_reason = "diverged"
         wall = time.perf_counter() - self.t0
         # The store ends up holding the final state (parameters, Adagrad accumulators, shard versions).
         final_meta = self._checkpoint_meta(wall, final=True)
         self._ps_call(lambda: ps.checkpoint(meta=final_meta))
         self.checkpoints += 1
         x: np.ndarray = self._ps_call(lambda: ps.gather("x"))
-        last = self._record(wall, x)
+        t_last = max(wall, float(np.nextafter(self.rows[-1].time, math.inf)))
+        self._measure_applied(t_last)
+        last = self._record(t_last, x)
         if stop_reason in _SUCCESS and _diverged(self.watch, last, x):
             stop_reason = "diverged"
         losses: dict[int, np.ndarray] = {}
@@ -1116,4 +1287,5 @@ class _Run:
             store=ps.url,
             stats=stats,
             losses=losses,
+            snapshots=self.snapshots,
         )

@@ -5,7 +5,8 @@ asks it, at the end, whether the run stalled.
 
 * **Divergence.** A run diverges when its training loss (the mean mini-batch loss since the previous row)
   or its held-out loss becomes NaN or infinite, or grows past its bound: ``max_loss_growth`` times the
-  lowest value it had so far (that lowest value counted as at least a tenth of its first one), and never
+  lowest value it had so far (that lowest value counted as at least a tenth of its first one; no bound for a
+  loss whose first value is not positive), and never
   below its first value (for the held-out loss, its value at the starting point). So a loss that climbs
   back above where it started after falling tenfold has diverged, and noise on a tiny loss has not. (4
   replicas with a fixed rate on the digits MLP: held-out loss 0.39, then 5.4 at chance accuracy.) The run
@@ -115,6 +116,10 @@ class Watchdog:
         """The value past which loss ``name`` counts as diverged (see the module docstring)."""
         assert self.max_loss_growth is not None
         first = self.first[name]
+        if first <= 0:
+            # A multiple of a loss that starts at or below zero (a user's model, ConstantGradient in the
+            # tests) bounds nothing: only NaN / inf count. Noise between two fine-grained rows tripped it.
+            return math.inf
         return max(first, self.max_loss_growth * max(self.best[name], 0.1 * first))
 
 

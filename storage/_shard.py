@@ -11,6 +11,7 @@ which would allocate a temporary per op (~4x slower on 1e7 elements).
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -112,6 +113,8 @@ class Shard:
         self.applied = 0
         self.applied_weight = 0.0
         self.applied_steps_sq = 0
+        #: Per push source, the shard versions its last pushes produced (for :meth:`others_since`).
+        self._own_versions: dict[str, collections.deque[int]] = {}
         #: Last epoch whose :meth:`prepare` ops ran, and their results.
         self.prepared_epoch = -1
         self.prepared: list[Any] = []
@@ -345,6 +348,11 @@ class Shard:
         key-value push of those values would.
 
         ``steps`` (how many mini-batch gradients the push sums) only feeds the counters of :meth:`counters`.
+
+        With ``staleness_scale`` the step is ``lr / (1 + s)`` where ``s`` counts the updates of *other*
+        sources since ``fetched_version`` (:meth:`others_since`): the pusher's own earlier pushes are in
+        the local copy its gradient was computed at (Downpour's replicas read their own writes), so they do
+        not make it stale. The staleness returned counts every update.
         """
         if tau is not None:
             grad, keys = _signed_values(self.index, grad, keys, tau)
@@ -353,22 +361,20 @@ class Shard:
             return False, self.version, staleness
         grad = np.asarray(grad, dtype=np.float64)
         w = self.vector(param)
+        others = self.others_since(source, fetched_version) if staleness_scale else staleness
+        step = lr / (1.0 + others) if staleness_scale else lr
         if keys is not None:
-            step = lr / (1.0 + staleness) if staleness_scale else lr
             self._push_at(np.asarray(keys), grad, rule, step, param)
-            self.last_seq[source] = seq
-            self.version += 1
-            self._count_applied(steps, staleness, staleness_scale)
+            self._applied_push(source, seq)
+            self._count_applied(steps, others, staleness_scale)
             return True, self.version, staleness
         if grad.shape != w.shape:
             raise InvalidOptionError(
                 f"shard {self.index}: pushed slice has shape {grad.shape}, expected {w.shape}"
             )
-        step = lr / (1.0 + staleness) if staleness_scale else lr
         self._apply_rule(w, grad, rule, step, param, None)
-        self.last_seq[source] = seq
-        self.version += 1
-        self._count_applied(steps, staleness, staleness_scale)
+        self._applied_push(source, seq)
+        self._count_applied(steps, others, staleness_scale)
         return True, self.version, staleness
 
     def push_and_fetch(
@@ -397,7 +403,31 @@ class Shard:
             return answer, (self.version, [self.get(name) for name in names])
         return answer, (self.version, [self.gather(name, fetch_keys) for name in names])
 
+    def others_since(self, source: str, fetched_version: int | None) -> int:
+        """Updates applied since ``fetched_version`` by sources other than ``source`` (0 when unknown).
+
+        Examples
+        --------
+        >>> s = Shard(0, 0, 2); s.set("x", 0, 2, np.zeros(2))
+        >>> for src, seq in [("a", 0), ("b", 0), ("a", 1)]:
+        ...     _ = s.push(np.ones(2), source=src, seq=seq, rule="sgd", lr=0.1)
+        >>> s.others_since("a", 0), s.others_since("b", 0)
+        (1, 2)
+        """
+        if fetched_version is None:
+            return 0
+        mine = self._own_versions.get(source, ())
+        own = sum(1 for v in mine if v > fetched_version)
+        return max(0, self.version - fetched_version - own)
+
+    def _applied_push(self, source: str, seq: int) -> None:
+        self.last_seq[source] = seq
+        self.version += 1
+        # A replica has at most a few pushes in flight: the last 64 cover any fetch it still computes from.
+        self._own_versions.setdefault(source, collections.deque(maxlen=64)).append(self.version)
+
     def _count_applied(self, steps: int, staleness: int, staleness_scale: bool) -> None:
+        """``staleness`` here is the one the step was scaled by (other sources' updates)."""
         # The counters fault tests check answers against (a restored shard counts on from its checkpoint).
         self.applied += 1
         self.applied_weight += steps / (1.0 + staleness) if staleness_scale else float(steps)

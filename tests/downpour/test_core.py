@@ -262,6 +262,9 @@ def test_a_non_finite_gradient_is_not_applied() -> None:
         ({"seed": -1}, "seed"),
         ({"staleness_scale": 1}, "staleness_scale"),
         ({"replica_workers": ()}, "replica_workers"),
+        ({"max_coalesce": -1}, "max_coalesce"),
+        ({"max_coalesce": 2.5}, "max_coalesce"),
+        ({"max_coalesce": True}, "max_coalesce"),
     ],
 )
 def test_bad_options_are_refused_with_a_message_naming_them(kwargs: dict[str, object], match: str) -> None:
@@ -273,3 +276,19 @@ def test_a_run_needs_a_way_to_stop() -> None:
     with pytest.raises(InvalidOptionError, match="needs a way to stop"):
         DownpourOptions()
     assert DownpourOptions(has_callback=True).lr == 0.2
+
+
+def test_a_push_backlog_past_max_coalesce_makes_the_next_step_wait() -> None:
+    core = ReplicaCore([(0, 2)], rule="adagrad", lr=0.1, max_coalesce=2, max_pushes_in_flight=1)
+    core.on_fetched(core.start_fetch().fid, 0, 0, [np.zeros(2)])
+    model = models.LeastSquares(1)
+    X, y = np.ones((1, 1)), np.ones(1)
+    core.compute(model, X, y)
+    assert core.take_push() is not None  # one push in flight: the next ones accrue
+    for _ in range(2):
+        assert not core.push_backlogged()
+        core.compute(model, X, y)
+        assert core.take_push() is None
+    assert core.push_backlogged() and core.accrued_steps == 2
+    core.on_pushed(0, 0, True, 1, 0, 0)  # answered: the two accrued steps go out as one push
+    assert not core.push_backlogged() and core.take_push().steps == 2  # type: ignore[union-attr]

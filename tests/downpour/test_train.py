@@ -13,6 +13,7 @@ from distributed import Client
 
 from distbelief import downpour, models
 from distbelief.downpour import BatchPlan, Progress, sequential_sgd
+from distbelief.downpour._train import HISTORY_POINTS
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.storage import Dataset, ParameterServer
 from distbelief.storage._digits import train_test_split_digits
@@ -305,11 +306,11 @@ def test_history_reports_the_training_objective_at_about_100_points_whatever_the
     res = downpour.train(model, digits, shards=2, l2=l2, client=client, **length)  # type: ignore[arg-type]
     h = res.history
     assert res.success and res.steps >= 100
-    # The cadence adapts to the run's length: about HISTORY_POINTS entries, where the default eval_every of
-    # 1 s gave a run of two seconds three. Each entry costs the driver a round trip to every replica and
-    # shard, ~5 ms on an idle machine and up to ~0.15 s on a loaded one: hence the margin.
-    assert len(h.time) >= 15, (len(h.time), res.wall_time)
-    assert np.median(np.diff(h.time.values)) < 0.2
+    # The replicas record about HISTORY_POINTS entries and the driver evaluates them afterwards: no entry
+    # costs a round trip. A run known only by its time limit plans by its measured step rate (a loaded host
+    # delays steps in bursts): hence the margin there.
+    assert len(h.time) >= (50 if "time_limit" in length else 90), (len(h.time), res.wall_time)
+    assert len(h.time) <= 2 * HISTORY_POINTS * int(length["replicas"]) + 2
     # F(w) on the training rows at the shards' parameters, computed as Sandblaster computes it.
     assert h.attrs["objective_rows"] == digits.n_rows and h.attrs["l2"] == l2
     assert h.objective.values[0] == pytest.approx(
@@ -321,3 +322,31 @@ def test_history_reports_the_training_objective_at_about_100_points_whatever_the
     assert np.isfinite(h.objective.values).all() and h.objective.values[-1] < h.objective.values[0]
     assert h.train_loss.attrs["long_name"] == "running mini-batch loss"
     assert h.objective.attrs["long_name"] == "F(w) on the training data"
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_short_run_has_50_history_points_each_at_the_objective_of_its_recorded_parameters(
+    client: Client, replicas: int
+) -> None:
+    # 300 steps of a two-feature logistic model: ~0.1-0.3 s, where one driver round trip per entry gave
+    # 15 entries.
+    rng = np.random.default_rng(3)
+    X = rng.standard_normal((1000, 2))
+    y = (rng.random(1000) < 1 / (1 + np.exp(-X @ np.array([1.5, -1.0])))).astype(float)
+    l2 = 1e-2
+    res = downpour.train(
+        models.Logistic(2), (X, y), replicas=replicas, max_steps=300, l2=l2, trace=True, client=client
+    )
+    h = res.history
+    assert res.success and len(h.time) >= 50, len(h.time)
+    assert np.all(np.diff(h.time.values) > 0) and np.all(np.diff(h.step.values) >= 0)
+    assert h.step.values[0] == 0 and h.step.values[-1] == res.steps
+    # Every row carries its parameters (trace=True); the oracle: F(w) = mean log-loss + l2/2 ||w||^2.
+    assert [t for t, _, _ in res.snapshots] == list(h.time.values)
+    assert [s for _, s, _ in res.snapshots] == list(h.step.values)
+    for (_, _, w), recorded in zip(res.snapshots, h.objective.values, strict=True):
+        z = X @ w[:2] + w[2]
+        expected = np.mean(np.logaddexp(0.0, z) - y * z) + l2 / 2 * (w @ w)
+        assert recorded == pytest.approx(expected, rel=1e-12)
+    assert len({float(v) for v in h.objective.values}) > 40  # distinct points, not one state repeated
+    np.testing.assert_array_equal(res.snapshots[-1][2], res.x)

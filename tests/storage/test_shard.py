@@ -121,6 +121,22 @@ def test_push_reports_staleness_and_can_scale_by_it() -> None:
     np.testing.assert_allclose(shard.get("a"), before - 1.0 / 3.0)
 
 
+def test_staleness_scaling_leaves_out_the_pushers_own_updates() -> None:
+    # A replica's own earlier pushes are in the local copy its gradient came from: they are not staleness.
+    shard, _ = make(2)
+    g = np.ones(2)
+    common = {"rule": "sgd", "lr": 1.0, "param": "a", "fetched_version": 0, "staleness_scale": True}
+    steps = []
+    for source, seq in [("a", 0), ("a", 1), ("b", 0), ("a", 2)]:
+        before = shard.get("a").copy()
+        _, _, staleness = shard.push(g, source=source, seq=seq, **common)  # type: ignore[arg-type]
+        steps.append((staleness, float((before - shard.get("a"))[0])))
+    # Reported: every update since version 0. Scaled by: the other source's updates only.
+    assert [s for s, _ in steps] == [0, 1, 2, 3]
+    np.testing.assert_allclose([d for _, d in steps], [1.0, 1.0, 1.0 / 3.0, 0.5], rtol=1e-14)
+    assert shard.counters()["applied_weight"] == pytest.approx(1 + 1 + 1 / 3 + 1 / 2)
+
+
 def test_summed_and_solo_pushes_count_each_portion_exactly_once() -> None:
     shard = Shard(0, 0, 4)
     shard.reset_accumulator("acc", epoch=1)
