@@ -39,7 +39,8 @@ class _Accumulator:
     values: np.ndarray
     binned: np.ndarray
     covered: set[int] = field(default_factory=set)
-    solos: dict[int, np.ndarray] = field(default_factory=dict)
+    #: Solo pushes held aside: portion -> (local keys or None for the whole slice, values).
+    solos: dict[int, tuple[np.ndarray | None, np.ndarray]] = field(default_factory=dict)
     #: When set: the number of portions of the evaluation, and ops to run once all of them are in.
     expected: int | None = None
     finalize: list[Any] = field(default_factory=list)
@@ -117,7 +118,6 @@ class Shard:
         #: Sandblaster gradient accumulators: which portions each holds, for exactly-once counting.
         self.accumulators: dict[str, _Accumulator] = {}
         #: A zero slice that key-value pushes are scattered into (kept zero between pushes).
-        self._scratch: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -431,9 +431,11 @@ class Shard:
     ) -> tuple[bool, list[Any] | None]:
         """:meth:`push_portions` of a key-value push: ``values`` at the local offsets ``keys``.
 
-        Scattered into a zeroed slice and handed to the dense path, so the exactly-once bookkeeping (and
-        its summation order) is the dense one's: adding the zeros of untouched entries changes no float.
-        The wire carries 12 bytes a key instead of 8 a parameter; the shard pays one pass over its slice.
+        Added into the accumulator's binned sum at ``keys`` only (:mod:`storage._exactsum` states are
+        elementwise, so this holds the bits a dense push of the same values with zeros elsewhere would),
+        with the dense path's exactly-once bookkeeping. The wire carries 12 bytes a key instead of 8 a
+        parameter, and the shard's work and scratch memory are O(keys), not O(slice): at 2**26 parameters a
+        shard, scattering a binned push into a zeroed slice cost 2 GiB of scratch and passes over all of it.
         """
         keys = np.asarray(keys)
         values = np.asarray(values, dtype=np.float64)
@@ -441,17 +443,10 @@ class Shard:
             raise InvalidOptionError(
                 f"shard {self.index}: {keys.size} keys but values of shape {values.shape}"
             )
-        # A plain vector, or a binned exact sum (storage._exactsum: rows of states) scattered along its last
-        # axis; zero entries of either add nothing.
-        shape = (*values.shape[:-1], self.size)
-        scratch = self._scratch
-        if scratch is None or scratch.shape != shape:
-            scratch = self._scratch = np.zeros(shape)
-        try:
-            scratch[..., keys] = values
-            return self.push_portions(name, scratch, portions, epoch=epoch, solo=solo)
-        finally:
-            scratch[..., keys] = 0.0  # O(keys) to make it zero again
+        if keys.size and (int(keys.min()) < 0 or int(keys.max()) >= self.size):
+            raise InvalidOptionError(f"shard {self.index}: pushed keys outside its slice of {self.size}")
+        taken = self.accumulate(name, values, portions, epoch=epoch, solo=solo, keys=keys)
+        return self._maybe_finalize(name, taken)
 
     def counters(self) -> dict[str, Any]:
         """The shard's Downpour counters: ``version``, ``applied`` (pushes applied), ``applied_weight`` and
@@ -474,7 +469,14 @@ class Shard:
         }
 
     def accumulate(
-        self, name: str, values: np.ndarray, portions: Sequence[int], *, epoch: int, solo: bool = False
+        self,
+        name: str,
+        values: np.ndarray,
+        portions: Sequence[int],
+        *,
+        epoch: int,
+        solo: bool = False,
+        keys: np.ndarray | None = None,
     ) -> bool:
         """Add a replica's gradient over ``portions`` into accumulator ``name``, each portion exactly once.
 
@@ -490,6 +492,9 @@ class Shard:
         gradient's bits do not depend on which replica summed which portions or in what order pushes
         arrive. A 1-D push of several portions is taken as one term: its own rounding is the pusher's.
 
+        With ``keys`` (local offsets, sorted and unique), ``values`` holds the entries at those offsets
+        only (a key-value push, :meth:`push_portions_at`); the other entries are zeros.
+
         Pushes for another ``epoch`` (a straggler's late result from an earlier evaluation) change nothing.
         Returns whether anything was taken.
         """
@@ -497,7 +502,13 @@ class Shard:
         if epoch != acc.epoch:
             return False
         values = np.asarray(values, dtype=np.float64)
-        if values.shape not in (acc.values.shape, acc.binned.shape):
+        if keys is not None:
+            expect = (keys.size,), (acc.binned.shape[0], keys.size)
+            if values.shape not in expect:
+                raise InvalidOptionError(
+                    f"shard {self.index}: pushed values have shape {values.shape}, expected one of {expect}"
+                )
+        elif values.shape not in (acc.values.shape, acc.binned.shape):
             raise InvalidOptionError(
                 f"shard {self.index}: pushed slice has shape {values.shape}, expected {acc.values.shape} "
                 f"(a gradient) or {acc.binned.shape} (a binned sum)"
@@ -509,7 +520,7 @@ class Shard:
             (p,) = new
             if p in acc.covered or p in acc.solos:
                 return False
-            acc.solos[p] = values.copy()
+            acc.solos[p] = (None if keys is None else keys.copy(), values.copy())
             return True
         if new <= acc.covered:
             return False  # a retried push
@@ -520,7 +531,7 @@ class Shard:
             )
         for p in new & acc.solos.keys():
             del acc.solos[p]  # the summed push holds it: its backup copy must not count too
-        _add_exactly(acc.binned, values)
+        _add_exactly(acc.binned, values, keys)
         acc.covered |= new
         return True
 
@@ -534,6 +545,10 @@ class Shard:
         needs next) and carries their results back, which saves the coordinator a round trip.
         """
         taken = self.accumulate(name, values, portions, epoch=epoch, solo=solo)
+        return self._maybe_finalize(name, taken)
+
+    def _maybe_finalize(self, name: str, taken: bool) -> tuple[bool, list[Any] | None]:
+        """Run the finalize ops if the push just taken completed the evaluation (:meth:`push_portions`)."""
         acc = self.accumulators[name]
         if (
             taken
@@ -553,8 +568,8 @@ class Shard:
     def settle(self, name: str) -> list[int]:
         """Add the solo portions no summed push covered; return every portion the accumulator now holds."""
         acc = self._accumulator(name)
-        for values in acc.solos.values():
-            _add_exactly(acc.binned, values)
+        for keys, values in acc.solos.values():
+            _add_exactly(acc.binned, values, keys)
         acc.covered |= acc.solos.keys()
         acc.solos = {}
         # Rounded once, from the exact sum: the same bits whatever the pushes' grouping and order.
@@ -606,9 +621,17 @@ class Shard:
         self.applied_steps_sq = int(state.get("applied_steps_sq", 0))
 
 
-def _add_exactly(binned: np.ndarray, values: np.ndarray) -> None:
-    """Add a pushed gradient slice (one term) or binned sum (an :mod:`storage._exactsum` state) exactly."""
+def _add_exactly(binned: np.ndarray, values: np.ndarray, keys: np.ndarray | None = None) -> None:
+    """Add a pushed gradient slice (one term) or binned sum (an :mod:`storage._exactsum` state) exactly;
+    with ``keys``, ``values`` are the entries at those local offsets only.
+
+    States are elementwise, so adding at the keys (gather, add, scatter back) gives the bits of adding
+    the dense vector that is zero elsewhere, in O(keys) time and memory.
+    """
+    target = binned if keys is None else binned[:, keys]
     if values.ndim == 1:
-        _exactsum.deposit(binned, values)
+        _exactsum.deposit(target, values)
     else:
-        _exactsum.merge(binned, values)
+        _exactsum.merge(target, values)
+    if keys is not None:
+        binned[:, keys] = target
