@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/scale.py [--quick] [--sizes 16,20,24,27] [--rows 2000000] [--maxiter 5]
+                               [--modes sparse,dense] [--dense-max-log2 24] [--worker-memory 6GiB]
                                [--scipy-memory-gb 6] [--scipy-timeout 900] [--shard-memory auto]
 
 A click-through-shaped synthetic set (raw feature ids with power-law frequencies, ~40 nonzeros per row,
@@ -16,16 +17,18 @@ matrix, hashed to ``2**k`` buckets for every ``k`` of ``--sizes`` and written as
   process under an address-space rlimit and a timeout, so it cannot take the machine down; where it runs
   out of memory or time is recorded.
 
-Recorded per size: seconds per iteration, bytes moved per evaluation (dense pull/push: every replica fetch
-pulls ``x`` whole and every pushed group sends a whole gradient slice; plus bytes the shards streamed
-from/to their spill files), peak RSS of every process (a psutil sampler thread in every worker and in the
-coordinator, and each process's ``ru_maxrss``), and the final objective. ``--spill-ops`` also times shard ops
-on in-RAM against spilled vectors. Writes ``scale.json`` and ``scale.png`` to ``--out``.
+The project runs once per communication mode of ``--modes``: ``sparse`` (replicas pull and push only the
+keys their rows touch, each shard's message in the smaller of the key-value and the whole-slice encoding)
+and ``dense`` (whole slices). Dense runs above ``--dense-max-log2`` are not run: every dense push of a group
+carries a binned gradient sum of 32 bytes a parameter (4.3 GB at 2^27) and the shard's exact deposit makes
+several slice-sized temporaries; their bytes per evaluation are then computed from the sparse run's
+fetch and push counts (``dense_bytes_per_eval_model``).
 
-HOOK(sparsepush): once branch ``sparsepush`` lands (replicas pull/push only touched keys, a
-``communication=`` option and byte counters), add its mode to :data:`COMMUNICATION_MODES` and read the
-measured counters in :func:`communication_bytes`: the JSON rows and the table already carry a
-``communication`` column per run.
+Recorded per size and mode: seconds per iteration, bytes moved per evaluation as the replicas counted them
+(keys included), bytes the shards streamed from/to their spill files and the seconds that took, the
+shards' busy seconds per op kind, peak RSS of every process (a psutil sampler thread in every worker and in
+the coordinator, and each process's ``ru_maxrss``), and the final objective. ``--spill-ops`` also times
+shard ops on in-RAM against spilled vectors. Writes ``scale.json`` and ``scale.png`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -53,8 +56,11 @@ OUT = HERE / "results"
 NNZ_PER_ROW = 40
 HISTORY = 10
 L2 = 1e-6
-#: HOOK(sparsepush): add "sparse" here once minimize(communication="sparse") exists.
-COMMUNICATION_MODES: tuple[str, ...] = ("dense",)
+COMMUNICATION_MODES: tuple[str, ...] = ("sparse", "dense")
+DENSE_SKIPPED = (
+    "every dense push of a group carries a binned gradient sum of 32 bytes a parameter and the shard's exact "
+    "deposit makes several slice-sized temporaries: beyond the box's memory at this size; bytes modelled"
+)
 
 
 # -- data ----------------------------------------------------------------------------------------------------
@@ -122,14 +128,18 @@ class PeakSampler:
             self.peak = max(self.peak, self.proc.memory_info().rss)
             if self.worker is not None:
                 for key, actor in list(self.worker.state.actors.items()):
-                    vs = getattr(getattr(actor, "core", None), "vectors", None)
+                    core = getattr(actor, "core", None)
+                    vs = getattr(core, "vectors", None)
                     if vs is not None and hasattr(vs, "bytes_read"):
                         self.spill[str(key)] = {
                             "bytes_read": vs.bytes_read,
                             "bytes_written": vs.bytes_written,
+                            "seconds_read": getattr(vs, "seconds_read", 0.0),
+                            "seconds_written": getattr(vs, "seconds_written", 0.0),
                             "ram_bytes": vs.ram_bytes,
                             "spilled": len(vs.spilled),
                             "budget": vs.budget,
+                            "op_seconds": dict(getattr(core, "op_seconds", {})),
                         }
 
     def stop(self) -> dict[str, Any]:
@@ -155,23 +165,23 @@ def _stop_sampler(dask_worker: Any) -> dict[str, Any]:
 
 
 # -- the project's run --------------------------------------------------------------------------------------
-def communication_bytes(res: Any, n_params: int, push_every: int, mode: str) -> dict[str, float]:
-    """Bytes moved between replicas and shards per evaluation.
+def communication_bytes(res: Any, n_params: int) -> dict[str, float]:
+    """Bytes moved between replicas and shards per evaluation, as the replicas counted them (keys
+    included), and what whole-slice (dense) messages would have moved for the same fetches and pushes.
 
-    Dense pull/push (today): every fetch pulls the whole ``x`` (``8 n`` bytes) and every pushed group of
-    ``push_every`` portions sends a whole gradient (``8 n``), so the figure is computed from the counts.
-    HOOK(sparsepush): for ``mode == "sparse"`` read the measured counters from ``res.stats`` instead.
+    The dense model: every fetch pulls ``x`` whole (``8 n`` bytes) and every pushed group sends a whole
+    gradient slice, binned (``32 n``: :mod:`storage._exactsum`) when it sums two portions or more.
     """
-    if mode != "dense":
-        raise NotImplementedError("sparse pull/push: read res.stats byte counters here (branch sparsepush)")
+    stats = res.stats
     nfev = max(1, int(res.nfev))
     fetches = float(res.history.fetches.values.sum()) if "fetches" in res.history else float("nan")
-    portions = int(res.stats.get("portions", 1))
-    replicas = int(res.stats.get("replicas", 1))
-    pushes_per_eval = replicas * math.ceil(portions / replicas / push_every)
-    pulled = 8.0 * n_params * fetches / nfev
-    pushed = 8.0 * n_params * pushes_per_eval
-    return {"pull_bytes_per_eval": pulled, "push_bytes_per_eval": pushed, "bytes_per_eval": pulled + pushed}
+    out = {
+        "pull_bytes_per_eval": float(stats.get("bytes_pulled", 0)) / nfev,
+        "push_bytes_per_eval": float(stats.get("bytes_pushed", 0)) / nfev,
+        "bytes_per_eval": float(stats.get("bytes_per_evaluation", float("nan"))),
+        "dense_pull_bytes_per_eval_model": 8.0 * n_params * fetches / nfev,
+    }
+    return out
 
 
 def run_distbelief(
@@ -181,6 +191,8 @@ def run_distbelief(
     shard_memory: int | str | None,
     workers: int,
     push_every: int = 4,
+    mode: str = "sparse",
+    worker_memory: str | None = None,
 ) -> dict[str, Any]:
     from distributed import Client, LocalCluster
 
@@ -188,12 +200,18 @@ def run_distbelief(
     from distbelief.models import Logistic
 
     model = Logistic(n_features)
-    out: dict[str, Any] = {"method": "distbelief", "communication": "dense"}
+    out: dict[str, Any] = {"method": "distbelief", "communication": mode}
     coordinator = PeakSampler()
     t0 = time.perf_counter()
+    limit: dict[str, Any] = {} if worker_memory is None else {"memory_limit": worker_memory}
     with (
         LocalCluster(
-            n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
+            n_workers=workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            host="127.0.0.1",
+            **limit,
         ) as cluster,
         Client(cluster) as client,
     ):
@@ -211,6 +229,7 @@ def run_distbelief(
                 client=client,
                 shard_memory=shard_memory,
                 push_every=push_every,
+                communication=mode,
             )
         finally:
             per_worker = client.run(_stop_sampler)
@@ -235,7 +254,16 @@ def run_distbelief(
         portions=res.stats.get("portions"),
         worker_memory_limit=memory_limit,
         push_every=push_every,
-        **communication_bytes(res, model.n_params, push_every, "dense"),
+        bytes_encoding=res.stats.get("communication"),
+        **communication_bytes(res, model.n_params),
+    )
+    # Whole-slice pushes for the same groups: each replica pushes ceil(its portions / push_every) groups a
+    # evaluation, binned (32 bytes a parameter) when a group sums two portions or more.
+    portions, replicas = int(out["portions"] or 1), int(out["replicas"] or 1)
+    per_replica = math.ceil(portions / replicas)
+    groups = replicas * math.ceil(per_replica / push_every)
+    out["dense_push_bytes_per_eval_model"] = (
+        groups * (32 if min(push_every, per_replica) > 1 else 8) * (model.n_params)
     )
     del res
     out["processes"] = {
@@ -246,6 +274,12 @@ def run_distbelief(
     out["spill_bytes_read"] = sum(s["bytes_read"] for s in spill)
     out["spill_bytes_written"] = sum(s["bytes_written"] for s in spill)
     out["spill_bytes_per_eval"] = (out["spill_bytes_read"] + out["spill_bytes_written"]) / max(1, out["nfev"])
+    out["spill_seconds"] = sum(s.get("seconds_read", 0.0) + s.get("seconds_written", 0.0) for s in spill)
+    ops: dict[str, float] = {}
+    for s in spill:
+        for kind, secs in s.get("op_seconds", {}).items():
+            ops[kind] = ops.get(kind, 0.0) + secs
+    out["shard_op_seconds"] = ops  # summed over shards (they run at once, on different workers)
     out["peak_rss_max"] = max(p["rss_peak_sampled"] for p in out["processes"].values())
     out["peak_rss_workers_max"] = max(
         (p["rss_peak_sampled"] for k, p in out["processes"].items() if k != "coordinator"), default=0
@@ -301,33 +335,43 @@ def scipy_child(path: str, maxiter: int) -> None:
 def run_scipy(
     X: sp.csr_array, y: np.ndarray, maxiter: int, memory_gb: float, timeout: float
 ) -> dict[str, Any]:
+    """SciPy's L-BFGS-B on ``X, y`` in a child process under an address-space limit and a timeout."""
+    with tempfile.TemporaryDirectory(prefix="scale-scipy-") as tmp:
+        save_for_scipy(X, y, tmp)
+        return run_scipy_saved(tmp, maxiter, memory_gb, timeout)
+
+
+def save_for_scipy(X: sp.csr_array, y: np.ndarray, path: str) -> None:
+    """Write the matrix and labels where :func:`run_scipy_saved`'s child reads them."""
+    sp.save_npz(f"{path}/X.npz", X, compressed=False)
+    np.save(f"{path}/y.npy", y)
+
+
+def run_scipy_saved(path: str, maxiter: int, memory_gb: float, timeout: float) -> dict[str, Any]:
+    """:func:`run_scipy` on a matrix already saved by :func:`save_for_scipy` (so this process need not
+    hold it meanwhile)."""
     limit = int(memory_gb * 2**30)
 
     def guard() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    with tempfile.TemporaryDirectory(prefix="scale-scipy-") as tmp:
-        sp.save_npz(f"{tmp}/X.npz", X, compressed=False)
-        np.save(f"{tmp}/y.npy", y)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--scipy-child", tmp, "--maxiter", str(maxiter)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-        out: dict[str, Any] = {"method": "scipy L-BFGS-B", "memory_limit": limit}
-        t0 = time.perf_counter()
-        try:
-            done = subprocess.run(
-                cmd, preexec_fn=guard, capture_output=True, text=True, timeout=timeout, env=env
-            )
-        except subprocess.TimeoutExpired:
-            return {**out, "status": f"timeout after {timeout:.0f} s"}
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if lines:
-            out.update(json.loads(lines[-1]))
-        else:
-            tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-            out["status"] = "MemoryError" if "MemoryError" in done.stderr else f"failed: {tail[0][:200]}"
-        out.setdefault("wall_s", time.perf_counter() - t0)
-        out["peak_rss_max"] = out.get("ru_maxrss")
-        return out
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--scipy-child", path, "--maxiter", str(maxiter)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    out: dict[str, Any] = {"method": "scipy L-BFGS-B", "memory_limit": limit}
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, preexec_fn=guard, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {**out, "status": f"timeout after {timeout:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if lines:
+        out.update(json.loads(lines[-1]))
+    else:
+        tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        out["status"] = "MemoryError" if "MemoryError" in done.stderr else f"failed: {tail[0][:200]}"
+    out.setdefault("wall_s", time.perf_counter() - t0)
+    out["peak_rss_max"] = out.get("ru_maxrss")
+    return out
 
 
 # -- shard ops on in-RAM and spilled vectors -----------------------------------------------------------------
@@ -438,6 +482,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     # push once or twice per evaluation (e.g. 64), not every 4 portions.
     ap.add_argument("--push-every", type=int, default=4)
     ap.add_argument("--shard-memory", default="auto", help="bytes per shard, 'auto' or 'none'")
+    ap.add_argument("--modes", default=",".join(COMMUNICATION_MODES), help="communication modes to run")
+    ap.add_argument("--dense-max-log2", type=int, default=24, help="largest size run in dense mode")
+    ap.add_argument("--worker-memory", default=None, help="each worker's memory_limit (Dask's default: auto)")
     ap.add_argument("--scipy-memory-gb", type=float, default=6.0)
     ap.add_argument("--scipy-timeout", type=float, default=900.0)
     ap.add_argument("--no-scipy", action="store_true")
@@ -480,32 +527,57 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "rows": rows,
     }
     json_path = args.out / ("scale_quick.json" if args.quick else "scale.json")
+    modes = [m for m in args.modes.split(",") if m]
     for k in sizes:
         t0 = time.perf_counter()
         X, y = hashed_csr(args.rows, k)
         gen_s = time.perf_counter() - t0
         n_params = (1 << k) + 1  # hashed buckets and the intercept
-        print(f"2^{k}: {X.shape[0]} rows, {X.nnz} nonzeros, generated in {gen_s:.1f} s", flush=True)
+        nnz = int(X.nnz)
+        print(f"2^{k}: {X.shape[0]} rows, {nnz} nonzeros, generated in {gen_s:.1f} s", flush=True)
         with tempfile.TemporaryDirectory(prefix="scale-data-", dir=args.out) as tmp:
             ds = Dataset.from_arrays(X, y, path=f"{tmp}/data", overwrite=True)
-            for mode in COMMUNICATION_MODES:
-                row = {"log2": k, "n_params": n_params, "nnz": int(X.nnz), "generate_s": gen_s}
+            if not args.no_scipy:
+                save_for_scipy(X, y, tmp)
+            # The coordinator need not hold the matrix while the cluster runs (1.3 GB at 80M nonzeros).
+            del X, y
+            done: dict[str, dict[str, Any]] = {}
+            for mode in modes:
+                row: dict[str, Any] = {"log2": k, "n_params": n_params, "nnz": nnz, "generate_s": gen_s}
+                if mode == "dense" and k > args.dense_max_log2:
+                    row.update(method="distbelief", communication=mode, status="not run", why=DENSE_SKIPPED)
+                    sparse = done.get("sparse", {})
+                    for key in ("dense_pull_bytes_per_eval_model", "dense_push_bytes_per_eval_model"):
+                        if key in sparse:
+                            row[key] = sparse[key]
+                    rows.append(row)
+                    continue
                 try:
                     row.update(
-                        run_distbelief(ds, 1 << k, args.maxiter, shard_memory, args.workers, args.push_every)
+                        run_distbelief(
+                            ds,
+                            1 << k,
+                            args.maxiter,
+                            shard_memory,
+                            args.workers,
+                            args.push_every,
+                            mode,
+                            args.worker_memory,
+                        )
                     )
                 except Exception as e:  # recorded, not fatal: the other sizes still run
                     row.update(
                         method="distbelief", communication=mode, status=f"{type(e).__name__}: {e}"[:300]
                     )
+                done[mode] = row
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
-        if not args.no_scipy:
-            row = {"log2": k, "n_params": n_params, "nnz": int(X.nnz)}
-            row.update(run_scipy(X, y, args.maxiter, args.scipy_memory_gb, args.scipy_timeout))
-            rows.append(row)
-            print(table([row]).splitlines()[-1], flush=True)
-        del X, y
+                json_path.write_text(json.dumps(result, indent=1, default=str))
+            if not args.no_scipy:
+                row = {"log2": k, "n_params": n_params, "nnz": nnz}
+                row.update(run_scipy_saved(tmp, args.maxiter, args.scipy_memory_gb, args.scipy_timeout))
+                rows.append(row)
+                print(table([row]).splitlines()[-1], flush=True)
         json_path.write_text(json.dumps(result, indent=1, default=str))
     if args.spill_ops:
         result["spill_ops"] = spill_ops(args.spill_ops)

@@ -291,6 +291,8 @@ class ShardActor:
             "spilled": sorted(vs.spilled),
             "bytes_read": vs.bytes_read,
             "bytes_written": vs.bytes_written,
+            "seconds_read": vs.seconds_read,
+            "seconds_written": vs.seconds_written,
         }
 
     async def names(self) -> list[str]:

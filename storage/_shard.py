@@ -12,6 +12,7 @@ which would allocate a temporary per op (~4x slower on 1e7 elements).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,6 +116,8 @@ class Shard:
         #: Last epoch whose :meth:`prepare` ops ran, and their results.
         self.prepared_epoch = -1
         self.prepared: list[Any] = []
+        #: Seconds spent per op kind (``accumulate`` for gradient pushes), for benchmarks: where time goes.
+        self.op_seconds: dict[str, float] = {}
         #: Sandblaster gradient accumulators: which portions each holds, for exactly-once counting.
         self.accumulators: dict[str, _Accumulator] = {}
         #: A zero slice that key-value pushes are scattered into (kept zero between pushes).
@@ -177,11 +180,17 @@ class Shard:
             handler = getattr(self, f"_op_{op[0]}", None)
             if handler is None or op[0] not in OPS:
                 raise ProtocolError(f"unknown shard op {op[0]!r}; known ops: {sorted(OPS)}")
+            t0 = time.perf_counter()
             if self._streams(op):
                 out.append(run_chunked(self.vectors, op, functools.partial(self._on_chunk, op)))
             else:
                 out.append(handler(*op[1:]))
+            self._count(op[0], t0)
         return out
+
+    def _count(self, kind: str, t0: float) -> None:
+        """Add the seconds since ``t0`` to :attr:`op_seconds` under ``kind``."""
+        self.op_seconds[kind] = self.op_seconds.get(kind, 0.0) + time.perf_counter() - t0
 
     def _streams(self, op: Sequence[Any]) -> bool:
         """Whether ``op`` touches a spilled vector and can run chunk by chunk (else: on the memmap)."""
@@ -498,6 +507,21 @@ class Shard:
         Pushes for another ``epoch`` (a straggler's late result from an earlier evaluation) change nothing.
         Returns whether anything was taken.
         """
+        t0 = time.perf_counter()
+        try:
+            return self._accumulate(name, values, portions, epoch, solo, keys)
+        finally:
+            self._count("accumulate", t0)
+
+    def _accumulate(
+        self,
+        name: str,
+        values: np.ndarray,
+        portions: Sequence[int],
+        epoch: int,
+        solo: bool,
+        keys: np.ndarray | None,
+    ) -> bool:
         acc = self._accumulator(name)
         if epoch != acc.epoch:
             return False
