@@ -32,7 +32,14 @@ import numpy as np
 from distbelief.errors import ClusterError
 from distbelief.sandblaster._messages import PortionResult, WorkCall, WorkReport, decode, encode
 from distbelief.storage import Dataset, ShardMap, _exactsum, default_row_cache, keep_loop_responsive
-from distbelief.storage._keys import SparsePortion, compact_portion, kv_bytes, split_keys, union_keys
+from distbelief.storage._keys import (
+    SparsePortion,
+    compact_portion,
+    kv_bytes,
+    split_keys,
+    union_keys,
+    whole_slice_is_smaller,
+)
 
 __all__ = ["INLINE_WORK", "Replica"]
 
@@ -206,15 +213,24 @@ class Replica:
         eval_id: int,
         solo: bool,
     ) -> list[tuple[int, asyncio.Future[Any]]]:
-        """One key-value push per shard (every shard, keys or not: each counts every portion once)."""
+        """One key-value push per shard (every shard, keys or not: each counts every portion once); to a
+        shard whose slice the keys cover densely enough, the whole slice instead, zeros elsewhere, which is
+        fewer bytes (:func:`storage._keys.whole_slice_is_smaller`) and adds the same floats."""
         keys, values = grad
         bounds = self.shards.layout.bounds
         cuts = np.searchsorted(keys, bounds)
         out: list[tuple[int, asyncio.Future[Any]]] = []
         for shard, local in enumerate(split_keys(bounds, keys)):
             part = values[..., cuts[shard] : cuts[shard + 1]]  # a binned group sum cuts like a vector
-            self.bytes_pushed += kv_bytes(local, part)
-            ask = self.shards.ask(shard, "accumulate_at", acc_name, local, part, portions, eval_id, solo)
+            size = int(bounds[shard + 1] - bounds[shard])
+            if whole_slice_is_smaller(local, size, 1 if part.ndim == 1 else part.shape[0]):
+                whole = np.zeros((*part.shape[:-1], size))
+                whole[..., local] = part
+                self.bytes_pushed += kv_bytes(whole)
+                ask = self.shards.ask(shard, "accumulate", acc_name, whole, portions, eval_id, solo)
+            else:
+                self.bytes_pushed += kv_bytes(local, part)
+                ask = self.shards.ask(shard, "accumulate_at", acc_name, local, part, portions, eval_id, solo)
             out.append((shard, asyncio.ensure_future(ask)))
         return out
 
@@ -268,10 +284,17 @@ class Replica:
     async def _pull(
         self, eval_id: int, prep: Sequence[Sequence[Any]], x_name: str, keys: np.ndarray
     ) -> tuple[_KV, list[Any]]:
-        local = split_keys(self.shards.layout.bounds, keys)
-        values, prep_results = await self.shards.prepare_and_gather(eval_id, prep, x_name, local)
-        self.bytes_pulled += sum(kv_bytes(k, v) for k, v in zip(local, values, strict=True))
-        return _KV(keys, np.concatenate(values) if values else np.zeros(0)), prep_results
+        bounds = self.shards.layout.bounds
+        local = split_keys(bounds, keys)
+        # Per shard, the keys or (None) the whole slice, whichever moves fewer bytes.
+        asked = [
+            None if whole_slice_is_smaller(k, int(bounds[i + 1] - bounds[i])) else k
+            for i, k in enumerate(local)
+        ]
+        values, prep_results = await self.shards.prepare_and_gather(eval_id, prep, x_name, asked)
+        self.bytes_pulled += sum(kv_bytes(a, v) for a, v in zip(asked, values, strict=True))
+        picked = [v if a is not None else v[k] for k, a, v in zip(local, asked, values, strict=True)]
+        return _KV(keys, np.concatenate(picked) if picked else np.zeros(0)), prep_results
 
     def _compute_portions(
         self, w: np.ndarray, assign: Sequence[int], solo: bool, eval_id: int | None = None

@@ -413,8 +413,9 @@ class Shard:
             if acc is not None:
                 acc[keys] = acc_at
 
-    def gather(self, name: str, keys: np.ndarray) -> np.ndarray:
-        """The values of vector ``name`` at the local offsets ``keys`` (a key-value pull, ps-lite style).
+    def gather(self, name: str, keys: np.ndarray | None) -> np.ndarray:
+        """The values of vector ``name`` at the local offsets ``keys`` (a key-value pull, ps-lite style);
+        ``None``: a copy of the whole slice (fewer bytes than keys that cover most of it).
 
         Examples
         --------
@@ -423,6 +424,8 @@ class Shard:
         [1.0, 3.0]
         """
         vec = self.vector(name)
+        if keys is None:
+            return np.array(vec, dtype=np.float64, copy=True)
         keys = np.asarray(keys)
         if keys.size and (int(keys.min()) < 0 or int(keys.max()) >= vec.size):
             raise InvalidOptionError(f"shard {self.index}: keys outside its slice of {vec.size}")

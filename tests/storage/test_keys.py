@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 from distbelief import models
 from distbelief.errors import InvalidOptionError
 from distbelief.storage import Layout, Shard, _exactsum
-from distbelief.storage._keys import compact_portion, kv_bytes, split_keys, union_keys, use_sparse
+from distbelief.storage._keys import (
+    compact_portion,
+    kv_bytes,
+    split_keys,
+    union_keys,
+    use_sparse,
+    whole_slice_is_smaller,
+)
 
 
 @st.composite
@@ -191,3 +198,29 @@ def test_use_sparse_resolves_the_mode() -> None:
         use_sparse("sparse", logistic, False)
     with pytest.raises(InvalidOptionError, match="communication must be"):
         use_sparse("fast", logistic, True)
+
+
+@given(size=st.integers(1, 300), covered=st.floats(0, 1), rows=st.sampled_from([1, 4]), wide=st.booleans())
+@settings(max_examples=40)
+def test_the_whole_slice_is_chosen_exactly_when_it_moves_fewer_bytes(
+    size: int, covered: float, rows: int, wide: bool
+) -> None:
+    """The oracle: the bytes of both messages as they travel (keys and values against the whole slice)."""
+    keys = np.arange(int(covered * size), dtype=np.int64 if wide else np.int32)
+    kv = kv_bytes(keys, np.zeros((rows, keys.size)))
+    whole = kv_bytes(np.zeros((rows, size)))
+    assert whole_slice_is_smaller(keys, size, rows) == (whole < kv)
+
+
+def test_coverage_thresholds_are_two_thirds_for_a_pull_and_eight_ninths_for_a_binned_push() -> None:
+    keys = np.arange(900, dtype=np.int32)
+    assert not whole_slice_is_smaller(keys[:600], 900) and whole_slice_is_smaller(keys[:601], 900)
+    assert not whole_slice_is_smaller(keys[:800], 900, 4) and whole_slice_is_smaller(keys[:801], 900, 4)
+
+
+def test_a_whole_slice_pull_is_a_copy_of_the_slice() -> None:
+    s = Shard(0, 10, 14)
+    s.set("x", 10, 14, np.arange(4.0))
+    got = s.gather("x", None)
+    got[0] = 99.0
+    assert s.get("x").tolist() == [0.0, 1.0, 2.0, 3.0]
