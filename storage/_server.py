@@ -184,6 +184,9 @@ class Batch:
         return self._server.run(self.ops)
 
 
+#: Above this many bytes, :meth:`ParameterServer.get` fetches shard by shard into one array.
+GATHER_PIECEWISE_BYTES = 64 << 20
+
 #: Bytes of a shard's slice per ``timeout`` of waiting: a call may wait for as many times its timeout as its
 #: shard's slice holds of these (an op on a wide shard streams tens of its vectors from spill files, and
 #: queues behind the one before it). 64 MiB: at 2**26 parameters a shard, 8 times the base timeout.
@@ -758,6 +761,17 @@ class ParameterServer:
         """The values ``name[lo:hi]`` (only the shards holding that range are asked)."""
         hi = self.n if hi is None else hi
         which = self._shards_of(lo, hi)
+        if 8 * (hi - lo) > GATHER_PIECEWISE_BYTES and len(which) > 1:
+            # A wide range (a result's x at 1e8 parameters: 1 GB) comes one shard at a time into one array,
+            # so the caller holds the array and one slice at most, not every slice and their concatenation.
+            out = np.empty(hi - lo)
+            for i in which:
+                (part,) = self._call([i], "get", [(name, lo, hi)])
+                a = max(lo, self.layout.bounds[i]) - lo
+                out[a : a + part.shape[0]] = part
+                del part
+            self.stats.round_trips += len(which)
+            return out
         parts = self._call(which, "get", [(name, lo, hi)] * len(which))
         self.stats.round_trips += 1
         return np.concatenate(parts) if parts else np.empty(0)
