@@ -52,6 +52,9 @@ import psutil
 import scipy.sparse as sp
 
 HERE = Path(__file__).resolve().parent
+# This checkout's distbelief (not an installed one), here and in the workers it spawns.
+sys.path.insert(0, str(HERE.parent))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
 OUT = HERE / "results"
 NNZ_PER_ROW = 40
 HISTORY = 10
@@ -417,36 +420,64 @@ def spill_ops(size: int, reps: int = 3) -> list[dict[str, Any]]:
 
 
 # -- plot and table ------------------------------------------------------------------------------------------
+def _series(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The rows per line of the plot: scipy, and the project per communication mode."""
+    keys: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        label = r["method"] if r["method"] != "distbelief" else f"distbelief ({r.get('communication')})"
+        keys.setdefault(label, []).append(r)
+    return list(keys.items())
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for method, marker in (("distbelief", "o-"), ("scipy L-BFGS-B", "s--")):
-        pts = [r for r in rows if r["method"] == method and r.get("status") == "ok"]
-        if not pts:
-            continue
-        p = [r["n_params"] for r in pts]
-        ax_t.plot(p, [r["s_per_iter"] for r in pts], marker, label=method)
-        ax_m.plot(p, [r["peak_rss_max"] / 2**30 for r in pts], marker, label=f"{method} (largest process)")
-        if method == "distbelief":  # the coordinator holds the generated matrix; the workers hold the model
-            ax_m.plot(
-                p, [r["peak_rss_workers_max"] / 2**30 for r in pts], "o:", label=f"{method} (largest worker)"
-            )
-        for r in rows:
-            if r["method"] == method and r.get("status") != "ok":
+    fig, (ax_t, ax_m, ax_b) = plt.subplots(1, 3, figsize=(15, 4.4))
+    styles = {"scipy L-BFGS-B": "s--", "distbelief (sparse)": "o-", "distbelief (dense)": "^-"}
+    for label, group in _series(rows):
+        style = styles.get(label, "x-")
+        pts = sorted((r for r in group if r.get("status") == "ok"), key=lambda r: r["n_params"])
+        if pts:
+            p = [r["n_params"] for r in pts]
+            ax_t.plot(p, [r["s_per_iter"] for r in pts], style, label=label)
+            ax_m.plot(p, [r["peak_rss_max"] / 2**30 for r in pts], style, label=f"{label}: largest process")
+            if label.startswith("distbelief"):
+                workers = [r["peak_rss_workers_max"] / 2**30 for r in pts]
+                ax_m.plot(p, workers, style.replace("-", ":"), alpha=0.6, label=f"{label}: largest worker")
+                ax_b.plot(p, [r["bytes_per_eval"] / 1e6 for r in pts], style, label=f"{label}: measured")
+        for r in group:
+            if r.get("status") != "ok":
+                ax_t.axvline(r["n_params"], color="grey", lw=0.6, ls=":")
                 ax_t.annotate(
-                    str(r["status"])[:24], (r["n_params"], ax_t.get_ylim()[1]), fontsize=7, rotation=90
+                    f"{label}: {str(r.get('status'))[:22]}",
+                    (r["n_params"], 0.02),
+                    xycoords=("data", "axes fraction"),
+                    fontsize=6,
+                    rotation=90,
                 )
-    for ax, label in ((ax_t, "seconds per iteration"), (ax_m, "peak RSS (GiB)")):
+    model = sorted(
+        (r for r in rows if r.get("communication") == "sparse" and r.get("status") == "ok"),
+        key=lambda r: r["n_params"],
+    )
+    if model:
+        dense = [
+            (r["dense_pull_bytes_per_eval_model"] + r["dense_push_bytes_per_eval_model"]) / 1e6 for r in model
+        ]
+        ax_b.plot([r["n_params"] for r in model], dense, "k:", label="whole slices (model, same messages)")
+    for ax, label in (
+        (ax_t, "seconds per iteration"),
+        (ax_m, "peak RSS (GiB)"),
+        (ax_b, "MB moved per evaluation (replicas <-> shards)"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("parameters")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle("Sparse logistic regression, hashed CTR features, L-BFGS m=10 (shared, loaded 2-core box)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -455,26 +486,51 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        f"{'params':>10} {'method':>15} {'comm':>5} {'status':>12} {'s/iter':>8} {'MB/eval':>9} "
-        f"{'peak GiB':>8} {'objective':>12}"
+        f"{'params':>10} {'method':>15} {'comm':>6} {'status':>12} {'s/iter':>8} {'MB/eval':>9} "
+        f"{'dense MB':>9} {'peak GiB':>8} {'worker GiB':>10} {'objective':>12}"
     )
     lines = [head]
     for r in rows:
         mb = r.get("bytes_per_eval", float("nan")) / 1e6
+        dense = (
+            r.get("dense_pull_bytes_per_eval_model", math.nan)
+            + r.get("dense_push_bytes_per_eval_model", math.nan)
+        ) / 1e6
         peak = (r.get("peak_rss_max") or float("nan")) / 2**30
+        worker = (r.get("peak_rss_workers_max") or float("nan")) / 2**30
         lines.append(
-            f"{r['n_params']:>10} {r['method']:>15} {r.get('communication', '-'):>5} "
+            f"{r['n_params']:>10} {r['method']:>15} {r.get('communication', '-'):>6} "
             f"{str(r.get('status'))[:12]:>12} {r.get('s_per_iter', float('nan')):8.3f} {mb:9.1f} "
-            f"{peak:8.2f} {r.get('fun', float('nan')):12.6g}"
+            f"{dense:9.1f} {peak:8.2f} {worker:10.2f} {r.get('fun', float('nan')):12.6g}"
         )
     return "\n".join(lines)
+
+
+def merge_runs(path: Path, run: dict[str, Any]) -> dict[str, Any]:
+    """Add ``run``'s rows to the results file ``path`` (its rows of the same sizes are replaced), each row
+    tagged with the command and machine state of its run; rewrite the PNG beside it from every row.
+
+    For a size run on its own (2^27 needs the whole box): the file says which run every row came from.
+    """
+    old: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"runs": [], "rows": []}
+    sizes = {r["log2"] for r in run["rows"]}
+    tag = {"run_argv": run["argv"], "run_machine": run["machine"]}
+    rows = [r for r in old.get("rows", []) if r["log2"] not in sizes]
+    rows += [{**r, **tag} for r in run["rows"]]
+    rows.sort(key=lambda r: (r["log2"], r["method"], str(r.get("communication"))))
+    runs = [r for r in old.get("runs", []) if set(r.get("sizes", [])) - sizes]
+    runs.append({"sizes": sorted(sizes), **{k: v for k, v in run.items() if k != "rows"}})
+    merged = {"note": run.get("note"), "runs": runs, "rows": rows}
+    path.write_text(json.dumps(merged, indent=1, default=str))
+    plot(rows, path.with_suffix(".png"))
+    return merged
 
 
 # -- main ----------------------------------------------------------------------------------------------------
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="tiny sizes for the test suite")
-    ap.add_argument("--sizes", default="16,20,24,27", help="log2 parameter counts, comma separated")
+    ap.add_argument("--sizes", default=None, help="log2 parameter counts, comma separated (16,20,24,27)")
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--maxiter", type=int, default=5)
     ap.add_argument("--workers", type=int, default=2)
@@ -490,11 +546,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-scipy", action="store_true")
     ap.add_argument("--spill-ops", type=int, default=1 << 24, help="vector size for the op timings (0: skip)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--merge-into", help="also merge this run's rows into that results file (see merge_runs)")
     ap.add_argument("--scipy-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
-        args.sizes, args.rows, args.maxiter, args.spill_ops = "10,12", 3000, 2, 1 << 12
+        args.sizes = args.sizes or "10,12"
+        args.rows, args.maxiter, args.spill_ops = 3000, 2, 1 << 12
         args.scipy_timeout = min(args.scipy_timeout, 120.0)
+    args.sizes = args.sizes or "16,20,24,27"
     return args
 
 
@@ -581,9 +640,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         json_path.write_text(json.dumps(result, indent=1, default=str))
     if args.spill_ops:
         result["spill_ops"] = spill_ops(args.spill_ops)
+    result["load_avg_at_end"] = os.getloadavg()
     json_path.write_text(json.dumps(result, indent=1, default=str))
     plot(rows, json_path.with_suffix(".png"))
     print(table(rows))
+    if args.merge_into:
+        merged = merge_runs(Path(args.merge_into), result)
+        print(f"merged into {args.merge_into}: {len(merged['rows'])} rows")
     for r in result.get("spill_ops", []):
         print(
             f"  {r['op']:>10} {r['where']:>7} {r['size']:>10} {r['s'] * 1e3:8.1f} ms "
