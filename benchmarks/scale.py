@@ -252,6 +252,7 @@ def run_distbelief(
         time_gradient=float(res.history.time_gradient.values.sum()),
         time_shard_ops=float(res.history.time_shard_ops.values.sum()),
         time_coordinator=float(res.history.time_coordinator.values.sum()),
+        **{k: v for k, v in res.stats.items() if k.startswith("replica_")},
         shards=res.stats.get("shards"),
         replicas=res.stats.get("replicas"),
         portions=res.stats.get("portions"),

@@ -116,6 +116,9 @@ class Replica:
         self._kv_held: tuple[np.ndarray, frozenset[int]] = (np.zeros(0, dtype=np.int64), frozenset())
         #: Bytes of parameters and keys pulled, and of gradients and keys pushed (counted as sent).
         self.bytes_pulled = 0
+        #: Seconds of gradient work (reading rows included) and of waiting for fetches and pushes, summed
+        #: over calls: where a replica's time goes, for benchmarks.
+        self.compute_s = self.read_s = self.fetch_s = self.push_s = 0.0
         self.bytes_pushed = 0
         self.index = index
         self.model = model
@@ -465,6 +468,11 @@ class Replica:
         for (shard, _), (_, finalized) in zip(pushes, answers, strict=True):
             if finalized is not None:
                 final[shard] = finalized  # this push completed the shard's evaluation
+        push_s = time.perf_counter() - t2
+        self.compute_s += busy
+        self.read_s += read_s
+        self.fetch_s += t1 - t0
+        self.push_s += push_s
         return WorkReport(
             results=tuple(results),
             prep=tuple(prep_results),
@@ -476,7 +484,7 @@ class Replica:
             queued_s=max(0.0, t2 - t1 - busy),
             read_s=read_s,
             reads=tuple(reads),
-            push_s=time.perf_counter() - t2,
+            push_s=push_s,
         )
 
     async def stats(self) -> dict[str, Any]:
@@ -487,6 +495,10 @@ class Replica:
             "bytes_pulled": self.bytes_pulled,
             "bytes_pushed": self.bytes_pushed,
             "sparse": self.sparse,
+            "compute_s": self.compute_s,
+            "read_s": self.read_s,
+            "fetch_s": self.fetch_s,
+            "push_s": self.push_s,
         }
 
     async def attach(self, shard_map: ShardMap) -> dict[str, Any]:

@@ -78,6 +78,9 @@ def test_bytes_moved_are_the_count_by_hand(client: Client, tmp_path: Path) -> No
     assert sparse.stats["bytes_pulled"] == sparse.nfev * 12 * keys
     assert sparse.stats["bytes_pushed"] == sparse.nfev * 12 * keys
     assert sparse.stats["bytes_per_evaluation"] == 24 * keys
+    # Where the replicas' time went: gradient work, and waits for fetches and pushes (for benchmarks).
+    assert 0 < sparse.stats["replica_compute_s"] < sparse.stats["wall_s"]
+    assert sparse.stats["replica_fetch_s"] > 0 and sparse.stats["replica_push_s"] > 0
     assert dense.stats["bytes_per_evaluation"] == 16 * model.n_params
     assert sparse.stats["bytes_per_evaluation"] < dense.stats["bytes_per_evaluation"] / 20
     np.testing.assert_array_equal(sparse.x, dense.x)
