@@ -438,7 +438,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, (ax_t, ax_m, ax_b) = plt.subplots(1, 3, figsize=(15, 4.4))
     styles = {"scipy L-BFGS-B": "s--", "distbelief (sparse)": "o-", "distbelief (dense)": "^-"}
-    for label, group in _series(rows):
+    for i, (label, group) in enumerate(_series(rows)):
         style = styles.get(label, "x-")
         pts = sorted((r for r in group if r.get("status") == "ok"), key=lambda r: r["n_params"])
         if pts:
@@ -456,6 +456,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                     f"{label}: {str(r.get('status'))[:22]}",
                     (r["n_params"], 0.02),
                     xycoords=("data", "axes fraction"),
+                    xytext=(-12 + 8 * i, 0),  # one column of text per series, side by side
+                    textcoords="offset points",
                     fontsize=6,
                     rotation=90,
                 )
