@@ -9,6 +9,10 @@ The estimate is deliberately simple and errs on the generous side; it counts wha
 - every model replica keeps the full parameter vector, its gradient and the gradient it accumulates
   (``3 * n_params * 8`` bytes), plus one portion (Sandblaster) or batch (Downpour) of rows and the
   activations of those rows through every layer;
+- with ``partitions=K`` (model parallelism) no process holds a replica: the worker of the largest partition
+  keeps its shard's vectors of the partition's slice (the plan's, by arithmetic), the partition's copy and
+  gradient, its share of the activations and what it receives; that is checked against the smallest
+  worker's ``memory_limit``;
 - one pass over the training data costs about ``6 * n_rows * n_params`` floating-point operations (forward,
   backward and the update; a linear model costs less, so this is an upper bound).
 
@@ -33,6 +37,7 @@ from typing import Any, ClassVar
 
 from distributed import Client
 
+from distbelief import models
 from distbelief.api.settings import Settings
 from distbelief.errors import InvalidOptionError
 from distbelief.storage import scheduler_identity
@@ -57,14 +62,20 @@ class JobCost:
     bytes_per_shard: int
     bytes_per_replica: int
     flops_per_pass: int
+    partitions: int = 1
+    bytes_per_partition: int | None = None
 
     def figures(self) -> str:
         """The figures, as a message shows them."""
+        per_replica = (
+            f"{_size(self.bytes_per_replica)} per replica"
+            if self.bytes_per_partition is None
+            else f"{_size(self.bytes_per_partition)} per partition ({self.partitions} per replica)"
+        )
         return (
             f"{self.n_params:,} parameters, {_size(self.bytes_per_shard)} per shard ({self.shards} shard(s) "
-            f"x {self.vectors_per_shard} vectors), {_size(self.bytes_per_replica)} per replica "
-            f"({self.replicas} replica(s)), ~{self.flops_per_pass:.2g} floating-point operations per pass "
-            "over the data"
+            f"x {self.vectors_per_shard} vectors), {per_replica} ({self.replicas} replica(s)), "
+            f"~{self.flops_per_pass:.2g} floating-point operations per pass over the data"
         )
 
 
@@ -76,10 +87,20 @@ def _size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+_LOCAL = ("locally_connected", "locally_connected_2d")
+
+
 def _layers(spec: Mapping[str, Any]) -> list[int]:
     kind = spec.get("kind")
     if kind == "mlp":
         return [int(s) for s in spec["layer_sizes"]]
+    if kind in _LOCAL:
+        # Building a locally connected model is arithmetic on its shapes (no parameter is allocated).
+        model = models.from_spec(spec)
+        if isinstance(model, models.LocallyConnected):
+            return [*model.widths, model.n_classes]
+        assert isinstance(model, models.LocallyConnected2D)
+        return [h * w * c for h, w, c in model.shapes] + [model.n_classes]
     outputs = int(spec.get("n_classes", 1)) if kind == "softmax" else 1
     return [int(spec["n_features"]), outputs]
 
@@ -88,7 +109,15 @@ def _n_params(spec: Mapping[str, Any]) -> int:
     sizes = _layers(spec)
     if spec.get("kind") == "mlp":
         return sum((a + 1) * b for a, b in itertools.pairwise(sizes))
+    if spec.get("kind") in _LOCAL:
+        return int(models.from_spec(spec).n_params)
     return (sizes[0] + int(bool(spec.get("fit_intercept", True)))) * sizes[1]
+
+
+def _widest_partition(spec: Mapping[str, Any], partitions: int) -> int:
+    """Parameters of the largest of ``partitions`` partitions (arithmetic on the plan: nothing is built)."""
+    plan = models.partition_plan(models.from_spec(spec), partitions)
+    return max(b - a for a, b in itertools.pairwise(plan.bounds))
 
 
 def _vectors(algorithm: str, options: Mapping[str, Any]) -> int:
@@ -117,7 +146,10 @@ def estimate_cost(
     sizes = _layers(spec)
     n = _n_params(spec)
     workers = max(1, n_workers)
+    partitions = int(options.get("partitions") or 1)
     shards = min(int(options.get("shards") or (workers if n >= _SHARD_MIN_PARAMS else 1)), max(1, n))
+    if partitions > 1:
+        shards = partitions  # one shard per partition, holding that partition's parameters (Figure 2)
     replicas = int(options.get("replicas") or workers)
     vectors = _vectors(algorithm, options)
     if algorithm == "downpour-sgd":
@@ -128,6 +160,15 @@ def estimate_cost(
     rows = max(1, min(rows, n_rows))
     # The rows of X, and the activations and deltas of those rows through every layer.
     activations = rows * (sizes[0] + 2 * sum(sizes[1:]))
+    partition_bytes: int | None = None
+    shard_params = math.ceil(n / shards)
+    if partitions > 1:
+        # Partition k and its shard share a worker (Figure 2): the worker holds the shard's vectors of the
+        # partition's slice (the plan's, by arithmetic), the partition's fetched copy and gradient, its share
+        # of the rows' activations and room for what it receives (a whole layer, for the MLP's all-gather).
+        shard_params = _widest_partition(spec, partitions)
+        own = rows * sizes[0] + 2 * rows * sum(sizes[1:]) // partitions + rows * max(sizes)
+        partition_bytes = ((vectors + 2) * shard_params + own) * _BYTES
     return JobCost(
         n_params=n,
         n_layers=len(sizes),
@@ -135,9 +176,11 @@ def estimate_cost(
         shards=shards,
         replicas=replicas,
         vectors_per_shard=vectors,
-        bytes_per_shard=math.ceil(n / shards) * vectors * _BYTES,
+        bytes_per_shard=shard_params * vectors * _BYTES,
         bytes_per_replica=(3 * n + activations) * _BYTES,
         flops_per_pass=6 * n_rows * n,
+        partitions=partitions,
+        bytes_per_partition=partition_bytes,
     )
 
 
@@ -230,17 +273,30 @@ def admit(
         )
     if limit is not None:
         budget = settings.job_memory_fraction * limit
-        if cost.bytes_per_shard > budget:
+        if cost.bytes_per_partition is None and cost.bytes_per_shard > budget:
             problems.append(
                 f"a shard would need {_size(cost.bytes_per_shard)}, more than "
                 f"{settings.job_memory_fraction:g} of a worker's {_size(limit)} "
                 "(DISTBELIEF_JOB_MEMORY_FRACTION); more shards (option 'shards') spread it"
             )
-        if cost.bytes_per_replica > budget:
+        if cost.bytes_per_partition is not None:
+            if cost.bytes_per_partition > budget:
+                problems.append(
+                    f"a partition would need {_size(cost.bytes_per_partition)}, more than "
+                    f"{settings.job_memory_fraction:g} of the smallest worker's {_size(limit)} "
+                    "(DISTBELIEF_JOB_MEMORY_FRACTION); more partitions (option 'partitions') spread it"
+                )
+        elif cost.bytes_per_replica > budget:
+            hint = (
+                "; a model with a partitioned form (mlp, locally_connected, locally_connected_2d) can be "
+                "spread over workers with option 'partitions' (downpour-sgd)"
+                if spec.get("kind") in ("mlp", *_LOCAL)
+                else ""
+            )
             problems.append(
                 f"a replica would need {_size(cost.bytes_per_replica)}, more than "
                 f"{settings.job_memory_fraction:g} of a worker's {_size(limit)} "
-                "(DISTBELIEF_JOB_MEMORY_FRACTION)"
+                f"(DISTBELIEF_JOB_MEMORY_FRACTION){hint}"
             )
     if problems:
         raise InvalidOptionError(

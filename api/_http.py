@@ -28,6 +28,7 @@ from distbelief.errors import (
 __all__ = [
     "MAX_LISTED_ERRORS",
     "BodyLimitMiddleware",
+    "UnexpectedErrorMiddleware",
     "error_responses",
     "install_error_handlers",
     "status_of",
@@ -172,12 +173,54 @@ async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": _bounded(str(exc), MAX_DETAIL_CHARS)}, status_code=code)
 
 
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+def _internal_error(exc: BaseException) -> JSONResponse:
     return JSONResponse(
         {"detail": f"internal error ({type(exc).__name__}); the server log has the details"},
         status_code=status.HTTP_500_INTERNAL_SERVER_ERROR,
     )
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return _internal_error(exc)
+
+
+class UnexpectedErrorMiddleware:
+    """Answer an unexpected exception with a JSON 500 and keep the connection open.
+
+    Starlette sends the response of a handler registered for ``Exception`` from its outermost middleware
+    and then raises the exception again, for the server to log; uvicorn then closes the connection, so the
+    client's next request on it fails with "connection reset". This middleware sits inside that one: it
+    logs the error, answers, and returns normally. An error after the response has started (a stream cut
+    short) is raised on: the connection cannot carry a well-formed answer any more.
+
+    Examples
+    --------
+    >>> app.add_middleware(UnexpectedErrorMiddleware)   # doctest: +SKIP
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            log.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=exc)
+            await _internal_error(exc)(scope, receive, send)
 
 
 async def _method_not_allowed(request: Request, exc: Exception) -> JSONResponse:

@@ -140,6 +140,9 @@ class JobStore:
         #: registered), shared while a job is admitted: a job is never accepted on a dataset that is going
         #: away, and submissions do not wait for each other.
         self.datasets_lock = SharedLock()
+        #: Bumped whenever a dataset is installed, deleted, registered or forgotten: what was read of the
+        #: datasets at an older version may be stale (see JobRunner.open_dataset, which caches by it).
+        self.datasets_version = 0
         self._writing: set[str] = set()
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
         try:
@@ -396,6 +399,7 @@ class JobStore:
             if old is not None:
                 self._rename(old, final)
             raise
+        self.datasets_version += 1
         if old is not None:
             self._remove(old)
 
@@ -410,12 +414,14 @@ class JobStore:
         if self.fs.exists(final):
             doomed = self._path("datasets", f".{name}{_DELETED}{uuid.uuid4().hex[:8]}")
             self._rename(final, doomed)
+            self.datasets_version += 1
             self._remove(doomed)
 
     # -- registered datasets ------------------------------------------------------------------------
     def save_link(self, name: str, url: str) -> None:
         """Register an existing dataset at ``url`` under ``name``."""
         self._write_atomic(self._path("dataset-links", f"{name}.json"), _dumps({"name": name, "url": url}))
+        self.datasets_version += 1
 
     def links(self) -> dict[str, str]:
         """Registered datasets: name -> URL."""
@@ -433,6 +439,7 @@ class JobStore:
         if not self.fs.exists(path):
             return False
         self.fs.rm(path)
+        self.datasets_version += 1
         return True
 
 

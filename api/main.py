@@ -22,7 +22,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException
 from fastapi.responses import FileResponse, RedirectResponse
 
 from distbelief.api._docs import add_docs
-from distbelief.api._http import BodyLimitMiddleware, install_error_handlers
+from distbelief.api._http import BodyLimitMiddleware, UnexpectedErrorMiddleware, install_error_handlers
 from distbelief.api._jobstore import JobStore
 from distbelief.api.deps import require_token
 from distbelief.api.routes import cluster, datasets, health, jobs
@@ -156,6 +156,7 @@ def create_app(settings: Settings | None = None, *, client: Client | None = None
         # milliseconds instead of ~0.1-0.3 s of holding the GIL (which stalled every request meanwhile).
         gc.collect()
         gc.freeze()
+        backend.runner.freeze_after_first_job = True
         app.state.backend = backend
         app.state.runner = backend.runner
         try:
@@ -179,6 +180,9 @@ def create_app(settings: Settings | None = None, *, client: Client | None = None
     app.add_middleware(
         BodyLimitMiddleware, limit=settings.max_body_bytes, upload_limit=settings.max_upload_bytes
     )
+    # Added last, so it wraps the others: an unexpected error anywhere below is a JSON 500 on a connection
+    # that stays open.
+    app.add_middleware(UnexpectedErrorMiddleware)
     install_error_handlers(app)
 
     guarded = APIRouter(dependencies=[Depends(require_token)])

@@ -43,6 +43,7 @@ _log = logging.getLogger(__name__)
 
 __all__ = [
     "ANNOTATION",
+    "SERVICE_OPTIONS",
     "JobNotFoundError",
     "JobRunner",
     "JobStateError",
@@ -115,6 +116,33 @@ class RunOutcome:
     summary: dict[str, Any]
 
 
+#: Arguments of the algorithms that the service sets itself: a job's options never carry them (a user's
+#: ``resume`` would clash with the runner's, which says whether the job is taken up after a restart).
+SERVICE_OPTIONS = frozenset({"resume", "client", "store", "callback", "eval_data", "method"})
+
+
+def _user_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A job's options, refusing those the service sets itself (see :data:`SERVICE_OPTIONS`).
+
+    Examples
+    --------
+    >>> _user_options({"maxiter": 3})
+    {'maxiter': 3}
+    >>> _user_options({"resume": True})
+    Traceback (most recent call last):
+    ...
+    distbelief.errors.InvalidOptionError: the service sets 'resume' itself; remove it from the options ...
+    """
+    clash = sorted(SERVICE_OPTIONS.intersection(options))
+    if clash:
+        named = ", ".join(repr(k) for k in clash)
+        raise InvalidOptionError(
+            f"the service sets {named} itself; remove it from the options of the job (a job that was "
+            "running when the service stopped resumes from its checkpoint by itself)"
+        )
+    return dict(options)
+
+
 def run_sandblaster(ctx: RunContext) -> RunOutcome:
     """Run a ``sandblaster-*`` job with :func:`sandblaster.minimize`."""
     from distbelief import sandblaster
@@ -127,7 +155,7 @@ def run_sandblaster(ctx: RunContext) -> RunOutcome:
         store=ctx.store,
         callback=ctx.callback,
         resume=ctx.resume,
-        **ctx.options,
+        **_user_options(ctx.options),
     )
     summary = _summary(res, "fun", "grad_norm", "nit", "nfev", "success", "status", "message", "stats")
     return RunOutcome(x=res.x, history=res.history, summary=summary)
@@ -145,16 +173,22 @@ def run_downpour(ctx: RunContext) -> RunOutcome:
             "Downpour is not available in this installation (downpour.train is missing); "
             "use a sandblaster-* algorithm"
         )
-    res = train(
-        ctx.model,
-        ctx.data,
-        eval_data=ctx.eval_data,
-        client=ctx.client,
-        store=ctx.store,
-        callback=ctx.callback,
-        **({"resume": True} if ctx.resume else {}),
-        **ctx.options,
-    )
+    options = _user_options(ctx.options)
+    if int(options.get("partitions", 1)) > 1:
+        # A partitioned run reports at its end (its placement is followed live by JobRunner) and starts over
+        # on a restart; the held-out rows are evaluated when it has finished, as for every job.
+        res = train(ctx.model, ctx.data, client=ctx.client, store=ctx.store, **options)
+    else:
+        res = train(
+            ctx.model,
+            ctx.data,
+            eval_data=ctx.eval_data,
+            client=ctx.client,
+            store=ctx.store,
+            callback=ctx.callback,
+            resume=ctx.resume,
+            **options,
+        )
     summary = _summary(res, "stop_reason", "success", "message", "steps", "wall_time", "stats")
     return RunOutcome(x=np.asarray(res.x, dtype=np.float64), history=res.history, summary=summary)
 
@@ -315,6 +349,15 @@ class JobRunner:
         self._pool = ThreadPoolExecutor(max_workers=settings.max_concurrent_jobs, thread_name_prefix="job")
         self._running: set[str] = set()
         self._last_gc = 0.0
+        self._refrozen = False
+        #: Set by the app when it froze the objects of its imports (create_app): only then does the runner
+        #: freeze more, once, after the first job (see _collect_garbage).
+        self.freeze_after_first_job = False
+        # Opened datasets by name, with the store's datasets_version they were opened at: a submission
+        # opens its dataset twice (admission, then the checks of submit), and opening one costs several
+        # round trips through zarr's IO thread, which under load is most of a submission's latency.
+        self._datasets: dict[str, tuple[int, Dataset]] = {}
+        self._datasets_lock = threading.Lock()
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -505,18 +548,34 @@ class JobRunner:
 
     # -- datasets -----------------------------------------------------------------------------------
     def open_dataset(self, name: str) -> Dataset:
-        """The dataset called ``name`` (uploaded into the store, or registered by URL)."""
+        """The dataset called ``name`` (uploaded into the store, or registered by URL).
+
+        Opened once per version of the store's datasets (:attr:`JobStore.datasets_version`, bumped by every
+        upload, deletion and registration through the service) and kept: a ``Dataset`` is immutable once
+        written and safe to share between threads.
+        """
+        version = self.store.datasets_version  # read first: a change during the open makes the entry stale
+        with self._datasets_lock:
+            hit = self._datasets.get(name)
+            if hit is not None and hit[0] == version:
+                return hit[1]
         link = self.store.links().get(name)
         if link is not None:
-            return Dataset.open(link)
-        path = resolve_name(self.store.datasets_root, name)
-        if not Dataset.exists(path):
-            known = self.dataset_names()
-            hint = f"known datasets: {', '.join(known)}" if known else "there are none yet"
-            raise UnknownDatasetError(
-                f"no dataset named {name!r}; upload it first (POST /api/datasets) — {hint}"
-            )
-        return Dataset.open(path)
+            data = Dataset.open(link)
+        else:
+            path = resolve_name(self.store.datasets_root, name)
+            if not Dataset.exists(path):
+                known = self.dataset_names()
+                hint = f"known datasets: {', '.join(known)}" if known else "there are none yet"
+                raise UnknownDatasetError(
+                    f"no dataset named {name!r}; upload it first (POST /api/datasets) — {hint}"
+                )
+            data = Dataset.open(path)
+        with self._datasets_lock:
+            if any(v != version for v, _ in self._datasets.values()):
+                self._datasets.clear()  # stale entries go at once: the cache holds one version's names
+            self._datasets[name] = (version, data)
+        return data
 
     def dataset_names(self) -> list[str]:
         """Names of every dataset (uploaded and registered)."""
@@ -548,6 +607,7 @@ class JobRunner:
         """
         if self._stopping.is_set():
             raise QueueFullError("the server is shutting down; submit the job again once it is back")
+        _user_options(create.options)  # a JobCreate built without validation may carry them
         model = models.from_spec(create.model)
         data = self.open_dataset(create.dataset)
         data.check_model(model)
@@ -558,16 +618,21 @@ class JobRunner:
             options.setdefault("checkpoint_every", self.settings.checkpoint_every)
             from distbelief import sandblaster
 
-            # The algorithm's own checks, now rather than when the job starts.
+            # The algorithm's own checks, now rather than when the job starts ("partitions" was checked by
+            # JobCreate against the front door, which takes it whether or not its options class lists it).
+            known = {f.name for f in dataclasses.fields(sandblaster.SandblasterOptions)}
+            skip = {"seed"} | ({"partitions"} - known)
             sandblaster.SandblasterOptions(
                 method=create.algorithm.removeprefix("sandblaster-"),  # type: ignore[arg-type]
-                **{k: v for k, v in options.items() if k != "seed"},
+                **{k: v for k, v in options.items() if k not in skip},
             )
         else:
             with contextlib.suppress(ImportError, AttributeError):  # no Downpour: the job fails, saying so
                 from distbelief import downpour
 
-                downpour.DownpourOptions(**options, has_callback=True)
+                downpour.DownpourOptions(
+                    **{k: v for k, v in options.items() if k != "partitions"}, has_callback=True
+                )
         queued = sum(1 for j in list(self._jobs.values()) if j.record["status"] == "queued")
         if queued >= self.settings.max_queued_jobs:
             raise QueueFullError(
@@ -596,6 +661,7 @@ class JobRunner:
             "resumed_from": None,
             "restarts": 0,
             "cancel_requested": False,
+            "placement": None,
         }
         job = _Job.of(record, rows=[], model=model)
         self.store.save_record(record)
@@ -711,6 +777,9 @@ class JobRunner:
             job.record.update(status="running", started_at=job.record.get("started_at") or _now())
             if job.rows is None:
                 job.rows = []
+            # The record says "running" now (persisted below); metrics follow metrics_flush_seconds later,
+            # so a job shorter than that writes them once, at its end (each write is a zarr group).
+            job.last_flush = time.monotonic()
         with self._jobs_lock:
             self._running.add(job_id)
         self._persist(job)
@@ -744,7 +813,26 @@ class JobRunner:
             if not (idle or due):
                 return
             self._last_gc = time.monotonic()
+            # The first job imports the algorithms' modules (sandblaster, numba, dask.array, ...): tens of
+            # thousands of objects that live as long as the process and that every later collection would
+            # walk, holding the GIL (~10-30 ms each, a stall of every request). Once the runner is idle for
+            # the first time (no job running or queued, so no job's objects are alive), move them out of the
+            # collector's sight as the app did with the imports at its start (see create_app).
+            refreeze = idle and not self._refrozen and self.freeze_after_first_job and not self._queued()
+            if refreeze:
+                self._refrozen = True
         gc.collect()
+        if refreeze:
+            with self._jobs_lock:
+                # Again: a job submitted during the collection must not have its objects frozen with the rest.
+                still_idle = not self._running and not self._queued()
+                if not still_idle:
+                    self._refrozen = False  # the next idle moment then
+            if still_idle:
+                gc.freeze()
+
+    def _queued(self) -> bool:
+        return any(j.record["status"] == "queued" for j in list(self._jobs.values()))
 
     @staticmethod
     def _model(job: _Job) -> Any:
@@ -775,8 +863,13 @@ class JobRunner:
                 resume=resume,
             )
             # Every actor the run creates carries the job's id, so GET /api/cluster can tell whose it is.
-            with dask.annotate(**{ANNOTATION: job_id}):
-                outcome = _ADAPTERS[rec["algorithm"]](ctx)
+            watch = self._watch_placement(job) if int(options.get("partitions", 1)) > 1 else None
+            try:
+                with dask.annotate(**{ANNOTATION: job_id}):
+                    outcome = _ADAPTERS[rec["algorithm"]](ctx)
+            finally:
+                if watch is not None:
+                    watch.set()
         except Exception as exc:
             if self._stopping.is_set():
                 return  # the server is going down: the job stays "running" and is taken up on restart
@@ -823,9 +916,14 @@ class JobRunner:
                     rec["iterations"] = int(rows[2][-1][0])
                     rec["latest"] = _latest(job.columns, job.rows[-1])
         self.store.save_params(rec["id"], outcome.x)
+        placement = placement_of_stats(summary.get("stats"))
         with job.lock:
+            if placement:
+                rec["placement"] = placement
             rec["result"] = json_safe(summary)
-            if job.stopped:
+            # A partitioned run has no callback to stop it: a cancel asked while it ran counts at its end.
+            partitioned = int(rec["options"].get("partitions", 1)) > 1
+            if job.stopped or (partitioned and job.cancel.is_set()):
                 rec.update(status="cancelled", finished_at=_now(), message="cancelled while running")
             elif summary.get("stop_reason") == "diverged":
                 # A diverged Downpour run is a failed job (its message says what to change); its history and
@@ -852,6 +950,31 @@ class JobRunner:
         )
         return result
 
+    def _watch_placement(self, job: _Job, every: float = 0.5) -> threading.Event:
+        """Follow where a partitioned job's partition actors are (``record["placement"]``) until the
+        returned event is set: the dashboard draws every replica as its group of partitions and workers."""
+        done = threading.Event()
+        job_id = job.record["id"]
+
+        def follow() -> None:
+            seen: list[dict[str, Any]] | None = None
+            while not done.wait(every) and not self._stopping.is_set():
+                try:
+                    mine = [a for a in self.actors() if a["job_id"] == job_id and a["kind"] == "partition"]
+                except Exception:  # the scheduler is away for a moment: try again
+                    continue
+                placement = placement_of_actors(mine)
+                if placement and placement != seen:
+                    seen = placement
+                    with job.lock:
+                        if done.is_set():
+                            return  # the run has ended: its final placement (with counters) is the record's
+                        job.record["placement"] = placement
+                    self._notify(job_id)
+
+        threading.Thread(target=follow, name=f"placement-{job_id}", daemon=True).start()
+        return done
+
     # -- cluster ------------------------------------------------------------------------------------
     def actors(self) -> list[dict[str, Any]]:
         """Every shard and replica actor on the cluster, with its worker, state and job."""
@@ -861,21 +984,89 @@ class JobRunner:
             out = []
             for key, ts in dask_scheduler.tasks.items():
                 name = str(key)
-                # Shards are keyed shard-<i>-<uuid>; replicas by their class name.
+                # Shards are keyed shard-<i>-<uuid>, partitions partition-<replica>-<k>-<run>; replicas by
+                # their class name.
                 kind = (
-                    "shard" if name.startswith("shard-") else "replica" if "replica" in name.lower() else ""
+                    "shard"
+                    if name.startswith("shard-")
+                    else "partition"
+                    if name.startswith("partition-")
+                    else "replica"
+                    if "replica" in name.lower()
+                    else ""
                 )
                 if not getattr(ts, "actor", False) or not kind:
                     continue
                 holders = list(getattr(ts, "who_has", None) or ())
                 on = holders[0] if holders else ts.processing_on
                 job = (ts.annotations or {}).get(annotation)
-                out.append(
-                    {"key": name, "kind": kind, "worker": on and on.address, "state": ts.state, "job_id": job}
-                )
+                row = {
+                    "key": name,
+                    "kind": kind,
+                    "worker": on and on.address,
+                    "state": ts.state,
+                    "job_id": job,
+                }
+                parts = name.split("-")
+                if kind == "partition" and len(parts) >= 3 and parts[1].isdigit() and parts[2].isdigit():
+                    row.update(replica=int(parts[1]), partition=int(parts[2]))
+                out.append(row)
             return out
 
         return list(self.client.run_on_scheduler(actor_table, annotation=ANNOTATION))
+
+
+def _groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_replica: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_replica.setdefault(int(row["replica"]), []).append(row)
+    return [
+        {"replica": r, "partitions": sorted(parts, key=lambda p: p["partition"])}
+        for r, parts in sorted(by_replica.items())
+    ]
+
+
+def placement_of_actors(actors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Partition actors (rows of :meth:`JobRunner.actors`) as replicas, each a group of partitions.
+
+    Examples
+    --------
+    >>> placement_of_actors([{"replica": 0, "partition": 1, "worker": "tcp://b"},
+    ...                      {"replica": 0, "partition": 0, "worker": "tcp://a"}])
+    [{'replica': 0, 'partitions': [{'partition': 0, 'worker': 'tcp://a'}, {'partition': 1, 'worker': 'tcp://b'}]}]
+    """
+    rows = [
+        {"replica": a["replica"], "partition": a["partition"], "worker": a.get("worker")}
+        for a in actors
+        if a.get("replica") is not None and a.get("partition") is not None
+    ]
+    return [
+        {
+            "replica": g["replica"],
+            "partitions": [{k: v for k, v in p.items() if k != "replica"} for p in g["partitions"]],
+        }
+        for g in _groups(rows)
+    ]
+
+
+def placement_of_stats(stats: Any) -> list[dict[str, Any]] | None:
+    """A finished partitioned run's ``stats["per_partition"]`` as replicas, each a group of partitions with
+    its worker, steps and traffic (None for a run without partitions).
+
+    Examples
+    --------
+    >>> placement_of_stats({"per_partition": [{"replica": 0, "partition": 0, "worker": "tcp://a", "steps": 3,
+    ...     "messages": 6, "bytes": 480, "param_bytes": 800}]})[0]["partitions"][0]["messages"]
+    6
+    """
+    if not isinstance(stats, dict) or not isinstance(stats.get("per_partition"), list):
+        return None
+    keep = ("partition", "worker", "steps", "messages", "bytes", "param_bytes")
+    rows = [{"replica": st["replica"], **{k: st.get(k) for k in keep}} for st in stats["per_partition"]]
+    return [
+        {"replica": g["replica"], "partitions": [{k: p[k] for k in keep} for p in g["partitions"]]}
+        for g in _groups(rows)
+    ]
 
 
 def _objective_of(summary: dict[str, Any], x: np.ndarray, options: dict[str, Any]) -> dict[str, float]:

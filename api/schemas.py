@@ -26,6 +26,7 @@ __all__ = [
     "DATASET_NAME_PATTERN",
     "FINAL_STATUSES",
     "JOB_STATUSES",
+    "MAX_PARTITIONS",
     "MAX_REPLICAS",
     "MAX_SHARDS",
     "NAME_DOC",
@@ -47,8 +48,11 @@ __all__ = [
     "MetricsPublic",
     "ModelKindPublic",
     "ModelsPublic",
+    "PartitionPublic",
+    "ReplicaPlacementPublic",
     "SandblasterJobOptions",
     "WorkerPublic",
+    "front_door_takes_partitions",
 ]
 
 Algorithm = Literal[
@@ -68,6 +72,14 @@ FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 #: More replicas or shards than this is a typo, not a plan: each is a Dask actor with its own state.
 MAX_REPLICAS = 64
 MAX_SHARDS = 64
+#: Partitions per replica (model parallelism): each is a Dask actor; the model may allow fewer.
+MAX_PARTITIONS = 64
+_PARTITIONS_DOC = (
+    "Model parallelism (paper, section 3): split every replica into this many partition actors, each on its "
+    "own worker with its own parameter shards (kinds mlp, locally_connected, locally_connected_2d; at most "
+    "the model's narrowest layer, or shortest map). 1 (the default) keeps one process per replica."
+)
+_Partitions = Annotated[int, Field(ge=1, le=MAX_PARTITIONS, description=_PARTITIONS_DOC)]
 _MAX_ITER = 1_000_000
 
 _Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -101,6 +113,7 @@ class SandblasterJobOptions(_Options):
     )
     shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] | None = None
     replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] | None = None
+    partitions: _Partitions | None = None
     history: Annotated[int, Field(ge=1, le=1000, description="L-BFGS memory m")] | None = None
     gtol: Annotated[_Finite, Field(ge=0)] | None = None
     ftol: Annotated[_Finite, Field(ge=0)] | None = None
@@ -128,6 +141,7 @@ class DownpourJobOptions(_Options):
     """
 
     replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] | None = None
+    partitions: _Partitions | None = None
     shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] | None = None
     rule: Literal["adagrad", "sgd"] | None = None
     lr: Annotated[_Finite, Field(gt=0, le=1e3)] | None = None
@@ -252,7 +266,75 @@ class JobCreate(BaseModel):
                 shown.append(f"and {len(problems) - _LISTED} more problems")
             raise ValueError("; ".join(shown)) from None
         self.options = parsed.model_dump(exclude_none=True)
+        if "partitions" in self.options:
+            self.options = _check_partitions(self.algorithm, self.model.model_dump(), self.options)
         return self
+
+
+def front_door_takes_partitions(algorithm: str) -> bool:
+    """Whether the algorithm's front door (``downpour.train`` or ``sandblaster.minimize``) has
+    ``partitions=``: the service passes the option through to whichever does.
+
+    Examples
+    --------
+    >>> front_door_takes_partitions("downpour-sgd")
+    True
+    """
+    import inspect
+
+    if algorithm == "downpour-sgd":
+        from distbelief import downpour
+
+        door: Any = downpour.train
+    else:
+        from distbelief import sandblaster
+
+        door = sandblaster.minimize
+    return "partitions" in inspect.signature(door).parameters
+
+
+def _check_partitions(algorithm: str, spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """Validate ``options["partitions"]`` against the model and the algorithm (a ValueError says why)."""
+    partitions = int(options["partitions"])
+    if partitions == 1:
+        return {k: v for k, v in options.items() if k != "partitions"}  # today's path: nothing to pass
+    model = models.from_spec(spec)
+    models.partition_plan(model, 1)  # refuses a model kind without a partitioned form, saying which have one
+    most = models.max_partitions(model)
+    if partitions > most:
+        raise ValueError(
+            f"option 'partitions': this {spec['kind']} model can be split into at most {most} partitions "
+            f"(its narrowest layer, or shortest map, has {most} units or rows), got {partitions}; use fewer "
+            "partitions or a larger model"
+        )
+    if not front_door_takes_partitions(algorithm):
+        raise ValueError(
+            f"option 'partitions' is Downpour-only for now: {algorithm} has no model parallelism in this "
+            "installation; use algorithm 'downpour-sgd' or leave partitions out"
+        )
+    if algorithm == "downpour-sgd":
+        from distbelief.downpour._partitioned import check_partitioned_options
+
+        check_partitioned_options(partitions, options)
+    return options
+
+
+class PartitionPublic(BaseModel):
+    """One partition of a model replica: where it runs and (once it has run) what it did."""
+
+    partition: int
+    worker: str | None = Field(None, description="Address of the Dask worker that holds it.")
+    steps: int | None = None
+    messages: int | None = Field(None, description="Messages it sent to the replica's other partitions.")
+    bytes: int | None = Field(None, description="Bytes of those messages.")
+    param_bytes: int | None = Field(None, description="Bytes of its slice of the parameters.")
+
+
+class ReplicaPlacementPublic(BaseModel):
+    """A model replica as a group of partitions (model parallelism; ``partitions`` option)."""
+
+    replica: int
+    partitions: list[PartitionPublic]
 
 
 class JobPublic(BaseModel):
@@ -278,6 +360,11 @@ class JobPublic(BaseModel):
     resumed_from: int | None = None
     restarts: int = 0
     cancel_requested: bool = False
+    placement: list[ReplicaPlacementPublic] | None = Field(
+        None,
+        description="Jobs with partitions > 1: every replica as its group of partitions and their workers "
+        "(live while running, with each partition's steps and traffic once finished).",
+    )
 
 
 class JobsPublic(BaseModel):
@@ -355,13 +442,15 @@ class ModelsPublic(BaseModel):
 
 
 class ActorPublic(BaseModel):
-    """A parameter-server shard or a model replica (a Dask actor)."""
+    """A parameter-server shard, a model replica or a partition of one (a Dask actor)."""
 
     key: str
-    kind: Literal["shard", "replica"]
+    kind: Literal["shard", "replica", "partition"]
     worker: str | None
     state: str
     job_id: str | None
+    replica: int | None = Field(None, description="Partitions: the replica it belongs to.")
+    partition: int | None = Field(None, description="Partitions: its number within the replica.")
 
 
 class WorkerPublic(BaseModel):

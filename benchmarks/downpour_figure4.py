@@ -18,6 +18,17 @@ target accuracy is the first evaluation at or above it; with repeats, the median
 never reaches the target counts as infinite). The headline is
 ``T(Downpour Adagrad, 2 replicas) / T(single-replica Downpour SGD)`` (target <= 0.7).
 
+Communication (issue 17, item 5), in the same run and interleaved with the rows above (repeat ``r`` of every
+row runs before repeat ``r + 1`` of any): Downpour Adagrad with 2 replicas is run three ways, with
+
+* a fused push and fetch (the default: one message per shard a step, ``downpour.train(fuse=True)``),
+* separate push and fetch messages (``fuse=False``, the protocol before fusing),
+* fused and compressed pushes (Strom 2015, ``compression=downpour.Compression(tau=...)``: only residual
+  entries with ``|r| >= tau`` are sent, as 4-byte sign-coded keys),
+
+and each row reports bytes per step (fetched + pushed, and pushed alone), messages per step, staleness and the
+time to the target accuracy. (``--quick`` runs these rows on the first problem only.)
+
 Parameter-server throughput: replicas with a free gradient (a model whose gradient costs nothing) push as
 fast as they can to 1, 2 and 4 shards; pushes applied per second and gradient MB/s, per shard.
 
@@ -81,6 +92,9 @@ class Problem:
     n_classes: int = 10
     lbfgs_l2: float = 1e-4
     lbfgs_grid: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256)
+    #: Compressed rows' threshold: about the 95th percentile of a mini-batch gradient's |entries| at x0
+    #: (measured: 0.032 / 0.034 at the 90th, 0.061 / 0.073 at the 99th, digits / synthetic).
+    tau: float = 0.05
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -236,7 +250,13 @@ def run_numpy(problem: Problem, rule: str) -> dict[str, Any]:
 
 
 def run_downpour(
-    problem: Problem, client: Client, dataset: Dataset, replicas: int, rule: str, n_sync: int = 1
+    problem: Problem,
+    client: Client,
+    dataset: Dataset,
+    replicas: int,
+    rule: str,
+    n_sync: int = 1,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
     res = downpour.train(
@@ -244,6 +264,7 @@ def run_downpour(
         batch_size=problem.batch_size, time_limit=problem.time_limit, eval_every=problem.eval_every,
         n_fetch=n_sync, n_push=n_sync,
         eval_data=(problem.X_test, problem.y_test), callback=stop_after_target(problem.target), client=client,
+        **(extra or {}),
     )  # fmt: skip
     total = time.perf_counter() - t0
     h = res.history
@@ -254,6 +275,10 @@ def run_downpour(
         "steps_per_s": res.stats["steps_per_s"],
         "staleness_mean": res.stats["staleness_mean"],
         "pushes_per_s": res.stats["pushes"] / res.wall_time,
+        "bytes_per_step": res.stats["bytes_per_step"],
+        "bytes_pushed_per_step": res.stats["bytes_pushed_per_step"],
+        "messages_per_step": res.stats["messages_per_step"],
+        "fused_pushes": res.stats["fused_pushes"],
         "final_accuracy": curve[-1][1],
         "setup_and_teardown_s": total - res.wall_time,
         "stop_reason": res.stop_reason,
@@ -287,35 +312,51 @@ def run_lbfgs(problem: Problem, client: Client, dataset: Dataset) -> dict[str, A
 
 
 def run_problem(
-    problem: Problem, client: Client, store: Path, only: set[str] | None, n_sync: int = 1
+    problem: Problem,
+    client: Client,
+    store: Path,
+    only: set[str] | None,
+    n_sync: int = 1,
+    *,
+    with_comm: bool = True,
 ) -> dict[str, Any]:
     dataset = Dataset.from_arrays(
         problem.X, problem.y, path=store / problem.name, label_kind="classes", n_classes=10, overwrite=True
     )
     rows: list[dict[str, Any]] = []
-    configs: list[tuple[str, str, int | None, str]] = [
-        ("numpy SGD (1 process)", "numpy", None, "sgd"),
-        ("single-replica SGD", "downpour", 1, "sgd"),
-        ("Downpour SGD, 2 replicas", "downpour", 2, "sgd"),
-        ("Downpour SGD, 4 replicas", "downpour", 4, "sgd"),
-        ("Downpour Adagrad, 2 replicas", "downpour", 2, "adagrad"),
-        ("Downpour Adagrad, 4 replicas", "downpour", 4, "adagrad"),
-        ("Sandblaster L-BFGS", "lbfgs", None, "lbfgs"),
+    compressed = {"compression": downpour.Compression(tau=problem.tau)}
+    configs: list[tuple[str, str, int | None, str, dict[str, Any]]] = [
+        ("numpy SGD (1 process)", "numpy", None, "sgd", {}),
+        ("single-replica SGD", "downpour", 1, "sgd", {}),
+        ("Downpour SGD, 2 replicas", "downpour", 2, "sgd", {}),
+        ("Downpour SGD, 4 replicas", "downpour", 4, "sgd", {}),
+        ("Downpour Adagrad, 2 replicas", "downpour", 2, "adagrad", {}),
+        ("Downpour Adagrad, 4 replicas", "downpour", 4, "adagrad", {}),
+        ("Sandblaster L-BFGS", "lbfgs", None, "lbfgs", {}),
     ]
+    if with_comm:
+        configs[5:5] = [
+            ("Downpour Adagrad, 2 replicas, unfused", "downpour", 2, "adagrad", {"fuse": False}),
+            (f"Downpour Adagrad, 2 replicas, compressed (tau={problem.tau:g})", "downpour", 2, "adagrad",
+             compressed),
+        ]  # fmt: skip
+    configs = [c for c in configs if not only or c[1] in only]
     load_before = os.getloadavg()
-    for label, kind, replicas, rule in configs:
-        if only and kind not in only:
-            continue
-        runs = []
-        repeats = 1 if kind == "lbfgs" else problem.repeats
-        for _ in range(repeats):
-            if kind == "numpy":
-                runs.append(run_numpy(problem, rule))
-            elif kind == "downpour":
-                assert replicas is not None
-                runs.append(run_downpour(problem, client, dataset, replicas, rule, n_sync))
+    # Interleaved: repeat r of every row before repeat r + 1 of any, so a change in the machine's load
+    # spreads over the rows instead of landing on one.
+    all_runs: dict[str, list[dict[str, Any]]] = {c[0]: [] for c in configs}
+    for rep in range(problem.repeats):
+        for label, kind, replicas, rule, extra in configs:
+            if kind == "lbfgs":
+                if rep == 0:
+                    all_runs[label].append(run_lbfgs(problem, client, dataset))
+            elif kind == "numpy":
+                all_runs[label].append(run_numpy(problem, rule))
             else:
-                runs.append(run_lbfgs(problem, client, dataset))
+                assert replicas is not None
+                all_runs[label].append(run_downpour(problem, client, dataset, replicas, rule, n_sync, extra))
+    for label, kind, replicas, rule, extra in configs:
+        runs = all_runs[label]
         times = [r["time_to_target"] for r in runs]
         med = median(times)
         # The plotted curve is the run with the median time to target.
@@ -330,15 +371,29 @@ def run_problem(
             "time_to_target_runs": times,
             "steps_per_s_median": median([r["steps_per_s"] for r in runs if "steps_per_s" in r]),
             "staleness_mean_median": median([r["staleness_mean"] for r in runs if "staleness_mean" in r]),
+            "fuse": extra.get("fuse", True) if kind == "downpour" else None,
+            "compression_tau": problem.tau if "compression" in extra else None,
+            "bytes_per_step_median": median([r["bytes_per_step"] for r in runs if "bytes_per_step" in r]),
+            "bytes_pushed_per_step_median": median(
+                [r["bytes_pushed_per_step"] for r in runs if "bytes_pushed_per_step" in r]
+            ),
+            "messages_per_step_median": median(
+                [r["messages_per_step"] for r in runs if "messages_per_step" in r]
+            ),
             "final_accuracy_median": median([r["final_accuracy"] for r in runs]),
             "curve": shown["curve"],
             "runs": [{k: v for k, v in r.items() if k != "curve"} for r in runs],
         }
         row.update(verdict(runs, problem.target, chance=1.0 / problem.n_classes))
         rows.append(row)
+        comm = ""
+        if kind == "downpour":
+            b, pushed = row["bytes_per_step_median"], row["bytes_pushed_per_step_median"]
+            msgs, stale = row["messages_per_step_median"], row["staleness_mean_median"]
+            comm = f"  {b:8.0f} B/step ({pushed:.0f} pushed)  {msgs:.2f} msg/step  staleness {stale:.2f}"
         print(
-            f"  {problem.name:9s} {label:30s} time to {problem.target:.2f}: {med:7.3f} s  "
-            f"(runs {', '.join(f'{t:.3f}' for t in times)})" + flag(row),
+            f"  {problem.name:9s} {label:48s} time to {problem.target:.2f}: {med:7.3f} s  "
+            f"(runs {', '.join(f'{t:.3f}' for t in times)})" + comm + flag(row),
             flush=True,
         )
     by_label = {r["label"]: r["time_to_target_median"] for r in rows}
@@ -346,7 +401,13 @@ def run_problem(
     sgd1 = by_label.get("single-replica SGD", math.nan)
     ratio = ada2 / sgd1 if sgd1 and math.isfinite(sgd1) else math.nan
     numpy_sgd = by_label.get("numpy SGD (1 process)", math.nan)
+    comm = {
+        r["label"]: r
+        for r in rows
+        if r["kind"] == "downpour" and r["replicas"] == 2 and r["rule"] == "adagrad"
+    }
     return {
+        "communication": communication_summary(comm),
         "description": problem.description,
         "target_accuracy": problem.target,
         "batch_size": problem.batch_size,
@@ -369,6 +430,34 @@ def run_problem(
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
     }
+
+
+def communication_summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Fused / unfused / compressed Adagrad (2 replicas) side by side: ratios to the fused, uncompressed row.
+
+    Examples
+    --------
+    >>> row = {"bytes_per_step_median": 10.0, "bytes_pushed_per_step_median": 5.0,
+    ...        "messages_per_step_median": 1.0, "time_to_target_median": 2.0, "staleness_mean_median": 0.5}
+    >>> communication_summary({"Downpour Adagrad, 2 replicas": row})["rows"][0]["bytes_per_step_ratio"]
+    1.0
+    """
+    base = rows.get("Downpour Adagrad, 2 replicas")
+    out: dict[str, Any] = {"baseline": "Downpour Adagrad, 2 replicas", "rows": []}
+    if base is None:
+        return out
+    keys = ("bytes_per_step", "bytes_pushed_per_step", "messages_per_step", "time_to_target")
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
+
+    for label, r in rows.items():
+        entry: dict[str, Any] = {"label": label, "staleness_mean": r["staleness_mean_median"]}
+        for k in keys:
+            entry[k] = r[f"{k}_median"]
+            entry[f"{k}_ratio"] = ratio(r[f"{k}_median"], base[f"{k}_median"])
+        out["rows"].append(entry)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- throughput
@@ -471,12 +560,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
         "Downpour SGD, 2 replicas": ("tab:blue", "--"),
         "Downpour SGD, 4 replicas": ("tab:blue", "-"),
         "Downpour Adagrad, 2 replicas": ("tab:orange", "--"),
+        "Downpour Adagrad, 2 replicas, unfused": ("tab:brown", ":"),
         "Downpour Adagrad, 4 replicas": ("tab:red", "-"),
         "Sandblaster L-BFGS": ("tab:green", "-"),
     }
     for ax, (name, prob) in zip(axes[0], problems.items(), strict=False):
         for row in prob["rows"]:
-            color, ls = styles.get(row["label"], ("k", "-"))
+            compressed = "compressed" in row["label"]
+            color, ls = styles.get(row["label"], ("tab:purple", "-.") if compressed else ("k", "-"))
             t = [p[0] for p in row["curve"]]
             a = [p[1] for p in row["curve"]]
             marker = "o" if row["kind"] == "lbfgs" else None
@@ -581,9 +672,11 @@ def main(argv: list[str] | None = None) -> int:
             "problems": {},
         }
         with tempfile.TemporaryDirectory(prefix="figure4-") as tmp, cluster() as client:
-            for p in problems:
+            for k, p in enumerate(problems):
                 print(f"{p.name}: {p.description}", flush=True)
-                results["problems"][p.name] = run_problem(p, client, Path(tmp), only, args.n_sync)
+                results["problems"][p.name] = run_problem(
+                    p, client, Path(tmp), only, args.n_sync, with_comm=not args.quick or k == 0
+                )
             if not args.skip_throughput:
                 print("parameter-server throughput", flush=True)
                 results["throughput"] = run_throughput(client, quick=args.quick)
@@ -598,6 +691,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{name}: T(Adagrad, 2 replicas) / T(single-replica SGD) = "
             f"{prob['ratio_adagrad2_over_single_replica_sgd']:.3f} (target <= 0.7: {met})"
         )
+        for c in prob["communication"]["rows"]:
+            print(
+                f"  {c['label']:48s} bytes/step x{c['bytes_per_step_ratio']:.3f} "
+                f"(pushed x{c['bytes_pushed_per_step_ratio']:.3f}), "
+                f"messages/step x{c['messages_per_step_ratio']:.2f}, "
+                f"time to target x{c['time_to_target_ratio']:.2f}, staleness {c['staleness_mean']:.2f}"
+            )
         for r in prob["rows"]:
             if flag(r):
                 print(f"  {r['label']}:{flag(r)[4:]}")

@@ -1,11 +1,12 @@
 """Model parallelism (paper, section 3, Figure 3): time per mini-batch against partitions per replica.
 
-For a small and a large locally connected model (and an MLP of the same input width, for its all-gather
-traffic), one Downpour replica is split into 1, 2 and 4 partition actors (``downpour.train(partitions=K)``;
-K = 1 runs the partitioned code path with a single partition, so the comparison is like for like). Reported
-per configuration: milliseconds per mini-batch (median of the repeats), messages and bytes exchanged
-between partitions per step, and where the time of a partition went (compute, waiting for peers, fetch,
-push).
+For a small and a large locally connected model, 1-D and 2-D (image patches, split into bands of map rows),
+and an MLP (for its all-gather traffic), one Downpour replica is split into 1, 2 and 4 partition actors
+(``downpour.train(partitions=K)``; K = 1 runs the partitioned code path with a single partition, so the
+comparison is like for like). Reported per configuration: milliseconds per mini-batch (median of the
+repeats), messages and bytes exchanged between partitions per step, and where the time of a partition went
+(compute, waiting for peers, fetch, push); beside them, ``in_process_ms``: the single-process numpy
+reference (the whole model's ``loss_and_grad`` on one mini-batch in this process, no actors).
 
 Then the memory case: on a cluster whose workers have a small ``memory_limit``, an MLP whose parameters do
 not fit one worker is refused with ``partitions=1`` (InvalidOptionError saying how many partitions would
@@ -18,6 +19,7 @@ Usage::
 
     python benchmarks/model_parallel.py            # full run, JSON + PNG in benchmarks/results/
     python benchmarks/model_parallel.py --quick    # a smoke run (small models, one repeat)
+    python benchmarks/model_parallel.py --models small_lc2d large_lc2d   # only these rows, merged
 """
 
 from __future__ import annotations
@@ -53,15 +55,23 @@ def _data(n_features: int, n_classes: int, rows: int, seed: int = 0) -> tuple[np
 
 
 def _models(quick: bool) -> dict[str, Any]:
+    # The 2-D rows are the paper's image models in miniature: digits-sized 8 x 8 images, and 28 x 28 ones
+    # (MNIST-sized), split into bands of map rows.
     if quick:
         return {
             "small_lc": models.LocallyConnected(256, 10, fields=[9, 5]),
             "large_lc": models.LocallyConnected(4096, 10, fields=[32, 16], strides=[2, 1]),
+            "small_lc2d": models.LocallyConnected2D((8, 8), 10, patches=[3, 3], filters=[4, 4]),
+            "large_lc2d": models.LocallyConnected2D(
+                (28, 28), 10, patches=[5, 3], strides=[1, 1], filters=[8, 4]
+            ),
             "mlp": models.MLP([256, 128, 128, 10]),
         }
     return {
         "small_lc": models.LocallyConnected(1024, 10, fields=[16, 8]),
         "large_lc": models.LocallyConnected(32768, 10, fields=[128, 64], strides=[2, 1]),
+        "small_lc2d": models.LocallyConnected2D((8, 8), 10, patches=[3, 3], filters=[16, 8]),
+        "large_lc2d": models.LocallyConnected2D((28, 28), 10, patches=[5, 5], filters=[32, 16]),
         "mlp": models.MLP([1024, 512, 512, 10]),
     }
 
@@ -95,6 +105,18 @@ def _time_per_batch(
         "ms_per_step_per_partition": {k: 1000 * v for k, v in seconds.items()},
         "param_bytes_per_partition": [st["param_bytes"] for st in res.stats["per_partition"]],
     }
+
+
+def _in_process_ms(model: Any, X: np.ndarray, y: np.ndarray, batch: int, repeats: int = 5) -> float:
+    """The single-process numpy reference: the whole model's ``loss_and_grad`` on one mini-batch (median)."""
+    w = model.init_params(0)
+    times = []
+    for r in range(repeats):
+        rows = slice(r * batch, (r + 1) * batch)
+        t0 = time.perf_counter()
+        model.loss_and_grad(w, X[rows], y[rows])
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
 
 
 def _memory_case(quick: bool) -> dict[str, Any]:
@@ -172,6 +194,13 @@ def main(argv: list[str] | None = None, *, cluster: LocalCluster | None = None) 
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--skip-memory", action="store_true", help="skip the memory_limit case")
     parser.add_argument("--out", default=str(RESULTS), help="directory for the JSON and PNG")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        help="run only these rows and merge them into the JSON already there (each row keeps the load "
+        "average it was measured at)",
+    )
     args = parser.parse_args(argv)
     steps = args.steps or (10 if args.quick else 40)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -189,8 +218,16 @@ def main(argv: list[str] | None = None, *, cluster: LocalCluster | None = None) 
         cluster = LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None, host="127.0.0.1")
     try:
         with Client(cluster, direct_to_workers=True) as client:
-            for name, model in _models(args.quick).items():
+            chosen = _models(args.quick)
+            unknown = set(args.models or ()) - set(chosen)
+            if unknown:
+                parser.error(f"unknown rows {sorted(unknown)}; choose from {sorted(chosen)}")
+            for name, model in chosen.items():
+                if args.models and name not in args.models:
+                    continue
                 X, y = _data(model.n_features, model.n_classes, 1024)
+                results.setdefault("in_process_ms", {})[name] = _in_process_ms(model, X, y, args.batch_size)
+                results.setdefault("load_average_by_row", {})[name] = os.getloadavg()
                 rows = []
                 for K in (1, 2, 4):
                     row = _time_per_batch(client, model, K, X, y, steps, repeats, args.batch_size)
@@ -215,6 +252,17 @@ def main(argv: list[str] | None = None, *, cluster: LocalCluster | None = None) 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "model_parallel_quick" if args.quick else "model_parallel"
+    if args.models and (out / f"{stem}.json").exists():
+        # Merge: the other rows (and the memory case) stay as they were measured.
+        earlier = json.loads((out / f"{stem}.json").read_text())
+        for key in ("timings", "in_process_ms", "load_average_by_row"):
+            earlier.setdefault(key, {}).update(results.get(key, {}))
+        if "memory" in results:
+            earlier["memory"] = results["memory"]
+        earlier.setdefault("merged_runs", []).append(
+            {"rows": args.models, "load_average": results["load_average"], "steps": steps, "repeats": repeats}
+        )
+        results = earlier
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
     _plot(results, out / f"{stem}.png")
     print(f"wrote {out / stem}.json and .png")

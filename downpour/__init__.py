@@ -17,6 +17,7 @@ Examples
 """
 
 from distbelief.downpour._batches import BatchPlan, split_rows
+from distbelief.downpour._compress import Compression
 from distbelief.downpour._core import FetchRequest, PushMessage, ReplicaCore, ReplicaCounters
 from distbelief.downpour._options import DEFAULT_LR, DownpourOptions
 from distbelief.downpour._reference import ReferenceResult, sequential_sgd
@@ -26,6 +27,7 @@ from distbelief.downpour._watch import StepRuleStallWarning
 __all__ = [
     "DEFAULT_LR",
     "BatchPlan",
+    "Compression",
     "DownpourOptions",
     "FetchRequest",
     "Progress",

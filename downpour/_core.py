@@ -38,10 +38,23 @@ where the paper leaves room, each for a reason:
   (versions reported by the shards plus its own pushes still in flight) already puts the coming push more
   than ``s`` updates behind (a stale-synchronous bound in the spirit of Ho et al. 2013; see the overview
   in ``papers/``). ``s = 0`` with one replica is sequential SGD or Adagrad, step for step.
+* **Fused push and fetch** (``fuse=True``, with ``n_push == n_fetch``). Step ``k``'s push and step
+  ``k + 1``'s fetch would go out back to back on every shard's channel; instead the push carries the fetch
+  (:attr:`PushMessage.fetch`) and the shard answers both in one message (``Shard.push_and_fetch``), so a
+  step costs one message per shard instead of two. The fetch starts right after the push is taken, so the
+  local steps it cannot contain start from zero, as for a plain fetch sent then. A push that must wait (too
+  many in flight) carries the fetch when it goes; meanwhile no plain fetch is sent for that step. Several
+  fetches may then be in flight at once; each keeps its own record of the local steps it cannot contain,
+  and a slice is replaced by whichever lands (they land in order on each shard's channel).
+* **Compressed pushes** (``compression=``, Strom 2015: :mod:`downpour._compress`). The accrued gradient
+  goes into a residual; only entries with ``|r| >= tau`` are sent, as ``+/-tau`` (sign-coded keys). The
+  local copy is treated as if the whole gradient were pushed (the residual reaches the shards later), so
+  one replica is no longer step-for-step sequential SGD.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,6 +63,7 @@ from typing import Any
 import numpy as np
 from scipy.linalg import blas
 
+from distbelief.downpour._compress import Compression, ThresholdCompressor, encode, signed_bytes
 from distbelief.errors import InvalidOptionError
 from distbelief.storage._keys import kv_bytes, split_keys
 
@@ -94,9 +108,15 @@ class PushMessage:
     #: Key-value push (``ReplicaCore.sparse``): per shard, the local offsets of the entries sent; ``grad``
     #: then holds their values, shard after shard. None: ``grad`` is the whole vector.
     keys: tuple[np.ndarray, ...] | None = None
+    #: A fused push: the fetch each shard answers along with the push (``Shard.push_and_fetch``).
+    fetch: FetchRequest | None = None
+    #: A compressed push (Strom 2015): ``keys`` are sign-coded (``storage._keys.encode_signs``), each entry
+    #: ``+tau`` or ``-tau``, and ``grad`` is empty.
+    tau: float | None = None
 
-    def parts(self, bounds: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """``(values, keys)`` for every shard: the slices of a dense push, the pairs of a key-value one.
+    def parts(self, bounds: Sequence[int]) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
+        """``(values, keys)`` for every shard: the slices of a dense push, the pairs of a key-value one,
+        ``(None, sign-coded keys)`` of a compressed one.
 
         Examples
         --------
@@ -106,6 +126,8 @@ class PushMessage:
         """
         if self.keys is None:
             return [(self.grad[bounds[i] : bounds[i + 1]], None) for i in range(len(bounds) - 1)]
+        if self.tau is not None:
+            return [(None, k) for k in self.keys]
         cuts = np.cumsum([0, *(k.size for k in self.keys)])
         return [(self.grad[cuts[i] : cuts[i + 1]], k) for i, k in enumerate(self.keys)]
 
@@ -150,6 +172,10 @@ class ReplicaCounters:
     #: Bytes of parameters (and keys) fetched and of gradients (and keys) pushed, as sent.
     bytes_fetched: int = 0
     bytes_pushed: int = 0
+    #: Messages sent to shards (one per shard a fetch or push goes to; a fused push and fetch is one), and
+    #: how many pushes carried a fetch.
+    messages: int = 0
+    fused: int = 0
 
 
 class ReplicaCore:
@@ -178,6 +204,11 @@ class ReplicaCore:
         Pushes outstanding before the gradient keeps accruing instead.
     trace : bool
         Keep every step's mini-batch loss in :attr:`losses`.
+    fuse : bool
+        With ``n_push == n_fetch``: every due push carries the next fetch (:attr:`PushMessage.fetch`; the
+        transport must send it as one ``push_fetch`` message per shard). Ignored otherwise.
+    compression : downpour.Compression, optional
+        Compressed pushes (Strom 2015, :mod:`downpour._compress`); None: the accrued gradient as is.
     fetch_keys : sequence of numpy.ndarray, optional
         Key-value communication (ps-lite style pull/push): per shard, the local offsets of the parameters
         this replica's rows touch, the only ones it fetches; pushes then carry only the accrued gradient's
@@ -214,6 +245,8 @@ class ReplicaCore:
         staleness_scale: bool = False,
         max_pushes_in_flight: int = 2,
         trace: bool = False,
+        fuse: bool = False,
+        compression: Compression | None = None,
         fetch_keys: Sequence[np.ndarray] | None = None,
     ) -> None:
         if rule not in ("sgd", "adagrad"):
@@ -240,8 +273,15 @@ class ReplicaCore:
         self.gen = 0
         self.seq = 0
         self._next_fid = 0
-        self._fetch: _Fetch | None = None
+        #: Fetches in flight, by id (more than one only with fused pushes).
+        self._fetches: dict[int, _Fetch] = {}
         self._fetch_due = True
+        self.fuse = bool(fuse) and n_push == n_fetch
+        #: The step count at which a fused push last carried the fetch due at that step.
+        self._fused_at = -1
+        self.compressor = None if compression is None else ThresholdCompressor(self.n, compression)
+        #: Per shard, the id of the newest fetch that landed (an older answer is never applied after it).
+        self._landed_fid = [-1] * self.n_shards
         self._push_due = False
         #: Per shard: the version the local copy was fetched at, and the generation of that fetch.
         self.base: list[int | None] = [None] * self.n_shards
@@ -291,7 +331,7 @@ class ReplicaCore:
     @property
     def fetch_in_flight(self) -> bool:
         """Whether a fetch has been started and not every shard has answered."""
-        return self._fetch is not None
+        return bool(self._fetches)
 
     @property
     def pushes_in_flight(self) -> int:
@@ -301,7 +341,7 @@ class ReplicaCore:
     @property
     def idle(self) -> bool:
         """Nothing in flight."""
-        return self._fetch is None and not self._pending
+        return not self._fetches and not self._pending
 
     def staleness_estimate(self) -> int:
         """A lower bound on the staleness a push sent now would have, at its worst shard."""
@@ -326,19 +366,27 @@ class ReplicaCore:
 
     # -- fetch -------------------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Mark a fetch as due on every ``n_fetch``-th step (it starts as soon as none is in flight)."""
-        if self.counters.steps % self.n_fetch == 0:
+        """Mark a fetch as due on every ``n_fetch``-th step (it starts as soon as none is in flight).
+
+        With fused pushes, the fetch due now was sent with the last push, or goes with the push still due.
+        """
+        steps = self.counters.steps
+        if steps % self.n_fetch == 0 and not (self.fuse and (self._fused_at == steps or self._push_due)):
             self._fetch_due = True
 
     def fetch_wanted(self) -> bool:
         """Whether the transport should call :meth:`start_fetch` now."""
-        return self._fetch is None and (self._fetch_due or self.must_wait())
+        return not self._fetches and (self._fetch_due or self.must_wait())
 
     def start_fetch(self) -> FetchRequest:
         """Begin a fetch from every shard; the local steps it cannot contain are tracked from here on."""
+        self.counters.messages += self.n_shards
+        return self._new_fetch()
+
+    def _new_fetch(self) -> FetchRequest:
         request = FetchRequest(self._next_fid, self.fetch_names, self.gen)
         self._next_fid += 1
-        self._fetch = _Fetch(request, set(range(self.n_shards)), self._unsent_dx.copy())
+        self._fetches[request.fid] = _Fetch(request, set(range(self.n_shards)), self._unsent_dx.copy())
         self._fetch_due = False
         if self.fetch_keys is None:
             self.counters.bytes_fetched += 8 * self.n * len(request.names)
@@ -350,9 +398,13 @@ class ReplicaCore:
 
     def on_fetched(self, fid: int, shard: int, version: int, arrays: Sequence[np.ndarray]) -> None:
         """Shard ``shard`` answered fetch ``fid``: its slice of the local copy becomes fetched + own steps."""
-        f = self._fetch
-        if f is None or f.request.fid != fid or shard not in f.pending:
+        f = self._fetches.get(fid)
+        if f is None or shard not in f.pending:
             return  # an abandoned fetch (the shard map changed): a newer one will come
+        if fid < self._landed_fid[shard]:
+            self._settle_fetch(f, shard)  # a newer fetch already landed here (never on an ordered channel)
+            return
+        self._landed_fid[shard] = fid
         lo, hi = self.ranges[shard]
         if self.fetch_keys is None:
             np.add(arrays[0], f.dx[lo:hi], out=self.x[lo:hi])
@@ -368,8 +420,8 @@ class ReplicaCore:
 
     def on_fetch_failed(self, fid: int, shard: int) -> None:
         """Shard ``shard`` did not answer fetch ``fid``: keep the local slice, fetch again soon."""
-        f = self._fetch
-        if f is None or f.request.fid != fid or shard not in f.pending:
+        f = self._fetches.get(fid)
+        if f is None or shard not in f.pending:
             return
         self.counters.fetch_errors[shard] += 1
         self._fetch_due = True
@@ -378,7 +430,7 @@ class ReplicaCore:
     def _settle_fetch(self, f: _Fetch, shard: int) -> None:
         f.pending.discard(shard)
         if not f.pending:
-            self._fetch = None
+            self._fetches.pop(f.request.fid, None)
 
     # -- compute -----------------------------------------------------------------------------------------
     def compute(self, model: Any, X: np.ndarray, y: np.ndarray) -> float:
@@ -412,12 +464,11 @@ class ReplicaCore:
             )
         blas.daxpy(g, self.accrued, a=1.0)
         self.accrued_steps += 1
-        f = self._fetch
         if self.local_rate:
             a = -self.local_rate
             blas.daxpy(g, self.x, a=a)
             blas.daxpy(g, self._unsent_dx, a=a)
-            if f is not None:
+            for f in self._fetches.values():
                 blas.daxpy(g, f.dx, a=a)
         self.counters.steps += 1
         if self.counters.steps % self.n_push == 0:
@@ -427,14 +478,22 @@ class ReplicaCore:
     def take_push(self, *, force: bool = False) -> PushMessage | None:
         """The accrued gradient to push now, or None (not due, nothing accrued, or too many in flight).
 
-        ``force`` pushes whatever has accrued even if no push is due (the final flush).
+        ``force`` pushes whatever has accrued even if no push is due (the final flush). A due push of a
+        fused core carries the next fetch (:attr:`PushMessage.fetch`).
         """
         if self.accrued_steps == 0 or not (self._push_due or force):
             return None
         if len(self._pending) >= self.max_pushes_in_flight:
             return None  # keep accruing: it goes out with the next push
         msg = PushMessage(self.seq, self.accrued, self._accrued_base, self.accrued_steps, self.gen)
-        if self.fetch_keys is not None:
+        if self.compressor is not None:
+            # Strom 2015: the sum joins the residual; the entries past the threshold go out as +/-tau.
+            idx, negative = self.compressor.add(self.accrued)
+            codes = tuple(encode(idx, negative, [lo for lo, _ in self.ranges] + [self.n]))
+            tau = self.compressor.tau
+            msg = PushMessage(msg.seq, np.zeros(0), msg.fetched_versions, msg.steps, msg.gen, codes, tau=tau)
+            self.counters.bytes_pushed += signed_bytes(codes)
+        elif self.fetch_keys is not None:
             # Only the entries this push moves: a zero entry would leave the shard's floats unchanged.
             nonzero = np.flatnonzero(self.accrued)
             keys = tuple(split_keys([lo for lo, _ in self.ranges] + [self.n], nonzero))
@@ -442,6 +501,7 @@ class ReplicaCore:
             self.counters.bytes_pushed += kv_bytes(*keys, msg.grad)
         else:
             self.counters.bytes_pushed += msg.grad.nbytes
+        fused = self.fuse and self._push_due
         self._pending[self.seq] = (set(range(self.n_shards)), self.accrued_steps)
         self.seq += 1
         self.accrued = np.zeros(self.n)
@@ -449,7 +509,16 @@ class ReplicaCore:
         self._push_due = False
         self._unsent_dx.fill(0.0)
         self.counters.pushes_sent += 1
+        self.counters.messages += self.n_shards
+        if fused:
+            # The fetch due at the coming step, started now (nothing unsent: the push holds every step).
+            msg = dataclasses.replace(msg, fetch=self._fetch_for_push())
+            self.counters.fused += 1
         return msg
+
+    def _fetch_for_push(self) -> FetchRequest:
+        self._fused_at = self.counters.steps
+        return self._new_fetch()
 
     def on_pushed(
         self, seq: int, shard: int, applied: bool, version_after: int, staleness: int, gen: int
@@ -497,7 +566,7 @@ class ReplicaCore:
         they are answered or fail.
         """
         self.gen += 1
-        self._fetch = None
+        self._fetches.clear()
         self._fetch_due = True
 
     def snapshot(self) -> dict[str, Any]:
@@ -521,6 +590,8 @@ class ReplicaCore:
             "stale_waits": c.stale_waits,
             "bytes_fetched": c.bytes_fetched,
             "bytes_pushed": c.bytes_pushed,
+            "messages": c.messages,
+            "fused": c.fused,
             "known_versions": list(self.known),
             "diverged": self.diverged,
         }

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from distbelief.downpour._compress import Compression, check_compression
 from distbelief.errors import InvalidOptionError
 
 __all__ = ["DEFAULT_LR", "DownpourOptions", "Rule"]
@@ -80,6 +81,8 @@ class DownpourOptions:
     resume: bool = False
     has_callback: bool = False
     communication: str = "auto"
+    fuse: bool = True
+    compression: Compression | None = None
 
     def __post_init__(self) -> None:
         _check(self.rule in ("sgd", "adagrad"), "rule", self.rule, "'sgd' or 'adagrad'")
@@ -139,7 +142,8 @@ class DownpourOptions:
             self.communication,
             "'auto' or 'dense' when l2 > 0 (the l2 term moves every parameter every step)",
         )
-        for name in ("shuffle", "trace", "resume"):
+        check_compression(self.compression)
+        for name in ("shuffle", "trace", "resume", "fuse"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "True or False")
         _check(
@@ -172,6 +176,17 @@ class DownpourOptions:
                 "train() needs a way to stop: give epochs=, max_steps= or time_limit= "
                 "(or a callback that raises StopIteration)"
             )
+
+    @property
+    def fuses(self) -> bool:
+        """Whether a push and the next fetch travel as one message (``fuse`` and ``n_push == n_fetch``).
+
+        Examples
+        --------
+        >>> DownpourOptions(max_steps=1).fuses, DownpourOptions(max_steps=1, n_fetch=2).fuses
+        (True, False)
+        """
+        return self.fuse and self.n_push == self.n_fetch
 
     def scales_staleness(self, replicas: int) -> bool:
         """Whether the shards divide each push's step by ``1 + staleness`` in a run of ``replicas``.

@@ -17,6 +17,8 @@ sequential mini-batch SGD (or Adagrad) exactly; with several, the replicas stay 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import math
 import os
 import tempfile
@@ -29,10 +31,11 @@ from typing import Any
 import numpy as np
 import xarray as xr
 from distributed import Client
+from distributed.utils import sync
 
 from distbelief.downpour._batches import BatchPlan, split_rows
 from distbelief.errors import ClusterError, InvalidOptionError
-from distbelief.models._partitioned import PartitionPlan, Recv, Send, Traffic, partition_plan
+from distbelief.models._partitioned import PartitionPlan, partition_plan
 from distbelief.storage import (
     Dataset,
     ParameterServer,
@@ -44,10 +47,23 @@ from distbelief.storage import (
     start_vector,
     worker_addresses,
 )
-from distbelief.storage._calls import gather_calls, start_call
+from distbelief.storage._calls import (
+    DEAD_STATES,
+    POLL,
+    confirm_dead_async,
+    gather_calls,
+    start_call,
+)
+from distbelief.storage._exchange import PartitionPeer, PassAborted
 from distbelief.storage._server import _current_worker
 
-__all__ = ["PartitionActor", "PartitionConfig", "memory_needed", "train_partitioned"]
+__all__ = [
+    "PartitionActor",
+    "PartitionConfig",
+    "check_partitioned_options",
+    "memory_needed",
+    "train_partitioned",
+]
 
 #: Float64 copies of its parameter slice a partition costs a worker: the shard's vector and Adagrad
 #: accumulator, the partition's fetched copy and its gradient.
@@ -73,27 +89,12 @@ class PartitionConfig:
     shuffle: bool
     step_limit: int
     call_timeout: float
+    n_fetch: int = 1
+    n_push: int = 1
+    local_lr: float | None = None
 
 
-async def _call(actor: Any, method: str, *args: Any) -> Any:
-    """Call ``method`` on another actor from an event loop; in-process when it lives on this worker."""
-    worker = _current_worker()
-    if worker is not None and getattr(actor, "_address", None) == worker.address:
-        local = worker.state.actors.get(actor.key)
-        if local is not None:
-            return await getattr(local, method)(*args)
-    return await getattr(actor, method)(*args)
-
-
-def _advance(gen: Any, value: Any) -> tuple[bool, Any]:
-    """``(False, next op)`` or ``(True, the pass's result)``: a StopIteration cannot cross a Future."""
-    try:
-        return False, gen.send(value)
-    except StopIteration as stop:
-        return True, stop.value
-
-
-class PartitionActor:
+class PartitionActor(PartitionPeer):
     """Dask actor: partition ``k`` of replica ``replica``, training on rows ``[lo, hi)``.
 
     Parameters
@@ -112,6 +113,8 @@ class PartitionActor:
         This partition's shards.
     config : PartitionConfig
         The run's options.
+    generation : int
+        How many times this replica was rebuilt before (its pushes' source name has it).
 
     Examples
     --------
@@ -130,39 +133,28 @@ class PartitionActor:
         shard_map: ShardMap,
         shards: Sequence[int],
         config: PartitionConfig,
+        generation: int = 0,
     ) -> None:
-        self.replica, self.k, self.plan, self.dataset, self.config = replica, k, plan, dataset, config
+        super().__init__(replica, k, call_timeout=config.call_timeout)
+        self.plan, self.dataset, self.config = plan, dataset, config
         self.batches = BatchPlan.for_rows(
             dataset, lo, hi, batch_size=config.batch_size, seed=config.seed, replica=replica,
             shuffle=config.shuffle,
         )  # fmt: skip
         self.map = shard_map
         self.shards = list(shards)
-        self.peers: list[Any] = []
         self.columns = plan.input_columns(k)
-        self.mailbox: dict[tuple[int, str, int], asyncio.Future[np.ndarray]] = {}
-        self.traffic = Traffic()
         self.losses: list[float] = []
         self.steps = 0
+        self.pushes_sent = 0
         self.staleness: list[int] = []
-        self.seconds = {"fetch": 0.0, "compute": 0.0, "wait": 0.0, "push": 0.0}
+        self.seconds.update({"fetch": 0.0, "push": 0.0})
         self._segments: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._source = f"{config.run_id}/replica-{replica}/partition-{k}"
-
-    async def connect(self, peers: list[Any]) -> None:
-        """The K partition actors of this replica (itself included), by partition number."""
-        self.peers = list(peers)
-
-    def _slot(self, src: int, tag: str, step: int) -> asyncio.Future[np.ndarray]:
-        key = (src, tag, step)
-        fut = self.mailbox.get(key)
-        if fut is None:
-            fut = self.mailbox[key] = asyncio.get_running_loop().create_future()
-        return fut
-
-    async def deliver(self, src: int, tag: str, step: int, array: np.ndarray) -> None:
-        """A message from partition ``src`` (never waits: it only fills the mailbox)."""
-        self._slot(src, tag, step).set_result(array)
+        # A rebuilt replica's partitions push under a name of their own: their sequence numbers restart.
+        self._source = f"{config.run_id}/replica-{replica}/partition-{k}/generation-{generation}"
+        self.generation = generation
+        self.applied = 0
+        self._stopped = False
 
     def _segment(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         if s not in self._segments:
@@ -171,84 +163,104 @@ class PartitionActor:
             self._segments[s] = (np.ascontiguousarray(X[:, self.columns]), y)
         return self._segments[s]
 
-    async def _pass(
-        self, step: int, w_k: np.ndarray, X_k: np.ndarray, y: np.ndarray
-    ) -> tuple[Any, np.ndarray]:
-        gen = self.plan.partition_pass(self.k, w_k, X_k, y)
-        value: np.ndarray | None = None
-        timeout = self.config.call_timeout
-        while True:
-            t0 = time.perf_counter()
-            done, op = await asyncio.to_thread(_advance, gen, value)
-            if done:
-                self.seconds["compute"] += time.perf_counter() - t0
-                result: tuple[Any, np.ndarray] = op
-                return result
-            t1 = time.perf_counter()
-            self.seconds["compute"] += t1 - t0
-            if isinstance(op, Send):
-                self.traffic.add(op)
-                await asyncio.wait_for(
-                    _call(self.peers[op.dest], "deliver", self.k, op.tag, step, op.array), timeout
-                )
-                value = None
-            else:
-                assert isinstance(op, Recv)
-                try:
-                    value = await asyncio.wait_for(self._slot(op.src, op.tag, step), timeout)
-                except TimeoutError:
-                    raise ClusterError(
-                        f"partition {self.k} of replica {self.replica} waited {timeout:g} s for {op.tag!r} "
-                        f"from partition {op.src}; its worker may have died (restart the run from the shards)"
-                    ) from None
-                del self.mailbox[(op.src, op.tag, step)]
-            self.seconds["wait"] += time.perf_counter() - t1
+    async def _fetch(self) -> tuple[np.ndarray, list[int]]:
+        t0 = time.perf_counter()
+        parts = await asyncio.gather(
+            *(self.map.ask(i, "fetch", ["x"], timeout=self.config.call_timeout) for i in self.shards)
+        )
+        self.seconds["fetch"] += time.perf_counter() - t0
+        return np.concatenate([p[1][0] for p in parts]), [int(p[0]) for p in parts]
 
-    async def run(self) -> dict[str, Any]:
-        """Train until ``step_limit`` steps; the partition's counters."""
+    async def _push(self, accrued: np.ndarray, steps: int, versions: list[int]) -> None:
         cfg = self.config
-        epoch = 0
-        while self.steps < cfg.step_limit:
-            for s, rows in self.batches.epoch(epoch):
-                if self.steps >= cfg.step_limit:
-                    break
-                t0 = time.perf_counter()
-                parts = await asyncio.gather(
-                    *(self.map.ask(i, "fetch", ["x"], timeout=cfg.call_timeout) for i in self.shards)
+        t0 = time.perf_counter()
+        answers = await asyncio.gather(
+            *(
+                self.map.ask(
+                    i,
+                    "push",
+                    accrued[lo - self.base : hi - self.base],
+                    source=self._source,
+                    seq=self.pushes_sent,
+                    rule=cfg.rule,
+                    lr=cfg.lr,
+                    fetched_version=v,
+                    steps=steps,
+                    timeout=cfg.call_timeout,
                 )
-                versions = [int(p[0]) for p in parts]
-                w_k = np.concatenate([p[1][0] for p in parts])
-                self.seconds["fetch"] += time.perf_counter() - t0
+                for i, v, (lo, hi) in zip(self.shards, versions, self._ranges, strict=True)
+            )
+        )
+        self.pushes_sent += 1
+        self.seconds["push"] += time.perf_counter() - t0
+        self.staleness += [int(a[2]) for a in answers]
+        self.applied += sum(bool(a[0]) for a in answers)
+
+    async def stop(self) -> None:
+        """Stop training at the next step (the replica lost a partition): passes under way are aborted."""
+        self._stopped = True
+        self.abort_all()
+
+    async def run(self, start: int = 0) -> dict[str, Any]:
+        """Train until ``step_limit`` steps; the partition's counters.
+
+        The paper's replica loop (section 4.1, Algorithm 7.1) on this partition's slice, one step at a time:
+        fetch before every ``n_fetch``-th step, take the local step ``w -= local_lr * g``, push the gradient
+        accrued since the last push after every ``n_push``-th (and what is left at the end). A fetch lands
+        as the fetched slice *minus the local steps not pushed yet* (the shards cannot hold those), so one
+        replica with ``rule="sgd"`` and ``local_lr = lr`` is sequential mini-batch SGD whatever
+        ``n_fetch`` and ``n_push`` are. Every partition of a replica fetches and pushes at the same steps.
+
+        ``start``: a rebuilt replica goes on from this step (the mini-batches before it are skipped). A
+        stopped partition (:meth:`stop`) returns its counters with ``stopped=True``.
+        """
+        try:
+            return await self._train(start)
+        except PassAborted:
+            if not self._stopped:
+                raise
+            return self.status_now()
+
+    async def _train(self, start: int) -> dict[str, Any]:
+        cfg = self.config
+        local_lr = cfg.lr if cfg.local_lr is None else cfg.local_lr
+        epoch = 0
+        w_k = np.zeros(0)
+        versions: list[int] = []
+        accrued: np.ndarray | None = None
+        accrued_steps = 0
+        skip = self.steps = start
+        while self.steps < cfg.step_limit and not self._stopped:
+            for s, rows in self.batches.epoch(epoch):
+                if skip:
+                    skip -= 1
+                    continue
+                if self.steps >= cfg.step_limit or self._stopped:
+                    break
+                if self.steps % cfg.n_fetch == 0 or w_k.size == 0:
+                    w_k, versions = await self._fetch()
+                    if accrued is not None and local_lr:
+                        w_k -= local_lr * accrued  # read your own writes: the local steps not pushed yet
                 X_seg, y_seg = self._segment(s)
                 X_k, y = X_seg[rows], y_seg[rows]
-                loss, grad = await self._pass(self.steps, w_k, X_k, y)
+                loss, grad = await self.run_pass(self.steps, self.plan.partition_pass(self.k, w_k, X_k, y))
                 n = len(rows)
                 g = grad / n
                 if cfg.l2:
                     g += cfg.l2 * w_k
                 if loss is not None:
                     self.losses.append(float(loss) / n)
-                t0 = time.perf_counter()
-                answers = await asyncio.gather(
-                    *(
-                        self.map.ask(
-                            i,
-                            "push",
-                            g[lo - self.base : hi - self.base],
-                            source=self._source,
-                            seq=self.steps,
-                            rule=cfg.rule,
-                            lr=cfg.lr,
-                            fetched_version=v,
-                            timeout=cfg.call_timeout,
-                        )
-                        for i, v, (lo, hi) in zip(self.shards, versions, self._ranges, strict=True)
-                    )
-                )
-                self.seconds["push"] += time.perf_counter() - t0
-                self.staleness += [int(a[2]) for a in answers]
+                accrued = g if accrued is None else accrued + g
+                accrued_steps += 1
+                if local_lr and (cfg.n_fetch > 1 or cfg.n_push > 1):
+                    w_k = w_k - local_lr * g  # the local step (replaced by the next fetch when n_fetch = 1)
                 self.steps += 1
+                if self.steps % cfg.n_push == 0:
+                    await self._push(accrued, accrued_steps, versions)
+                    accrued, accrued_steps = None, 0
             epoch += 1
+        if accrued is not None and not self._stopped:
+            await self._push(accrued, accrued_steps, versions)  # the last steps' gradient
         return self.status_now()
 
     @property
@@ -265,14 +277,19 @@ class PartitionActor:
         return {
             "replica": self.replica,
             "partition": self.k,
+            "generation": self.generation,
+            "stopped": self._stopped,
+            "applied": self.applied,
+            "shard_ids": list(self.shards),
             "steps": self.steps,
-            "messages": self.traffic.messages,
-            "bytes": self.traffic.bytes,
-            "by_kind": dict(self.traffic.by_kind),
+            "messages": self.messages,
+            "bytes": self.bytes,
+            "by_kind": dict(self.by_kind),
             "losses": list(self.losses),
             "staleness": list(self.staleness),
             "seconds": dict(self.seconds),
             "param_bytes": 8 * sum(hi - lo for lo, hi in self._ranges),
+            "worker": getattr(_current_worker(), "address", None),  # where it runs (the dashboard's groups)
         }
 
     async def status(self) -> dict[str, Any]:
@@ -340,6 +357,10 @@ def train_partitioned(
     workers: Sequence[str] | None = None,
     call_timeout: float = 60.0,
     trace: bool = False,
+    n_fetch: int = 1,
+    n_push: int = 1,
+    local_lr: float | None = None,
+    shard_workers: Sequence[str] | None = None,
 ) -> Any:
     """Downpour SGD with ``replicas`` model replicas, each split into ``partitions`` partition actors.
 
@@ -366,9 +387,16 @@ def train_partitioned(
         As in ``downpour.train``.
     workers : list of str, optional
         Worker addresses (default: every worker); partition ``k`` goes to ``workers[k % len(workers)]``
-        with its shards.
+        with its shards (``downpour.train``'s ``replica_workers``). A replica that loses a partition's
+        worker is rebuilt on the others (its K partitions go on from the step it reached).
+    shard_workers : list of str, optional
+        Where the shards go instead (partition ``k``'s to ``shard_workers[k % len(shard_workers)]``).
     call_timeout : float
         Seconds a partition waits for a shard or a peer's message before the run fails.
+    n_fetch, n_push, local_lr
+        As in ``downpour.train``: every partition of a replica fetches its slice before every
+        ``n_fetch``-th step and pushes its accrued gradient after every ``n_push``-th, with local steps
+        ``w -= local_lr * g`` in between (``local_lr`` defaults to ``lr``; 0: none).
 
     Returns
     -------
@@ -398,6 +426,13 @@ def train_partitioned(
         raise InvalidOptionError("give epochs or max_steps (a partitioned run needs a known length)")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise InvalidOptionError(f"replicas must be a positive integer, got {replicas!r}")
+    for name, value in (("n_fetch", n_fetch), ("n_push", n_push)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidOptionError(f"{name} must be a positive integer, got {value!r}")
+    if local_lr is not None and (
+        isinstance(local_lr, bool) or not isinstance(local_lr, int | float) or not local_lr >= 0
+    ):
+        raise InvalidOptionError(f"local_lr must be a number >= 0 or None, got {local_lr!r}")
     step_lr = lr if lr is not None else (0.1 if rule == "sgd" else 0.2)
     x_start = start_vector(model, x0, seed)
     layout = partition_layout(plan.bounds, shards_per_partition=shards_per_partition)
@@ -425,7 +460,8 @@ def train_partitioned(
                 if max_steps is not None:
                     limit = min(limit, max_steps // replicas + (1 if r < max_steps % replicas else 0))
                 limits.append(int(limit))
-            shard_places = [places[k % len(places)] for k in range(plan.partitions) for _ in owned[k]]
+            homes = list(shard_workers) if shard_workers else places
+            shard_places = [homes[k % len(homes)] for k in range(plan.partitions) for _ in owned[k]]
             ps = ParameterServer.create(
                 c, model.n_params, store=os.path.join(store, "ps"), workers=shard_places, layout=layout,
                 vectors={"x": x_start[plan.perm]}, timeout=call_timeout,
@@ -444,12 +480,140 @@ def train_partitioned(
                     TrainResult,
                     reason,
                 )
-                return _drive(c, ps, plan, dataset, row_ranges, owned, places, limits, *args)
+                return _drive(
+                    c, ps, plan, dataset, row_ranges, owned, places, limits, *args,
+                    sync=(n_fetch, n_push, local_lr),
+                )  # fmt: skip
             finally:
                 ps.close()
     finally:
         if tmp is not None:
             tmp.cleanup()
+
+
+#: Times a run may rebuild a replica that lost a partition's worker before the run fails.
+MAX_REBUILDS = 8
+
+
+class _Supervisor:
+    """Waits for every partition's ``run`` (on the client's event loop) and rebuilds a replica that lost a
+    partition's worker: its surviving partitions are stopped, and K new ones go on from the step the
+    survivors reached, on live workers (issue 14, item 4). What the lost partition had not pushed is lost,
+    as a lost replica's gradient is in Downpour; the shards count what they applied (``Shard.counters``)."""
+
+    def __init__(
+        self,
+        client: Client,
+        futures: list[list[Any]],
+        actors: list[list[Any]],
+        places: Sequence[str],
+        submit: Any,
+        call_timeout: float,
+        max_steps: int,
+    ) -> None:
+        self.client, self.futures, self.actors = client, futures, actors
+        self.places, self.submit, self.call_timeout = list(places), submit, call_timeout
+        self.budget = call_timeout * (1 + max_steps)
+        self.generation = [0] * len(actors)
+        self.rebuilt: list[int] = []
+
+    def run(self) -> tuple[list[dict[str, Any]], list[int]]:
+        """Every partition's final counters (stopped generations included) and the replicas rebuilt."""
+        loop = self.client.loop
+        if loop is None:
+            raise ClusterError("the Dask client is closed; connect a client and try again")
+        result: tuple[list[dict[str, Any]], list[int]] = sync(loop, self._run)
+        return result
+
+    def _dead(self, r: int) -> bool:
+        return any(f.status in DEAD_STATES for f in self.futures[r])
+
+    async def _run(self) -> tuple[list[dict[str, Any]], list[int]]:
+        statuses: list[dict[str, Any]] = []
+        tasks: dict[asyncio.Future[Any], tuple[int, int]] = {}
+
+        def start(r: int, step: int) -> None:
+            for k, a in enumerate(self.actors[r]):
+                task = asyncio.ensure_future(a.run(step)._result())
+                task.add_done_callback(lambda f: f.cancelled() or f.exception())
+                tasks[task] = (r, k)
+
+        for r in range(len(self.actors)):
+            start(r, 0)
+        deadline = time.monotonic() + self.budget
+        while tasks:
+            done, _ = await asyncio.wait(list(tasks), timeout=POLL, return_when=asyncio.FIRST_COMPLETED)
+            broken: set[int] = set()
+            for task in done:
+                r, _ = tasks.pop(task)
+                if task.exception() is None:
+                    statuses.append(task.result())
+                else:
+                    broken.add(r)
+            broken |= {r for r, _ in tasks.values() if self._dead(r)}
+            for r in sorted(broken):
+                step = await self._stop(r, tasks, statuses)
+                if not await confirm_dead_async(functools.partial(self._dead, r), ConnectionError()):
+                    raise ClusterError(f"a partition of replica {r} failed (its worker is alive)")
+                await self._rebuild(r)
+                start(r, step)
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the partitions did not finish within {self.budget:.3g} s")
+        return statuses, self.rebuilt
+
+    async def _stop(
+        self, r: int, tasks: dict[asyncio.Future[Any], tuple[int, int]], statuses: list[dict[str, Any]]
+    ) -> int:
+        """Stop replica ``r``'s surviving partitions; the step the replica goes on from."""
+        mine = [t for t, (rr, _) in tasks.items() if rr == r]
+        for k, a in enumerate(self.actors[r]):
+            if self.futures[r][k].status not in DEAD_STATES:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(a.stop()._result(), self.call_timeout)
+        if mine:
+            await asyncio.wait(mine, timeout=self.call_timeout)
+        steps = []
+        for task in mine:
+            tasks.pop(task, None)
+            if task.done() and not task.cancelled() and task.exception() is None:
+                statuses.append(task.result())
+                steps.append(task.result()["steps"])
+            else:
+                task.cancel()
+        for k, a in enumerate(self.actors[r]):
+            if self.futures[r][k].status not in DEAD_STATES and not steps:
+                with contextlib.suppress(Exception):
+                    got = await asyncio.wait_for(a.status()._result(), self.call_timeout)
+                    statuses.append({**got, "stopped": True})
+                    steps.append(got["steps"])
+        return max(steps, default=0)
+
+    async def _rebuild(self, r: int) -> None:
+        """K new partitions for replica ``r`` on the workers still alive."""
+        if len(self.rebuilt) >= MAX_REBUILDS:
+            raise ClusterError(
+                f"replica {r} lost a partition's worker after {MAX_REBUILDS} rebuilds; giving up (check the "
+                "workers' health and logs)"
+            )
+        gone = {
+            getattr(a, "_address", None)
+            for a, f in zip(self.actors[r], self.futures[r], strict=True)
+            if f.status in DEAD_STATES
+        }
+        live = [w for w in self.places if w not in gone]
+        if not live:
+            raise ClusterError(f"replica {r} lost a partition and no worker is left to rebuild it on")
+        self.generation[r] += 1
+        g = self.generation[r]
+        K = len(self.actors[r])
+        old = self.futures[r]
+        self.futures[r] = [self.submit(r, k, live[k % len(live)], g) for k in range(K)]
+        self.actors[r] = [await f._result() for f in self.futures[r]]
+        await asyncio.gather(*(a.connect(self.actors[r])._result() for a in self.actors[r]))
+        for f in old:
+            with contextlib.suppress(Exception):
+                f.release()
+        self.rebuilt.append(r)
 
 
 def _drive(
@@ -471,55 +635,44 @@ def _drive(
     trace: bool,
     result_cls: Any,
     stop_reason: str,
+    *,
+    sync: tuple[int, int, float | None] = (1, 1, None),
 ) -> Any:
     run_id = uuid.uuid4().hex[:12]
+    n_fetch, n_push, local_lr = sync
     K = plan.partitions
     shard_map = ps.shard_map()
-    futures: list[list[Any]] = []
-    for r, (lo, hi) in enumerate(row_ranges):
-        config = PartitionConfig(run_id, rule, lr, l2, batch_size, seed, shuffle, limits[r], call_timeout)
-        futures.append(
-            [
-                c.submit(
-                    PartitionActor,
-                    r,
-                    k,
-                    plan,
-                    dataset,
-                    lo,
-                    hi,
-                    shard_map,
-                    owned[k],
-                    config,
-                    actor=True,
-                    workers=[places[k % len(places)]],
-                    allow_other_workers=False,
-                    pure=False,
-                    key=f"partition-{r}-{k}-{run_id}",
-                )
-                for k in range(K)
-            ]
-        )
+    configs = []
+    for r in range(len(row_ranges)):
+        config = PartitionConfig(
+            run_id, rule, lr, l2, batch_size, seed, shuffle, limits[r], call_timeout,
+            n_fetch=n_fetch, n_push=n_push, local_lr=local_lr,
+        )  # fmt: skip
+        configs.append(config)
+
+    def submit(r: int, k: int, place: str, generation: int) -> Any:
+        lo, hi = row_ranges[r]
+        return c.submit(
+            PartitionActor, r, k, plan, dataset, lo, hi, shard_map, owned[k], configs[r], generation,
+            actor=True, workers=[place], allow_other_workers=False, pure=False,
+            key=f"partition-{r}-{k}-{generation}-{run_id}",
+        )  # fmt: skip
+
+    futures = [[submit(r, k, places[k % len(places)], 0) for k in range(K)] for r in range(len(row_ranges))]
     actors = [[f.result() for f in row] for row in futures]
     for row in actors:
         for ok, value in gather_calls(c, [start_call(a, "connect", row) for a in row], timeout=call_timeout):
             if not ok:
                 raise ClusterError(f"a partition could not be connected to its peers: {value!r}")
     t0 = time.perf_counter()
-    flat = [a for row in actors for a in row]
-    budget = call_timeout * (1 + max(limits))
-    outcomes = gather_calls(c, [start_call(a, "run") for a in flat], timeout=budget)
+    supervisor = _Supervisor(c, futures, actors, places, submit, call_timeout, max(limits))
+    statuses, rebuilt = supervisor.run()
     wall = time.perf_counter() - t0
-    for ok, value in outcomes:
-        if not ok:
-            raise ClusterError(f"a partition failed: {value!r}") from (
-                value if isinstance(value, BaseException) else None
-            )
-    statuses = [value for _, value in outcomes]
     x_perm = ps.gather("x")
     x = np.empty_like(x_perm)
     x[plan.perm] = x_perm
-    steps = sum(st["steps"] for st in statuses if st["partition"] == 0)
+    # A stopped generation's steps are counted by the generation that went on from them.
+    steps = sum(st["steps"] for st in statuses if st["partition"] == 0 and not st.get("stopped"))
     messages = sum(st["messages"] for st in statuses)
     n_bytes = sum(st["bytes"] for st in statuses)
     by_kind: dict[str, float] = {}
@@ -539,6 +692,8 @@ def _drive(
         "replicas": len(row_ranges),
         "partitions": K,
         "shards": ps.shards,
+        "rebuilt_replicas": rebuilt,
+        "shard_counters": ps.counters(),
         "pushes": sum(len(st["staleness"]) for st in statuses),
         "staleness_mean": float(np.mean(staleness)) if staleness else math.nan,
         "steps_per_s": steps / wall if wall > 0 else math.nan,
@@ -559,30 +714,35 @@ def _drive(
 
 #: ``downpour.train`` options a partitioned run takes, and the defaults of the ones it does not support.
 _SUPPORTED = ("replicas", "rule", "lr", "l2", "batch_size", "epochs", "max_steps", "seed", "x0", "shuffle",
-              "client", "store", "trace", "call_timeout")  # fmt: skip
+              "client", "store", "trace", "call_timeout", "n_fetch", "n_push", "local_lr",
+              "shard_workers")  # fmt: skip
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "shards": None,
-    "local_lr": None,
-    "n_fetch": 1,
-    "n_push": 1,
     "warmstart_steps": 0,
     "time_limit": None,
     "eval_data": None,
     "callback": None,
     "staleness_scale": None,  # the default (on for multi-replica SGD elsewhere): partitions run unscaled
-    "shard_workers": None,
-    "replica_workers": None,
+    "compression": None,
 }
 
 
-def train_from_options(model: Any, data: Any, *, partitions: int, given: dict[str, Any]) -> Any:
-    """``downpour.train(..., partitions=K)``: check the options a partitioned run supports, then run it.
+def check_partitioned_options(partitions: int, given: dict[str, Any]) -> dict[str, Any]:
+    """Refuse the ``downpour.train`` options a partitioned run does not support; the ones it takes.
+
+    ``given`` maps option names to values (``downpour.train``'s locals, or a job's options).
+
+    Raises
+    ------
+    distbelief.errors.InvalidOptionError
+        An option other than its default that partitions do not support, or no ``epochs``/``max_steps``.
 
     Examples
     --------
-    >>> train_from_options(model, data, partitions=2, given={"n_fetch": 3})  # doctest: +SKIP
+    >>> check_partitioned_options(2, {"warmstart_steps": 3})
     Traceback (most recent call last):
-    distbelief.errors.InvalidOptionError: n_fetch=3 is not supported with partitions=2; ...
+    ...
+    distbelief.errors.InvalidOptionError: warmstart_steps=3 is not supported with partitions=2; ...
     """
     for name, default in _UNSUPPORTED_DEFAULTS.items():
         if name in given and given[name] is not default and given[name] != default:
@@ -597,7 +757,26 @@ def train_from_options(model: Any, data: Any, *, partitions: int, given: dict[st
             f"max_staleness={given['max_staleness']!r} is not supported with partitions={partitions}: every "
             "partition fetches before each step (pass 0 or None)"
         )
+    if given.get("epochs") is None and given.get("max_steps") is None:
+        raise InvalidOptionError(
+            f"give epochs or max_steps with partitions={partitions} (a partitioned run needs a known length)"
+        )
     kwargs = {name: given[name] for name in _SUPPORTED if name in given}
+    if given.get("replica_workers"):
+        kwargs["workers"] = given["replica_workers"]
     if kwargs.get("replicas") is None:
         kwargs.pop("replicas", None)
+    return kwargs
+
+
+def train_from_options(model: Any, data: Any, *, partitions: int, given: dict[str, Any]) -> Any:
+    """``downpour.train(..., partitions=K)``: check the options a partitioned run supports, then run it.
+
+    Examples
+    --------
+    >>> train_from_options(model, data, partitions=2, given={"warmstart_steps": 3})  # doctest: +SKIP
+    Traceback (most recent call last):
+    distbelief.errors.InvalidOptionError: warmstart_steps=3 is not supported with partitions=2; ...
+    """
+    kwargs = check_partitioned_options(partitions, given)
     return train_partitioned(model, data, partitions=partitions, **kwargs)

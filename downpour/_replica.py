@@ -12,6 +12,8 @@ Algorithm 7.1). Here:
   back through a queue that the compute thread drains between steps. A channel sends one message at a time,
   in order, so a fetch sees every push sent before it (the core relies on this) and a push's sequence token
   is never overtaken by the next one. A shard on the same worker is called directly (no RPC to itself).
+  With ``n_push == n_fetch`` a push carries the next fetch (``ReplicaConfig.fuse``): one ``push_fetch``
+  message per shard answers both, so a step costs one message per shard instead of two.
 
 After a shard was lost and restored on another worker, the driver hands every replica the new shard map
 (:meth:`DownpourReplica.set_shard_map`); calls in flight to the old actor are abandoned.
@@ -34,6 +36,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from distbelief.downpour._batches import BatchPlan
+from distbelief.downpour._compress import Compression
 from distbelief.downpour._core import FetchRequest, PushMessage, ReplicaCore
 from distbelief.storage import Dataset, ShardMap
 from distbelief.storage._calls import await_call
@@ -78,6 +81,10 @@ class ReplicaConfig:
     #: "sparse": fetch only the parameters this replica's rows touch, push only the nonzero gradient
     #: entries, as key-value pairs per shard (storage._keys); "dense": whole slices.
     communication: str = "dense"
+    #: With ``n_push == n_fetch``: each due push carries the next fetch, one message per shard a step.
+    fuse: bool = False
+    #: Compressed pushes (Strom 2015, downpour._compress), or None.
+    compression: Compression | None = None
 
 
 class DownpourReplica:
@@ -135,6 +142,8 @@ class DownpourReplica:
             max_staleness=config.max_staleness,
             staleness_scale=config.staleness_scale,
             trace=config.trace,
+            fuse=config.fuse,
+            compression=config.compression,
         )
         self._map = shard_map
         self._source = f"{config.run_id}/replica-{index}"
@@ -278,19 +287,26 @@ class DownpourReplica:
                 return await smap.call(i, "gather", list(request.names), keys[i])
             return await smap.call(i, "fetch", list(request.names))
         msg: PushMessage = op[1]
-        return await smap.call(
-            i,
-            "push",
-            op[2],
-            source=self._source,
-            seq=msg.seq,
-            rule=self.config.rule,
-            lr=self.config.lr,
-            fetched_version=msg.fetched_versions[i],
-            staleness_scale=self.config.staleness_scale,
-            **({"keys": op[3]} if len(op) > 3 and op[3] is not None else {}),
-            steps=msg.steps,
-        )
+        kwargs: dict[str, Any] = {
+            "source": self._source,
+            "seq": msg.seq,
+            "rule": self.config.rule,
+            "lr": self.config.lr,
+            "fetched_version": msg.fetched_versions[i],
+            "staleness_scale": self.config.staleness_scale,
+            "steps": msg.steps,
+        }
+        if len(op) > 3 and op[3] is not None:
+            kwargs["keys"] = op[3]  # key-value pairs, or sign-coded keys of a compressed push
+        if msg.tau is not None:
+            kwargs["tau"] = msg.tau
+        if msg.fetch is None:
+            return await smap.call(i, "push", op[2], **kwargs)
+        # Fused: the shard applies the push and answers with its fresh slice (one message for both).
+        keys = self.core.fetch_keys
+        if keys is not None:
+            kwargs["fetch_keys"] = keys[i]
+        return await smap.call(i, "push_fetch", op[2], list(msg.fetch.names), **kwargs)
 
     # -- compute thread ----------------------------------------------------------------------------------
     def _dispatch(self, ops: list[tuple[int, tuple[Any, ...]]]) -> None:
@@ -344,10 +360,20 @@ class DownpourReplica:
             self._retry_at = time.monotonic() + self._backoff
             self._backoff = min(1.0, 2 * self._backoff)
         elif kind == "pushed":
+            msg: PushMessage = op[1]
+            if msg.fetch is not None:
+                result, (version, arrays) = result
             applied, version_after, staleness = result
-            core.on_pushed(op[1].seq, i, bool(applied), int(version_after), int(staleness), op[1].gen)
+            core.on_pushed(msg.seq, i, bool(applied), int(version_after), int(staleness), msg.gen)
+            if msg.fetch is not None:
+                core.on_fetched(msg.fetch.fid, i, int(version), arrays)
+                self._backoff = 0.05
         elif kind == "push_failed":
             core.on_push_failed(op[1].seq, i)
+            if op[1].fetch is not None:
+                core.on_fetch_failed(op[1].fetch.fid, i)
+                self._retry_at = time.monotonic() + self._backoff
+                self._backoff = min(1.0, 2 * self._backoff)
 
     def _segment(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         data = self._cache.get(s)

@@ -32,6 +32,7 @@ import xarray as xr
 from distributed import Client, Future
 
 from distbelief.downpour._batches import split_rows
+from distbelief.downpour._compress import Compression
 from distbelief.downpour._options import DownpourOptions, Rule
 from distbelief.downpour._replica import DownpourReplica, ReplicaConfig
 from distbelief.downpour._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
@@ -155,7 +156,8 @@ class TrainResult(FittedMixin):
         ``fetches`` and ``version`` (updates the shard has applied, as last reported), and ``applied``
         (pushes the shard's vectors hold, counted on the shard: :meth:`storage.Shard.counters`);
         ``bytes_moved``: parameter and gradient bytes (keys included) the replicas have fetched and pushed so
-        far.
+        far; ``messages``: messages the replicas have sent to shards so far (a fused push and fetch is one
+        per shard).
     stop_reason : str
         ``"max_steps"``, ``"epochs"``, ``"time_limit"``, ``"callback"``, ``"diverged"`` or
         ``"replicas_lost"``.
@@ -239,6 +241,8 @@ def train(
     call_timeout: float = 30.0,
     partitions: int | None = None,
     communication: str = "auto",
+    fuse: bool = True,
+    compression: Compression | None = None,
 ) -> TrainResult:
     """Train ``model`` with Downpour SGD: asynchronous replicas, a sharded parameter server, Adagrad.
 
@@ -330,13 +334,25 @@ def train(
     partitions : int, optional
         Model parallelism (paper, section 3): split every replica into this many partition actors with
         shards aligned to them (:func:`downpour._partitioned.train_partitioned`; ``models.MLP`` and
-        ``models.LocallyConnected``). ``None`` or 1: one actor per replica.
+        ``models.LocallyConnected``). ``None`` or 1: one actor per replica. With partitions, ``n_fetch``,
+        ``n_push``, ``local_lr``, ``shard_workers`` and ``replica_workers`` apply as without; a replica that
+        loses a partition's worker is rebuilt on the others (``stats["rebuilt_replicas"]``).
     communication : {"auto", "dense", "sparse"}
         ``"sparse"``: each replica fetches only the parameters its rows touch and pushes only the nonzero
         entries of its accrued gradient, as key-value pairs per shard (ps-lite's pull/push; needs CSR data,
         a linear model and ``l2 = 0``, since the replicas add ``l2 * w`` to every gradient); the shards'
         floats are those of ``"dense"``. ``"auto"`` (default): sparse when those hold. Bytes moved are in
         ``history.bytes_moved`` and ``stats["bytes_per_step"]``.
+    fuse : bool
+        When ``n_push == n_fetch`` (the default: both 1), send each push and the next fetch as one message
+        per shard (the shard applies the push and answers with its fresh slice), instead of two. Messages
+        sent are in ``history.messages`` and ``stats["messages_per_step"]``.
+    compression : downpour.Compression, optional
+        Compressed pushes (Strom 2015, :mod:`downpour._compress`): each replica adds its accrued gradient
+        to a residual of its own and sends only the entries with ``|r| >= tau``, as ``+tau`` or ``-tau``
+        (4 bytes an entry), keeping the rest for later pushes. With SGD or Adagrad, dense or sparse
+        communication, fused or not. The residual lives on the replica: a resumed run starts it at zero.
+        None (default): uncompressed.
 
     Returns
     -------
@@ -394,6 +410,8 @@ def train(
         trace=trace,
         has_callback=callback is not None,
         communication=communication,
+        fuse=fuse,
+        compression=compression,
     )
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
@@ -542,6 +560,7 @@ class _Row:
     fetches: list[int]
     version: list[int]
     bytes_moved: int = 0
+    messages: int = 0
     applied: list[int] = field(default_factory=list)
 
 
@@ -641,6 +660,8 @@ class _Run:
             call_timeout=opts.call_timeout,
             trace=opts.trace,
             communication=self.communication,
+            fuse=opts.fuses,
+            compression=opts.compression,
         )
         shard_map = ps.shard_map()
         for r, (lo, hi) in enumerate(ranges):
@@ -793,10 +814,12 @@ class _Run:
             "version": [0] * s,
             "bytes_fetched": 0,
             "bytes_pushed": 0,
+            "messages": 0,
+            "fused": 0,
         }
         for st in self.status.values():
-            out["bytes_fetched"] += st.get("bytes_fetched", 0)
-            out["bytes_pushed"] += st.get("bytes_pushed", 0)
+            for key in ("bytes_fetched", "bytes_pushed", "messages", "fused"):
+                out[key] += st.get(key, 0)
             for key in ("steps", "rows", "loss_sum", "staleness_count", "staleness_sum", "duplicates"):
                 out[key] += st[key]
             out["stale_waits"] += st["stale_waits"]
@@ -857,6 +880,7 @@ class _Run:
             fetches=t["fetches"],
             version=t["version"],
             bytes_moved=t["bytes_fetched"] + t["bytes_pushed"],
+            messages=t["messages"],
             applied=self._shard_applied(),
         )
         self.rows.append(row)
@@ -907,6 +931,7 @@ class _Run:
             "push_errors",
             "stale_waits",
             "bytes_moved",
+            "messages",
         ]
         data: dict[str, Any] = {k: ("time", np.array([getattr(r, k) for r in rows])) for k in scalar}
         for k in ("pushes", "fetches", "version", "applied"):
@@ -930,6 +955,8 @@ class _Run:
                 "l2": opts.l2,
                 "objective_rows": self._objective_rows[0].shape[0] if self._objective_rows else 0,
                 "staleness_scale": opts.scales_staleness(len(self.actors)),
+                "fused": opts.fuses,
+                "compression_tau": opts.compression.tau if opts.compression is not None else 0.0,
             },
         )
 
@@ -1065,6 +1092,10 @@ class _Run:
             "bytes_fetched": t["bytes_fetched"],
             "bytes_pushed": t["bytes_pushed"],
             "bytes_per_step": (t["bytes_fetched"] + t["bytes_pushed"]) / max(1, t["steps"]),
+            "bytes_pushed_per_step": t["bytes_pushed"] / max(1, t["steps"]),
+            "messages": t["messages"],
+            "messages_per_step": t["messages"] / max(1, t["steps"]),
+            "fused_pushes": t["fused"],
             "shard_counters": self._shard_counters(),
             "resumed_from": self.resumed.step if self.resumed is not None else None,
             "per_replica": {r: {k: st[k] for k in _PER_REPLICA} for r, st in sorted(self.status.items())},

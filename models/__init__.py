@@ -5,11 +5,11 @@ per-example losses and its gradient (``loss_and_grad``); the optimizers minimize
 ``F(w) = (1/N) * sum_i loss_i(w) + (l2/2) * ||w||^2`` (see :func:`objective`).
 
 Built-ins: :class:`LeastSquares`, :class:`Logistic`, :class:`Softmax`, :class:`MLP`,
-:class:`LocallyConnected` (model parallelism: :func:`partition_plan`, :func:`run_partitioned`), and
-:class:`JaxModel` (any JAX loss function, with ``distbelief[jax]``); build the first four from
-a JSON-able spec with :func:`from_spec` (``model.spec`` round-trips), whose JSON schemas are in
-:data:`SPEC_SCHEMAS` / :func:`spec_schema` and whose pydantic classes (:data:`ModelSpec` and one per kind)
-can serve as request bodies.
+:class:`LocallyConnected` and :class:`LocallyConnected2D` (model parallelism: :func:`partition_plan`,
+:func:`run_partitioned`), and :class:`JaxModel` (any JAX loss function, with ``distbelief[jax]``); build all
+but the last from a JSON-able spec with :func:`from_spec` (``model.spec`` round-trips), whose JSON schemas
+are in :data:`SPEC_SCHEMAS` / :func:`spec_schema` and whose pydantic classes (:data:`ModelSpec` and one per
+kind) can serve as request bodies.
 
 Examples
 --------
@@ -27,12 +27,15 @@ from distbelief.models._factory import from_spec
 from distbelief.models._jax import JaxModel
 from distbelief.models._linear import LeastSquares, Logistic, Softmax
 from distbelief.models._local import LocallyConnected
+from distbelief.models._local2d import LocallyConnected2D
 from distbelief.models._mlp import MLP
 from distbelief.models._partitioned import (
+    LocallyConnected2DPlan,
     LocallyConnectedPlan,
     MLPPlan,
     PartitionedModel,
     Traffic,
+    max_partitions,
     partition_plan,
     run_partitioned,
 )
@@ -57,6 +60,8 @@ __all__ = [
     "LeastSquares",
     "LeastSquaresSpec",
     "LocallyConnected",
+    "LocallyConnected2D",
+    "LocallyConnected2DPlan",
     "LocallyConnectedPlan",
     "Logistic",
     "LogisticSpec",
@@ -69,6 +74,7 @@ __all__ = [
     "SoftmaxSpec",
     "Traffic",
     "from_spec",
+    "max_partitions",
     "objective",
     "partition_plan",
     "run_partitioned",

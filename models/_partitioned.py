@@ -12,7 +12,7 @@ computes its block of every layer and exchanges only the activations (forward) a
   ``w[plan.perm]`` (``plan.bounds[k]:plan.bounds[k+1]``), so the parameter-server shards can be aligned to
   partitions (``storage/_partition_layout.py``, Figure 2).
 
-Two plans:
+Three plans:
 
 - :class:`MLPPlan`: :class:`models.MLP` split by units within every layer (columns of ``W_l`` and their
   biases). Every layer's input is the full activation of the layer below: an **all-gather** per hidden layer
@@ -22,6 +22,8 @@ Two plans:
   (boundary units a neighbour's receptive fields reach) crosses, forward and backward, so a layer costs at
   most ``2 (K-1)`` messages each way; the dense output layer costs a reduce of partial logits at partition 0
   and a broadcast of their gradient (``2 (K-1)``).
+- :class:`LocallyConnected2DPlan`: :class:`models.LocallyConnected2D` (image patches) split into bands of
+  map rows, the same halo exchange with a row of the map (width x channels values) as the unit.
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ from distbelief.models._local import (
     local_backward,
     local_forward,
 )
+from distbelief.models._local2d import LocallyConnected2D, local2d_backward, local2d_forward
 from distbelief.models._mlp import MLP
 
 __all__ = [
+    "LocallyConnected2DPlan",
     "LocallyConnectedPlan",
     "MLPPlan",
     "PartitionPlan",
@@ -53,6 +57,7 @@ __all__ = [
     "Recv",
     "Send",
     "Traffic",
+    "max_partitions",
     "partition_plan",
     "run_partitioned",
 ]
@@ -163,9 +168,14 @@ class _PlanBase:
         self._k = _check_k(partitions)
 
     def _finish(self) -> None:
-        perms = self._perms()
-        self._perm: IntArray | None = np.concatenate(perms)
-        self._bounds = _bounds(perms)
+        # Bounds by arithmetic; the permutation (8 bytes per parameter) only when asked for, so sizing a
+        # plan (admission control, memory checks) costs nothing even for a huge model.
+        self._perm: IntArray | None = None
+        self._bounds = tuple(int(b) for b in np.cumsum([0, *self._sizes()]))
+
+    def _sizes(self) -> list[int]:
+        """Parameters of every partition."""
+        raise NotImplementedError
 
     def _perms(self) -> list[IntArray]:
         raise NotImplementedError
@@ -183,13 +193,20 @@ class _PlanBase:
     def perm(self) -> IntArray:
         """Indices of the model's flat vector in partition-major order."""
         if self._perm is None:
-            self._perm = np.concatenate(self._perms())
+            perms = self._perms()
+            assert _bounds(perms) == self._bounds, "a plan's sizes disagree with its permutation"
+            self._perm = np.concatenate(perms)
         return self._perm
 
     @property
     def bounds(self) -> tuple[int, ...]:
         """Partition ``k`` owns ``w[perm][bounds[k]:bounds[k+1]]``."""
         return self._bounds
+
+    @property
+    def min_units(self) -> int:
+        """The fewest units a partition owns in any layer (0: some partition has a layer with none)."""
+        return min(hi - lo for layer in self._units for lo, hi in layer)
 
 
 class MLPPlan(_PlanBase):
@@ -210,6 +227,16 @@ class MLPPlan(_PlanBase):
         self.model = model
         self._units = [_split(n, self._k) for n in model.layer_sizes[1:]]
         self._finish()
+
+    def _sizes(self) -> list[int]:
+        fans = self.model.layer_sizes[:-1]
+        return [
+            sum(
+                (fan_in + 1) * (units[k][1] - units[k][0])
+                for fan_in, units in zip(fans, self._units, strict=True)
+            )
+            for k in range(self._k)
+        ]
 
     def _perms(self) -> list[IntArray]:
         sizes, offsets = self.model.layer_sizes, self.model._offsets
@@ -321,37 +348,89 @@ class MLPPlan(_PlanBase):
         return loss, np.concatenate(grads) if grads else np.zeros(0)
 
 
-class LocallyConnectedPlan(_PlanBase):
-    """:class:`models.LocallyConnected` split spatially: partition ``k`` owns units ``lo:hi`` of every layer.
+class _SpatialPlan(_PlanBase):
+    """A locally connected model split spatially into bands of *units* along one axis, with halo exchange.
 
-    Its slice holds, per local layer, the rows ``W_l[lo:hi]`` and ``b_l[lo:hi]``, then the rows of the output
-    weights that its last-layer units feed, then (partition 0 only) the output biases. Input columns it
-    needs: the receptive fields of its first-layer units (``input_columns``).
-
-    Examples
-    --------
-    >>> plan = LocallyConnectedPlan(LocallyConnected(12, 2, fields=[3], strides=[1]), 2)
-    >>> plan.input_columns(1)
-    slice(5, 12, None)
+    A unit is a unit of a 1-D layer, or a whole row of a 2-D map (its width x channels values): partition
+    ``k`` owns units ``lo:hi`` of every local layer and their parameters, then the output weights of its
+    last-layer units (and, partition 0 only, the output biases). Layer ``l``'s unit ``j`` reads units
+    ``j*stride .. j*stride + field - 1`` of layer ``l - 1``, so only the units of the neighbours that those
+    windows reach (the halo) cross, forward (``h``) and as input-gradients backward (``g``). The subclasses
+    give the geometry and the block computation of a layer.
     """
 
-    def __init__(self, model: LocallyConnected, partitions: int) -> None:
+    model: Any
+
+    def __init__(self, model: Any, partitions: int) -> None:
         super().__init__(partitions)
         self.model = model
-        self._units = [_split(n, self._k) for n in model.widths[1:]]
+        self._units = [_split(self._n_units(layer), self._k) for layer in range(1, self._n_layers + 1)]
         self._finish()
 
+    # -- geometry and block computation: the subclasses' part ------------------------------------------
+    @property
+    def _n_layers(self) -> int:
+        raise NotImplementedError
+
+    def _n_units(self, layer: int) -> int:
+        """Units of layer ``layer`` (0: the input) along the split axis."""
+        raise NotImplementedError
+
+    def _unit_size(self, layer: int) -> int:
+        """Values per unit of layer ``layer`` (0: the input)."""
+        raise NotImplementedError
+
+    def _window(self, layer: int) -> tuple[int, int]:
+        """``(field, stride)`` of local layer ``layer`` along the split axis, in units of the layer below."""
+        raise NotImplementedError
+
+    def _unit_params(self, layer: int) -> tuple[int, int]:
+        """``(weights, biases)`` of one unit of local layer ``layer``."""
+        raise NotImplementedError
+
+    def _block(self, layer: int, w: FloatArray, b: FloatArray, units: int) -> tuple[FloatArray, FloatArray]:
+        """``(W, b)`` of ``units`` units of local layer ``layer`` from their flat slices."""
+        raise NotImplementedError
+
+    def _forward(self, layer: int, A: FloatArray, W: FloatArray, b: FloatArray) -> FloatArray:
+        """Pre-activations (flat, rows x units*unit size) of a block on its input ``A`` (flat)."""
+        raise NotImplementedError
+
+    def _backward(
+        self, layer: int, A: FloatArray, W: FloatArray, delta: FloatArray, need_input: bool
+    ) -> tuple[FloatArray, FloatArray, FloatArray | None]:
+        """Flat ``(dW, db, dA or None)`` of :meth:`_forward` for the flat ``delta``."""
+        raise NotImplementedError
+
+    # -- the plan ------------------------------------------------------------------------------------
+    def _sizes(self) -> list[int]:
+        C, L = self.model.n_classes, self._n_layers
+        sizes = []
+        for k in range(self._k):
+            n = 0
+            for layer in range(1, L + 1):
+                lo, hi = self._units[layer - 1][k]
+                pw, pb = self._unit_params(layer)
+                n += (hi - lo) * (pw + pb)
+            lo, hi = self._units[-1][k]
+            n += (hi - lo) * self._unit_size(L) * C + (C if k == 0 else 0)
+            sizes.append(n)
+        return sizes
+
     def _perms(self) -> list[IntArray]:
-        model, offsets, C = self.model, self.model.offsets, self.model.n_classes
+        offsets, C, L = self.model.offsets, self.model.n_classes, self._n_layers
         perms: list[IntArray] = []
         for k in range(self._k):
             parts: list[IntArray] = []
-            for (a, b, _), f, units in zip(offsets[:-1], model.fields, self._units, strict=True):
-                lo, hi = units[k]
-                parts += [np.arange(a + lo * f, a + hi * f), np.arange(b + lo, b + hi)]
+            for layer in range(1, L + 1):
+                a, b, _ = offsets[layer - 1]
+                lo, hi = self._units[layer - 1][k]
+                pw, pb = self._unit_params(layer)
+                parts += [np.arange(a + lo * pw, a + hi * pw), np.arange(b + lo * pb, b + hi * pb)]
             a, b, c = offsets[-1]
             lo, hi = self._units[-1][k]
-            parts.append(np.arange(a + lo * C, a + hi * C))
+            size = self._unit_size(L) * C
+            parts.append(np.arange(a + lo * size, a + hi * size))
             if k == 0:
                 parts.append(np.arange(b, c))
             perms.append(np.concatenate(parts).astype(np.int64))
@@ -362,13 +441,14 @@ class LocallyConnectedPlan(_PlanBase):
         lo, hi = self._units[layer - 1][k]
         if hi == lo:
             return (0, 0)
-        f, s = self.model.fields[layer - 1], self.model.strides[layer - 1]
+        f, s = self._window(layer)
         return (lo * s, (hi - 1) * s + f)
 
     def input_columns(self, k: int) -> slice:
         """The input columns partition ``k``'s first-layer units read."""
         lo, hi = self._need(1, k)
-        return slice(lo, hi)
+        size = self._unit_size(0)
+        return slice(lo * size, hi * size)
 
     def _overlap(self, layer: int, reader: int, owner: int) -> tuple[int, int]:
         """Units of layer ``layer - 1`` owned by ``owner`` that ``reader``'s units of ``layer`` read."""
@@ -379,20 +459,22 @@ class LocallyConnectedPlan(_PlanBase):
     def partition_pass(self, k: int, w_k: FloatArray, X_k: FloatArray, y: Any) -> PartitionPass:
         """Partition ``k``'s forward and backward pass (halo exchanges; see the module docstring)."""
         model, K, act = self.model, self._k, self.model.activation
-        C, L = model.n_classes, len(model.fields)
+        C, L = model.n_classes, self._n_layers
         rows = X_k.shape[0]
+
+        def cols(lo: int, hi: int, base: int, layer: int) -> slice:
+            size = self._unit_size(layer)
+            return slice((lo - base) * size, (hi - base) * size)
+
         layers: list[tuple[FloatArray, FloatArray]] = []
         start = 0
-        for f, units in zip(model.fields, self._units, strict=True):
-            width = units[k][1] - units[k][0]
-            layers.append(
-                (
-                    w_k[start : start + width * f].reshape(width, f),
-                    w_k[start + width * f : start + width * f + width],
-                )
-            )
-            start += width * f + width
-        width = self._units[-1][k][1] - self._units[-1][k][0]
+        for layer in range(1, L + 1):
+            width = self._units[layer - 1][k][1] - self._units[layer - 1][k][0]
+            pw, pb = self._unit_params(layer)
+            w_end = start + width * pw
+            layers.append(self._block(layer, w_k[start:w_end], w_k[w_end : w_end + width * pb], width))
+            start = w_end + width * pb
+        width = (self._units[-1][k][1] - self._units[-1][k][0]) * self._unit_size(L)
         W_out = w_k[start : start + width * C].reshape(width, C)
         b_out = w_k[start + width * C :]
         inputs: list[FloatArray] = [X_k]  # what each layer reads: its need range of the layer below
@@ -404,22 +486,23 @@ class LocallyConnectedPlan(_PlanBase):
                 for m in range(K):
                     lo, hi = self._overlap(layer, m, k)
                     if m != k and hi > lo:
-                        yield Send(m, f"h{layer}", np.ascontiguousarray(A_own[:, lo - olo : hi - olo]))
+                        part = A_own[:, cols(lo, hi, olo, layer - 1)]
+                        yield Send(m, f"h{layer}", np.ascontiguousarray(part))
                 nlo, nhi = self._need(layer, k)
-                A_in = np.empty((rows, nhi - nlo))
+                A_in = np.empty((rows, (nhi - nlo) * self._unit_size(layer - 1)))
                 for m in range(K):
                     lo, hi = self._overlap(layer, k, m)
                     if hi <= lo:
                         continue
                     if m == k:
-                        A_in[:, lo - nlo : hi - nlo] = A_own[:, lo - olo : hi - olo]
+                        A_in[:, cols(lo, hi, nlo, layer - 1)] = A_own[:, cols(lo, hi, olo, layer - 1)]
                     else:
                         got = yield Recv(m, f"h{layer}")
                         assert got is not None
-                        A_in[:, lo - nlo : hi - nlo] = got
+                        A_in[:, cols(lo, hi, nlo, layer - 1)] = got
                 inputs.append(A_in)
             W, b = layers[layer - 1]
-            A = local_forward(inputs[-1], W, b, model.strides[layer - 1])
+            A = self._forward(layer, inputs[-1], W, b)
             activate_(A, act)
             own.append(A)
         Z_k = own[-1] @ W_out
@@ -446,10 +529,10 @@ class LocallyConnectedPlan(_PlanBase):
         dA = dZ @ W_out.T
         for layer in range(L, 0, -1):
             backprop_activation_(dA, own[layer - 1], act)
-            gW, gb, d_in = local_backward(
-                inputs[layer - 1], layers[layer - 1][0], dA, model.strides[layer - 1], need_input=layer > 1
+            gW, gb, d_in = self._backward(
+                layer, inputs[layer - 1], layers[layer - 1][0], dA, need_input=layer > 1
             )
-            grads = [gW.ravel(), gb, *grads]
+            grads = [gW, gb, *grads]
             if d_in is None:
                 break
             nlo, _ = self._need(layer, k)
@@ -457,22 +540,161 @@ class LocallyConnectedPlan(_PlanBase):
             for m in range(K):
                 lo, hi = self._overlap(layer, k, m)
                 if m != k and hi > lo:
-                    yield Send(m, f"g{layer}", np.ascontiguousarray(d_in[:, lo - nlo : hi - nlo]))
-            dA = np.zeros((rows, ohi - olo))
+                    part = d_in[:, cols(lo, hi, nlo, layer - 1)]
+                    yield Send(m, f"g{layer}", np.ascontiguousarray(part))
+            dA = np.zeros((rows, (ohi - olo) * self._unit_size(layer - 1)))
             for m in range(K):
                 lo, hi = self._overlap(layer, m, k)
                 if hi <= lo:
                     continue
                 if m == k:
-                    dA[:, lo - olo : hi - olo] += d_in[:, lo - nlo : hi - nlo]
+                    dA[:, cols(lo, hi, olo, layer - 1)] += d_in[:, cols(lo, hi, nlo, layer - 1)]
                 else:
                     got = yield Recv(m, f"g{layer}")
                     assert got is not None
-                    dA[:, lo - olo : hi - olo] += got
+                    dA[:, cols(lo, hi, olo, layer - 1)] += got
         return loss, np.concatenate(grads)
 
 
-def partition_plan(model: Any, partitions: int) -> MLPPlan | LocallyConnectedPlan:
+class LocallyConnectedPlan(_SpatialPlan):
+    """:class:`models.LocallyConnected` split spatially: partition ``k`` owns units ``lo:hi`` of every layer.
+
+    Its slice holds, per local layer, the rows ``W_l[lo:hi]`` and ``b_l[lo:hi]``, then the rows of the output
+    weights that its last-layer units feed, then (partition 0 only) the output biases. Input columns it
+    needs: the receptive fields of its first-layer units (``input_columns``).
+
+    Examples
+    --------
+    >>> plan = LocallyConnectedPlan(LocallyConnected(12, 2, fields=[3], strides=[1]), 2)
+    >>> plan.input_columns(1)
+    slice(5, 12, None)
+    """
+
+    model: LocallyConnected
+
+    def __init__(self, model: LocallyConnected, partitions: int) -> None:
+        super().__init__(model, partitions)
+
+    @property
+    def _n_layers(self) -> int:
+        return len(self.model.fields)
+
+    def _n_units(self, layer: int) -> int:
+        return self.model.widths[layer]
+
+    def _unit_size(self, layer: int) -> int:
+        return 1
+
+    def _window(self, layer: int) -> tuple[int, int]:
+        return self.model.fields[layer - 1], self.model.strides[layer - 1]
+
+    def _unit_params(self, layer: int) -> tuple[int, int]:
+        return self.model.fields[layer - 1], 1
+
+    def _block(self, layer: int, w: FloatArray, b: FloatArray, units: int) -> tuple[FloatArray, FloatArray]:
+        return w.reshape(units, self.model.fields[layer - 1]), b
+
+    def _forward(self, layer: int, A: FloatArray, W: FloatArray, b: FloatArray) -> FloatArray:
+        return local_forward(A, W, b, self.model.strides[layer - 1])
+
+    def _backward(
+        self, layer: int, A: FloatArray, W: FloatArray, delta: FloatArray, need_input: bool
+    ) -> tuple[FloatArray, FloatArray, FloatArray | None]:
+        gW, gb, dA = local_backward(A, W, delta, self.model.strides[layer - 1], need_input=need_input)
+        return gW.ravel(), gb, dA
+
+
+class LocallyConnected2DPlan(_SpatialPlan):
+    """:class:`models.LocallyConnected2D` split into row bands: partition ``k`` owns map rows ``lo:hi`` of
+    every local layer (all their columns and filters).
+
+    A band of rows is a contiguous block of the row-major ``(height, width, channels)`` layout, so a
+    partition's input is one slice of ``X`` and its parameters are one range of every ``W_l``, ``b_l`` and of
+    the output weights. Only the rows a neighbour's patches reach cross (``ph - sh`` rows of each neighbour
+    at most, per layer and direction). Bands rather than tiles: a tile grid would cut every boundary twice
+    (more messages, up to 8 neighbours instead of 2) and make a partition's input a strided gather; with
+    K <= the map's height, bands send the fewest messages.
+
+    Examples
+    --------
+    >>> plan = LocallyConnected2DPlan(LocallyConnected2D((8, 8), 10, patches=[3]), 2)
+    >>> plan.input_columns(0), plan.input_columns(1)  # rows 0-4 and 3-7 of the 8 x 8 image
+    (slice(0, 40, None), slice(24, 64, None))
+    """
+
+    model: LocallyConnected2D
+
+    def __init__(self, model: LocallyConnected2D, partitions: int) -> None:
+        super().__init__(model, partitions)
+
+    @property
+    def _n_layers(self) -> int:
+        return len(self.model.patches)
+
+    def _n_units(self, layer: int) -> int:
+        return self.model.shapes[layer][0]
+
+    def _unit_size(self, layer: int) -> int:
+        _, w, c = self.model.shapes[layer]
+        return w * c
+
+    def _window(self, layer: int) -> tuple[int, int]:
+        return self.model.patches[layer - 1][0], self.model.strides[layer - 1][0]
+
+    def _unit_params(self, layer: int) -> tuple[int, int]:
+        (ph, pw), c = self.model.patches[layer - 1], self.model.shapes[layer - 1][2]
+        _, w2, f = self.model.shapes[layer]
+        return w2 * ph * pw * c * f, w2 * f
+
+    def _block(self, layer: int, w: FloatArray, b: FloatArray, units: int) -> tuple[FloatArray, FloatArray]:
+        (ph, pw), c = self.model.patches[layer - 1], self.model.shapes[layer - 1][2]
+        _, w2, f = self.model.shapes[layer]
+        return w.reshape(units, w2, ph, pw, c, f), b.reshape(units, w2, f)
+
+    def _forward(self, layer: int, A: FloatArray, W: FloatArray, b: FloatArray) -> FloatArray:
+        _, w, c = self.model.shapes[layer - 1]
+        Z = local2d_forward(A.reshape(A.shape[0], -1, w, c), W, b, self.model.strides[layer - 1])
+        return Z.reshape(A.shape[0], -1)
+
+    def _backward(
+        self, layer: int, A: FloatArray, W: FloatArray, delta: FloatArray, need_input: bool
+    ) -> tuple[FloatArray, FloatArray, FloatArray | None]:
+        _, w, c = self.model.shapes[layer - 1]
+        rows = A.shape[0]
+        gW, gb, dA = local2d_backward(
+            A.reshape(rows, -1, w, c),
+            W,
+            delta.reshape(rows, *W.shape[:2], W.shape[5]),
+            self.model.strides[layer - 1],
+            need_input=need_input,
+        )
+        return gW.ravel(), gb.ravel(), None if dA is None else dA.reshape(rows, -1)
+
+
+AnyPlan = MLPPlan | LocallyConnectedPlan | LocallyConnected2DPlan
+
+
+def max_partitions(model: Any) -> int:
+    """The most partitions ``model`` can be split into with every partition owning a unit of every layer.
+
+    An MLP: its narrowest layer after the input; a locally connected network: its narrowest local layer
+    (1-D) or its shortest map (2-D, bands of rows); a model without a partitioned form: 1.
+
+    Examples
+    --------
+    >>> max_partitions(LocallyConnected2D((8, 8), 10, patches=[3, 3])), max_partitions(MLP([3, 4, 2]))
+    (4, 2)
+    """
+    if isinstance(model, MLP):
+        return min(model.layer_sizes[1:])
+    if isinstance(model, LocallyConnected):
+        return min(model.widths[1:])
+    if isinstance(model, LocallyConnected2D):
+        return min(h for h, _, _ in model.shapes[1:])
+    return 1
+
+
+def partition_plan(model: Any, partitions: int) -> AnyPlan:
     """The partition plan of a built-in model that can be split by units.
 
     Raises
@@ -489,15 +711,15 @@ def partition_plan(model: Any, partitions: int) -> MLPPlan | LocallyConnectedPla
         return MLPPlan(model, partitions)
     if isinstance(model, LocallyConnected):
         return LocallyConnectedPlan(model, partitions)
+    if isinstance(model, LocallyConnected2D):
+        return LocallyConnected2DPlan(model, partitions)
     raise InvalidOptionError(
-        f"{type(model).__name__} cannot be partitioned; model parallelism supports models.MLP and "
-        "models.LocallyConnected (use partitions=1 for other models)"
+        f"{type(model).__name__} cannot be partitioned; model parallelism supports models.MLP, "
+        "models.LocallyConnected and models.LocallyConnected2D (use partitions=1 for other models)"
     )
 
 
-def run_partitioned(
-    plan: MLPPlan | LocallyConnectedPlan, w: FloatArray, X: FloatArray, y: Any
-) -> tuple[float, FloatArray, Traffic]:
+def run_partitioned(plan: AnyPlan, w: FloatArray, X: FloatArray, y: Any) -> tuple[float, FloatArray, Traffic]:
     """Run the K partition passes in one process, delivering their messages; loss, gradient and traffic.
 
     ``w`` and the returned gradient are in the model's own layout (not partition-major).
@@ -574,7 +796,7 @@ class PartitionedModel:
     (6, 26)
     """
 
-    def __init__(self, model: MLP | LocallyConnected, partitions: int) -> None:
+    def __init__(self, model: MLP | LocallyConnected | LocallyConnected2D, partitions: int) -> None:
         self.model = model
         self.plan = partition_plan(model, partitions)
         self.traffic = Traffic()

@@ -24,6 +24,8 @@ __all__ = [
     "SPEC_CLASSES",
     "SPEC_SCHEMAS",
     "LeastSquaresSpec",
+    "LocallyConnected2DSpec",
+    "LocallyConnectedSpec",
     "LogisticSpec",
     "MLPSpec",
     "ModelSpec",
@@ -115,19 +117,108 @@ class MLPSpec(_SpecBase):
         return sizes
 
 
+_Activation = Literal["sigmoid", "tanh", "relu"]
+_Pair = Annotated[list[_PositiveInt], Field(min_length=2, max_length=2)]
+
+
+def _int_or_pair(schema: dict[str, Any]) -> None:
+    """The JSON schema of a list of pairs says an integer is accepted too (``_pairs`` widens it)."""
+    schema["items"] = {"anyOf": [{"type": "integer", "minimum": 1}, schema["items"]]}
+
+
+def _int_or_pair_or_null(schema: dict[str, Any]) -> None:
+    for option in schema.get("anyOf", []):
+        if option.get("type") == "array":
+            _int_or_pair(option)
+
+
+def _pairs(value: Any) -> Any:
+    """``p`` in a list of pairs means ``[p, p]`` (a square patch or stride)."""
+    if isinstance(value, list | tuple):
+        return [
+            [v, v] if isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_) else v
+            for v in value
+        ]
+    return value
+
+
+class LocallyConnectedSpec(_SpecBase):
+    """Spec of :class:`models.LocallyConnected` (1-D receptive fields, no weight sharing).
+
+    Examples
+    --------
+    >>> LocallyConnectedSpec(kind="locally_connected", n_features=64, n_classes=10, fields=[5, 3]).fields
+    [5, 3]
+    """
+
+    kind: Literal["locally_connected"] = Field(description="Model kind.")
+    n_features: _PositiveInt = Field(description="Input width (columns of X).")
+    n_classes: Annotated[int, Strict(), Field(ge=2)] = Field(
+        description="Number of classes; labels are the integers 0..n_classes-1."
+    )
+    fields: Annotated[list[_PositiveInt], Field(min_length=1, max_length=100)] = Field(
+        [5], description="Receptive field of every local layer (one entry per layer)."
+    )
+    strides: Annotated[list[_PositiveInt], Field(min_length=1, max_length=100)] | None = Field(
+        None, description="Stride of every local layer (as many as fields); default 1 each."
+    )
+    activation: _Activation = Field("tanh", description="Activation of the local layers.")
+
+
+class LocallyConnected2DSpec(_SpecBase):
+    """Spec of :class:`models.LocallyConnected2D` (image patches, no weight sharing).
+
+    Examples
+    --------
+    >>> LocallyConnected2DSpec(kind="locally_connected_2d", image_shape=[8, 8], n_classes=10,
+    ...                        patches=[3]).patches
+    [[3, 3]]
+    """
+
+    kind: Literal["locally_connected_2d"] = Field(description="Model kind.")
+    image_shape: _Pair = Field(description="[height, width] of the images; X holds them row-major.")
+    channels: _PositiveInt = Field(
+        1, description="Channels per pixel (X is flattened (height, width, channels))."
+    )
+    n_classes: Annotated[int, Strict(), Field(ge=2)] = Field(
+        description="Number of classes; labels are the integers 0..n_classes-1."
+    )
+    patches: Annotated[list[_Pair], Field(min_length=1, max_length=100)] = Field(
+        [[3, 3]],
+        description="[rows, columns] of every local layer's patch (an integer p means [p, p]).",
+        json_schema_extra=_int_or_pair,
+    )
+    strides: Annotated[list[_Pair], Field(min_length=1, max_length=100)] | None = Field(
+        None,
+        description="[rows, columns] stride of every local layer (an integer s means [s, s]); default 1.",
+        json_schema_extra=_int_or_pair_or_null,
+    )
+    filters: Annotated[list[_PositiveInt], Field(min_length=1, max_length=100)] | None = Field(
+        None, description="Filters per location of every local layer; default 4 each."
+    )
+    activation: _Activation = Field("tanh", description="Activation of the local layers.")
+
+    @field_validator("patches", "strides", mode="before")
+    @classmethod
+    def _square(cls, value: Any) -> Any:
+        return _pairs(value)
+
+
 SPEC_CLASSES: Mapping[str, type[_SpecBase]] = MappingProxyType(
     {
         "least_squares": LeastSquaresSpec,
         "logistic": LogisticSpec,
         "softmax": SoftmaxSpec,
         "mlp": MLPSpec,
+        "locally_connected": LocallyConnectedSpec,
+        "locally_connected_2d": LocallyConnected2DSpec,
     }
 )
 MODEL_KINDS: tuple[str, ...] = tuple(SPEC_CLASSES)
 
 #: Any spec, discriminated by ``kind``: usable directly as a FastAPI request-body type.
 ModelSpec = Annotated[
-    LeastSquaresSpec | LogisticSpec | SoftmaxSpec | MLPSpec,
+    LeastSquaresSpec | LogisticSpec | SoftmaxSpec | MLPSpec | LocallyConnectedSpec | LocallyConnected2DSpec,
     Field(discriminator="kind"),
 ]
 
@@ -150,7 +241,8 @@ def spec_schema(kind: str) -> dict[str, Any]:
     Parameters
     ----------
     kind : str
-        One of ``"least_squares"``, ``"logistic"``, ``"softmax"``, ``"mlp"``.
+        One of :data:`MODEL_KINDS` (``"least_squares"``, ``"logistic"``, ``"softmax"``, ``"mlp"``,
+        ``"locally_connected"``, ``"locally_connected_2d"``).
 
     Returns
     -------
@@ -216,7 +308,7 @@ def _describe(error: Mapping[str, Any], kind: str, cls: type[_SpecBase]) -> str:
         return f"field {field!r} must be an integer {op} {bound}, got {given!r}"
     if typ == "literal_error":
         return f"field {field!r} must be one of {error['ctx']['expected']}, got {given!r}"
-    if typ in ("list_type", "too_short"):
+    if typ in ("list_type", "too_short") and kind == "mlp":
         return (
             f"field {field!r} must be a list of at least 2 positive integers "
             f"[n_features, hidden_1, ..., n_classes], got {given!r}"

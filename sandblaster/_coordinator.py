@@ -27,6 +27,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from distbelief.errors import DatasetError, InvalidOptionError, ProtocolError
 from distbelief.sandblaster._scheduler import EvaluationStats, PortionScheduler
 from distbelief.sandblaster._space import Evaluation, IterationRecord, Op, RunState
@@ -81,6 +83,8 @@ class Coordinator:
 
         #: The server's round-trip count when the current iteration began (reset with its stats).
         self._rt_mark = 0
+        #: Partitioned replicas (``minimize(partitions=K)``): the shards hold ``x[perm]`` (else None).
+        self.perm: np.ndarray | None = None
 
     # -- one evaluation --------------------------------------------------------------------------------
     def run(self, ops: Sequence[Op]) -> list[Any]:

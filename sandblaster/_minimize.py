@@ -23,6 +23,11 @@ from distbelief.sandblaster._coordinator import Coordinator, IterationRecord, Ru
 from distbelief.sandblaster._gd import _minimize_gd
 from distbelief.sandblaster._linesearch import LBFGSB_FTOL
 from distbelief.sandblaster._owlqn import _minimize_owlqn
+from distbelief.sandblaster._partitioned import (
+    PartitionedScheduler,
+    check_partitioned,
+    start_replicas,
+)
 from distbelief.sandblaster._replica import Replica
 from distbelief.sandblaster._scheduler import PortionScheduler
 from distbelief.sandblaster._vlbfgs import _minimize_lbfgs
@@ -31,6 +36,8 @@ from distbelief.storage import (
     ParameterServer,
     as_dataset,
     embedded_client,
+    partition_layout,
+    partition_shards,
     start_vector,
     worker_addresses,
 )
@@ -77,6 +84,7 @@ class SandblasterOptions:
     resume: bool = False
     communication: str = "auto"
     shard_memory: int | str | None = "auto"
+    partitions: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in ("lbfgs", "cg", "gd", "owlqn"):
@@ -96,6 +104,30 @@ class SandblasterOptions:
                 value,
                 "an int >= 1",
             )
+        _check(
+            isinstance(self.partitions, int | np.integer)
+            and not isinstance(self.partitions, bool)
+            and self.partitions >= 1,
+            "partitions",
+            self.partitions,
+            "an int >= 1 (partition actors per model replica; 1: the whole model in one replica)",
+        )
+        if self.partitions > 1:
+            if self.communication == "sparse":
+                raise InvalidOptionError(
+                    f'communication="sparse" is not supported with partitions={self.partitions}: a partition '
+                    'fetches its whole parameter slice (use communication="dense" or "auto")'
+                )
+            if self.slowdown:
+                raise InvalidOptionError(
+                    f"slowdown is not supported with partitions={self.partitions} (fault injection slows an "
+                    "unpartitioned replica); leave it empty"
+                )
+            if self.shards is not None and self.shards % self.partitions:
+                raise InvalidOptionError(
+                    f"shards={self.shards} with partitions={self.partitions}: the shards are aligned to the "
+                    "partitions, so give a multiple of partitions (or None: one shard per partition)"
+                )
         for name in ("shards", "replicas", "portions", "restart_every"):
             value = getattr(self, name)
             _check(
@@ -224,6 +256,7 @@ def minimize(
     resume: bool = False,
     communication: Communication = "auto",
     shard_memory: int | str | None = "auto",
+    partitions: int = 1,
 ) -> OptimizeResult:
     """Minimize ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2 + l1 ||w||_1`` with Sandblaster on Dask.
 
@@ -288,6 +321,14 @@ def minimize(
         Bytes of vectors each shard keeps in RAM; colder ones (the L-BFGS history first) spill to local
         files and are streamed in chunks. ``"auto"``: a share of the worker's ``memory_limit``; ``None``:
         no limit. See ``ParameterServer.create(memory_budget=...)``.
+    partitions : int
+        Model parallelism (paper, section 3): every replica is split into this many partition actors on
+        different workers, each holding only its parameter slice, fetching from and pushing to only the
+        shards that hold it, and exchanging only the activations that cross its boundaries
+        (``models.MLP`` and ``models.LocallyConnected``, dense rows). The iterates are those of
+        ``partitions=1`` up to rounding (~1e-13: a partitioned pass adds partial products in another
+        order). A partition whose worker dies is rebuilt on a live one. ``stats["rebuilt_partitions"]``
+        lists them.
 
     Returns
     -------
@@ -323,7 +364,12 @@ def minimize(
         resume=resume,
         communication=communication,
         shard_memory=shard_memory,
+        partitions=partitions,
     )
+    if partitions > 1:
+        # Refused before anything is written: a model with no partitioned form, too many partitions, rows
+        # the partition passes cannot read.
+        check_partitioned(model, data, partitions)
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
     x_start = start_vector(model, x0, seed)
@@ -390,6 +436,12 @@ def open_session(
     n_portions = dataset.n_portions
     sparse = use_sparse(opts.communication, model, getattr(dataset, "layout", "dense") == "csr")
     params = str(Path(store) / "params")
+    if opts.partitions > 1:
+        with _partitioned_session(
+            model, dataset, client, opts, params, shard_workers, replica_workers, n_replicas, n_portions, x0
+        ) as coord:
+            yield coord
+        return
     replica_futures: list[Any] = []
     replicas: list[tuple[Any, Any]] = []
     ps: ParameterServer | None = None
@@ -467,6 +519,70 @@ def open_session(
             ps.close()
 
 
+@contextlib.contextmanager
+def _partitioned_session(
+    model: Any,
+    dataset: Dataset,
+    client: Client,
+    opts: SandblasterOptions,
+    params: str,
+    shard_workers: Sequence[str],
+    replica_workers: Sequence[str],
+    n_replicas: int,
+    n_portions: int,
+    x0: np.ndarray | None,
+) -> Iterator[Coordinator]:
+    """:func:`open_session` with every replica split into ``opts.partitions`` partition actors
+    (:mod:`sandblaster._partitioned`); the shards are aligned to the partitions and hold ``x[plan.perm]``."""
+    plan = check_partitioned(model, dataset, opts.partitions)
+    K = plan.partitions
+    replicas: list[tuple[Any, Any]] = []
+    scheduler: PartitionedScheduler | None = None
+    ps: ParameterServer | None = None
+    try:
+        if opts.resume:
+            ps = ParameterServer.open(
+                client, store=params, workers=shard_workers, memory_budget=opts.shard_memory
+            )
+            if ps.n != plan.perm.size or not ps.checkpoint_id:
+                raise InvalidOptionError(
+                    f"{params!r} holds no checkpoint of a run with {plan.perm.size} parameters; "
+                    "start runs with checkpoint_every=k to be able to resume them"
+                )
+        else:
+            layout = partition_layout(plan.bounds, shards_per_partition=(opts.shards or K) // K)
+            owned = partition_shards(layout, plan.bounds)
+            ps = ParameterServer.create(
+                client, layout.n, store=params, overwrite=True, layout=layout,
+                workers=[shard_workers[k % len(shard_workers)] for k in range(K) for _ in owned[k]],
+                vectors=None if x0 is None else {RunState.x: np.asarray(x0)[plan.perm]},
+                memory_budget=opts.shard_memory,
+            )  # fmt: skip
+        owned = partition_shards(ps.layout, plan.bounds)
+        shard_map = ps.shard_map()
+        replicas = start_replicas(
+            client, plan, dataset, shard_map, owned, replica_workers, n_replicas, ps.timeout
+        )
+        scheduler = PartitionedScheduler(
+            client, replicas, n_portions, plan=plan, dataset=dataset, shard_map=shard_map, owned=owned,
+            workers=replica_workers, call_timeout=ps.timeout, push_every=opts.push_every,
+            backups=opts.backups, in_flight=opts.in_flight,
+        )  # fmt: skip
+        coord = Coordinator(
+            ps, scheduler, n_rows=dataset.n_rows, l2=opts.l2, checkpoint_every=opts.checkpoint_every,
+            method=opts.method,
+        )  # fmt: skip
+        coord.perm = plan.perm
+        yield coord
+    finally:
+        for head, group in scheduler.replicas if scheduler is not None else replicas:
+            with contextlib.suppress(Exception):
+                head.close()
+            group.release()
+        if ps is not None:
+            ps.close()
+
+
 def _run(
     model: Any,
     dataset: Dataset,
@@ -516,6 +632,13 @@ def _run(
         }
         stats.update(_bytes_moved(scheduler.replicas, coord.state.nfev))
         x = ps.gather(coord.state.x)
+        if coord.perm is not None:
+            # The shards hold the partition-major vector (section 3, Figure 2): back to the model's layout.
+            x_model = np.empty_like(x)
+            x_model[coord.perm] = x
+            x = x_model
+            stats["partitions"] = opts.partitions
+            stats["rebuilt_partitions"] = list(getattr(scheduler, "rebuilt", []))
         stats["wall_s"] = time.perf_counter() - t_start
         return OptimizeResult(
             x=x,

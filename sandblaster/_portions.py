@@ -436,6 +436,33 @@ class PortionMachine:
                 ev.stats.recomputed += 1
         return cancels
 
+    def replace(self, r: int) -> list[Instruction]:
+        """Event: replica ``r`` lost a worker and was rebuilt (a partitioned replica's partition started
+        again elsewhere). Its calls are cancelled and what they carried with no other copy out is
+        recomputed, solo (it may have reached some shards); it keeps its queue and goes on working.
+
+        Examples
+        --------
+        >>> m = PortionMachine(n_replicas=1, n_portions=2); m.begin(now=0.0)
+        >>> sends = m.dispatch(now=0.0)
+        >>> [type(i).__name__ for i in m.replace(0)], [s.portions for s in m.dispatch(now=0.0)]
+        (['Cancel', 'Cancel'], [(0,), (1,)])
+        """
+        ev = self._ev
+        if ev is None or not self.alive[r]:
+            return []
+        cancels: list[Instruction] = [Cancel(c) for c, s in ev.calls.items() if s.replica == r]
+        for c in cancels:
+            assert isinstance(c, Cancel)
+            del ev.calls[c.call]
+        for p, who in ev.copies.items():
+            if r in who:
+                who.discard(r)
+                if not who and p not in ev.on_shards and p not in ev.solo_queue:
+                    ev.solo_queue.append(p)
+                    ev.stats.recomputed += 1
+        return cancels
+
     # -- decisions -------------------------------------------------------------------------------------
     def _evaluation(self) -> _Evaluation:
         if self._ev is None:

@@ -147,6 +147,10 @@ class PortionScheduler:
     def _dead(self, r: int) -> bool:
         return self.replicas[r][1].status in DEAD_STATES
 
+    async def _replica_lost(self, r: int) -> list[Instruction]:
+        """Replica ``r``'s worker died: the machine's instructions (a partitioned replica is rebuilt)."""
+        return self.machine.lose(r)
+
     async def _evaluate(
         self, eval_id: int, x_name: str, acc_name: str, prep: tuple[Any, ...]
     ) -> EvaluationStats:
@@ -184,7 +188,7 @@ class PortionScheduler:
             if not machine.complete:
                 for r in machine.live:
                     if self._dead(r):
-                        carry(machine.lose(r))
+                        carry(await self._replica_lost(r))
             stats = carry(machine.dispatch(time.perf_counter()))
             if stats is not None:
                 return stats
@@ -201,7 +205,7 @@ class PortionScheduler:
                 exc = fut.exception()
                 if exc is not None:
                     if await self._confirm_dead(send.replica, exc):
-                        carry(machine.lose(send.replica))
+                        carry(await self._replica_lost(send.replica))
                         continue
                     raise ClusterError(
                         f"replica {send.replica} failed while computing portions {list(send.portions)}: "

@@ -217,9 +217,15 @@ class ShardActor:
         """Forward to :meth:`Shard.set`."""
         await self._do(self.core.set, name, lo, hi, values)
 
-    async def push(self, grad: np.ndarray, **kwargs: Any) -> tuple[bool, int, int]:
+    async def push(self, grad: np.ndarray | None, **kwargs: Any) -> tuple[bool, int, int]:
         """Forward to :meth:`Shard.push`."""
         return await self._do(self.core.push, grad, **kwargs)
+
+    async def push_fetch(
+        self, grad: np.ndarray | None, names: Sequence[str], **kwargs: Any
+    ) -> tuple[tuple[bool, int, int], tuple[int, list[np.ndarray]]]:
+        """Forward to :meth:`Shard.push_and_fetch` (Downpour's fused push and fetch: one round trip)."""
+        return await self._do(self.core.push_and_fetch, grad, names, **kwargs)
 
     async def accumulate(
         self, name: str, values: np.ndarray, portions: Sequence[int], epoch: int, solo: bool = False

@@ -22,6 +22,10 @@ Per shard and message, the smaller of the two is sent (:func:`whole_slice_is_sma
 bytes each (20 in int64) against 8 a value, so a replica whose keys cover more than 2/3 of a shard's slice
 pulls the whole slice (a binned push, 4 values a key, switches above 8/9).
 
+A *sign-coded* push (Strom 2015's 1-bit quantized update, see ``downpour._compress``) sends no values at
+all: every entry is ``+tau`` or ``-tau``, so the sign rides in the key itself (:func:`encode_signs`: a local
+offset ``k`` for ``+tau``, ``~k = -k - 1`` for ``-tau``), 4 bytes an entry, plus the scalar ``tau``.
+
 Examples
 --------
 >>> import scipy.sparse as sp
@@ -51,6 +55,8 @@ __all__ = [
     "Communication",
     "SparsePortion",
     "compact_portion",
+    "decode_signs",
+    "encode_signs",
     "kv_bytes",
     "param_keys",
     "sorted_unique",
@@ -288,3 +294,39 @@ def kv_bytes(*arrays: np.ndarray | None) -> int:
     36
     """
     return sum(int(a.nbytes) for a in arrays if a is not None)
+
+
+def encode_signs(keys: np.ndarray, negative: np.ndarray) -> np.ndarray:
+    """Sign-coded keys: local offset ``k`` where ``negative`` is False, ``~k`` (``-k - 1``) where True.
+
+    The dtype of ``keys`` is kept (int32 local offsets stay 4 bytes an entry: Strom 2015 packs a 31-bit
+    index and a sign bit into 32 bits the same way). ``keys`` must be >= 0; their order is kept.
+
+    Examples
+    --------
+    >>> encode_signs(np.array([0, 3, 5], np.int32), np.array([True, False, True])).tolist()
+    [-1, 3, -6]
+    """
+    keys = np.asarray(keys)
+    negative = np.asarray(negative, dtype=bool)
+    if keys.shape != negative.shape:
+        raise InvalidOptionError(f"encode_signs: {keys.size} keys but {negative.size} signs")
+    if keys.size and int(keys.min()) < 0:
+        raise InvalidOptionError("encode_signs: keys must be local offsets >= 0")
+    return np.where(negative, ~keys, keys).astype(keys.dtype, copy=False)
+
+
+def decode_signs(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`encode_signs`: ``(keys, negative)``.
+
+    Examples
+    --------
+    >>> keys, negative = decode_signs(np.array([-1, 3, -6], np.int32))
+    >>> keys.tolist(), negative.tolist()
+    ([0, 3, 5], [True, False, True])
+    """
+    codes = np.asarray(codes)
+    if codes.dtype.kind != "i":
+        raise InvalidOptionError(f"sign-coded keys must be signed integers, got dtype {codes.dtype}")
+    negative = codes < 0
+    return np.where(negative, ~codes, codes).astype(codes.dtype, copy=False), negative

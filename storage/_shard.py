@@ -22,6 +22,7 @@ from scipy.linalg import blas
 
 from distbelief.errors import InvalidOptionError, ProtocolError
 from distbelief.storage import _exactsum, _l1
+from distbelief.storage._keys import decode_signs
 from distbelief.storage._rules import adagrad_update, sgd_update
 from distbelief.storage._vectorstore import VectorStore, op_operands, run_chunked
 
@@ -325,7 +326,7 @@ class Shard:
     # -- updates from replicas -------------------------------------------------------------------------
     def push(
         self,
-        grad: np.ndarray,
+        grad: np.ndarray | None,
         *,
         source: str,
         seq: int,
@@ -336,6 +337,7 @@ class Shard:
         staleness_scale: bool = False,
         keys: np.ndarray | None = None,
         steps: int = 1,
+        tau: float | None = None,
     ) -> tuple[bool, int, int]:
         """Apply a Downpour update from ``source`` with sequence number ``seq`` (paper, section 4.1).
 
@@ -347,8 +349,14 @@ class Shard:
         ps-lite style) and the rule runs only there: the same floats as a dense push whose other entries
         are zero, since a zero gradient leaves SGD's ``w`` and Adagrad's ``w`` and accumulator unchanged.
 
+        With ``tau`` (a compressed push, Strom 2015: ``downpour._compress``) ``grad`` is None and ``keys`` are
+        sign-coded (:func:`storage._keys.encode_signs`): each entry pushes ``+tau`` or ``-tau`` as a
+        key-value push of those values would.
+
         ``steps`` (how many mini-batch gradients the push sums) only feeds the counters of :meth:`counters`.
         """
+        if tau is not None:
+            grad, keys = _signed_values(self.index, grad, keys, tau)
         staleness = 0 if fetched_version is None else max(0, self.version - fetched_version)
         if seq <= self.last_seq.get(source, -1):
             return False, self.version, staleness
@@ -371,6 +379,32 @@ class Shard:
         self.version += 1
         self._count_applied(steps, staleness, staleness_scale)
         return True, self.version, staleness
+
+    def push_and_fetch(
+        self,
+        grad: np.ndarray | None,
+        names: Sequence[str],
+        *,
+        fetch_keys: np.ndarray | None = None,
+        **push: Any,
+    ) -> tuple[tuple[bool, int, int], tuple[int, list[np.ndarray]]]:
+        """:meth:`push`, then a replica's fetch of ``names`` (at ``fetch_keys`` only, if given), in one call.
+
+        Downpour's fused step (issue 17, item 5): with ``n_push == n_fetch`` a replica's push of step ``k``
+        and its fetch for step ``k + 1`` travel back to back on the same channel anyway, so one message
+        does both and the fetched slices already hold the push. Returns ``(push answer, (version,
+        slices))`` where the push answer is :meth:`push`'s and ``version`` is the shard's version after it.
+
+        Examples
+        --------
+        >>> s = Shard(0, 0, 2); s.set("x", 0, 2, np.zeros(2))
+        >>> s.push_and_fetch(np.ones(2), ["x"], source="r", seq=0, rule="sgd", lr=0.5)
+        ((True, 1, 0), (1, [array([-0.5, -0.5])]))
+        """
+        answer = self.push(grad, **push)
+        if fetch_keys is None:
+            return answer, (self.version, [self.get(name) for name in names])
+        return answer, (self.version, [self.gather(name, fetch_keys) for name in names])
 
     def _count_applied(self, steps: int, staleness: int, staleness_scale: bool) -> None:
         # The counters fault tests check answers against (a restored shard counts on from its checkpoint).
@@ -646,6 +680,21 @@ class Shard:
         self.applied = int(state.get("applied", 0))
         self.applied_weight = float(state.get("applied_weight", 0.0))
         self.applied_steps_sq = int(state.get("applied_steps_sq", 0))
+
+
+def _signed_values(
+    index: int, grad: np.ndarray | None, codes: np.ndarray | None, tau: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The values and keys of a sign-coded push (see :meth:`Shard.push`), checked."""
+    if grad is not None or codes is None:
+        raise InvalidOptionError(
+            f"shard {index}: a compressed push (tau given) carries sign-coded keys and no values"
+        )
+    tau = float(tau)
+    if not (np.isfinite(tau) and tau > 0):
+        raise InvalidOptionError(f"shard {index}: a compressed push needs a finite tau > 0, got {tau!r}")
+    keys, negative = decode_signs(codes)
+    return np.where(negative, -tau, tau), keys
 
 
 def _add_exactly(binned: np.ndarray, values: np.ndarray, keys: np.ndarray | None = None) -> None:

@@ -371,7 +371,10 @@ function modelSpec() {
     const type = input.getAttribute("data-type");
     if (type === "boolean") spec[input.name] = input.checked;
     else if (type === "integer") spec[input.name] = input.value === "" ? undefined : Number(input.value);
-    else if (type === "int-list") spec[input.name] = input.value.split(",").map((s) => s.trim()).filter(Boolean).map(Number);
+    else if (type === "int-list") {
+      const values = input.value.split(",").map((s) => s.trim()).filter(Boolean).map(Number);
+      spec[input.name] = values.length ? values : undefined; // empty: the field's default
+    }
     else spec[input.name] = input.value;
   }
   return spec;
@@ -453,6 +456,31 @@ function renderJob(record) {
   delete result.stats;
   setRows($("result-table").tBodies[0], kvRows(Object.assign(result, stats ? { stats } : {})));
   setRows($("latest-table").tBodies[0], kvRows(record.latest));
+  renderPlacement(record.placement);
+}
+
+// Model parallelism: every replica as its group of partitions, with the worker each runs on (and, once the
+// job has finished, what each did).
+function renderPlacement(placement) {
+  $("placement").hidden = !(placement && placement.length);
+  if (!placement) return;
+  const rows = [];
+  for (const group of placement) {
+    group.partitions.forEach((p, i) => {
+      const cells = [];
+      if (i === 0) cells.push(el("td", { rowspan: group.partitions.length }, "replica " + group.replica));
+      cells.push(
+        el("td", null, "partition " + p.partition),
+        el("td", null, p.worker || ""),
+        el("td", { class: "num" }, fmt(p.steps)),
+        el("td", { class: "num" }, fmt(p.messages)),
+        el("td", { class: "num" }, fmt(p.bytes)),
+        el("td", { class: "num" }, p.param_bytes == null ? "" : fmt(p.param_bytes / 8)),
+      );
+      rows.push(el("tr", { class: i === 0 ? "replica-start" : "", "data-replica": group.replica, "data-partition": p.partition }, ...cells));
+    });
+  }
+  setRows($("placement-table").tBodies[0], rows);
 }
 
 async function refreshActors() {

@@ -89,6 +89,21 @@ def test_submit_from_the_page_and_watch_the_curve_grow(tmp_path: Path, client: D
                     path=os.path.join(os.environ["DISTBELIEF_SCREENSHOTS"], "dashboard-cluster.png")
                 )
                 shutil.copy(shot, os.environ["DISTBELIEF_SCREENSHOTS"])
+            # A partitioned job (model parallelism): its replicas drawn as groups of partitions and workers.
+            with Client(url, TOKEN) as api:
+                spec = {"kind": "locally_connected_2d", "image_shape": [8, 8], "n_classes": 10}
+                body = {"algorithm": "downpour-sgd", "dataset": "digits", "model": spec}
+                body["options"] = {"partitions": 2, "replicas": 2, "max_steps": 4}
+                mp = api.wait(api.submit(body)["id"], progress=False)
+            assert mp["status"] == "succeeded", mp["message"]
+            page.goto(url + f"/#/jobs/{mp['id']}")
+            page.wait_for_selector("#placement:not([hidden]) #placement-table tbody tr")
+            cells = page.eval_on_selector_all(
+                "#placement-table tbody tr", "rows => rows.map(r => [r.dataset.replica, r.dataset.partition])"
+            )
+            assert cells == [["0", "0"], ["0", "1"], ["1", "0"], ["1", "1"]]
+            workers = [w["worker"] for g in mp["placement"] for w in g["partitions"]]
+            assert all(w and w in page.text_content("#placement-table") for w in workers)
             assert errors == []
             # Nothing is fetched from anywhere but the service itself (no CDN).
             assert all(u.startswith(url) or u.startswith("data:") for u in requested), requested

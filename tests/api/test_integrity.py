@@ -24,6 +24,9 @@ import pytest
 from distributed import Client as DaskClient
 
 from distbelief.api._jobstore import JobStore, SharedLock
+from distbelief.api.routes.jobs import job_json
+from distbelief.api.runner import JobRunner
+from distbelief.api.schemas import JobPublic
 from distbelief.storage import Dataset
 from tests.api.conftest import (
     AUTH,
@@ -89,6 +92,52 @@ def test_a_nul_byte_url_and_a_truncated_npz_are_422_and_the_connection_stays_ope
         assert code == 404, body
     finally:
         conn.close()
+
+
+def test_an_unexpected_error_is_a_json_500_and_the_connection_stays_open(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    # One route of each kind: async (run on the event loop) and sync (run in the thread pool).
+    monkeypatch.setattr(JobRunner, "list_jobs", boom)
+    monkeypatch.setattr(JobRunner, "metrics", boom)
+    url = urllib.parse.urlsplit(server)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=60)
+    try:
+        code, body = _request(conn, "GET", "/api/jobs", b"", "application/json")
+        sock = conn.sock
+        assert code == 500 and body == {
+            "detail": "internal error (RuntimeError); the server log has the details"
+        }
+        code, body = _request(conn, "GET", "/api/jobs/0123456789abcdef/metrics", b"", "application/json")
+        assert code == 500 and "RuntimeError" in body["detail"]
+        code, body = _request(conn, "GET", "/api/health", b"", "application/json")
+        assert conn.sock is sock  # no reconnect: the server kept the connection after both errors
+        assert code == 200 and body["status"] == "ok"
+    finally:
+        conn.close()
+
+
+def test_a_job_record_is_served_as_its_public_model_says() -> None:
+    record = JobPublic(
+        id="0123456789abcdef",
+        algorithm="sandblaster-lbfgs",
+        model=LOGISTIC,
+        dataset="tiny",
+        options={"l2": 0.5},
+        status="succeeded",
+        created_at="2026-01-01T00:00:00+00:00",
+        latest={"iteration": 3.0, "objective": 0.25},
+        result={"fun": 0.25, "message": "ok", "stats": {"evaluations": 4}},
+    ).model_dump()
+    oracle = json.loads(JobPublic.model_validate(record).model_dump_json())
+    assert json.loads(job_json(record).body) == oracle
+    # What the fast path cannot encode as it is goes through the model: a key too many, a NaN.
+    assert json.loads(job_json({**record, "extra": 1}).body) == oracle
+    nan = {**record, "result": {"fun": float("nan")}}
+    assert json.loads(job_json(nan).body)["result"] == {"fun": None}
 
 
 @pytest.mark.anyio

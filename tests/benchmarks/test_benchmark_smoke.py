@@ -123,6 +123,17 @@ def test_downpour_figure4_quick_run(tmp_path: Path, capsys: pytest.CaptureFixtur
                 if row["kind"] == "downpour":
                     assert isinstance(run["success"], bool) and run["message"]
                     assert run["staleness_scale"] == (row["rule"] == "sgd" and row["replicas"] > 1)
+    # Communication rows (first problem in --quick): fused vs unfused vs compressed, side by side.
+    first = next(iter(saved["problems"].values()))
+    comm = {c["label"]: c for c in first["communication"]["rows"]}
+    assert comm["Downpour Adagrad, 2 replicas"]["bytes_per_step_ratio"] == 1.0
+    unfused = comm["Downpour Adagrad, 2 replicas, unfused"]
+    (packed,) = (c for label, c in comm.items() if "compressed" in label)
+    for c in (unfused, packed):
+        assert c["messages_per_step"] > 0 and c["bytes_per_step"] > 0
+    # 4 bytes an entry sent above the threshold against 8 a parameter: far fewer gradient bytes.
+    assert packed["bytes_pushed_per_step_ratio"] < 0.5
+    assert "messages/step x" in printed
     assert saved["throughput"]["rows"]
 
 
@@ -147,16 +158,25 @@ def test_api_load_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "api.json"
     assert api_load.main(["--quick", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["quick"] is True and report["final_statuses"] == {"succeeded": 5}
-    assert {row["what"] for row in report["targets"]} >= {"jobs lost", "status read p99 under load (ms)"}
+    (run,) = report["runs"]["this"]
+    assert report["quick"] is True and run["final_statuses"] == {"succeeded": 5}
+    assert {row["what"] for row in report["targets"]} >= {
+        "jobs lost",
+        "submit p99 under load (ms)",
+        "status read p99 under load (ms)",
+    }
     assert all(row["met"] for row in report["targets"][:4])
+    # The figures say how loaded the machine was, and beside them the single-process reference.
+    assert len(run["load_average_before"]) == 3 and len(report["machine"]["load_average_at_end"]) == 3
+    assert report["summary"]["this"]["submit"]["p99_ms"] == run["submit"]["p99_ms"]
+    assert report["reference"]["all_final_s"] > 0
 
 
 def test_api_load_marks_a_slow_read_as_missed() -> None:
     result = {
         "lost": 0,
         "not_final": 1,
-        "submit": {"errors": 0},
+        "submit": {"errors": 0, "p99_ms": api_load.SUBMIT_P99_TARGET_MS},
         "status_read": {"errors": 0, "p99_ms": 2 * api_load.STATUS_READ_P99_TARGET_MS},
     }
     met = {row["what"]: row["met"] for row in api_load.targets(result)}
@@ -165,8 +185,11 @@ def test_api_load_marks_a_slow_read_as_missed() -> None:
         "jobs not final": False,
         "submissions refused": True,
         "status reads refused": True,
+        "submit p99 under load (ms)": True,
         "status read p99 under load (ms)": False,
     }
+    result["submit"]["p99_ms"] = api_load.SUBMIT_P99_TARGET_MS + 1
+    assert not {row["what"]: row["met"] for row in api_load.targets(result)}["submit p99 under load (ms)"]
 
 
 # -- shard_ops --------------------------------------------------------------------------------------------

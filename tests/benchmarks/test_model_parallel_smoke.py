@@ -17,13 +17,15 @@ def test_quick_run_writes_json_and_png_with_traffic_by_partitions(
     result = model_parallel.main(argv, cluster=cluster)
     stored = json.loads((tmp_path / "model_parallel_quick.json").read_text())
     assert (tmp_path / "model_parallel_quick.png").stat().st_size > 0
-    assert set(stored["timings"]) == {"small_lc", "large_lc", "mlp"}
+    assert set(stored["timings"]) == {"small_lc", "large_lc", "small_lc2d", "large_lc2d", "mlp"}
+    assert set(stored["in_process_ms"]) == set(stored["timings"])
+    assert all(ms > 0 for ms in stored["in_process_ms"].values())  # the single-process numpy reference row
     for name, rows in result["timings"].items():
         assert [r["partitions"] for r in rows] == [1, 2, 4]
         assert rows[0]["messages_per_step"] == 0 and all(r["ms_per_batch"] > 0 for r in rows)
         assert rows[1]["messages_per_step"] < rows[2]["messages_per_step"], name
     # The locally connected models exchange halos only; the MLP all-gathers every hidden layer.
-    assert (
-        result["timings"]["mlp"][2]["messages_per_step"]
-        > result["timings"]["large_lc"][2]["messages_per_step"]
-    )
+    for lc in ("large_lc", "large_lc2d"):
+        assert (
+            result["timings"]["mlp"][2]["messages_per_step"] > result["timings"][lc][2]["messages_per_step"]
+        )

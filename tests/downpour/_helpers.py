@@ -130,17 +130,29 @@ class Simulator:
                 ("fetch", i, payload, (shard.version, [shard.get(n) for n in payload.names]))
             )
         else:
-            lo, hi = self.layout.ranges()[i]
-            answer = shard.push(
-                payload.grad[lo:hi],
-                source=self.replicas[r].source,
-                seq=payload.seq,
-                rule=self.rule,
-                lr=self.lr,
-                fetched_version=payload.fetched_versions[i],
-                staleness_scale=self.staleness_scale,
-            )
-            self.replicas[r].inbox.append(("push", i, payload, answer))
+            # As the replica sends it (downpour._replica): dense slices, key-value pairs or sign-coded keys,
+            # and a fused push carries its fetch.
+            values, keys = payload.parts(self.layout.bounds)[i]
+            push = {
+                "source": self.replicas[r].source,
+                "seq": payload.seq,
+                "rule": self.rule,
+                "lr": self.lr,
+                "fetched_version": payload.fetched_versions[i],
+                "staleness_scale": self.staleness_scale,
+                "steps": payload.steps,
+            }
+            if keys is not None:
+                push["keys"] = keys
+            if payload.tau is not None:
+                push["tau"] = payload.tau
+            if payload.fetch is None:
+                answer = shard.push(values, **push)
+                self.replicas[r].inbox.append(("push", i, payload, answer))
+            else:
+                answer, fetched = shard.push_and_fetch(values, list(payload.fetch.names), **push)
+                self.replicas[r].inbox.append(("push", i, payload, answer))
+                self.replicas[r].inbox.append(("fetch", i, payload.fetch, fetched))
 
     def _receive(self, r: int) -> None:
         rep = self.replicas[r]

@@ -9,6 +9,7 @@ import pytest
 
 MODULES = [
     "distbelief.downpour._batches",
+    "distbelief.downpour._compress",
     "distbelief.downpour._core",
     "distbelief.downpour._options",
     "distbelief.downpour._partitioned",

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import threading
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,7 +16,7 @@ from distributed import Client
 from distbelief import downpour, models
 from distbelief.downpour import BatchPlan, sequential_sgd
 from distbelief.errors import InvalidOptionError
-from distbelief.storage import Dataset
+from distbelief.storage import Dataset, worker_addresses
 from distbelief.storage._digits import train_test_split_digits
 
 X_TR, Y_TR, _, _ = train_test_split_digits(seed=0)
@@ -55,6 +60,21 @@ def test_two_partitions_one_replica_is_sequential_sgd(
     assert res.stats["messages_per_step"] > 0 and res.stats["bytes_per_step"] > 0
 
 
+def test_fetching_and_pushing_every_few_steps_is_sequential_sgd(client: Client, digits: Dataset) -> None:
+    # One replica, rule="sgd", local_lr = lr: the local steps between fetches and pushes are the shards'
+    # updates taken early, so the run is sequential SGD whatever n_fetch and n_push (paper, Algorithm 7.1).
+    model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
+    res = downpour.train(
+        model, digits, replicas=1, partitions=2, rule="sgd", lr=0.1, l2=1e-3, max_steps=40, seed=3,
+        n_fetch=2, n_push=3, trace=True, client=client,
+    )  # fmt: skip
+    ref = _reference(model, digits, 40, lr=0.1, l2=1e-3)
+    np.testing.assert_allclose(res.losses[0], ref.losses, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(res.x, ref.x, rtol=1e-10, atol=1e-12)
+    # Each partition pushed to its one shard after steps 3, 6, ..., 39, and once more for step 40.
+    assert res.stats["pushes"] == 2 * (40 // 3 + 1)
+
+
 def test_partitioned_adagrad_with_two_replicas_learns(client: Client, digits: Dataset) -> None:
     model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
     res = downpour.train(model, digits, replicas=2, partitions=2, epochs=2, lr=0.3, client=client)
@@ -64,7 +84,62 @@ def test_partitioned_adagrad_with_two_replicas_learns(client: Client, digits: Da
 
 def test_unsupported_options_are_refused(client: Client, digits: Dataset) -> None:
     model = models.MLP([64, 10])
-    with pytest.raises(InvalidOptionError, match="n_fetch=3 is not supported with partitions=2"):
-        downpour.train(model, digits, partitions=2, n_fetch=3, max_steps=1, client=client)
+    with pytest.raises(InvalidOptionError, match="warmstart_steps=3 is not supported with partitions=2"):
+        downpour.train(model, digits, partitions=2, warmstart_steps=3, max_steps=1, client=client)
+    with pytest.raises(InvalidOptionError, match="n_push"):
+        downpour.train(model, digits, partitions=2, n_push=0, max_steps=1, client=client)
     with pytest.raises(InvalidOptionError, match="cannot be partitioned"):
         downpour.train(models.Softmax(64, 10), digits, partitions=2, max_steps=1, client=client)
+
+
+def _actors_here(dask_worker: Any) -> list[str]:
+    return [str(key) for key in dask_worker.state.actors]
+
+
+def _steps_here(before: list[str], dask_worker: Any = None) -> int:
+    """The most steps a partition actor on this worker, not one of ``before``, has taken."""
+    actors = dask_worker.state.actors
+    return max((int(getattr(a, "steps", 0)) for k, a in actors.items() if str(k) not in before), default=0)
+
+
+def test_a_killed_partition_worker_is_rebuilt_and_the_shards_count_every_applied_push(
+    client: Client, digits: Dataset
+) -> None:
+    home, other = worker_addresses(client)
+    killed: list[int] = []
+    # Actors of earlier tests may linger on the worker: only this run's partitions count.
+    before = client.run(_actors_here, workers=[other])[other]
+
+    def kill_once_training() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            steps = client.run(_steps_here, before, workers=[other]).get(other, 0)
+            if steps >= 10:
+                pid = client.run(os.getpid, workers=[other])[other]
+                os.kill(pid, signal.SIGKILL)
+                killed.append(steps)
+                return
+            time.sleep(0.02)
+
+    # Partition 0 of both replicas and every shard on one worker, partition 1 of both on the other.
+    model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
+    thread = threading.Thread(target=kill_once_training)
+    thread.start()
+    res = downpour.train(
+        model, digits, replicas=2, partitions=2, rule="sgd", lr=0.05, max_steps=200, client=client,
+        shard_workers=[home], replica_workers=[home, other], call_timeout=20.0,
+    )  # fmt: skip
+    thread.join()
+    assert killed, "the run ended before the kill"
+    assert res.success and res.steps == 200
+    assert sorted(res.stats["rebuilt_replicas"]) == [0, 1]
+    per = res.stats["per_partition"]
+    shard0, shard1 = res.stats["shard_counters"]
+    # Partition 0 survived (and was stopped, then replaced): every push its generations saw applied is on
+    # its shard, and nothing else is.
+    assert shard0["applied"] == sum(p["applied"] for p in per if p["partition"] == 0)
+    # Partition 1's first generation died with its worker: its shard also holds the pushes it made before.
+    after = sum(p["applied"] for p in per if p["partition"] == 1)
+    stopped_at = sum(p["steps"] for p in per if p["partition"] == 0 and p["stopped"])
+    assert after < shard1["applied"] <= after + stopped_at
+    assert np.isfinite(res.x).all() and model.accuracy(res.x, X_TR, Y_TR) > 0.5

@@ -37,6 +37,24 @@ SPECS: list[dict[str, Any]] = [
     {"kind": "mlp", "layer_sizes": [64, 32, 10], "activation": "tanh"},
     {"kind": "mlp", "layer_sizes": [4, 3], "activation": "sigmoid"},
     {"kind": "mlp", "layer_sizes": [8, 16, 16, 3], "activation": "relu"},
+    {
+        "kind": "locally_connected",
+        "n_features": 64,
+        "n_classes": 10,
+        "fields": [5, 3],
+        "strides": [2, 1],
+        "activation": "tanh",
+    },
+    {
+        "kind": "locally_connected_2d",
+        "image_shape": [8, 8],
+        "channels": 1,
+        "n_classes": 10,
+        "patches": [[3, 3], [2, 3]],
+        "strides": [[1, 1], [2, 1]],
+        "filters": [4, 2],
+        "activation": "relu",
+    },
 ]
 
 
@@ -66,6 +84,19 @@ def test_any_valid_spec_round_trips(
     spec: dict[str, Any] = {"kind": kind}
     if kind == "mlp":
         spec |= {"layer_sizes": [d, *hidden, k], "activation": activation}
+    elif kind == "locally_connected":
+        fields = [min(d, 1 + h % 7) for h in hidden[:1]] or [1]
+        spec |= {"n_features": d, "n_classes": k, "fields": fields, "strides": [1 + d % 3]}
+        spec["activation"] = activation
+    elif kind == "locally_connected_2d":
+        side = 1 + d % 9
+        spec |= {"image_shape": [side, 1 + k % 5], "channels": 1 + d % 2, "n_classes": k}
+        spec |= {"patches": [[1, 1]], "strides": [[1 + k % 2, 1]], "filters": [1 + d % 3]}
+        spec["activation"] = activation
+        model = from_spec(spec)
+        assert model.spec == spec and from_spec(model.spec) == model
+        assert model.n_features == side * (1 + k % 5) * (1 + d % 2)
+        return
     else:
         spec |= {"n_features": d, "fit_intercept": intercept}
         if kind == "softmax":
@@ -203,6 +234,29 @@ def test_options_are_keyword_only() -> None:
 # --- schemas ---------------------------------------------------------------------------------------------
 
 
+def _value_accepts(prop: dict[str, Any], value: Any) -> bool:
+    if "anyOf" in prop:
+        return any(_value_accepts(option, value) for option in prop["anyOf"])
+    if "const" in prop and value != prop["const"]:
+        return False
+    if "enum" in prop and value not in prop["enum"]:
+        return False
+    kind = prop.get("type")
+    if kind == "null":
+        return value is None
+    if kind == "integer":
+        return type(value) is int and value >= prop.get("minimum", -np.inf)
+    if kind == "boolean":
+        return type(value) is bool
+    if kind == "array":
+        if not isinstance(value, list) or not prop.get("minItems", 0) <= len(value) <= prop.get(
+            "maxItems", 1e9
+        ):
+            return False
+        return all(_value_accepts(prop["items"], v) for v in value)
+    return True
+
+
 def _schema_accepts(schema: dict[str, Any], spec: dict[str, Any]) -> bool:
     """A small JSON-schema check (no jsonschema package here) of the keywords pydantic emits for specs."""
     props = schema["properties"]
@@ -210,27 +264,22 @@ def _schema_accepts(schema: dict[str, Any], spec: dict[str, Any]) -> bool:
         not schema.get("additionalProperties", True) and set(spec) - set(props)
     ):
         return False
-    for key, value in spec.items():
-        prop = props[key]
-        if "const" in prop and value != prop["const"]:
-            return False
-        if "enum" in prop and value not in prop["enum"]:
-            return False
-        if prop.get("type") == "integer" and (type(value) is not int or value < prop.get("minimum", -np.inf)):
-            return False
-        if prop.get("type") == "boolean" and type(value) is not bool:
-            return False
-        if prop.get("type") == "array":
-            items = prop["items"]
-            if not isinstance(value, list) or len(value) < prop.get("minItems", 0):
-                return False
-            if any(type(v) is not int or v < items.get("minimum", -np.inf) for v in value):
-                return False
-    return True
+    return all(_value_accepts(props[key], value) for key, value in spec.items())
 
 
 def test_schemas_cover_every_kind_and_describe_the_specs() -> None:
-    assert set(SPEC_SCHEMAS) == set(MODEL_KINDS) == {"least_squares", "logistic", "softmax", "mlp"}
+    assert (
+        set(SPEC_SCHEMAS)
+        == set(MODEL_KINDS)
+        == {
+            "least_squares",
+            "logistic",
+            "softmax",
+            "mlp",
+            "locally_connected",
+            "locally_connected_2d",
+        }
+    )
     for kind in MODEL_KINDS:
         schema = spec_schema(kind)
         assert schema == SPEC_SCHEMAS[kind]
@@ -246,6 +295,38 @@ def test_schemas_cover_every_kind_and_describe_the_specs() -> None:
     assert not _schema_accepts(
         SPEC_SCHEMAS["mlp"], {"kind": "mlp", "layer_sizes": [2, 2], "activation": "elu"}
     )
+    lc2 = {"kind": "locally_connected_2d", "image_shape": [8, 8], "n_classes": 10}
+    assert _schema_accepts(SPEC_SCHEMAS["locally_connected_2d"], lc2)
+    assert not _schema_accepts(SPEC_SCHEMAS["locally_connected_2d"], {**lc2, "image_shape": [8]})
+    assert not _schema_accepts(SPEC_SCHEMAS["locally_connected_2d"], {**lc2, "patches": [[3, 3, 3]]})
+    assert _schema_accepts(SPEC_SCHEMAS["locally_connected_2d"], {**lc2, "patches": [3, [2, 3]]})
+    assert not _schema_accepts(SPEC_SCHEMAS["locally_connected_2d"], {**lc2, "patches": [0]})
+    assert not _schema_accepts(
+        SPEC_SCHEMAS["locally_connected"], {"kind": "locally_connected", "n_features": 4}
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"kind": "locally_connected", "n_features": 4, "n_classes": 2, "fields": [5]}, "receptive field"),
+        ({"kind": "locally_connected", "n_features": 8, "n_classes": 2, "fields": []}, "fields"),
+        ({"kind": "locally_connected", "n_features": 8, "n_classes": 2, "fields": [3], "strides": [1, 1]},
+         "same length"),
+        ({"kind": "locally_connected", "n_features": 8, "n_classes": 2, "fields": [3.0]}, "integer"),
+        ({"kind": "locally_connected_2d", "image_shape": [4, 4], "n_classes": 2, "patches": [5]}, "patch"),
+        ({"kind": "locally_connected_2d", "image_shape": [4], "n_classes": 2}, "image_shape"),
+        ({"kind": "locally_connected_2d", "image_shape": [8, 8], "n_classes": 2, "patches": [[3, 0]]},
+         ">= 1"),
+        ({"kind": "locally_connected_2d", "image_shape": [8, 8], "n_classes": 2, "filters": [2, 2]},
+         "same length"),
+        ({"kind": "locally_connected_2d", "image_shape": [8, 8], "n_classes": 2, "channel": 3}, "channels"),
+        ({"kind": "locally_connected_2d", "image_shape": [8, 8], "n_classes": 1}, "n_classes"),
+    ],
+)  # fmt: skip
+def test_bad_locally_connected_specs_say_what_is_wrong(spec: dict[str, Any], match: str) -> None:
+    with pytest.raises(ModelSpecError, match=match):
+        from_spec(spec)
 
 
 def test_spec_schema_rejects_unknown_kind() -> None:

@@ -157,7 +157,7 @@ class Calls:
     evaluations=st.integers(1, 3),
     data=st.data(),
 )
-def test_any_interleaving_of_reports_losses_and_timers_counts_every_portion_once(
+def test_any_interleaving_of_reports_losses_rebuilds_and_timers_counts_every_portion_once(
     n_replicas: int,
     n_portions: int,
     push_every: int,
@@ -179,21 +179,23 @@ def test_any_interleaving_of_reports_losses_and_timers_counts_every_portion_once
         for step in range(400):
             if calls.done is not None:
                 break
-            actions = ["report"] * 4 + ["tick", "late"]
+            actions = ["report"] * 4 + ["tick", "late", "replace"]
             if len(m.live) > 1:
                 actions.append("lose")
             action = data.draw(st.sampled_from(actions)) if step < 300 else "report"
             if action == "report" and calls.out:
                 send = calls.out.pop(data.draw(st.sampled_from(sorted(calls.out))))
                 m.report(send.call, world.report(send, paces[send.replica]), now)
-            elif action == "lose":
+            elif action in ("lose", "replace"):
                 r = data.draw(st.sampled_from(m.live))
                 dying = [s for s in calls.out.values() if s.replica == r]
                 for send in dying:
-                    # Died half-way: some groups on every shard, the next on some of them.
+                    # Died half-way: some groups on every shard, the next on some of them (a partitioned
+                    # replica's surviving partitions may have pushed a group their lost peer had not).
                     groups = data.draw(st.integers(0, len(world.groups(send)) - 1))
                     world.push(send, world.epoch, groups, data.draw(st.integers(0, len(world.shards))))
-                calls.carry(m.lose(r))
+                # "replace": the replica was rebuilt (a partitioned one's lost partition started again).
+                calls.carry(m.lose(r) if action == "lose" else m.replace(r))
                 assert not any(s.replica == r for s in calls.out.values())
             elif action == "late" and late:
                 # A straggler's copy from an evaluation that is over: the shards and the machine ignore it.

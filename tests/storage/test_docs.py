@@ -9,7 +9,13 @@ import pytest
 
 
 @pytest.mark.parametrize(
-    "name", ["distbelief.storage._dataset", "distbelief.storage._sparse", "distbelief.storage._rowcache"]
+    "name",
+    [
+        "distbelief.storage._dataset",
+        "distbelief.storage._sparse",
+        "distbelief.storage._rowcache",
+        "distbelief.storage._exchange",
+    ],
 )
 def test_examples_run(name: str) -> None:
     module = importlib.import_module(name)

@@ -1,0 +1,371 @@
+"""A 2-D locally connected network: image patches, no weight sharing (paper, section 3 and Figure 1).
+
+The paper's image models are locally connected over 2-D maps: every unit sees a ``ph x pw`` patch of all the
+channels of the layer below and has weights of its own (a convolution *without* weight sharing). Layer ``l``
+maps ``(h, w, c)`` to ``(h', w', F_l)`` with ``h' = (h - ph) // sh + 1`` and ``w' = (w - pw) // sw + 1``;
+location ``(i, j)`` holds ``F_l`` filters of shape ``(ph, pw, c)``, reading rows ``i*sh .. i*sh + ph - 1`` and
+columns ``j*sw .. j*sw + pw - 1``. A dense softmax output layer follows.
+
+Why a class of its own rather than ``LocallyConnected(..., input_shape=(h, w))``: every geometric option
+becomes a pair (patch, stride), a layer has channels and filters per location, and the spatial partition
+plan splits *rows of the map* (bands) where the 1-D plan splits units; one class per geometry keeps both
+specs strict and simple. Rows of ``X`` are images flattened row-major over ``(height, width, channels)``
+(e.g. ``load_digits()``: 8 x 8, one channel). The partitioned form is
+:class:`models.LocallyConnected2DPlan` (``models/_partitioned.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+from numpy.typing import ArrayLike, NDArray
+
+from distbelief.errors import ModelSpecError
+from distbelief.models import _checks
+from distbelief.models._base import ModelBase
+from distbelief.models._checks import LabelKind
+from distbelief.models._linear import softmax_xent_
+from distbelief.models._local import _ACTIVATIONS, activate_, backprop_activation_
+
+__all__ = ["LocallyConnected2D", "local2d_backward", "local2d_forward"]
+
+FloatArray = NDArray[np.float64]
+Pair = tuple[int, int]
+
+
+def local2d_forward(A: FloatArray, W: FloatArray, b: FloatArray, stride: Pair) -> FloatArray:
+    """Pre-activations ``(rows, h', w', F)`` of the local units ``W`` ``(h', w', ph, pw, c, F)`` on ``A``.
+
+    ``A`` has shape ``(rows, h, w, c)`` and holds (at least) the rows the units' patches cover, starting at
+    the first unit's first row; ``b`` has shape ``(h', w', F)``.
+    """
+    h2, w2, ph, pw, _, _ = W.shape
+    if h2 == 0:
+        return np.zeros((A.shape[0], 0, w2, W.shape[5]))
+    windows = sliding_window_view(A, (ph, pw), axis=(1, 2))[:, :: stride[0], :: stride[1]][:, :h2, :w2]
+    Z: FloatArray = np.einsum("rijcab,ijabcf->rijf", windows, W, optimize=True)
+    Z += b
+    return Z
+
+
+def local2d_backward(
+    A: FloatArray, W: FloatArray, delta: FloatArray, stride: Pair, *, need_input: bool
+) -> tuple[FloatArray, FloatArray, FloatArray | None]:
+    """Gradients of :func:`local2d_forward`: ``(dW, db, dA or None)`` for ``delta = dloss/dZ``."""
+    h2, w2, ph, pw, _, _ = W.shape
+    if h2 == 0:
+        return np.zeros_like(W), np.zeros(W.shape[:2] + W.shape[5:]), np.zeros_like(A) if need_input else None
+    sh, sw = stride
+    windows = sliding_window_view(A, (ph, pw), axis=(1, 2))[:, ::sh, ::sw][:, :h2, :w2]
+    gW: FloatArray = np.einsum("rijf,rijcab->ijabcf", delta, windows, optimize=True)
+    gb: FloatArray = delta.sum(axis=0)
+    if not need_input:
+        return gW, gb, None
+    dA = np.zeros_like(A)
+    rows_end, cols_end = sh * (h2 - 1) + 1, sw * (w2 - 1) + 1
+    for a in range(ph):
+        for c in range(pw):
+            # Every unit's patch position (a, c) reads A[:, i*sh + a, j*sw + c, :].
+            dA[:, a : a + rows_end : sh, c : c + cols_end : sw, :] += np.einsum(
+                "rijf,ijkf->rijk", delta, W[:, :, a, c], optimize=True
+            )
+    return gW, gb, dA
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ModelSpecError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _pair(name: str, value: Any) -> Pair:
+    def positive(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+            raise ModelSpecError(f"{name} must be a positive integer or a pair of them, got {value!r}")
+        return int(v)
+
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != 2:
+            raise ModelSpecError(
+                f"{name} must be a positive integer or a pair [rows, columns], got {value!r}"
+            )
+        return positive(value[0]), positive(value[1])
+    side = positive(value)
+    return side, side
+
+
+class LocallyConnected2D(ModelBase):
+    """2-D locally connected network (no weight sharing) with a dense softmax cross-entropy output layer.
+
+    Parameter layout (one flat float64 vector): for every local layer ``W_l`` of shape
+    ``(h', w', ph, pw, c, F)`` (location ``(i, j)``'s own filters) then ``b_l`` ``(h', w', F)``; then the
+    output ``W`` ``(h'*w'*F, n_classes)`` and ``b`` ``(n_classes,)``. A row band of a layer (rows ``lo:hi``
+    of its map) is one contiguous range of ``W_l``, of ``b_l`` and of the output rows: what a spatial
+    partition owns.
+
+    Parameters
+    ----------
+    image_shape : (int, int)
+        Height and width of the input images.
+    n_classes : int
+        Number of classes (>= 2).
+    channels : int
+        Channels of the input (rows of ``X`` are flattened ``(height, width, channels)``). Default 1.
+    patches : sequence of int or (int, int)
+        Patch (receptive field) of every local layer, ``ph x pw`` (an int ``p`` means ``p x p``). Default one
+        layer of 3 x 3.
+    strides : sequence of int or (int, int), optional
+        Stride of every local layer (same length as ``patches``); default 1 x 1 for each.
+    filters : sequence of int, optional
+        Filters (output channels) per location of every local layer; default 4 for each.
+    activation : {"sigmoid", "tanh", "relu"}
+        Activation of the local layers. Default ``"tanh"``.
+
+    Raises
+    ------
+    distbelief.errors.ModelSpecError
+        A size that is not a positive integer, a map smaller than its patch, lists of different lengths,
+        fewer than two classes.
+
+    Examples
+    --------
+    >>> m = LocallyConnected2D((8, 8), 10, patches=[3], strides=[1], filters=[2])
+    >>> m.shapes  # (8 - 3) // 1 + 1 = 6 locations a side, 2 filters each
+    ((8, 8, 1), (6, 6, 2))
+    >>> m.n_params  # 36 locations x (3*3*1*2 weights + 2 biases), then 72*10 + 10
+    1450
+    >>> loss, grad = m.loss_and_grad(m.init_params(0), np.ones((2, 64)), [0, 9])
+    >>> grad.shape
+    (1450,)
+    """
+
+    kind: ClassVar[str] = "locally_connected_2d"
+    label_kind: ClassVar[LabelKind] = "classes"
+    _name: ClassVar[str] = "2-D locally connected network"
+
+    def __init__(
+        self,
+        image_shape: Sequence[int],
+        n_classes: int,
+        *,
+        channels: int = 1,
+        patches: Sequence[int | Sequence[int]] = (3,),
+        strides: Sequence[int | Sequence[int]] | None = None,
+        filters: Sequence[int] | None = None,
+        activation: str = "tanh",
+    ) -> None:
+        if not isinstance(image_shape, Sequence) or isinstance(image_shape, str) or len(image_shape) != 2:
+            raise ModelSpecError(f"image_shape must be [height, width], got {image_shape!r}")
+        height, width = _pair("image_shape", list(image_shape))
+        channels = _positive("channels", channels)
+        self._n_classes = _positive("n_classes", n_classes)
+        if self._n_classes < 2:
+            raise ModelSpecError(f"n_classes must be >= 2, got {n_classes}; use 2 for binary labels")
+        self._patches = tuple(_pair("patches[]", p) for p in patches)
+        n_layers = len(self._patches)
+        self._strides = tuple(
+            _pair("strides[]", s) for s in (strides if strides is not None else [1] * n_layers)
+        )
+        self._filters = tuple(
+            _positive("filters[]", f) for f in (filters if filters is not None else [4] * n_layers)
+        )
+        if not n_layers or len(self._strides) != n_layers or len(self._filters) != n_layers:
+            raise ModelSpecError(
+                "patches, strides and filters must be non-empty and of the same length, got "
+                f"{len(self._patches)}, {len(self._strides)} and {len(self._filters)}; give one patch (and "
+                "stride, filters) per local layer"
+            )
+        if activation not in _ACTIVATIONS:
+            raise ModelSpecError(f"unknown activation {activation!r}; valid: {', '.join(_ACTIVATIONS)}")
+        self._activation = activation
+        shapes = [(height, width, channels)]
+        for (ph, pw), (sh, sw), f in zip(self._patches, self._strides, self._filters, strict=True):
+            h, w, _ = shapes[-1]
+            if h < ph or w < pw:
+                raise ModelSpecError(
+                    f"a {h} x {w} map cannot feed a {ph} x {pw} patch; use smaller patches or larger images"
+                )
+            shapes.append(((h - ph) // sh + 1, (w - pw) // sw + 1, f))
+        self._shapes = tuple(shapes)
+        # Shapes of (W, b) of every layer, the output layer last, and their (start W, start b, end b).
+        self._param_shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = [
+            ((h2, w2, ph, pw, c, f), (h2, w2, f))
+            for (_, _, c), (h2, w2, f), (ph, pw) in zip(shapes[:-1], shapes[1:], self._patches, strict=True)
+        ]
+        h, w, f = shapes[-1]
+        self._param_shapes.append(((h * w * f, self._n_classes), (self._n_classes,)))
+        self._offsets: list[tuple[int, int, int]] = []
+        start = 0
+        for w_shape, b_shape in self._param_shapes:
+            nw, nb = int(np.prod(w_shape)), int(np.prod(b_shape))
+            self._offsets.append((start, start + nw, start + nw + nb))
+            start += nw + nb
+        self._n_params = start
+
+    @property
+    def n_params(self) -> int:
+        """Total number of weights and biases."""
+        return self._n_params
+
+    @property
+    def n_features(self) -> int:
+        """Input width: height x width x channels."""
+        h, w, c = self._shapes[0]
+        return h * w * c
+
+    @property
+    def n_classes(self) -> int:
+        """Number of classes."""
+        return self._n_classes
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int, int], ...]:
+        """``(height, width, channels)`` of the input and of every local layer's map."""
+        return self._shapes
+
+    @property
+    def patches(self) -> tuple[Pair, ...]:
+        """Patch ``(ph, pw)`` of every local layer."""
+        return self._patches
+
+    @property
+    def strides(self) -> tuple[Pair, ...]:
+        """Stride ``(sh, sw)`` of every local layer."""
+        return self._strides
+
+    @property
+    def filters(self) -> tuple[int, ...]:
+        """Filters per location of every local layer."""
+        return self._filters
+
+    @property
+    def activation(self) -> str:
+        """Activation of the local layers."""
+        return self._activation
+
+    @property
+    def offsets(self) -> tuple[tuple[int, int, int], ...]:
+        """``(start of W, start of b, end of b)`` of every layer in the flat vector, the output layer last."""
+        return tuple(self._offsets)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """``{"kind": "locally_connected_2d", "image_shape", "channels", "n_classes", "patches", "strides",
+        "filters", "activation"}`` (patches and strides as pairs)."""
+        h, w, c = self._shapes[0]
+        return {
+            "kind": self.kind,
+            "image_shape": [h, w],
+            "channels": c,
+            "n_classes": self._n_classes,
+            "patches": [list(p) for p in self._patches],
+            "strides": [list(s) for s in self._strides],
+            "filters": list(self._filters),
+            "activation": self._activation,
+        }
+
+    def unpack(self, w: ArrayLike) -> list[tuple[FloatArray, FloatArray]]:
+        """Views ``[(W_1, b_1), ..., (W_out, b_out)]`` into ``w``.
+
+        Examples
+        --------
+        >>> m = LocallyConnected2D((4, 4), 2, patches=[2], filters=[1])
+        >>> [W.shape for W, _ in m.unpack(np.zeros(m.n_params))]
+        [(3, 3, 2, 2, 1, 1), (9, 2)]
+        """
+        return self._layers(_checks.as_params(w, self._n_params, self._name))
+
+    def _layers(self, w: FloatArray) -> list[tuple[FloatArray, FloatArray]]:
+        return [
+            (w[a:b].reshape(ws), w[b:c].reshape(bs))
+            for (a, b, c), (ws, bs) in zip(self._offsets, self._param_shapes, strict=True)
+        ]
+
+    def init_params(self, seed: int | None = None) -> FloatArray:
+        """Glorot uniform weights (fan-in = the patch, fan-out = the filters), zero biases.
+
+        Examples
+        --------
+        >>> m = LocallyConnected2D((4, 4), 2, patches=[2])
+        >>> bool((m.init_params(1) == m.init_params(1)).all())
+        True
+        """
+        rng = np.random.default_rng(seed)
+        w = np.zeros(self._n_params)
+        layers = self._layers(w)
+        for index, (W, _) in enumerate(layers):
+            if index == len(layers) - 1:
+                fan_in, fan_out = W.shape
+            else:
+                fan_in, fan_out = int(np.prod(W.shape[2:5])), W.shape[5]
+            limit = np.sqrt(6.0 / (fan_in + fan_out))
+            W[...] = rng.uniform(-limit, limit, size=W.shape)
+        return w
+
+    def _forward(
+        self, w: ArrayLike, X: ArrayLike
+    ) -> tuple[list[tuple[FloatArray, FloatArray]], list[FloatArray]]:
+        w_arr = _checks.as_params(w, self._n_params, self._name)
+        X_arr = _checks.as_rows(X, self.n_features, self._name)
+        layers = self._layers(w_arr)
+        inputs = [X_arr.reshape(X_arr.shape[0], *self._shapes[0])]
+        for (W, b), stride in zip(layers[:-1], self._strides, strict=True):
+            A = local2d_forward(inputs[-1], W, b, stride)
+            activate_(A, self._activation)
+            inputs.append(A)
+        W, b = layers[-1]
+        inputs.append(inputs[-1].reshape(X_arr.shape[0], -1) @ W + b)
+        return layers, inputs
+
+    def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
+        """Summed cross-entropy over the rows and its gradient by backpropagation.
+
+        Examples
+        --------
+        >>> m = LocallyConnected2D((2, 2), 2, patches=[2])
+        >>> loss, _ = m.loss_and_grad(np.zeros(m.n_params), [[1.0, 2.0, 3.0, 4.0]], [1])
+        >>> round(loss, 6)
+        0.693147
+        """
+        layers, inputs = self._forward(w, X)
+        rows = inputs[0].shape[0]
+        labels = _checks.class_labels(_checks.as_targets(y, rows, self._name), self._n_classes, self._name)
+        delta = np.ascontiguousarray(inputs.pop())
+        loss = softmax_xent_(delta, labels)
+        W_out = layers[-1][0]
+        grads: list[FloatArray] = [(inputs[-1].reshape(rows, -1).T @ delta).ravel(), delta.sum(axis=0)]
+        dA = (delta @ W_out.T).reshape(inputs[-1].shape)
+        for index in range(len(layers) - 2, -1, -1):
+            backprop_activation_(dA, inputs[index + 1], self._activation)
+            gW, gb, dA_below = local2d_backward(
+                inputs[index], layers[index][0], dA, self._strides[index], need_input=index > 0
+            )
+            grads = [gW.ravel(), gb.ravel(), *grads]
+            if dA_below is not None:
+                dA = dA_below
+        return loss, np.concatenate(grads)
+
+    def predict(self, w: ArrayLike, X: ArrayLike) -> NDArray[np.int64]:
+        """Most probable class of every row.
+
+        Examples
+        --------
+        >>> m = LocallyConnected2D((2, 2), 2, patches=[2])
+        >>> m.predict(np.zeros(m.n_params), np.ones((3, 4))).shape
+        (3,)
+        """
+        return np.argmax(self._forward(w, X)[1][-1], axis=1).astype(np.int64)
+
+    def accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
+        """Fraction of rows whose predicted class equals ``y``.
+
+        Examples
+        --------
+        >>> m = LocallyConnected2D((2, 2), 2, patches=[2])
+        >>> m.accuracy(np.zeros(m.n_params), np.ones((2, 4)), [0, 1])
+        0.5
+        """
+        return self._accuracy(w, X, y)
