@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/scale.py [--quick] [--sizes 16,20,24,27] [--rows 2000000] [--maxiter 5]
+                               [--modes sparse,dense] [--dense-max-log2 24] [--worker-memory 6GiB]
                                [--scipy-memory-gb 6] [--scipy-timeout 900] [--shard-memory auto]
 
 A click-through-shaped synthetic set (raw feature ids with power-law frequencies, ~40 nonzeros per row,
@@ -16,16 +17,18 @@ matrix, hashed to ``2**k`` buckets for every ``k`` of ``--sizes`` and written as
   process under an address-space rlimit and a timeout, so it cannot take the machine down; where it runs
   out of memory or time is recorded.
 
-Recorded per size: seconds per iteration, bytes moved per evaluation (dense pull/push: every replica fetch
-pulls ``x`` whole and every pushed group sends a whole gradient slice; plus bytes the shards streamed
-from/to their spill files), peak RSS of every process (a psutil sampler thread in every worker and in the
-coordinator, and each process's ``ru_maxrss``), and the final objective. ``--spill-ops`` also times shard ops
-on in-RAM against spilled vectors. Writes ``scale.json`` and ``scale.png`` to ``--out``.
+The project runs once per communication mode of ``--modes``: ``sparse`` (replicas pull and push only the
+keys their rows touch, each shard's message in the smaller of the key-value and the whole-slice encoding)
+and ``dense`` (whole slices). Dense runs above ``--dense-max-log2`` are not run: every dense push of a group
+carries a binned gradient sum of 32 bytes a parameter (4.3 GB at 2^27) and the shard's exact deposit makes
+several slice-sized temporaries; their bytes per evaluation are then computed from the sparse run's
+fetch and push counts (``dense_bytes_per_eval_model``).
 
-HOOK(sparsepush): once branch ``sparsepush`` lands (replicas pull/push only touched keys, a
-``communication=`` option and byte counters), add its mode to :data:`COMMUNICATION_MODES` and read the
-measured counters in :func:`communication_bytes`: the JSON rows and the table already carry a
-``communication`` column per run.
+Recorded per size and mode: seconds per iteration, bytes moved per evaluation as the replicas counted them
+(keys included), bytes the shards streamed from/to their spill files and the seconds that took, the
+shards' busy seconds per op kind, peak RSS of every process (a psutil sampler thread in every worker and in
+the coordinator, and each process's ``ru_maxrss``), and the final objective. ``--spill-ops`` also times
+shard ops on in-RAM against spilled vectors. Writes ``scale.json`` and ``scale.png`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -49,12 +52,18 @@ import psutil
 import scipy.sparse as sp
 
 HERE = Path(__file__).resolve().parent
+# This checkout's distbelief (not an installed one), here and in the workers it spawns.
+sys.path.insert(0, str(HERE.parent))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
 OUT = HERE / "results"
 NNZ_PER_ROW = 40
 HISTORY = 10
 L2 = 1e-6
-#: HOOK(sparsepush): add "sparse" here once minimize(communication="sparse") exists.
-COMMUNICATION_MODES: tuple[str, ...] = ("dense",)
+COMMUNICATION_MODES: tuple[str, ...] = ("sparse", "dense")
+DENSE_SKIPPED = (
+    "every dense push of a group carries a binned gradient sum of 32 bytes a parameter and the shard's exact "
+    "deposit makes several slice-sized temporaries: beyond the box's memory at this size; bytes modelled"
+)
 
 
 # -- data ----------------------------------------------------------------------------------------------------
@@ -122,14 +131,18 @@ class PeakSampler:
             self.peak = max(self.peak, self.proc.memory_info().rss)
             if self.worker is not None:
                 for key, actor in list(self.worker.state.actors.items()):
-                    vs = getattr(getattr(actor, "core", None), "vectors", None)
+                    core = getattr(actor, "core", None)
+                    vs = getattr(core, "vectors", None)
                     if vs is not None and hasattr(vs, "bytes_read"):
                         self.spill[str(key)] = {
                             "bytes_read": vs.bytes_read,
                             "bytes_written": vs.bytes_written,
+                            "seconds_read": getattr(vs, "seconds_read", 0.0),
+                            "seconds_written": getattr(vs, "seconds_written", 0.0),
                             "ram_bytes": vs.ram_bytes,
                             "spilled": len(vs.spilled),
                             "budget": vs.budget,
+                            "op_seconds": dict(getattr(core, "op_seconds", {})),
                         }
 
     def stop(self) -> dict[str, Any]:
@@ -155,23 +168,23 @@ def _stop_sampler(dask_worker: Any) -> dict[str, Any]:
 
 
 # -- the project's run --------------------------------------------------------------------------------------
-def communication_bytes(res: Any, n_params: int, push_every: int, mode: str) -> dict[str, float]:
-    """Bytes moved between replicas and shards per evaluation.
+def communication_bytes(res: Any, n_params: int) -> dict[str, float]:
+    """Bytes moved between replicas and shards per evaluation, as the replicas counted them (keys
+    included), and what whole-slice (dense) messages would have moved for the same fetches and pushes.
 
-    Dense pull/push (today): every fetch pulls the whole ``x`` (``8 n`` bytes) and every pushed group of
-    ``push_every`` portions sends a whole gradient (``8 n``), so the figure is computed from the counts.
-    HOOK(sparsepush): for ``mode == "sparse"`` read the measured counters from ``res.stats`` instead.
+    The dense model: every fetch pulls ``x`` whole (``8 n`` bytes) and every pushed group sends a whole
+    gradient slice, binned (``32 n``: :mod:`storage._exactsum`) when it sums two portions or more.
     """
-    if mode != "dense":
-        raise NotImplementedError("sparse pull/push: read res.stats byte counters here (branch sparsepush)")
+    stats = res.stats
     nfev = max(1, int(res.nfev))
     fetches = float(res.history.fetches.values.sum()) if "fetches" in res.history else float("nan")
-    portions = int(res.stats.get("portions", 1))
-    replicas = int(res.stats.get("replicas", 1))
-    pushes_per_eval = replicas * math.ceil(portions / replicas / push_every)
-    pulled = 8.0 * n_params * fetches / nfev
-    pushed = 8.0 * n_params * pushes_per_eval
-    return {"pull_bytes_per_eval": pulled, "push_bytes_per_eval": pushed, "bytes_per_eval": pulled + pushed}
+    out = {
+        "pull_bytes_per_eval": float(stats.get("bytes_pulled", 0)) / nfev,
+        "push_bytes_per_eval": float(stats.get("bytes_pushed", 0)) / nfev,
+        "bytes_per_eval": float(stats.get("bytes_per_evaluation", float("nan"))),
+        "dense_pull_bytes_per_eval_model": 8.0 * n_params * fetches / nfev,
+    }
+    return out
 
 
 def run_distbelief(
@@ -181,6 +194,8 @@ def run_distbelief(
     shard_memory: int | str | None,
     workers: int,
     push_every: int = 4,
+    mode: str = "sparse",
+    worker_memory: str | None = None,
 ) -> dict[str, Any]:
     from distributed import Client, LocalCluster
 
@@ -188,12 +203,18 @@ def run_distbelief(
     from distbelief.models import Logistic
 
     model = Logistic(n_features)
-    out: dict[str, Any] = {"method": "distbelief", "communication": "dense"}
+    out: dict[str, Any] = {"method": "distbelief", "communication": mode}
     coordinator = PeakSampler()
     t0 = time.perf_counter()
+    limit: dict[str, Any] = {} if worker_memory is None else {"memory_limit": worker_memory}
     with (
         LocalCluster(
-            n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
+            n_workers=workers,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            host="127.0.0.1",
+            **limit,
         ) as cluster,
         Client(cluster) as client,
     ):
@@ -211,6 +232,7 @@ def run_distbelief(
                 client=client,
                 shard_memory=shard_memory,
                 push_every=push_every,
+                communication=mode,
             )
         finally:
             per_worker = client.run(_stop_sampler)
@@ -230,12 +252,22 @@ def run_distbelief(
         time_gradient=float(res.history.time_gradient.values.sum()),
         time_shard_ops=float(res.history.time_shard_ops.values.sum()),
         time_coordinator=float(res.history.time_coordinator.values.sum()),
+        **{k: v for k, v in res.stats.items() if k.startswith("replica_")},
         shards=res.stats.get("shards"),
         replicas=res.stats.get("replicas"),
         portions=res.stats.get("portions"),
         worker_memory_limit=memory_limit,
         push_every=push_every,
-        **communication_bytes(res, model.n_params, push_every, "dense"),
+        bytes_encoding=res.stats.get("communication"),
+        **communication_bytes(res, model.n_params),
+    )
+    # Whole-slice pushes for the same groups: each replica pushes ceil(its portions / push_every) groups a
+    # evaluation, binned (32 bytes a parameter) when a group sums two portions or more.
+    portions, replicas = int(out["portions"] or 1), int(out["replicas"] or 1)
+    per_replica = math.ceil(portions / replicas)
+    groups = replicas * math.ceil(per_replica / push_every)
+    out["dense_push_bytes_per_eval_model"] = (
+        groups * (32 if min(push_every, per_replica) > 1 else 8) * (model.n_params)
     )
     del res
     out["processes"] = {
@@ -246,6 +278,12 @@ def run_distbelief(
     out["spill_bytes_read"] = sum(s["bytes_read"] for s in spill)
     out["spill_bytes_written"] = sum(s["bytes_written"] for s in spill)
     out["spill_bytes_per_eval"] = (out["spill_bytes_read"] + out["spill_bytes_written"]) / max(1, out["nfev"])
+    out["spill_seconds"] = sum(s.get("seconds_read", 0.0) + s.get("seconds_written", 0.0) for s in spill)
+    ops: dict[str, float] = {}
+    for s in spill:
+        for kind, secs in s.get("op_seconds", {}).items():
+            ops[kind] = ops.get(kind, 0.0) + secs
+    out["shard_op_seconds"] = ops  # summed over shards (they run at once, on different workers)
     out["peak_rss_max"] = max(p["rss_peak_sampled"] for p in out["processes"].values())
     out["peak_rss_workers_max"] = max(
         (p["rss_peak_sampled"] for k, p in out["processes"].items() if k != "coordinator"), default=0
@@ -301,33 +339,43 @@ def scipy_child(path: str, maxiter: int) -> None:
 def run_scipy(
     X: sp.csr_array, y: np.ndarray, maxiter: int, memory_gb: float, timeout: float
 ) -> dict[str, Any]:
+    """SciPy's L-BFGS-B on ``X, y`` in a child process under an address-space limit and a timeout."""
+    with tempfile.TemporaryDirectory(prefix="scale-scipy-") as tmp:
+        save_for_scipy(X, y, tmp)
+        return run_scipy_saved(tmp, maxiter, memory_gb, timeout)
+
+
+def save_for_scipy(X: sp.csr_array, y: np.ndarray, path: str) -> None:
+    """Write the matrix and labels where :func:`run_scipy_saved`'s child reads them."""
+    sp.save_npz(f"{path}/X.npz", X, compressed=False)
+    np.save(f"{path}/y.npy", y)
+
+
+def run_scipy_saved(path: str, maxiter: int, memory_gb: float, timeout: float) -> dict[str, Any]:
+    """:func:`run_scipy` on a matrix already saved by :func:`save_for_scipy` (so this process need not
+    hold it meanwhile)."""
     limit = int(memory_gb * 2**30)
 
     def guard() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    with tempfile.TemporaryDirectory(prefix="scale-scipy-") as tmp:
-        sp.save_npz(f"{tmp}/X.npz", X, compressed=False)
-        np.save(f"{tmp}/y.npy", y)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--scipy-child", tmp, "--maxiter", str(maxiter)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-        out: dict[str, Any] = {"method": "scipy L-BFGS-B", "memory_limit": limit}
-        t0 = time.perf_counter()
-        try:
-            done = subprocess.run(
-                cmd, preexec_fn=guard, capture_output=True, text=True, timeout=timeout, env=env
-            )
-        except subprocess.TimeoutExpired:
-            return {**out, "status": f"timeout after {timeout:.0f} s"}
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if lines:
-            out.update(json.loads(lines[-1]))
-        else:
-            tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-            out["status"] = "MemoryError" if "MemoryError" in done.stderr else f"failed: {tail[0][:200]}"
-        out.setdefault("wall_s", time.perf_counter() - t0)
-        out["peak_rss_max"] = out.get("ru_maxrss")
-        return out
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--scipy-child", path, "--maxiter", str(maxiter)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    out: dict[str, Any] = {"method": "scipy L-BFGS-B", "memory_limit": limit}
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, preexec_fn=guard, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {**out, "status": f"timeout after {timeout:.0f} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if lines:
+        out.update(json.loads(lines[-1]))
+    else:
+        tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        out["status"] = "MemoryError" if "MemoryError" in done.stderr else f"failed: {tail[0][:200]}"
+    out.setdefault("wall_s", time.perf_counter() - t0)
+    out["peak_rss_max"] = out.get("ru_maxrss")
+    return out
 
 
 # -- shard ops on in-RAM and spilled vectors -----------------------------------------------------------------
@@ -373,36 +421,66 @@ def spill_ops(size: int, reps: int = 3) -> list[dict[str, Any]]:
 
 
 # -- plot and table ------------------------------------------------------------------------------------------
+def _series(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The rows per line of the plot: scipy, and the project per communication mode."""
+    keys: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        label = r["method"] if r["method"] != "distbelief" else f"distbelief ({r.get('communication')})"
+        keys.setdefault(label, []).append(r)
+    return list(keys.items())
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for method, marker in (("distbelief", "o-"), ("scipy L-BFGS-B", "s--")):
-        pts = [r for r in rows if r["method"] == method and r.get("status") == "ok"]
-        if not pts:
-            continue
-        p = [r["n_params"] for r in pts]
-        ax_t.plot(p, [r["s_per_iter"] for r in pts], marker, label=method)
-        ax_m.plot(p, [r["peak_rss_max"] / 2**30 for r in pts], marker, label=f"{method} (largest process)")
-        if method == "distbelief":  # the coordinator holds the generated matrix; the workers hold the model
-            ax_m.plot(
-                p, [r["peak_rss_workers_max"] / 2**30 for r in pts], "o:", label=f"{method} (largest worker)"
-            )
-        for r in rows:
-            if r["method"] == method and r.get("status") != "ok":
+    fig, (ax_t, ax_m, ax_b) = plt.subplots(1, 3, figsize=(15, 4.4))
+    styles = {"scipy L-BFGS-B": "s--", "distbelief (sparse)": "o-", "distbelief (dense)": "^-"}
+    for i, (label, group) in enumerate(_series(rows)):
+        style = styles.get(label, "x-")
+        pts = sorted((r for r in group if r.get("status") == "ok"), key=lambda r: r["n_params"])
+        if pts:
+            p = [r["n_params"] for r in pts]
+            ax_t.plot(p, [r["s_per_iter"] for r in pts], style, label=label)
+            ax_m.plot(p, [r["peak_rss_max"] / 2**30 for r in pts], style, label=f"{label}: largest process")
+            if label.startswith("distbelief"):
+                workers = [r["peak_rss_workers_max"] / 2**30 for r in pts]
+                ax_m.plot(p, workers, style.replace("-", ":"), alpha=0.6, label=f"{label}: largest worker")
+                ax_b.plot(p, [r["bytes_per_eval"] / 1e6 for r in pts], style, label=f"{label}: measured")
+        for r in group:
+            if r.get("status") != "ok":
+                ax_t.axvline(r["n_params"], color="grey", lw=0.6, ls=":")
                 ax_t.annotate(
-                    str(r["status"])[:24], (r["n_params"], ax_t.get_ylim()[1]), fontsize=7, rotation=90
+                    f"{label}: {str(r.get('status'))[:22]}",
+                    (r["n_params"], 0.02),
+                    xycoords=("data", "axes fraction"),
+                    xytext=(-12 + 8 * i, 0),  # one column of text per series, side by side
+                    textcoords="offset points",
+                    fontsize=6,
+                    rotation=90,
                 )
-    for ax, label in ((ax_t, "seconds per iteration"), (ax_m, "peak RSS (GiB)")):
+    model = sorted(
+        (r for r in rows if r.get("communication") == "sparse" and r.get("status") == "ok"),
+        key=lambda r: r["n_params"],
+    )
+    if model:
+        dense = [
+            (r["dense_pull_bytes_per_eval_model"] + r["dense_push_bytes_per_eval_model"]) / 1e6 for r in model
+        ]
+        ax_b.plot([r["n_params"] for r in model], dense, "k:", label="whole slices (model, same messages)")
+    for ax, label in (
+        (ax_t, "seconds per iteration"),
+        (ax_m, "peak RSS (GiB)"),
+        (ax_b, "MB moved per evaluation (replicas <-> shards)"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("parameters")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle("Sparse logistic regression, hashed CTR features, L-BFGS m=10 (shared, loaded 2-core box)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -411,26 +489,51 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        f"{'params':>10} {'method':>15} {'comm':>5} {'status':>12} {'s/iter':>8} {'MB/eval':>9} "
-        f"{'peak GiB':>8} {'objective':>12}"
+        f"{'params':>10} {'method':>15} {'comm':>6} {'status':>12} {'s/iter':>8} {'MB/eval':>9} "
+        f"{'dense MB':>9} {'peak GiB':>8} {'worker GiB':>10} {'objective':>12}"
     )
     lines = [head]
     for r in rows:
         mb = r.get("bytes_per_eval", float("nan")) / 1e6
+        dense = (
+            r.get("dense_pull_bytes_per_eval_model", math.nan)
+            + r.get("dense_push_bytes_per_eval_model", math.nan)
+        ) / 1e6
         peak = (r.get("peak_rss_max") or float("nan")) / 2**30
+        worker = (r.get("peak_rss_workers_max") or float("nan")) / 2**30
         lines.append(
-            f"{r['n_params']:>10} {r['method']:>15} {r.get('communication', '-'):>5} "
+            f"{r['n_params']:>10} {r['method']:>15} {r.get('communication', '-'):>6} "
             f"{str(r.get('status'))[:12]:>12} {r.get('s_per_iter', float('nan')):8.3f} {mb:9.1f} "
-            f"{peak:8.2f} {r.get('fun', float('nan')):12.6g}"
+            f"{dense:9.1f} {peak:8.2f} {worker:10.2f} {r.get('fun', float('nan')):12.6g}"
         )
     return "\n".join(lines)
+
+
+def merge_runs(path: Path, run: dict[str, Any]) -> dict[str, Any]:
+    """Add ``run``'s rows to the results file ``path`` (its rows of the same sizes are replaced), each row
+    tagged with the command and machine state of its run; rewrite the PNG beside it from every row.
+
+    For a size run on its own (2^27 needs the whole box): the file says which run every row came from.
+    """
+    old: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"runs": [], "rows": []}
+    sizes = {r["log2"] for r in run["rows"]}
+    tag = {"run_argv": run["argv"], "run_machine": run["machine"]}
+    rows = [r for r in old.get("rows", []) if r["log2"] not in sizes]
+    rows += [{**r, **tag} for r in run["rows"]]
+    rows.sort(key=lambda r: (r["log2"], r["method"], str(r.get("communication"))))
+    runs = [r for r in old.get("runs", []) if set(r.get("sizes", [])) - sizes]
+    runs.append({"sizes": sorted(sizes), **{k: v for k, v in run.items() if k != "rows"}})
+    merged = {"note": run.get("note"), "runs": runs, "rows": rows}
+    path.write_text(json.dumps(merged, indent=1, default=str))
+    plot(rows, path.with_suffix(".png"))
+    return merged
 
 
 # -- main ----------------------------------------------------------------------------------------------------
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="tiny sizes for the test suite")
-    ap.add_argument("--sizes", default="16,20,24,27", help="log2 parameter counts, comma separated")
+    ap.add_argument("--sizes", default=None, help="log2 parameter counts, comma separated (16,20,24,27)")
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--maxiter", type=int, default=5)
     ap.add_argument("--workers", type=int, default=2)
@@ -438,16 +541,22 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     # push once or twice per evaluation (e.g. 64), not every 4 portions.
     ap.add_argument("--push-every", type=int, default=4)
     ap.add_argument("--shard-memory", default="auto", help="bytes per shard, 'auto' or 'none'")
+    ap.add_argument("--modes", default=",".join(COMMUNICATION_MODES), help="communication modes to run")
+    ap.add_argument("--dense-max-log2", type=int, default=24, help="largest size run in dense mode")
+    ap.add_argument("--worker-memory", default=None, help="each worker's memory_limit (Dask's default: auto)")
     ap.add_argument("--scipy-memory-gb", type=float, default=6.0)
     ap.add_argument("--scipy-timeout", type=float, default=900.0)
     ap.add_argument("--no-scipy", action="store_true")
     ap.add_argument("--spill-ops", type=int, default=1 << 24, help="vector size for the op timings (0: skip)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--merge-into", help="also merge this run's rows into that results file (see merge_runs)")
     ap.add_argument("--scipy-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
-        args.sizes, args.rows, args.maxiter, args.spill_ops = "10,12", 3000, 2, 1 << 12
+        args.sizes = args.sizes or "10,12"
+        args.rows, args.maxiter, args.spill_ops = 3000, 2, 1 << 12
         args.scipy_timeout = min(args.scipy_timeout, 120.0)
+    args.sizes = args.sizes or "16,20,24,27"
     return args
 
 
@@ -480,38 +589,67 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "rows": rows,
     }
     json_path = args.out / ("scale_quick.json" if args.quick else "scale.json")
+    modes = [m for m in args.modes.split(",") if m]
     for k in sizes:
         t0 = time.perf_counter()
         X, y = hashed_csr(args.rows, k)
         gen_s = time.perf_counter() - t0
         n_params = (1 << k) + 1  # hashed buckets and the intercept
-        print(f"2^{k}: {X.shape[0]} rows, {X.nnz} nonzeros, generated in {gen_s:.1f} s", flush=True)
+        nnz = int(X.nnz)
+        print(f"2^{k}: {X.shape[0]} rows, {nnz} nonzeros, generated in {gen_s:.1f} s", flush=True)
         with tempfile.TemporaryDirectory(prefix="scale-data-", dir=args.out) as tmp:
             ds = Dataset.from_arrays(X, y, path=f"{tmp}/data", overwrite=True)
-            for mode in COMMUNICATION_MODES:
-                row = {"log2": k, "n_params": n_params, "nnz": int(X.nnz), "generate_s": gen_s}
+            if not args.no_scipy:
+                save_for_scipy(X, y, tmp)
+            # The coordinator need not hold the matrix while the cluster runs (1.3 GB at 80M nonzeros).
+            del X, y
+            done: dict[str, dict[str, Any]] = {}
+            for mode in modes:
+                row: dict[str, Any] = {"log2": k, "n_params": n_params, "nnz": nnz, "generate_s": gen_s}
+                if mode == "dense" and k > args.dense_max_log2:
+                    row.update(method="distbelief", communication=mode, status="not run", why=DENSE_SKIPPED)
+                    sparse = done.get("sparse", {})
+                    for key in ("dense_pull_bytes_per_eval_model", "dense_push_bytes_per_eval_model"):
+                        if key in sparse:
+                            row[key] = sparse[key]
+                    rows.append(row)
+                    continue
                 try:
                     row.update(
-                        run_distbelief(ds, 1 << k, args.maxiter, shard_memory, args.workers, args.push_every)
+                        run_distbelief(
+                            ds,
+                            1 << k,
+                            args.maxiter,
+                            shard_memory,
+                            args.workers,
+                            args.push_every,
+                            mode,
+                            args.worker_memory,
+                        )
                     )
                 except Exception as e:  # recorded, not fatal: the other sizes still run
                     row.update(
                         method="distbelief", communication=mode, status=f"{type(e).__name__}: {e}"[:300]
                     )
+                done[mode] = row
                 rows.append(row)
                 print(table([row]).splitlines()[-1], flush=True)
-        if not args.no_scipy:
-            row = {"log2": k, "n_params": n_params, "nnz": int(X.nnz)}
-            row.update(run_scipy(X, y, args.maxiter, args.scipy_memory_gb, args.scipy_timeout))
-            rows.append(row)
-            print(table([row]).splitlines()[-1], flush=True)
-        del X, y
+                json_path.write_text(json.dumps(result, indent=1, default=str))
+            if not args.no_scipy:
+                row = {"log2": k, "n_params": n_params, "nnz": nnz}
+                row.update(run_scipy_saved(tmp, args.maxiter, args.scipy_memory_gb, args.scipy_timeout))
+                rows.append(row)
+                print(table([row]).splitlines()[-1], flush=True)
         json_path.write_text(json.dumps(result, indent=1, default=str))
     if args.spill_ops:
         result["spill_ops"] = spill_ops(args.spill_ops)
+    result["load_avg_at_end"] = os.getloadavg()
     json_path.write_text(json.dumps(result, indent=1, default=str))
     plot(rows, json_path.with_suffix(".png"))
     print(table(rows))
+    if args.merge_into:
+        merged = merge_runs(Path(args.merge_into), result)
+        print(f"merged into {args.merge_into}: {len(merged['rows'])} rows")
     for r in result.get("spill_ops", []):
         print(
             f"  {r['op']:>10} {r['where']:>7} {r['size']:>10} {r['s'] * 1e3:8.1f} ms "

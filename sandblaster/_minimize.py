@@ -684,9 +684,12 @@ def _run_method(
 
 
 def _bytes_moved(replicas: Sequence[Any], nfev: int) -> dict[str, Any]:
-    """Parameter and gradient bytes the replicas moved (keys included), in total and per evaluation."""
+    """Parameter and gradient bytes the replicas moved (keys included), in total and per evaluation, and
+    the replicas' seconds summed (``replica_compute_s``: gradient work; ``replica_fetch_s`` and
+    ``replica_push_s``: waiting for the shards' answers)."""
     pulled = pushed = 0
     mode = "dense"
+    seconds = {"compute_s": 0.0, "read_s": 0.0, "fetch_s": 0.0, "push_s": 0.0}
     for replica in replicas:
         actor = replica[0] if isinstance(replica, tuple) else replica
         with contextlib.suppress(Exception):  # a lost replica's bytes are not known
@@ -694,12 +697,15 @@ def _bytes_moved(replicas: Sequence[Any], nfev: int) -> dict[str, Any]:
             pulled += int(got.get("bytes_pulled", 0))
             pushed += int(got.get("bytes_pushed", 0))
             mode = "sparse" if got.get("sparse") else mode
+            for key in seconds:
+                seconds[key] += float(got.get(key, 0.0))
     per = max(1, nfev)
     return {
         "communication": mode,
         "bytes_pulled": pulled,
         "bytes_pushed": pushed,
         "bytes_per_evaluation": (pulled + pushed) / per,
+        **{f"replica_{key}": value for key, value in seconds.items()},
     }
 
 

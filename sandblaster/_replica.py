@@ -32,7 +32,14 @@ import numpy as np
 from distbelief.errors import ClusterError
 from distbelief.sandblaster._messages import PortionResult, WorkCall, WorkReport, decode, encode
 from distbelief.storage import Dataset, ShardMap, _exactsum, default_row_cache, keep_loop_responsive
-from distbelief.storage._keys import SparsePortion, compact_portion, kv_bytes, split_keys, union_keys
+from distbelief.storage._keys import (
+    SparsePortion,
+    compact_portion,
+    kv_bytes,
+    split_keys,
+    union_keys,
+    whole_slice_is_smaller,
+)
 
 __all__ = ["INLINE_WORK", "Replica"]
 
@@ -109,6 +116,9 @@ class Replica:
         self._kv_held: tuple[np.ndarray, frozenset[int]] = (np.zeros(0, dtype=np.int64), frozenset())
         #: Bytes of parameters and keys pulled, and of gradients and keys pushed (counted as sent).
         self.bytes_pulled = 0
+        #: Seconds of gradient work (reading rows included) and of waiting for fetches and pushes, summed
+        #: over calls: where a replica's time goes, for benchmarks.
+        self.compute_s = self.read_s = self.fetch_s = self.push_s = 0.0
         self.bytes_pushed = 0
         self.index = index
         self.model = model
@@ -206,15 +216,24 @@ class Replica:
         eval_id: int,
         solo: bool,
     ) -> list[tuple[int, asyncio.Future[Any]]]:
-        """One key-value push per shard (every shard, keys or not: each counts every portion once)."""
+        """One key-value push per shard (every shard, keys or not: each counts every portion once); to a
+        shard whose slice the keys cover densely enough, the whole slice instead, zeros elsewhere, which is
+        fewer bytes (:func:`storage._keys.whole_slice_is_smaller`) and adds the same floats."""
         keys, values = grad
         bounds = self.shards.layout.bounds
         cuts = np.searchsorted(keys, bounds)
         out: list[tuple[int, asyncio.Future[Any]]] = []
         for shard, local in enumerate(split_keys(bounds, keys)):
             part = values[..., cuts[shard] : cuts[shard + 1]]  # a binned group sum cuts like a vector
-            self.bytes_pushed += kv_bytes(local, part)
-            ask = self.shards.ask(shard, "accumulate_at", acc_name, local, part, portions, eval_id, solo)
+            size = int(bounds[shard + 1] - bounds[shard])
+            if whole_slice_is_smaller(local, size, 1 if part.ndim == 1 else part.shape[0]):
+                whole = np.zeros((*part.shape[:-1], size))
+                whole[..., local] = part
+                self.bytes_pushed += kv_bytes(whole)
+                ask = self.shards.ask(shard, "accumulate", acc_name, whole, portions, eval_id, solo)
+            else:
+                self.bytes_pushed += kv_bytes(local, part)
+                ask = self.shards.ask(shard, "accumulate_at", acc_name, local, part, portions, eval_id, solo)
             out.append((shard, asyncio.ensure_future(ask)))
         return out
 
@@ -268,10 +287,17 @@ class Replica:
     async def _pull(
         self, eval_id: int, prep: Sequence[Sequence[Any]], x_name: str, keys: np.ndarray
     ) -> tuple[_KV, list[Any]]:
-        local = split_keys(self.shards.layout.bounds, keys)
-        values, prep_results = await self.shards.prepare_and_gather(eval_id, prep, x_name, local)
-        self.bytes_pulled += sum(kv_bytes(k, v) for k, v in zip(local, values, strict=True))
-        return _KV(keys, np.concatenate(values) if values else np.zeros(0)), prep_results
+        bounds = self.shards.layout.bounds
+        local = split_keys(bounds, keys)
+        # Per shard, the keys or (None) the whole slice, whichever moves fewer bytes.
+        asked = [
+            None if whole_slice_is_smaller(k, int(bounds[i + 1] - bounds[i])) else k
+            for i, k in enumerate(local)
+        ]
+        values, prep_results = await self.shards.prepare_and_gather(eval_id, prep, x_name, asked)
+        self.bytes_pulled += sum(kv_bytes(a, v) for a, v in zip(asked, values, strict=True))
+        picked = [v if a is not None else v[k] for k, a, v in zip(local, asked, values, strict=True)]
+        return _KV(keys, np.concatenate(picked) if picked else np.zeros(0)), prep_results
 
     def _compute_portions(
         self, w: np.ndarray, assign: Sequence[int], solo: bool, eval_id: int | None = None
@@ -442,6 +468,11 @@ class Replica:
         for (shard, _), (_, finalized) in zip(pushes, answers, strict=True):
             if finalized is not None:
                 final[shard] = finalized  # this push completed the shard's evaluation
+        push_s = time.perf_counter() - t2
+        self.compute_s += busy
+        self.read_s += read_s
+        self.fetch_s += t1 - t0
+        self.push_s += push_s
         return WorkReport(
             results=tuple(results),
             prep=tuple(prep_results),
@@ -453,7 +484,7 @@ class Replica:
             queued_s=max(0.0, t2 - t1 - busy),
             read_s=read_s,
             reads=tuple(reads),
-            push_s=time.perf_counter() - t2,
+            push_s=push_s,
         )
 
     async def stats(self) -> dict[str, Any]:
@@ -464,6 +495,10 @@ class Replica:
             "bytes_pulled": self.bytes_pulled,
             "bytes_pushed": self.bytes_pushed,
             "sparse": self.sparse,
+            "compute_s": self.compute_s,
+            "read_s": self.read_s,
+            "fetch_s": self.fetch_s,
+            "push_s": self.push_s,
         }
 
     async def attach(self, shard_map: ShardMap) -> dict[str, Any]:

@@ -189,9 +189,10 @@ class ShardActor:
         return await self._do(_gather)
 
     async def prepare_and_gather(
-        self, epoch: int, ops: Sequence[Sequence[Any]], name: str, keys: np.ndarray
+        self, epoch: int, ops: Sequence[Sequence[Any]], name: str, keys: np.ndarray | None
     ) -> tuple[int, list[np.ndarray], list[Any]]:
-        """:meth:`prepare_and_fetch` of the values of ``name`` at ``keys`` only, in one round trip."""
+        """:meth:`prepare_and_fetch` of the values of ``name`` at ``keys`` only (``None``: the whole
+        slice), in one round trip."""
 
         def _both() -> tuple[int, list[np.ndarray], list[Any]]:
             results = self.core.prepare(epoch, ops)
@@ -297,6 +298,8 @@ class ShardActor:
             "spilled": sorted(vs.spilled),
             "bytes_read": vs.bytes_read,
             "bytes_written": vs.bytes_written,
+            "seconds_read": vs.seconds_read,
+            "seconds_written": vs.seconds_written,
         }
 
     async def names(self) -> list[str]:

@@ -18,6 +18,9 @@ Dask inside:
 Wire format (one message per shard, as the dense path): a pull sends ``keys`` (int32 local offsets,
 sorted, unique) and gets back ``values`` (float64, same length); a push sends ``(keys, values)``. Bytes
 moved are ``nbytes`` of those arrays (:func:`kv_bytes`); a dense message moves the shard's whole slice.
+Per shard and message, the smaller of the two is sent (:func:`whole_slice_is_smaller`): keys cost 12
+bytes each (20 in int64) against 8 a value, so a replica whose keys cover more than 2/3 of a shard's slice
+pulls the whole slice (a binned push, 4 values a key, switches above 8/9).
 
 A *sign-coded* push (Strom 2015's 1-bit quantized update, see ``downpour._compress``) sends no values at
 all: every entry is ``+tau`` or ``-tau``, so the sign rides in the key itself (:func:`encode_signs`: a local
@@ -61,6 +64,7 @@ __all__ = [
     "split_keys",
     "union_keys",
     "use_sparse",
+    "whole_slice_is_smaller",
 ]
 
 Communication = Literal["auto", "dense", "sparse"]
@@ -260,6 +264,25 @@ def split_keys(bounds: Sequence[int], keys: IntArray) -> list[np.ndarray]:
         dtype = np.int32 if hi - lo <= _INT32_MAX else np.int64
         out.append((keys[cuts[i] : cuts[i + 1]] - lo).astype(dtype))
     return out
+
+
+def whole_slice_is_smaller(keys: np.ndarray, slice_size: int, value_rows: int = 1) -> bool:
+    """Whether sending a shard's whole slice (``value_rows`` float64 a parameter) moves fewer bytes than
+    sending ``keys`` with their values; ties go to the key-value message.
+
+    A replica's keys on a shard cost ``keys.nbytes + 8 * value_rows * keys.size`` bytes as key-value pairs
+    and ``8 * value_rows * slice_size`` as the whole slice: with int32 keys a pull (one value a key) is
+    cheaper whole above 2/3 coverage, a binned push (:mod:`storage._exactsum`, 4 values a key) above 8/9.
+
+    Examples
+    --------
+    >>> keys = np.arange(61, dtype=np.int32)   # 61 of 90 parameters: just over 2/3
+    >>> whole_slice_is_smaller(keys[:60], 90), whole_slice_is_smaller(keys, 90)
+    (False, True)
+    >>> whole_slice_is_smaller(keys, 90, value_rows=4)   # a binned push: keys pay above 8/9 only
+    False
+    """
+    return 8 * value_rows * int(slice_size) < int(keys.nbytes) + 8 * value_rows * int(keys.size)
 
 
 def kv_bytes(*arrays: np.ndarray | None) -> int:

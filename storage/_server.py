@@ -184,6 +184,32 @@ class Batch:
         return self._server.run(self.ops)
 
 
+#: Above this many bytes, :meth:`ParameterServer.get` fetches shard by shard into one array.
+GATHER_PIECEWISE_BYTES = 64 << 20
+
+#: Bytes of a shard's slice per ``timeout`` of waiting: a call may wait for as many times its timeout as its
+#: shard's slice holds of these (an op on a wide shard streams tens of its vectors from spill files, and
+#: queues behind the one before it). 64 MiB: at 2**26 parameters a shard, 8 times the base timeout.
+TIMEOUT_SLICE_BYTES = 64 << 20
+
+
+def scaled_timeout(timeout: float | None, layout: Layout) -> float | None:
+    """``timeout`` stretched for wide shards: times ``max(1, largest slice bytes / TIMEOUT_SLICE_BYTES)``.
+
+    A lost worker is detected by a liveness poll whatever the timeout (:func:`storage._calls.await_call`);
+    the timeout only catches a live but hung worker, and must not fire on a big op that is merely slow.
+
+    Examples
+    --------
+    >>> scaled_timeout(60.0, Layout.split(1 << 20, 2)), scaled_timeout(60.0, Layout.split(1 << 27, 2))
+    (60.0, 480.0)
+    """
+    if timeout is None:
+        return None
+    widest = max((hi - lo for lo, hi in layout.ranges()), default=0)
+    return float(timeout) * max(1.0, 8 * widest / TIMEOUT_SLICE_BYTES)
+
+
 @dataclass(frozen=True)
 class ShardMap:
     """A picklable map of the shards, for code running *on workers* (replicas) to fetch and push.
@@ -226,7 +252,10 @@ class ShardMap:
             return not await asyncio.to_thread(_worker_alive, address)
 
         return await await_call(
-            self.call(shard, method, *args, **kwargs), timeout=timeout, gone=gone, what=f"shard {shard}"
+            self.call(shard, method, *args, **kwargs),
+            timeout=scaled_timeout(timeout, self.layout),
+            gone=gone,
+            what=f"shard {shard}",
         )
 
     async def prepare_and_fetch(
@@ -251,16 +280,17 @@ class ShardMap:
         epoch: int,
         ops: Sequence[Sequence[Any]],
         name: str,
-        keys: Sequence[np.ndarray],
+        keys: Sequence[np.ndarray | None],
         *,
         timeout: float | None = 60.0,
     ) -> tuple[list[np.ndarray], list[Any]]:
-        """:meth:`prepare_and_fetch` of ``name`` at ``keys[i]`` (local offsets) of every shard ``i`` only.
+        """:meth:`prepare_and_fetch` of ``name`` at ``keys[i]`` (local offsets) of every shard ``i`` only;
+        ``keys[i] = None`` fetches shard ``i``'s whole slice.
 
         Returns the values per shard (in ``keys`` order) and the ops' reduced results. A shard with no key
         is still asked when ``ops`` must run there (the first fetch of an epoch), else skipped.
         """
-        asked = [i for i in range(self.layout.shards) if ops or keys[i].size]
+        asked = [i for i in range(self.layout.shards) if ops or (k := keys[i]) is None or k.size]
         parts = await asyncio.gather(
             *(
                 self.ask(i, "prepare_and_gather", epoch, list(ops), name, keys[i], timeout=timeout)
@@ -310,7 +340,8 @@ class ParameterServer:
         self.layout = layout
         self._futures = futures
         self._actors = [f.result() for f in futures]
-        self.timeout = timeout
+        #: Seconds a call to the shards may take (stretched for wide shards: :func:`scaled_timeout`).
+        self.timeout = scaled_timeout(timeout, layout) or timeout
         self.stats = ServerStats()
         self._meta = meta  # what the store's attributes hold now (written or read by the caller)
         self._slot_arrays: dict[str, set[str]] = {}
@@ -730,6 +761,17 @@ class ParameterServer:
         """The values ``name[lo:hi]`` (only the shards holding that range are asked)."""
         hi = self.n if hi is None else hi
         which = self._shards_of(lo, hi)
+        if 8 * (hi - lo) > GATHER_PIECEWISE_BYTES and len(which) > 1:
+            # A wide range (a result's x at 1e8 parameters: 1 GB) comes one shard at a time into one array,
+            # so the caller holds the array and one slice at most, not every slice and their concatenation.
+            out = np.empty(hi - lo)
+            for i in which:
+                (part,) = self._call([i], "get", [(name, lo, hi)])
+                a = max(lo, self.layout.bounds[i]) - lo
+                out[a : a + part.shape[0]] = part
+                del part
+            self.stats.round_trips += len(which)
+            return out
         parts = self._call(which, "get", [(name, lo, hi)] * len(which))
         self.stats.round_trips += 1
         return np.concatenate(parts) if parts else np.empty(0)

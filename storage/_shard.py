@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,8 @@ class _Accumulator:
     values: np.ndarray
     binned: np.ndarray
     covered: set[int] = field(default_factory=set)
-    solos: dict[int, np.ndarray] = field(default_factory=dict)
+    #: Solo pushes held aside: portion -> (local keys or None for the whole slice, values).
+    solos: dict[int, tuple[np.ndarray | None, np.ndarray]] = field(default_factory=dict)
     #: When set: the number of portions of the evaluation, and ops to run once all of them are in.
     expected: int | None = None
     finalize: list[Any] = field(default_factory=list)
@@ -118,10 +120,11 @@ class Shard:
         #: Last epoch whose :meth:`prepare` ops ran, and their results.
         self.prepared_epoch = -1
         self.prepared: list[Any] = []
+        #: Seconds spent per op kind (``accumulate`` for gradient pushes), for benchmarks: where time goes.
+        self.op_seconds: dict[str, float] = {}
         #: Sandblaster gradient accumulators: which portions each holds, for exactly-once counting.
         self.accumulators: dict[str, _Accumulator] = {}
         #: A zero slice that key-value pushes are scattered into (kept zero between pushes).
-        self._scratch: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -181,11 +184,17 @@ class Shard:
             handler = getattr(self, f"_op_{op[0]}", None)
             if handler is None or op[0] not in OPS:
                 raise ProtocolError(f"unknown shard op {op[0]!r}; known ops: {sorted(OPS)}")
+            t0 = time.perf_counter()
             if self._streams(op):
                 out.append(run_chunked(self.vectors, op, functools.partial(self._on_chunk, op)))
             else:
                 out.append(handler(*op[1:]))
+            self._count(op[0], t0)
         return out
+
+    def _count(self, kind: str, t0: float) -> None:
+        """Add the seconds since ``t0`` to :attr:`op_seconds` under ``kind``."""
+        self.op_seconds[kind] = self.op_seconds.get(kind, 0.0) + time.perf_counter() - t0
 
     def _streams(self, op: Sequence[Any]) -> bool:
         """Whether ``op`` touches a spilled vector and can run chunk by chunk (else: on the memmap)."""
@@ -468,8 +477,9 @@ class Shard:
             if acc is not None:
                 acc[keys] = acc_at
 
-    def gather(self, name: str, keys: np.ndarray) -> np.ndarray:
-        """The values of vector ``name`` at the local offsets ``keys`` (a key-value pull, ps-lite style).
+    def gather(self, name: str, keys: np.ndarray | None) -> np.ndarray:
+        """The values of vector ``name`` at the local offsets ``keys`` (a key-value pull, ps-lite style);
+        ``None``: a copy of the whole slice (fewer bytes than keys that cover most of it).
 
         Examples
         --------
@@ -478,6 +488,8 @@ class Shard:
         [1.0, 3.0]
         """
         vec = self.vector(name)
+        if keys is None:
+            return np.array(vec, dtype=np.float64, copy=True)
         keys = np.asarray(keys)
         if keys.size and (int(keys.min()) < 0 or int(keys.max()) >= vec.size):
             raise InvalidOptionError(f"shard {self.index}: keys outside its slice of {vec.size}")
@@ -495,9 +507,11 @@ class Shard:
     ) -> tuple[bool, list[Any] | None]:
         """:meth:`push_portions` of a key-value push: ``values`` at the local offsets ``keys``.
 
-        Scattered into a zeroed slice and handed to the dense path, so the exactly-once bookkeeping (and
-        its summation order) is the dense one's: adding the zeros of untouched entries changes no float.
-        The wire carries 12 bytes a key instead of 8 a parameter; the shard pays one pass over its slice.
+        Added into the accumulator's binned sum at ``keys`` only (:mod:`storage._exactsum` states are
+        elementwise, so this holds the bits a dense push of the same values with zeros elsewhere would),
+        with the dense path's exactly-once bookkeeping. The wire carries 12 bytes a key instead of 8 a
+        parameter, and the shard's work and scratch memory are O(keys), not O(slice): at 2**26 parameters a
+        shard, scattering a binned push into a zeroed slice cost 2 GiB of scratch and passes over all of it.
         """
         keys = np.asarray(keys)
         values = np.asarray(values, dtype=np.float64)
@@ -505,17 +519,10 @@ class Shard:
             raise InvalidOptionError(
                 f"shard {self.index}: {keys.size} keys but values of shape {values.shape}"
             )
-        # A plain vector, or a binned exact sum (storage._exactsum: rows of states) scattered along its last
-        # axis; zero entries of either add nothing.
-        shape = (*values.shape[:-1], self.size)
-        scratch = self._scratch
-        if scratch is None or scratch.shape != shape:
-            scratch = self._scratch = np.zeros(shape)
-        try:
-            scratch[..., keys] = values
-            return self.push_portions(name, scratch, portions, epoch=epoch, solo=solo)
-        finally:
-            scratch[..., keys] = 0.0  # O(keys) to make it zero again
+        if keys.size and (int(keys.min()) < 0 or int(keys.max()) >= self.size):
+            raise InvalidOptionError(f"shard {self.index}: pushed keys outside its slice of {self.size}")
+        taken = self.accumulate(name, values, portions, epoch=epoch, solo=solo, keys=keys)
+        return self._maybe_finalize(name, taken)
 
     def counters(self) -> dict[str, Any]:
         """The shard's Downpour counters: ``version``, ``applied`` (pushes applied), ``applied_weight`` and
@@ -538,7 +545,14 @@ class Shard:
         }
 
     def accumulate(
-        self, name: str, values: np.ndarray, portions: Sequence[int], *, epoch: int, solo: bool = False
+        self,
+        name: str,
+        values: np.ndarray,
+        portions: Sequence[int],
+        *,
+        epoch: int,
+        solo: bool = False,
+        keys: np.ndarray | None = None,
     ) -> bool:
         """Add a replica's gradient over ``portions`` into accumulator ``name``, each portion exactly once.
 
@@ -554,14 +568,38 @@ class Shard:
         gradient's bits do not depend on which replica summed which portions or in what order pushes
         arrive. A 1-D push of several portions is taken as one term: its own rounding is the pusher's.
 
+        With ``keys`` (local offsets, sorted and unique), ``values`` holds the entries at those offsets
+        only (a key-value push, :meth:`push_portions_at`); the other entries are zeros.
+
         Pushes for another ``epoch`` (a straggler's late result from an earlier evaluation) change nothing.
         Returns whether anything was taken.
         """
+        t0 = time.perf_counter()
+        try:
+            return self._accumulate(name, values, portions, epoch, solo, keys)
+        finally:
+            self._count("accumulate", t0)
+
+    def _accumulate(
+        self,
+        name: str,
+        values: np.ndarray,
+        portions: Sequence[int],
+        epoch: int,
+        solo: bool,
+        keys: np.ndarray | None,
+    ) -> bool:
         acc = self._accumulator(name)
         if epoch != acc.epoch:
             return False
         values = np.asarray(values, dtype=np.float64)
-        if values.shape not in (acc.values.shape, acc.binned.shape):
+        if keys is not None:
+            expect = (keys.size,), (acc.binned.shape[0], keys.size)
+            if values.shape not in expect:
+                raise InvalidOptionError(
+                    f"shard {self.index}: pushed values have shape {values.shape}, expected one of {expect}"
+                )
+        elif values.shape not in (acc.values.shape, acc.binned.shape):
             raise InvalidOptionError(
                 f"shard {self.index}: pushed slice has shape {values.shape}, expected {acc.values.shape} "
                 f"(a gradient) or {acc.binned.shape} (a binned sum)"
@@ -573,7 +611,7 @@ class Shard:
             (p,) = new
             if p in acc.covered or p in acc.solos:
                 return False
-            acc.solos[p] = values.copy()
+            acc.solos[p] = (None if keys is None else keys.copy(), values.copy())
             return True
         if new <= acc.covered:
             return False  # a retried push
@@ -584,7 +622,7 @@ class Shard:
             )
         for p in new & acc.solos.keys():
             del acc.solos[p]  # the summed push holds it: its backup copy must not count too
-        _add_exactly(acc.binned, values)
+        _add_exactly(acc.binned, values, keys)
         acc.covered |= new
         return True
 
@@ -598,6 +636,10 @@ class Shard:
         needs next) and carries their results back, which saves the coordinator a round trip.
         """
         taken = self.accumulate(name, values, portions, epoch=epoch, solo=solo)
+        return self._maybe_finalize(name, taken)
+
+    def _maybe_finalize(self, name: str, taken: bool) -> tuple[bool, list[Any] | None]:
+        """Run the finalize ops if the push just taken completed the evaluation (:meth:`push_portions`)."""
         acc = self.accumulators[name]
         if (
             taken
@@ -617,8 +659,8 @@ class Shard:
     def settle(self, name: str) -> list[int]:
         """Add the solo portions no summed push covered; return every portion the accumulator now holds."""
         acc = self._accumulator(name)
-        for values in acc.solos.values():
-            _add_exactly(acc.binned, values)
+        for keys, values in acc.solos.values():
+            _add_exactly(acc.binned, values, keys)
         acc.covered |= acc.solos.keys()
         acc.solos = {}
         # Rounded once, from the exact sum: the same bits whatever the pushes' grouping and order.
@@ -685,9 +727,17 @@ def _signed_values(
     return np.where(negative, -tau, tau), keys
 
 
-def _add_exactly(binned: np.ndarray, values: np.ndarray) -> None:
-    """Add a pushed gradient slice (one term) or binned sum (an :mod:`storage._exactsum` state) exactly."""
+def _add_exactly(binned: np.ndarray, values: np.ndarray, keys: np.ndarray | None = None) -> None:
+    """Add a pushed gradient slice (one term) or binned sum (an :mod:`storage._exactsum` state) exactly;
+    with ``keys``, ``values`` are the entries at those local offsets only.
+
+    States are elementwise, so adding at the keys (gather, add, scatter back) gives the bits of adding
+    the dense vector that is zero elsewhere, in O(keys) time and memory.
+    """
+    target = binned if keys is None else binned[:, keys]
     if values.ndim == 1:
-        _exactsum.deposit(binned, values)
+        _exactsum.deposit(target, values)
     else:
-        _exactsum.merge(binned, values)
+        _exactsum.merge(target, values)
+    if keys is not None:
+        binned[:, keys] = target

@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
@@ -157,6 +158,9 @@ class VectorStore(MutableMapping[str, np.ndarray]):
         #: Bytes read from and written to spill files by :func:`run_chunked` and :meth:`spill`.
         self.bytes_read = 0
         self.bytes_written = 0
+        #: Seconds spent in those reads and writes (where a spilled run's shard time goes).
+        self.seconds_read = 0.0
+        self.seconds_written = 0.0
 
     # -- mapping ---------------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> np.ndarray:
@@ -275,13 +279,16 @@ class VectorStore(MutableMapping[str, np.ndarray]):
             os.close(fd)
 
     def _pwrite(self, fd: int, chunk: np.ndarray, start: int) -> None:
+        t0 = time.perf_counter()
         view = np.ascontiguousarray(chunk).data.cast("B")
         done = 0
         while done < view.nbytes:
             done += os.pwrite(fd, view[done:], 8 * start + done)
         self.bytes_written += view.nbytes
+        self.seconds_written += time.perf_counter() - t0
 
     def _pread(self, fd: int, out: np.ndarray, start: int) -> None:
+        t0 = time.perf_counter()
         view = out.data.cast("B")  # out is a contiguous buffer: read straight into it
         done = 0
         while done < view.nbytes:
@@ -290,6 +297,7 @@ class VectorStore(MutableMapping[str, np.ndarray]):
                 raise OSError(f"spill file ended early at element {start}")
             done += got
         self.bytes_read += view.nbytes
+        self.seconds_read += time.perf_counter() - t0
 
     def close(self) -> None:
         """Remove every spilled file (and the spill directory this store made)."""

@@ -23,20 +23,33 @@ def test_the_ctr_set_is_hashed_power_law_rows_of_about_forty_features() -> None:
     assert (X != X2).nnz == 0 and np.array_equal(y, y2)
 
 
-def test_quick_run_writes_json_and_png_with_both_methods(tmp_path: Path) -> None:
-    result = scale.main(["--quick", "--sizes", "10", "--out", str(tmp_path)])
+def test_quick_run_writes_json_and_png_with_both_methods_and_both_modes(tmp_path: Path) -> None:
+    merged = tmp_path / "merged.json"
+    result = scale.main(["--quick", "--sizes", "10", "--out", str(tmp_path), "--merge-into", str(merged)])
     saved = json.loads((tmp_path / "scale_quick.json").read_text())
     assert (tmp_path / "scale_quick.png").stat().st_size > 0
-    rows = {r["method"]: r for r in saved["rows"]}
-    ours, theirs = rows["distbelief"], rows["scipy L-BFGS-B"]
-    assert ours["status"] == theirs["status"] == "ok", (ours["status"], theirs["status"])
-    assert ours["nit"] == theirs["nit"] == 2
-    assert ours["fun"] == pytest.approx(theirs["fun"], rel=1e-6)  # same objective, same algorithm
-    assert ours["communication"] == "dense" and ours["bytes_per_eval"] >= 2 * 8 * ours["n_params"]
-    assert {"coordinator"} < set(ours["processes"]) and len(ours["processes"]) == 3
-    assert all(p["rss_peak_sampled"] > 10 * 2**20 for p in ours["processes"].values())
+    rows = {(r["method"], r.get("communication")): r for r in saved["rows"]}
+    sparse, dense = rows["distbelief", "sparse"], rows["distbelief", "dense"]
+    theirs = rows["scipy L-BFGS-B", None]
+    for ours in (sparse, dense):
+        assert ours["status"] == theirs["status"] == "ok", (ours["status"], theirs["status"])
+        assert ours["nit"] == theirs["nit"] == 2
+        assert ours["fun"] == pytest.approx(theirs["fun"], rel=1e-6)  # same objective, same algorithm
+        assert {"coordinator"} < set(ours["processes"]) and len(ours["processes"]) == 3
+        assert all(p["rss_peak_sampled"] > 10 * 2**20 for p in ours["processes"].values())
+        assert ours["shard_op_seconds"]  # where the shards' time went
+    # Measured (keys included): dense pulls x whole at every fetch; sparse sends per shard whichever of
+    # keys and the whole slice is smaller, so it never moves more per message.
+    assert dense["pull_bytes_per_eval"] == dense["dense_pull_bytes_per_eval_model"]
+    assert sparse["bytes_per_eval"] <= 1.05 * dense["bytes_per_eval"]
+    assert sparse["fun"] == pytest.approx(dense["fun"], rel=1e-12)
     ops = {(r["op"], r["where"]) for r in result["spill_ops"]}
     assert ("axpy", "spilled") in ops and ("axpy", "ram") in ops
+    # Merging: rows keep their run's command; a second run of the same size replaces them.
+    first = json.loads(merged.read_text())
+    assert len(first["rows"]) == 3 and all(r["run_argv"] for r in first["rows"])
+    again = scale.merge_runs(merged, {**result, "rows": result["rows"][:1]})
+    assert len(again["rows"]) == 1 and merged.with_suffix(".png").stat().st_size > 0
 
 
 def test_scipy_out_of_memory_is_recorded_not_fatal() -> None:

@@ -78,8 +78,27 @@ def test_bytes_moved_are_the_count_by_hand(client: Client, tmp_path: Path) -> No
     assert sparse.stats["bytes_pulled"] == sparse.nfev * 12 * keys
     assert sparse.stats["bytes_pushed"] == sparse.nfev * 12 * keys
     assert sparse.stats["bytes_per_evaluation"] == 24 * keys
+    # Where the replicas' time went: gradient work, and waits for fetches and pushes (for benchmarks).
+    assert 0 < sparse.stats["replica_compute_s"] < sparse.stats["wall_s"]
+    assert sparse.stats["replica_fetch_s"] > 0 and sparse.stats["replica_push_s"] > 0
     assert dense.stats["bytes_per_evaluation"] == 16 * model.n_params
     assert sparse.stats["bytes_per_evaluation"] < dense.stats["bytes_per_evaluation"] / 20
+    np.testing.assert_array_equal(sparse.x, dense.x)
+
+
+def test_keys_that_cover_most_of_a_shard_travel_as_its_whole_slice(client: Client, tmp_path: Path) -> None:
+    """40 columns, rows of 10 nonzeros, one portion: the keys cover every parameter, so each pull and push
+    moves the whole slice (8 bytes a parameter, as dense; 12 a key would be more), with the dense iterates."""
+    X, y = _wide(300, 40, 10, seed=3)
+    ds = Dataset.from_arrays(X, y, path=tmp_path / "d")
+    model = models.Logistic(40)
+    assert np.unique(X.indices).size == 40
+    sparse = _run(ds, model, client, tmp_path, "sparse", replicas=1, portions=1, backups=False)
+    dense = _run(ds, model, client, tmp_path, "dense", replicas=1, portions=1, backups=False)
+    assert sparse.stats["communication"] == "sparse" and sparse.nfev >= 3
+    assert sparse.stats["bytes_pulled"] == sparse.nfev * 8 * model.n_params
+    assert sparse.stats["bytes_pushed"] == sparse.nfev * 8 * model.n_params
+    assert sparse.stats["bytes_per_evaluation"] == dense.stats["bytes_per_evaluation"]
     np.testing.assert_array_equal(sparse.x, dense.x)
 
 

@@ -16,8 +16,15 @@ from hypothesis import strategies as st
 
 from distbelief import models
 from distbelief.errors import InvalidOptionError
-from distbelief.storage import Layout, Shard
-from distbelief.storage._keys import compact_portion, kv_bytes, split_keys, union_keys, use_sparse
+from distbelief.storage import Layout, Shard, _exactsum
+from distbelief.storage._keys import (
+    compact_portion,
+    kv_bytes,
+    split_keys,
+    union_keys,
+    use_sparse,
+    whole_slice_is_smaller,
+)
 
 
 @st.composite
@@ -94,10 +101,16 @@ def test_key_value_accumulation_equals_dense_accumulation(
         pushes.append(([p], k, rng.normal(size=k.size), data.draw(st.booleans())))
     pushes += [pushes[i] for i in data.draw(st.lists(st.integers(0, n_portions - 1), max_size=3))]
     order = data.draw(st.permutations(range(len(pushes))))
+    binned = data.draw(st.booleans())  # summed pushes as binned sums (storage._exactsum states)
     for i in order:
         portions, k, g, solo = pushes[i]
         full = np.zeros(size)
         full[k] = g
+        if binned and not solo:
+            g, full = (
+                _exactsum.deposit(_exactsum.zeros(k.size), g),
+                _exactsum.deposit(_exactsum.zeros(size), full),
+            )
         got = sparse.push_portions_at("acc", k, g, portions, epoch=3, solo=solo)
         want = dense.push_portions("acc", full, portions, epoch=3, solo=solo)
         assert got == want
@@ -105,7 +118,9 @@ def test_key_value_accumulation_equals_dense_accumulation(
     assert sparse.final_results("acc", 3) is not None
     assert sparse.settle("acc") == list(range(n_portions))
     np.testing.assert_array_equal(sparse.get("acc"), dense.get("acc"))
-    assert sparse._scratch is None or not sparse._scratch.any()  # the scratch slice is zero again
+    # Nothing outside the pushed keys was touched: the accumulator is O(keys) work per push.
+    untouched = np.setdiff1d(np.arange(size), np.concatenate([k for _, k, _, _ in pushes]))
+    assert not sparse.accumulators["acc"].binned[:, untouched].any()
 
 
 @given(n=st.integers(1, 500), shards=st.integers(1, 6), density=st.floats(0, 1), seed=st.integers(0, 2**31))
@@ -183,3 +198,29 @@ def test_use_sparse_resolves_the_mode() -> None:
         use_sparse("sparse", logistic, False)
     with pytest.raises(InvalidOptionError, match="communication must be"):
         use_sparse("fast", logistic, True)
+
+
+@given(size=st.integers(1, 300), covered=st.floats(0, 1), rows=st.sampled_from([1, 4]), wide=st.booleans())
+@settings(max_examples=40)
+def test_the_whole_slice_is_chosen_exactly_when_it_moves_fewer_bytes(
+    size: int, covered: float, rows: int, wide: bool
+) -> None:
+    """The oracle: the bytes of both messages as they travel (keys and values against the whole slice)."""
+    keys = np.arange(int(covered * size), dtype=np.int64 if wide else np.int32)
+    kv = kv_bytes(keys, np.zeros((rows, keys.size)))
+    whole = kv_bytes(np.zeros((rows, size)))
+    assert whole_slice_is_smaller(keys, size, rows) == (whole < kv)
+
+
+def test_coverage_thresholds_are_two_thirds_for_a_pull_and_eight_ninths_for_a_binned_push() -> None:
+    keys = np.arange(900, dtype=np.int32)
+    assert not whole_slice_is_smaller(keys[:600], 900) and whole_slice_is_smaller(keys[:601], 900)
+    assert not whole_slice_is_smaller(keys[:800], 900, 4) and whole_slice_is_smaller(keys[:801], 900, 4)
+
+
+def test_a_whole_slice_pull_is_a_copy_of_the_slice() -> None:
+    s = Shard(0, 10, 14)
+    s.set("x", 10, 14, np.arange(4.0))
+    got = s.gather("x", None)
+    got[0] = 99.0
+    assert s.get("x").tolist() == [0.0, 1.0, 2.0, 3.0]

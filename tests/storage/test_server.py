@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import distbelief.storage._server as server_module
 from distbelief.errors import InvalidOptionError, ShardLostError, StoreError
-from distbelief.storage import ParameterServer, worker_addresses
+from distbelief.storage import Layout, ParameterServer, worker_addresses
 
 slow_settings = settings(
     max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -67,6 +67,25 @@ def test_big_vectors_are_scattered_once_the_shards_exist(
     with ParameterServer.create(client, 1000, shards=3, store=str(tmp_path / "ps"), vectors={"x": x}) as ps:
         assert ps.stats.round_trips >= 1
         assert np.array_equal(ps.gather("x"), x)
+
+
+def test_a_wide_range_is_gathered_shard_by_shard_with_the_same_values(
+    client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = np.random.default_rng(1).normal(size=1000)
+    with ParameterServer.create(client, 1000, shards=3, store=str(tmp_path / "ps"), vectors={"x": x}) as ps:
+        monkeypatch.setattr(server_module, "GATHER_PIECEWISE_BYTES", 100)
+        before = ps.stats.round_trips
+        np.testing.assert_array_equal(ps.gather("x"), x)
+        np.testing.assert_array_equal(ps.get("x", 5, 990), x[5:990])
+        assert ps.stats.round_trips - before == 6  # one per shard each time
+
+
+def test_calls_to_wide_shards_wait_longer() -> None:
+    assert server_module.scaled_timeout(None, Layout.split(1 << 27, 2)) is None
+    assert server_module.scaled_timeout(60.0, Layout.split(1000, 2)) == 60.0
+    # 2**26 float64 a shard = 512 MiB = 8 * TIMEOUT_SLICE_BYTES
+    assert server_module.scaled_timeout(60.0, Layout.split(1 << 27, 2)) == 480.0
 
 
 def test_vectors_of_the_wrong_size_are_refused_before_anything_is_stored(
