@@ -22,10 +22,27 @@ DOWNPOUR = {"algorithm": "downpour-sgd", "dataset": "tiny", "model": LOGISTIC}
 UPLOAD_LIMIT = 64 * 1024
 
 
-@pytest.fixture
-async def guarded(tmp_path: Path, client: DaskClient) -> AsyncIterator[httpx.AsyncClient]:
-    """An app with a small upload limit, the dataset ``tiny`` and one finished job already stored."""
-    async with running_app(settings_for(tmp_path, max_upload_bytes=UPLOAD_LIMIT), client) as (_, http):
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    """Module-scoped, so that ``guarded`` can be: one app serves every bad-input test of this module."""
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def guarded_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("guarded-store")
+
+
+@pytest.fixture(scope="module")
+async def guarded(guarded_store: Path, session_client: DaskClient) -> AsyncIterator[httpx.AsyncClient]:
+    """An app with a small upload limit, the dataset ``tiny`` and one finished job already stored.
+
+    One per module (setting it up runs a job): every test here checks that the stored state is the same
+    after its bad input as before it, so the tests need no fresh store each (the one good submission of
+    the table adds a job, which no other test's before/after comparison depends on)."""
+    session_client.wait_for_workers(2, timeout=60)
+    settings = settings_for(guarded_store, max_upload_bytes=UPLOAD_LIMIT)
+    async with running_app(settings, session_client) as (_, http):
         X, y = tiny_xy()
         assert (
             await http.post(
@@ -181,7 +198,7 @@ async def test_bad_job_submissions_get_a_4xx_that_says_what_to_fix(
 
 @pytest.mark.anyio
 async def test_bad_uploads_get_a_4xx_and_leave_the_store_as_it_was(
-    guarded: httpx.AsyncClient, tmp_path: Path
+    guarded: httpx.AsyncClient, guarded_store: Path
 ) -> None:
     before = await _stored_state(guarded)
     X, y = tiny_xy()
@@ -281,8 +298,8 @@ async def test_bad_uploads_get_a_4xx_and_leave_the_store_as_it_was(
     for name in ("..%2Fetc", "%2E%2E", "a%5Cb"):
         r = await guarded.get(f"/api/datasets/{name}")
         assert r.status_code in (404, 422), (name, r.text)
-    assert not (tmp_path / "evil").exists() and not (tmp_path.parent / "evil").exists()
-    ds = Dataset.in_store(tmp_path / "datasets", "tiny")
+    assert not (guarded_store / "evil").exists() and not (guarded_store.parent / "evil").exists()
+    ds = Dataset.in_store(guarded_store / "datasets", "tiny")
     np.testing.assert_array_equal(ds.read_all()[0], X)
 
 
