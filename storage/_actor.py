@@ -112,6 +112,8 @@ class ShardActor:
         self.url = url
         self._arrays: dict[str, Any] = {}  # opened checkpoint arrays, by "slot/name"
         inline = hi - lo <= INLINE_MAX_ELEMENTS
+        #: Whether ops run on the event loop itself (a small slice), not on the shard's own thread.
+        self.runs_inline = inline
         self._executor = None if inline else ThreadPoolExecutor(1, thread_name_prefix=f"shard{index}")
         if slot is not None:
             for name in names:  # one vector at a time: the budget places each before the next is read

@@ -220,6 +220,14 @@ class ShardMap:
     layout: Layout
     actors: tuple[Any, ...]
 
+    def _local(self, shard: int) -> Any | None:
+        """Shard ``shard``'s actor object when it lives in this worker process (else None: use RPC)."""
+        actor = self.actors[shard]
+        worker = _current_worker()
+        if worker is not None and getattr(actor, "_address", None) == worker.address:
+            return worker.state.actors.get(actor.key)
+        return None
+
     async def call(self, shard: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on shard ``shard``, from a worker's event loop.
 
@@ -227,12 +235,10 @@ class ShardMap:
         worker with small arrays travels as one pickled frame (:mod:`storage._wire`), a bigger one as
         Dask sends it.
         """
+        local = self._local(shard)
+        if local is not None:
+            return await getattr(local, method)(*args, **kwargs)
         actor = self.actors[shard]
-        worker = _current_worker()
-        if worker is not None and getattr(actor, "_address", None) == worker.address:
-            local = worker.state.actors.get(actor.key)
-            if local is not None:
-                return await getattr(local, method)(*args, **kwargs)
         message = (method, args, kwargs)
         if array_bytes(message) <= SMALL_BYTES:
             return unpack(await actor.packed(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)))
@@ -243,8 +249,14 @@ class ShardMap:
     ) -> Any:
         """Await ``method`` on shard ``shard`` from a worker's event loop.
 
-        Fails fast with :class:`errors.ClusterError` when the shard's worker dies meanwhile.
+        Fails fast with :class:`errors.ClusterError` when the shard's worker dies meanwhile. A small shard
+        in this very process runs the op inline on this loop: there is no message to wait for and no worker
+        to lose, so it is awaited as it is (``await_call``'s task and timers cost ~0.1 ms, and a replica
+        beside its shard makes two such calls an evaluation).
         """
+        local = self._local(shard)
+        if local is not None and getattr(local, "runs_inline", False):
+            return await getattr(local, method)(*args, **kwargs)
         address = getattr(self.actors[shard], "_address", None)
 
         async def gone() -> bool:
@@ -266,12 +278,12 @@ class ShardMap:
         Returns the full vectors and the ops' results reduced over shards (as :meth:`ParameterServer.run`).
         The shards are asked in parallel, from a worker's event loop.
         """
-        parts = await asyncio.gather(
-            *(
-                self.ask(i, "prepare_and_fetch", epoch, list(ops), list(names), timeout=timeout)
-                for i in range(self.layout.shards)
-            )
-        )
+        asks = [
+            self.ask(i, "prepare_and_fetch", epoch, list(ops), list(names), timeout=timeout)
+            for i in range(self.layout.shards)
+        ]
+        # One shard (a model below ~128 Ki parameters): awaited as it is, without gather's task.
+        parts = [await asks[0]] if len(asks) == 1 else await asyncio.gather(*asks)
         vectors = [np.concatenate([p[1][k] for p in parts]) for k in range(len(names))]
         return vectors, reduce_results(ops, [p[2] for p in parts])
 

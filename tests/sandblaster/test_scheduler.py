@@ -306,6 +306,19 @@ def test_the_replica_that_reported_last_gets_its_work_first_next_time() -> None:
     assert next(s.replica for s in m.dispatch(now) if isinstance(s, Send)) == 0
 
 
+@pytest.mark.parametrize("held", [None, [[0], [0]]])
+def test_fewer_portions_than_replicas_stay_on_the_first_replica(held: list[list[int]] | None) -> None:
+    """One portion, two replicas both holding it in memory (a small problem run twice on the cluster): it
+    is computed by replica 0 (beside shard 0) every time, not swapped between the replicas (the idle one
+    was dispatched first and took it), which cost a run on digits two more round trips every other
+    evaluation."""
+    assert initial_blocks(1, 2) == [[0], []] and initial_blocks(3, 2) == [[0, 1], [2]]
+    m = machine(1, held=held)
+    runs, _ = run(m, World(1, push_every=4), [[0.001, 0.001]] * 6)
+    assert [stats.per_replica for stats in runs] == [{0: 1, 1: 0}] * 6
+    assert m.portions_done == [6, 0] and m.dispatch_order[0] == 0
+
+
 def test_a_lost_replica_costs_only_its_unreported_portions_recomputed_solo() -> None:
     world = World(8, push_every=4)
     world.open()
