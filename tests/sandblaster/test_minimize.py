@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from distbelief import models, sandblaster
 from distbelief.errors import ClusterError, InvalidOptionError
 from distbelief.sandblaster._minimize import SandblasterOptions, open_session
 from distbelief.sandblaster._replica import Replica
-from distbelief.storage import Dataset, worker_addresses
+from distbelief.storage import Dataset
 from tests.sandblaster import conftest
 from tests.sandblaster.conftest import Problem
 
@@ -324,25 +323,6 @@ def _kill_worker(cluster: LocalCluster, address: str) -> None:
     pid = nanny.process.pid
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
-
-
-@pytest.fixture(scope="module")
-def _three_worker_cluster() -> Iterator[tuple[LocalCluster, Client]]:
-    """One 3-worker cluster for the tests of this module that kill a worker (not the session's)."""
-    with (
-        LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
-        Client(cluster, direct_to_workers=True) as client,
-    ):
-        yield cluster, client
-
-
-@pytest.fixture
-def three_workers(
-    _three_worker_cluster: tuple[LocalCluster, Client],
-) -> tuple[LocalCluster, Client, list[str]]:
-    cluster, client = _three_worker_cluster
-    client.wait_for_workers(3, timeout=60)  # the nanny restarts a worker killed by an earlier test
-    return cluster, client, worker_addresses(client)
 
 
 def test_a_replica_lost_mid_run_costs_only_its_unpushed_portions(

@@ -21,7 +21,7 @@ from distbelief import sandblaster
 from distbelief.sandblaster._minimize import SandblasterOptions, _run
 from distbelief.storage import Dataset, start_vector
 from tests.sandblaster.conftest import Problem
-from tests.sandblaster.test_minimize import _kill_worker, dataset, three_workers  # noqa: F401 (fixture)
+from tests.sandblaster.test_minimize import _kill_worker, dataset
 
 #: The history columns that are the run's iterates (the rest are timings and counters).
 ITERATES = ("objective", "grad_norm", "step", "nfev")
@@ -86,7 +86,7 @@ def test_a_run_resumed_from_a_checkpoint_equals_the_uninterrupted_run(
 
 
 def test_a_run_that_loses_a_replica_equals_the_uninterrupted_run(
-    three_workers: tuple[LocalCluster, Client, list[str]],  # noqa: F811 (the imported fixture)
+    three_workers: tuple[LocalCluster, Client, list[str]],
     tmp_path: Path,
     problem: Problem,
 ) -> None:
