@@ -519,6 +519,9 @@ def train_partitioned(
 MAX_REBUILDS = 8
 #: How many lost shards a run recovers from before it gives up.
 MAX_RECOVERIES = 5
+#: Seconds a stopped partition has to end its ``run`` before its counters are read with ``status``: one
+#: blocked sending to a peer on a dead worker would otherwise hold the rebuild for the whole call timeout.
+STOP_GRACE = 2.0
 
 
 class _Supervisor:
@@ -681,9 +684,9 @@ class _Supervisor:
 
     async def _settle(self, r: int, waits: list[tuple[int, asyncio.Future[Any]]]) -> None:
         """Wait for ``waits`` (``(k, call)``: calls to replica ``r``'s partition ``k``) to end, but no longer
-        than the call timeout, nor once partition ``k``'s worker is known dead: a call to a dead worker can
-        wait the whole timeout before it fails (the scheduler notices a SIGKILLed worker late)."""
-        deadline = time.monotonic() + self.call_timeout
+        than :data:`STOP_GRACE`, nor once partition ``k``'s worker is known dead: a call to a dead worker
+        (or a partition's send to a dead peer) can wait the whole call timeout before it fails."""
+        deadline = time.monotonic() + min(self.call_timeout, STOP_GRACE)
 
         def pending() -> list[asyncio.Future[Any]]:
             return [w for k, w in waits if not w.done() and self.futures[r][k].status not in DEAD_STATES]
