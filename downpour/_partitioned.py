@@ -24,7 +24,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -367,6 +367,7 @@ def train_partitioned(
     local_lr: float | None = None,
     shard_workers: Sequence[str] | None = None,
     checkpoint_every_s: float = 5.0,
+    callback: Callable[[Any], None] | None = None,
 ) -> Any:
     """Downpour SGD with ``replicas`` model replicas, each split into ``partitions`` partition actors.
 
@@ -401,6 +402,10 @@ def train_partitioned(
         Seconds between checkpoints of the shards to zarr (0: only the initial one). A shard lost with its
         worker is restored from the last one on a live worker, and the partitions are handed the new shard
         map (the updates it received since are lost, as in the paper's section 4.1).
+    callback : callable, optional
+        Called every ``PROGRESS_EVERY`` seconds with a ``downpour.Progress`` (steps, running mini-batch loss
+        and staleness of partition 0 of every live replica; no objective or held-out metrics, which are
+        NaN). Raising ``StopIteration`` stops every partition: ``stop_reason="callback"``.
     call_timeout : float
         Seconds a partition waits for a shard or a peer's message before the run fails.
     n_fetch, n_push, local_lr
@@ -507,6 +512,7 @@ def train_partitioned(
                 return _drive(
                     c, ps, plan, dataset, row_ranges, owned, places, limits, *args,
                     sync=(n_fetch, n_push, local_lr), checkpoint_every_s=checkpoint_every_s,
+                    callback=callback,
                 )  # fmt: skip
             finally:
                 ps.close()
@@ -522,6 +528,8 @@ MAX_RECOVERIES = 5
 #: Seconds a stopped partition has to end its ``run`` before its counters are read with ``status``: one
 #: blocked sending to a peer on a dead worker would otherwise hold the rebuild for the whole call timeout.
 STOP_GRACE = 2.0
+#: Seconds between two calls of a partitioned run's ``callback``.
+PROGRESS_EVERY = 0.2
 
 
 class _Supervisor:
@@ -547,6 +555,7 @@ class _Supervisor:
         max_steps: int,
         ps: ParameterServer,
         checkpoint_every_s: float,
+        callback: Any = None,
     ) -> None:
         self.client, self.futures, self.actors = client, futures, actors
         self.places, self.submit, self.call_timeout = list(places), submit, call_timeout
@@ -560,6 +569,46 @@ class _Supervisor:
         self.started = [self.t0] * len(actors)  # when each replica's current generation started
         self.shard_losses: list[tuple[float, int]] = []
         self.checkpoints = 1  # the initial one, taken before the run
+        self.callback = callback
+        self.stopped_by_callback = False
+        self._seen: dict[int, tuple[int, int]] = {}  # replica -> (losses, staleness) already reported
+
+    async def _progress(self) -> None:
+        """Call the callback with a :class:`Progress` from every live replica's partition 0; a callback
+        that raises ``StopIteration`` stops every partition (the run ends with ``stop_reason="callback"``)."""
+        from distbelief.downpour._train import Progress
+
+        rows = []
+        for r, (row, futs) in enumerate(zip(self.actors, self.futures, strict=True)):
+            if futs[0].status in DEAD_STATES:
+                continue
+            with contextlib.suppress(Exception):
+                rows.append((r, await asyncio.wait_for(row[0].status()._result(), self.call_timeout)))
+        losses: list[float] = []
+        stale: list[int] = []
+        for r, st in rows:
+            n_loss, n_stale = self._seen.get(r, (0, 0))
+            losses += st["losses"][n_loss:]
+            stale += st["staleness"][n_stale:]
+            self._seen[r] = (len(st["losses"]), len(st["staleness"]))
+        steps = sum(st["steps"] for _, st in rows)
+        progress = Progress(
+            time=time.monotonic() - self.t0, step=steps, epoch=math.nan,
+            train_loss=float(np.mean(losses)) if losses else math.nan, test_loss=math.nan,
+            test_accuracy=math.nan, staleness_mean=float(np.mean(stale)) if stale else math.nan,
+            staleness_max=float(max(stale)) if stale else math.nan, replicas_alive=len(rows),
+        )  # fmt: skip
+        try:
+            self.callback(progress)
+        except StopIteration:
+            self.stopped_by_callback = True
+            calls = [
+                asyncio.wait_for(a.stop()._result(), self.call_timeout)
+                for row, futs in zip(self.actors, self.futures, strict=True)
+                for a, f in zip(row, futs, strict=True)
+                if f.status not in DEAD_STATES
+            ]
+            await asyncio.gather(*calls, return_exceptions=True)
 
     def _restored(self, err: ShardLostError) -> None:
         """A shard came back from its checkpoint (called in the recovery's thread): note it."""
@@ -621,8 +670,12 @@ class _Supervisor:
         deadline = time.monotonic() + self.budget
         every = self.checkpoint_every_s
         next_ckpt = time.monotonic() + every if every > 0 else math.inf
+        next_progress = time.monotonic() + PROGRESS_EVERY if self.callback is not None else math.inf
         while tasks:
             done, _ = await asyncio.wait(list(tasks), timeout=POLL, return_when=asyncio.FIRST_COMPLETED)
+            if time.monotonic() >= next_progress and not self.stopped_by_callback:
+                await self._progress()
+                next_progress = time.monotonic() + PROGRESS_EVERY
             if time.monotonic() >= next_ckpt:
                 with contextlib.suppress(ClusterError):  # a failed checkpoint leaves the last one current
                     await self._ps_call(self.ps.checkpoint)
@@ -630,12 +683,18 @@ class _Supervisor:
                 next_ckpt = time.monotonic() + every
             broken: set[int] = set()
             for task in done:
-                r, _ = tasks.pop(task)
+                r, k = tasks.pop(task)
                 if task.exception() is None:
                     statuses.append(task.result())
+                elif self.stopped_by_callback:
+                    # Stopped by the callback, it failed on a peer stopped first: its counters as they are.
+                    with contextlib.suppress(Exception):
+                        got = await asyncio.wait_for(self.actors[r][k].status()._result(), self.call_timeout)
+                        statuses.append({**got, "stopped": True})
                 else:
                     broken.add(r)
-            broken |= {r for r, _ in tasks.values() if self._dead(r)}
+            if not self.stopped_by_callback:
+                broken |= {r for r, _ in tasks.values() if self._dead(r)}
             for r in sorted(broken):
                 step = await self._stop(r, tasks, statuses)
                 dead = await confirm_dead_async(functools.partial(self._dead, r), ConnectionError())
@@ -745,6 +804,7 @@ def _drive(
     *,
     sync: tuple[int, int, float | None] = (1, 1, None),
     checkpoint_every_s: float = 5.0,
+    callback: Callable[[Any], None] | None = None,
 ) -> Any:
     run_id = uuid.uuid4().hex[:12]
     n_fetch, n_push, local_lr = sync
@@ -777,15 +837,19 @@ def _drive(
                 raise ClusterError(f"a partition could not be connected to its peers: {value!r}")
     t0 = time.perf_counter()
     supervisor = _Supervisor(
-        c, futures, actors, places, submit, call_timeout, max(limits), ps, checkpoint_every_s
+        c, futures, actors, places, submit, call_timeout, max(limits), ps, checkpoint_every_s, callback
     )
     statuses, rebuilt = supervisor.run()
     wall = time.perf_counter() - t0
     x_perm = supervisor.recovery.run(lambda: ps.gather("x"))
     x = np.empty_like(x_perm)
     x[plan.perm] = x_perm
-    # A stopped generation's steps are counted by the generation that went on from them.
-    steps = sum(st["steps"] for st in statuses if st["partition"] == 0 and not st.get("stopped"))
+    # Steps count on across a replica's generations (a rebuilt one goes on from the stopped one's count).
+    last: dict[int, int] = {}
+    for st in statuses:
+        if st["partition"] == 0:
+            last[st["replica"]] = max(last.get(st["replica"], 0), st["steps"])
+    steps = sum(last.values())
     messages = sum(st["messages"] for st in statuses)
     n_bytes = sum(st["bytes"] for st in statuses)
     by_kind: dict[str, float] = {}
@@ -820,10 +884,15 @@ def _drive(
             {k: v for k, v in st.items() if k not in ("losses", "staleness")} for st in statuses
         ],
     }
-    by_steps = stop_reason == "max_steps"
+    if supervisor.stopped_by_callback:
+        stop_reason = "callback"
+    messages_by_reason = {
+        "max_steps": "reached max_steps",
+        "epochs": "every replica finished its epochs",
+        "callback": "stopped by the callback",
+    }
     return result_cls(
-        x=x, history=history, stop_reason=stop_reason, success=True,
-        message="reached max_steps" if by_steps else "every replica finished its epochs",
+        x=x, history=history, stop_reason=stop_reason, success=True, message=messages_by_reason[stop_reason],
         steps=steps, wall_time=wall, store=ps.url, stats=stats, losses=losses,
     )  # fmt: skip
 
@@ -831,13 +900,12 @@ def _drive(
 #: ``downpour.train`` options a partitioned run takes, and the defaults of the ones it does not support.
 _SUPPORTED = ("replicas", "rule", "lr", "l2", "batch_size", "epochs", "max_steps", "seed", "x0", "shuffle",
               "client", "store", "trace", "call_timeout", "n_fetch", "n_push", "local_lr",
-              "shard_workers", "checkpoint_every_s")  # fmt: skip
+              "shard_workers", "checkpoint_every_s", "callback")  # fmt: skip
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "shards": None,
     "warmstart_steps": 0,
     "time_limit": None,
     "eval_data": None,
-    "callback": None,
     "staleness_scale": None,  # the default (on for multi-replica SGD elsewhere): partitions run unscaled
     "compression": None,
     "max_coalesce": None,

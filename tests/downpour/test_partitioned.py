@@ -186,3 +186,26 @@ def test_a_killed_worker_holding_a_shard_and_partitions_is_recovered_from_the_ch
     stopped_at = sum(p["steps"] for p in per if p["partition"] == 0 and p["stopped"])
     assert after < shard1["applied"] <= after + stopped_at
     assert np.isfinite(res.x).all() and model.accuracy(res.x, X_TR, Y_TR) > 0.5
+
+
+def test_a_callback_sees_the_progress_and_can_stop_the_run(client: Client, digits: Dataset) -> None:
+    model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
+    seen: list[downpour.Progress] = []
+
+    def stop_after_a_few(progress: downpour.Progress) -> None:
+        seen.append(progress)
+        if progress.step >= 10:
+            raise StopIteration
+
+    res = downpour.train(
+        model, digits, replicas=2, partitions=2, rule="sgd", lr=0.05, max_steps=100_000, client=client,
+        callback=stop_after_a_few,
+    )  # fmt: skip
+    assert res.success and res.stop_reason == "callback" and res.message == "stopped by the callback"
+    assert seen[-1].step >= 10 and 10 <= res.steps < 100_000
+    assert [p.step for p in seen] == sorted(p.step for p in seen) and seen[-1].replicas_alive == 2
+    assert any(np.isfinite(p.train_loss) for p in seen)
+    # Every push the partitions saw applied is on the shards: the stop lost none.
+    per = res.stats["per_partition"]
+    for k, shard in enumerate(res.stats["shard_counters"]):
+        assert shard["applied"] == sum(p["applied"] for p in per if p["partition"] == k) > 0
