@@ -602,13 +602,17 @@ class _Supervisor:
             self.callback(progress)
         except StopIteration:
             self.stopped_by_callback = True
-            calls = [
-                asyncio.wait_for(a.stop()._result(), self.call_timeout)
-                for row, futs in zip(self.actors, self.futures, strict=True)
-                for a, f in zip(row, futs, strict=True)
-                if f.status not in DEAD_STATES
-            ]
-            await asyncio.gather(*calls, return_exceptions=True)
+            await self._stop_all(self.actors)
+
+    async def _stop_all(self, actors: Sequence[Any]) -> None:
+        """Stop ``actors`` (lists of a replica's partitions) whose workers are alive."""
+        calls = [
+            asyncio.wait_for(a.stop()._result(), self.call_timeout)
+            for row, futs in zip(actors, self.futures, strict=True)
+            for a, f in zip(row, futs, strict=True)
+            if f.status not in DEAD_STATES
+        ]
+        await asyncio.gather(*calls, return_exceptions=True)
 
     def _restored(self, err: ShardLostError) -> None:
         """A shard came back from its checkpoint (called in the recovery's thread): note it."""
@@ -695,6 +699,10 @@ class _Supervisor:
                     broken.add(r)
             if not self.stopped_by_callback:
                 broken |= {r for r, _ in tasks.values() if self._dead(r)}
+            elif tasks:
+                # Stop again: a partition that was computing when it was stopped may since wait for a peer's
+                # message of a pass the peer (stopped first) will never run; a stop aborts that wait.
+                await self._stop_all(self.actors)
             for r in sorted(broken):
                 step = await self._stop(r, tasks, statuses)
                 dead = await confirm_dead_async(functools.partial(self._dead, r), ConnectionError())
