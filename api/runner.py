@@ -175,9 +175,10 @@ def run_downpour(ctx: RunContext) -> RunOutcome:
         )
     options = _user_options(ctx.options)
     if int(options.get("partitions", 1)) > 1:
-        # A partitioned run reports at its end (its placement is followed live by JobRunner) and starts over
-        # on a restart; the held-out rows are evaluated when it has finished, as for every job.
-        res = train(ctx.model, ctx.data, client=ctx.client, store=ctx.store, **options)
+        # A partitioned run reports its progress (steps, loss; its placement is followed live by JobRunner)
+        # and can be cancelled through the callback, but starts over on a restart; the held-out rows are
+        # evaluated when it has finished, as for every job.
+        res = train(ctx.model, ctx.data, client=ctx.client, store=ctx.store, callback=ctx.callback, **options)
     else:
         res = train(
             ctx.model,
@@ -921,7 +922,7 @@ class JobRunner:
             if placement:
                 rec["placement"] = placement
             rec["result"] = json_safe(summary)
-            # A partitioned run has no callback to stop it: a cancel asked while it ran counts at its end.
+            # A cancel asked too late for a partitioned run's callback to see it counts at its end.
             partitioned = int(rec["options"].get("partitions", 1)) > 1
             if job.stopped or (partitioned and job.cancel.is_set()):
                 rec.update(status="cancelled", finished_at=_now(), message="cancelled while running")

@@ -24,7 +24,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ from distributed import Client
 from distributed.utils import sync
 
 from distbelief.downpour._batches import BatchPlan, split_rows
-from distbelief.errors import ClusterError, InvalidOptionError
+from distbelief.errors import ClusterError, InvalidOptionError, ShardLostError
 from distbelief.models._partitioned import PartitionPlan, partition_plan
 from distbelief.storage import (
     Dataset,
@@ -50,6 +50,7 @@ from distbelief.storage import (
 from distbelief.storage._calls import (
     DEAD_STATES,
     POLL,
+    ShardRecovery,
     confirm_dead_async,
     gather_calls,
     start_call,
@@ -195,6 +196,10 @@ class PartitionActor(PartitionPeer):
         self.seconds["push"] += time.perf_counter() - t0
         self.staleness += [int(a[2]) for a in answers]
         self.applied += sum(bool(a[0]) for a in answers)
+
+    async def set_shard_map(self, shard_map: ShardMap) -> None:
+        """Use ``shard_map`` from the next fetch on (a lost shard was restored on another worker)."""
+        self.map = shard_map
 
     async def stop(self) -> None:
         """Stop training at the next step (the replica lost a partition): passes under way are aborted."""
@@ -361,6 +366,8 @@ def train_partitioned(
     n_push: int = 1,
     local_lr: float | None = None,
     shard_workers: Sequence[str] | None = None,
+    checkpoint_every_s: float = 5.0,
+    callback: Callable[[Any], None] | None = None,
 ) -> Any:
     """Downpour SGD with ``replicas`` model replicas, each split into ``partitions`` partition actors.
 
@@ -391,6 +398,14 @@ def train_partitioned(
         worker is rebuilt on the others (its K partitions go on from the step it reached).
     shard_workers : list of str, optional
         Where the shards go instead (partition ``k``'s to ``shard_workers[k % len(shard_workers)]``).
+    checkpoint_every_s : float
+        Seconds between checkpoints of the shards to zarr (0: only the initial one). A shard lost with its
+        worker is restored from the last one on a live worker, and the partitions are handed the new shard
+        map (the updates it received since are lost, as in the paper's section 4.1).
+    callback : callable, optional
+        Called every ``PROGRESS_EVERY`` seconds with a ``downpour.Progress`` (steps, running mini-batch loss
+        and staleness of partition 0 of every live replica; no objective or held-out metrics, which are
+        NaN). Raising ``StopIteration`` stops every partition: ``stop_reason="callback"``.
     call_timeout : float
         Seconds a partition waits for a shard or a peer's message before the run fails.
     n_fetch, n_push, local_lr
@@ -402,7 +417,8 @@ def train_partitioned(
     -------
     downpour.TrainResult
         ``x`` in the model's own layout; ``stats`` adds ``partitions``, ``messages_per_step``,
-        ``bytes_per_step``, ``messages_by_kind`` (per step) and ``per_partition``.
+        ``bytes_per_step``, ``messages_by_kind`` (per step), ``per_partition``, ``checkpoints``,
+        ``recoveries`` and ``shard_losses`` (``(seconds into the run, shard)`` per restored shard).
 
     Raises
     ------
@@ -433,6 +449,15 @@ def train_partitioned(
         isinstance(local_lr, bool) or not isinstance(local_lr, int | float) or not local_lr >= 0
     ):
         raise InvalidOptionError(f"local_lr must be a number >= 0 or None, got {local_lr!r}")
+    if (
+        isinstance(checkpoint_every_s, bool)
+        or not isinstance(checkpoint_every_s, int | float)
+        or not 0 <= checkpoint_every_s < math.inf
+    ):
+        raise InvalidOptionError(
+            f"checkpoint_every_s must be a finite number of seconds >= 0 (0: only the initial checkpoint), "
+            f"got {checkpoint_every_s!r}"
+        )
     step_lr = lr if lr is not None else (0.1 if rule == "sgd" else 0.2)
     x_start = start_vector(model, x0, seed)
     layout = partition_layout(plan.bounds, shards_per_partition=shards_per_partition)
@@ -466,6 +491,10 @@ def train_partitioned(
                 c, model.n_params, store=os.path.join(store, "ps"), workers=shard_places, layout=layout,
                 vectors={"x": x_start[plan.perm]}, timeout=call_timeout,
             )  # fmt: skip
+            if rule == "adagrad":
+                # The accumulators exist from the start: every checkpoint (and a restored shard) holds them.
+                ps.fill("x.adagrad", 0.0)
+            ps.checkpoint()  # a shard lost before the first periodic checkpoint comes back from this one
             reason = "max_steps" if max_steps is not None and sum(limits) == max_steps else "epochs"
             try:
                 args = (
@@ -482,7 +511,8 @@ def train_partitioned(
                 )
                 return _drive(
                     c, ps, plan, dataset, row_ranges, owned, places, limits, *args,
-                    sync=(n_fetch, n_push, local_lr),
+                    sync=(n_fetch, n_push, local_lr), checkpoint_every_s=checkpoint_every_s,
+                    callback=callback,
                 )  # fmt: skip
             finally:
                 ps.close()
@@ -493,13 +523,26 @@ def train_partitioned(
 
 #: Times a run may rebuild a replica that lost a partition's worker before the run fails.
 MAX_REBUILDS = 8
+#: How many lost shards a run recovers from before it gives up.
+MAX_RECOVERIES = 5
+#: Seconds a stopped partition has to end its ``run`` before its counters are read with ``status``: one
+#: blocked sending to a peer on a dead worker would otherwise hold the rebuild for the whole call timeout.
+STOP_GRACE = 2.0
+#: Seconds between two calls of a partitioned run's ``callback``.
+PROGRESS_EVERY = 0.2
 
 
 class _Supervisor:
     """Waits for every partition's ``run`` (on the client's event loop) and rebuilds a replica that lost a
     partition's worker: its surviving partitions are stopped, and K new ones go on from the step the
     survivors reached, on live workers (issue 14, item 4). What the lost partition had not pushed is lost,
-    as a lost replica's gradient is in Downpour; the shards count what they applied (``Shard.counters``)."""
+    as a lost replica's gradient is in Downpour; the shards count what they applied (``Shard.counters``).
+
+    It also checkpoints the shards every ``checkpoint_every_s`` seconds; a shard lost with its worker is
+    restored from the last checkpoint by :class:`storage._calls.ShardRecovery` (as in unpartitioned
+    Downpour), every live partition is handed the new shard map, and a replica whose partition failed on
+    the lost shard is rebuilt like one that lost a worker. Parameter-server calls block, so they run in a
+    thread while the event loop goes on serving the actors."""
 
     def __init__(
         self,
@@ -510,12 +553,100 @@ class _Supervisor:
         submit: Any,
         call_timeout: float,
         max_steps: int,
+        ps: ParameterServer,
+        checkpoint_every_s: float,
+        callback: Any = None,
     ) -> None:
         self.client, self.futures, self.actors = client, futures, actors
         self.places, self.submit, self.call_timeout = list(places), submit, call_timeout
         self.budget = call_timeout * (1 + max_steps)
         self.generation = [0] * len(actors)
         self.rebuilt: list[int] = []
+        self.ps, self.checkpoint_every_s = ps, checkpoint_every_s
+        self.shard_map = ps.shard_map()
+        self.recovery = ShardRecovery(ps, max_recoveries=MAX_RECOVERIES, on_restored=self._restored)
+        self.t0 = time.monotonic()
+        self.started = [self.t0] * len(actors)  # when each replica's current generation started
+        self.shard_losses: list[tuple[float, int]] = []
+        self.checkpoints = 1  # the initial one, taken before the run
+        self.callback = callback
+        self.stopped_by_callback = False
+        self._seen: dict[int, tuple[int, int]] = {}  # replica -> (losses, staleness) already reported
+
+    async def _progress(self) -> None:
+        """Call the callback with a :class:`Progress` from every live replica's partition 0; a callback
+        that raises ``StopIteration`` stops every partition (the run ends with ``stop_reason="callback"``)."""
+        from distbelief.downpour._train import Progress
+
+        rows = []
+        for r, (row, futs) in enumerate(zip(self.actors, self.futures, strict=True)):
+            if futs[0].status in DEAD_STATES:
+                continue
+            with contextlib.suppress(Exception):
+                rows.append((r, await asyncio.wait_for(row[0].status()._result(), self.call_timeout)))
+        losses: list[float] = []
+        stale: list[int] = []
+        for r, st in rows:
+            n_loss, n_stale = self._seen.get(r, (0, 0))
+            losses += st["losses"][n_loss:]
+            stale += st["staleness"][n_stale:]
+            self._seen[r] = (len(st["losses"]), len(st["staleness"]))
+        steps = sum(st["steps"] for _, st in rows)
+        progress = Progress(
+            time=time.monotonic() - self.t0, step=steps, epoch=math.nan,
+            train_loss=float(np.mean(losses)) if losses else math.nan, test_loss=math.nan,
+            test_accuracy=math.nan, staleness_mean=float(np.mean(stale)) if stale else math.nan,
+            staleness_max=float(max(stale)) if stale else math.nan, replicas_alive=len(rows),
+        )  # fmt: skip
+        try:
+            self.callback(progress)
+        except StopIteration:
+            self.stopped_by_callback = True
+            await self._stop_all(self.actors)
+
+    async def _stop_all(self, actors: Sequence[Any]) -> None:
+        """Stop ``actors`` (lists of a replica's partitions) whose workers are alive."""
+        calls = [
+            asyncio.wait_for(a.stop()._result(), self.call_timeout)
+            for row, futs in zip(actors, self.futures, strict=True)
+            for a, f in zip(row, futs, strict=True)
+            if f.status not in DEAD_STATES
+        ]
+        await asyncio.gather(*calls, return_exceptions=True)
+
+    def _restored(self, err: ShardLostError) -> None:
+        """A shard came back from its checkpoint (called in the recovery's thread): note it."""
+        self.shard_losses.append((time.monotonic() - self.t0, err.shard))
+        self.shard_map = self.ps.shard_map()
+
+    async def _ps_call(self, fn: Any) -> Any:
+        """``fn()`` (a blocking parameter-server op) in a thread, a lost shard restored and the op retried;
+        then the partitions still alive are handed the new shard map if a shard was restored."""
+        before = len(self.shard_losses)
+        try:
+            return await asyncio.to_thread(self.recovery.run, fn)
+        finally:
+            if len(self.shard_losses) > before:
+                await self._repoint()
+
+    async def _probe(self) -> None:
+        """Ping every shard (a lost one is restored, the partitions repointed)."""
+        before = len(self.shard_losses)
+        try:
+            await asyncio.to_thread(self.recovery.probe)
+        finally:
+            if len(self.shard_losses) > before:
+                await self._repoint()
+
+    async def _repoint(self) -> None:
+        """Hand every live partition the current shard map (one that cannot be reached is left to fail)."""
+        calls = [
+            asyncio.wait_for(a.set_shard_map(self.shard_map)._result(), self.call_timeout)
+            for row, futs in zip(self.actors, self.futures, strict=True)
+            for a, f in zip(row, futs, strict=True)
+            if f.status not in DEAD_STATES
+        ]
+        await asyncio.gather(*calls, return_exceptions=True)
 
     def run(self) -> tuple[list[dict[str, Any]], list[int]]:
         """Every partition's final counters (stopped generations included) and the replicas rebuilt."""
@@ -541,19 +672,45 @@ class _Supervisor:
         for r in range(len(self.actors)):
             start(r, 0)
         deadline = time.monotonic() + self.budget
+        every = self.checkpoint_every_s
+        next_ckpt = time.monotonic() + every if every > 0 else math.inf
+        next_progress = time.monotonic() + PROGRESS_EVERY if self.callback is not None else math.inf
         while tasks:
             done, _ = await asyncio.wait(list(tasks), timeout=POLL, return_when=asyncio.FIRST_COMPLETED)
+            if time.monotonic() >= next_progress and not self.stopped_by_callback:
+                await self._progress()
+                next_progress = time.monotonic() + PROGRESS_EVERY
+            if time.monotonic() >= next_ckpt:
+                with contextlib.suppress(ClusterError):  # a failed checkpoint leaves the last one current
+                    await self._ps_call(self.ps.checkpoint)
+                    self.checkpoints += 1
+                next_ckpt = time.monotonic() + every
             broken: set[int] = set()
             for task in done:
-                r, _ = tasks.pop(task)
+                r, k = tasks.pop(task)
                 if task.exception() is None:
                     statuses.append(task.result())
+                elif self.stopped_by_callback:
+                    # Stopped by the callback, it failed on a peer stopped first: its counters as they are.
+                    with contextlib.suppress(Exception):
+                        got = await asyncio.wait_for(self.actors[r][k].status()._result(), self.call_timeout)
+                        statuses.append({**got, "stopped": True})
                 else:
                     broken.add(r)
-            broken |= {r for r, _ in tasks.values() if self._dead(r)}
+            if not self.stopped_by_callback:
+                broken |= {r for r, _ in tasks.values() if self._dead(r)}
+            elif tasks:
+                # Stop again: a partition that was computing when it was stopped may since wait for a peer's
+                # message of a pass the peer (stopped first) will never run; a stop aborts that wait.
+                await self._stop_all(self.actors)
             for r in sorted(broken):
                 step = await self._stop(r, tasks, statuses)
-                if not await confirm_dead_async(functools.partial(self._dead, r), ConnectionError()):
+                dead = await confirm_dead_async(functools.partial(self._dead, r), ConnectionError())
+                # The lost worker may have held shards too (or a partition failed on a lost shard): restore
+                # them before the replica is rebuilt, so its new partitions get the new shard map.
+                await self._probe()
+                restored = any(self.t0 + t >= self.started[r] for t, _ in self.shard_losses)
+                if not dead and not restored:
                     raise ClusterError(f"a partition of replica {r} failed (its worker is alive)")
                 await self._rebuild(r)
                 start(r, step)
@@ -566,12 +723,16 @@ class _Supervisor:
     ) -> int:
         """Stop replica ``r``'s surviving partitions; the step the replica goes on from."""
         mine = [t for t, (rr, _) in tasks.items() if rr == r]
-        for k, a in enumerate(self.actors[r]):
-            if self.futures[r][k].status not in DEAD_STATES:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(a.stop()._result(), self.call_timeout)
-        if mine:
-            await asyncio.wait(mine, timeout=self.call_timeout)
+        stops = [
+            (k, asyncio.ensure_future(a.stop()._result()))
+            for k, a in enumerate(self.actors[r])
+            if self.futures[r][k].status not in DEAD_STATES
+        ]
+        for _, stop in stops:
+            stop.add_done_callback(lambda f: f.cancelled() or f.exception())
+        await self._settle(r, stops + [(tasks[t][1], t) for t in mine])
+        for _, stop in stops:
+            stop.cancel()
         steps = []
         for task in mine:
             tasks.pop(task, None)
@@ -587,6 +748,18 @@ class _Supervisor:
                     statuses.append({**got, "stopped": True})
                     steps.append(got["steps"])
         return max(steps, default=0)
+
+    async def _settle(self, r: int, waits: list[tuple[int, asyncio.Future[Any]]]) -> None:
+        """Wait for ``waits`` (``(k, call)``: calls to replica ``r``'s partition ``k``) to end, but no longer
+        than :data:`STOP_GRACE`, nor once partition ``k``'s worker is known dead: a call to a dead worker
+        (or a partition's send to a dead peer) can wait the whole call timeout before it fails."""
+        deadline = time.monotonic() + min(self.call_timeout, STOP_GRACE)
+
+        def pending() -> list[asyncio.Future[Any]]:
+            return [w for k, w in waits if not w.done() and self.futures[r][k].status not in DEAD_STATES]
+
+        while (left := pending()) and time.monotonic() < deadline:
+            await asyncio.wait(left, timeout=POLL, return_when=asyncio.FIRST_COMPLETED)
 
     async def _rebuild(self, r: int) -> None:
         """K new partitions for replica ``r`` on the workers still alive."""
@@ -607,7 +780,8 @@ class _Supervisor:
         g = self.generation[r]
         K = len(self.actors[r])
         old = self.futures[r]
-        self.futures[r] = [self.submit(r, k, live[k % len(live)], g) for k in range(K)]
+        self.started[r] = time.monotonic()
+        self.futures[r] = [self.submit(r, k, live[k % len(live)], g, self.shard_map) for k in range(K)]
         self.actors[r] = [await f._result() for f in self.futures[r]]
         await asyncio.gather(*(a.connect(self.actors[r])._result() for a in self.actors[r]))
         for f in old:
@@ -637,6 +811,8 @@ def _drive(
     stop_reason: str,
     *,
     sync: tuple[int, int, float | None] = (1, 1, None),
+    checkpoint_every_s: float = 5.0,
+    callback: Callable[[Any], None] | None = None,
 ) -> Any:
     run_id = uuid.uuid4().hex[:12]
     n_fetch, n_push, local_lr = sync
@@ -650,7 +826,7 @@ def _drive(
         )  # fmt: skip
         configs.append(config)
 
-    def submit(r: int, k: int, place: str, generation: int) -> Any:
+    def submit(r: int, k: int, place: str, generation: int, shard_map: ShardMap) -> Any:
         lo, hi = row_ranges[r]
         return c.submit(
             PartitionActor, r, k, plan, dataset, lo, hi, shard_map, owned[k], configs[r], generation,
@@ -658,21 +834,30 @@ def _drive(
             key=f"partition-{r}-{k}-{generation}-{run_id}",
         )  # fmt: skip
 
-    futures = [[submit(r, k, places[k % len(places)], 0) for k in range(K)] for r in range(len(row_ranges))]
+    futures = [
+        [submit(r, k, places[k % len(places)], 0, shard_map) for k in range(K)]
+        for r in range(len(row_ranges))
+    ]
     actors = [[f.result() for f in row] for row in futures]
     for row in actors:
         for ok, value in gather_calls(c, [start_call(a, "connect", row) for a in row], timeout=call_timeout):
             if not ok:
                 raise ClusterError(f"a partition could not be connected to its peers: {value!r}")
     t0 = time.perf_counter()
-    supervisor = _Supervisor(c, futures, actors, places, submit, call_timeout, max(limits))
+    supervisor = _Supervisor(
+        c, futures, actors, places, submit, call_timeout, max(limits), ps, checkpoint_every_s, callback
+    )
     statuses, rebuilt = supervisor.run()
     wall = time.perf_counter() - t0
-    x_perm = ps.gather("x")
+    x_perm = supervisor.recovery.run(lambda: ps.gather("x"))
     x = np.empty_like(x_perm)
     x[plan.perm] = x_perm
-    # A stopped generation's steps are counted by the generation that went on from them.
-    steps = sum(st["steps"] for st in statuses if st["partition"] == 0 and not st.get("stopped"))
+    # Steps count on across a replica's generations (a rebuilt one goes on from the stopped one's count).
+    last: dict[int, int] = {}
+    for st in statuses:
+        if st["partition"] == 0:
+            last[st["replica"]] = max(last.get(st["replica"], 0), st["steps"])
+    steps = sum(last.values())
     messages = sum(st["messages"] for st in statuses)
     n_bytes = sum(st["bytes"] for st in statuses)
     by_kind: dict[str, float] = {}
@@ -693,7 +878,10 @@ def _drive(
         "partitions": K,
         "shards": ps.shards,
         "rebuilt_replicas": rebuilt,
-        "shard_counters": ps.counters(),
+        "shard_counters": supervisor.recovery.run(ps.counters),
+        "checkpoints": supervisor.checkpoints,
+        "recoveries": supervisor.recovery.recoveries,
+        "shard_losses": list(supervisor.shard_losses),
         "pushes": sum(len(st["staleness"]) for st in statuses),
         "staleness_mean": float(np.mean(staleness)) if staleness else math.nan,
         "steps_per_s": steps / wall if wall > 0 else math.nan,
@@ -704,10 +892,15 @@ def _drive(
             {k: v for k, v in st.items() if k not in ("losses", "staleness")} for st in statuses
         ],
     }
-    by_steps = stop_reason == "max_steps"
+    if supervisor.stopped_by_callback:
+        stop_reason = "callback"
+    messages_by_reason = {
+        "max_steps": "reached max_steps",
+        "epochs": "every replica finished its epochs",
+        "callback": "stopped by the callback",
+    }
     return result_cls(
-        x=x, history=history, stop_reason=stop_reason, success=True,
-        message="reached max_steps" if by_steps else "every replica finished its epochs",
+        x=x, history=history, stop_reason=stop_reason, success=True, message=messages_by_reason[stop_reason],
         steps=steps, wall_time=wall, store=ps.url, stats=stats, losses=losses,
     )  # fmt: skip
 
@@ -715,13 +908,12 @@ def _drive(
 #: ``downpour.train`` options a partitioned run takes, and the defaults of the ones it does not support.
 _SUPPORTED = ("replicas", "rule", "lr", "l2", "batch_size", "epochs", "max_steps", "seed", "x0", "shuffle",
               "client", "store", "trace", "call_timeout", "n_fetch", "n_push", "local_lr",
-              "shard_workers")  # fmt: skip
+              "shard_workers", "checkpoint_every_s", "callback")  # fmt: skip
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "shards": None,
     "warmstart_steps": 0,
     "time_limit": None,
     "eval_data": None,
-    "callback": None,
     "staleness_scale": None,  # the default (on for multi-replica SGD elsewhere): partitions run unscaled
     "compression": None,
     "max_coalesce": None,

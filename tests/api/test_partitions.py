@@ -193,3 +193,32 @@ def test_a_running_jobs_placement_follows_its_partition_actors() -> None:
     table[1]["worker"] = "tcp://moved"
     time.sleep(0.05)
     assert job.record["placement"] == "final"
+
+
+def test_a_partitioned_downpour_job_reports_progress_and_stops_when_its_callback_says(
+    tmp_path: Path, client: DaskClient
+) -> None:
+    # The runner hands a partitioned run the job's callback: rows reach the metrics, a cancel stops it.
+    from distbelief.api.runner import RunContext, run_downpour
+    from distbelief.storage import Dataset
+    from distbelief.storage._digits import train_test_split_digits
+
+    X, y, _, _ = train_test_split_digits(seed=0)
+    data = Dataset.from_arrays(
+        X, y, path=tmp_path / "d", portion_rows=512, label_kind="classes", n_classes=10
+    )
+    rows: list[Any] = []
+
+    def cancel_after_two(record: Any) -> None:
+        rows.append(record)
+        if len(rows) >= 2:
+            raise StopIteration
+
+    ctx = RunContext(
+        job_id="j", algorithm="downpour-sgd", model=models.LocallyConnected(64, 10, fields=[6], strides=[2]),
+        data=data, eval_data=None, options={"partitions": 2, "max_steps": 100_000, "rule": "sgd"},
+        client=client, store=str(tmp_path / "run"), callback=cancel_after_two, resume=False,
+    )  # fmt: skip
+    outcome = run_downpour(ctx)
+    assert len(rows) == 2 and rows[-1].step > 0
+    assert outcome.summary["stop_reason"] == "callback" and outcome.summary["steps"] < 100_000

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import signal
 import threading
@@ -88,6 +89,9 @@ def test_unsupported_options_are_refused(client: Client, digits: Dataset) -> Non
         downpour.train(model, digits, partitions=2, warmstart_steps=3, max_steps=1, client=client)
     with pytest.raises(InvalidOptionError, match="n_push"):
         downpour.train(model, digits, partitions=2, n_push=0, max_steps=1, client=client)
+    for bad in (-1.0, math.inf, "5", True):
+        with pytest.raises(InvalidOptionError, match="checkpoint_every_s must be"):
+            downpour.train(model, digits, partitions=2, checkpoint_every_s=bad, max_steps=1, client=client)
     with pytest.raises(InvalidOptionError, match="cannot be partitioned"):
         downpour.train(models.Softmax(64, 10), digits, partitions=2, max_steps=1, client=client)
 
@@ -102,28 +106,34 @@ def _steps_here(before: list[str], dask_worker: Any = None) -> int:
     return max((int(getattr(a, "steps", 0)) for k, a in actors.items() if str(k) not in before), default=0)
 
 
-def test_a_killed_partition_worker_is_rebuilt_and_the_shards_count_every_applied_push(
-    client: Client, digits: Dataset
-) -> None:
-    home, other = worker_addresses(client)
-    killed: list[int] = []
+def _killer(client: Client, address: str, at_steps: int, killed: list[int]) -> threading.Thread:
+    """A thread that SIGKILLs the worker at ``address`` once a partition of this run there took ``at_steps``
+    steps."""
     # Actors of earlier tests may linger on the worker: only this run's partitions count.
-    before = client.run(_actors_here, workers=[other])[other]
+    before = client.run(_actors_here, workers=[address])[address]
 
     def kill_once_training() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            steps = client.run(_steps_here, before, workers=[other]).get(other, 0)
-            if steps >= 10:
-                pid = client.run(os.getpid, workers=[other])[other]
+            steps = client.run(_steps_here, before, workers=[address]).get(address, 0)
+            if steps >= at_steps:
+                pid = client.run(os.getpid, workers=[address])[address]
                 os.kill(pid, signal.SIGKILL)
                 killed.append(steps)
                 return
             time.sleep(0.02)
 
+    return threading.Thread(target=kill_once_training)
+
+
+def test_a_killed_partition_worker_is_rebuilt_and_the_shards_count_every_applied_push(
+    client: Client, digits: Dataset
+) -> None:
+    home, other = worker_addresses(client)
+    killed: list[int] = []
     # Partition 0 of both replicas and every shard on one worker, partition 1 of both on the other.
     model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
-    thread = threading.Thread(target=kill_once_training)
+    thread = _killer(client, other, 10, killed)
     thread.start()
     res = downpour.train(
         model, digits, replicas=2, partitions=2, rule="sgd", lr=0.05, max_steps=200, client=client,
@@ -143,3 +153,59 @@ def test_a_killed_partition_worker_is_rebuilt_and_the_shards_count_every_applied
     stopped_at = sum(p["steps"] for p in per if p["partition"] == 0 and p["stopped"])
     assert after < shard1["applied"] <= after + stopped_at
     assert np.isfinite(res.x).all() and model.accuracy(res.x, X_TR, Y_TR) > 0.5
+
+
+def test_a_killed_worker_holding_a_shard_and_partitions_is_recovered_from_the_checkpoint(
+    client: Client, digits: Dataset
+) -> None:
+    # Shard k and partition k of both replicas on worker k: killing worker 1 loses shard 1 with them.
+    home, other = worker_addresses(client)
+    killed: list[int] = []
+    model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
+    thread = _killer(client, other, 60, killed)
+    thread.start()
+    res = downpour.train(
+        model, digits, replicas=2, partitions=2, rule="sgd", lr=0.05, max_steps=200, client=client,
+        shard_workers=[home, other], replica_workers=[home, other], call_timeout=20.0,
+        checkpoint_every_s=0.05,
+    )  # fmt: skip
+    thread.join()
+    assert killed, "the run ended before the kill"
+    assert res.success and res.steps == 200
+    assert res.stats["recoveries"] >= 1 and res.stats["checkpoints"] >= 2
+    assert [shard for _, shard in res.stats["shard_losses"]] == [1]
+    assert sorted(res.stats["rebuilt_replicas"]) == [0, 1]
+    per = res.stats["per_partition"]
+    shard0, shard1 = res.stats["shard_counters"]
+    # Shard 0 was not lost: every push partition 0's generations saw applied is on it, and nothing else.
+    assert shard0["applied"] == sum(p["applied"] for p in per if p["partition"] == 0)
+    # Shard 1 came back from a checkpoint taken after some pushes (its counters with it; a shard restored
+    # empty would hold only the pushes after the kill), and holds no more than the replicas had pushed
+    # before the kill, plus what the rebuilt partitions saw applied.
+    after = sum(p["applied"] for p in per if p["partition"] == 1)
+    stopped_at = sum(p["steps"] for p in per if p["partition"] == 0 and p["stopped"])
+    assert after < shard1["applied"] <= after + stopped_at
+    assert np.isfinite(res.x).all() and model.accuracy(res.x, X_TR, Y_TR) > 0.5
+
+
+def test_a_callback_sees_the_progress_and_can_stop_the_run(client: Client, digits: Dataset) -> None:
+    model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
+    seen: list[downpour.Progress] = []
+
+    def stop_after_a_few(progress: downpour.Progress) -> None:
+        seen.append(progress)
+        if progress.step >= 10:
+            raise StopIteration
+
+    res = downpour.train(
+        model, digits, replicas=2, partitions=2, rule="sgd", lr=0.05, max_steps=100_000, client=client,
+        callback=stop_after_a_few,
+    )  # fmt: skip
+    assert res.success and res.stop_reason == "callback" and res.message == "stopped by the callback"
+    assert seen[-1].step >= 10 and 10 <= res.steps < 100_000
+    assert [p.step for p in seen] == sorted(p.step for p in seen) and seen[-1].replicas_alive == 2
+    assert any(np.isfinite(p.train_loss) for p in seen)
+    # Every push the partitions saw applied is on the shards: the stop lost none.
+    per = res.stats["per_partition"]
+    for k, shard in enumerate(res.stats["shard_counters"]):
+        assert shard["applied"] == sum(p["applied"] for p in per if p["partition"] == k) > 0
