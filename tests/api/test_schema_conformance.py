@@ -36,7 +36,9 @@ from tests.api.conftest import TOKEN, live_server, tiny_xy
 pytest.importorskip("schemathesis")
 
 MAX_EXAMPLES = 15
-MAX_SECONDS = 120
+#: The run's time bound (the stateful phase runs until it). On a quiet box 120 s generated ~16,800 cases
+#: with every phase and operation covered; 75 s keeps all of them and takes 45 s off the suite.
+MAX_SECONDS = 75
 
 
 @pytest.fixture
