@@ -106,9 +106,11 @@ def _steps_here(before: list[str], dask_worker: Any = None) -> int:
     return max((int(getattr(a, "steps", 0)) for k, a in actors.items() if str(k) not in before), default=0)
 
 
-def _killer(client: Client, address: str, at_steps: int, killed: list[int]) -> threading.Thread:
+def _killer(
+    client: Client, address: str, at_steps: int, killed: list[int], settle_s: float = 0.0
+) -> threading.Thread:
     """A thread that SIGKILLs the worker at ``address`` once a partition of this run there took ``at_steps``
-    steps."""
+    steps, and ``settle_s`` seconds more (time for a checkpoint holding those steps' pushes)."""
     # Actors of earlier tests may linger on the worker: only this run's partitions count.
     before = client.run(_actors_here, workers=[address])[address]
 
@@ -117,6 +119,7 @@ def _killer(client: Client, address: str, at_steps: int, killed: list[int]) -> t
         while time.monotonic() < deadline:
             steps = client.run(_steps_here, before, workers=[address]).get(address, 0)
             if steps >= at_steps:
+                time.sleep(settle_s)
                 pid = client.run(os.getpid, workers=[address])[address]
                 os.kill(pid, signal.SIGKILL)
                 killed.append(steps)
@@ -162,16 +165,18 @@ def test_a_killed_worker_holding_a_shard_and_partitions_is_recovered_from_the_ch
     home, other = worker_addresses(client)
     killed: list[int] = []
     model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
-    thread = _killer(client, other, 60, killed)
+    # The kill waits 0.3 s past step 60, six checkpoint intervals: a checkpoint then holds pushes (killed
+    # at once, a fast run had only its empty first checkpoint, and the test could not tell the two apart).
+    thread = _killer(client, other, 60, killed, settle_s=0.3)
     thread.start()
     res = downpour.train(
-        model, digits, replicas=2, partitions=2, rule="sgd", lr=0.05, max_steps=200, client=client,
+        model, digits, replicas=2, partitions=2, rule="sgd", lr=0.05, max_steps=400, client=client,
         shard_workers=[home, other], replica_workers=[home, other], call_timeout=20.0,
         checkpoint_every_s=0.05,
     )  # fmt: skip
     thread.join()
     assert killed, "the run ended before the kill"
-    assert res.success and res.steps == 200
+    assert res.success and res.steps == 400
     assert res.stats["recoveries"] >= 1 and res.stats["checkpoints"] >= 2
     assert [shard for _, shard in res.stats["shard_losses"]] == [1]
     assert sorted(res.stats["rebuilt_replicas"]) == [0, 1]
