@@ -385,7 +385,6 @@ def test_a_ten_times_slower_replica_does_less_work(client: Client, tmp_path: Pat
     common = {"x0": problem.x0, "l2": problem.l2, "client": client, "maxiter": 8, "portions": 12}
     even = sandblaster.minimize(problem.model, ds, store=tmp_path / "even", **common)
     res = sandblaster.minimize(problem.model, ds, store=tmp_path / "slow", slowdown={0: 10.0}, **common)
-    assert int(res.history.backups_won.sum()) > 0
     # The fast replica steals queued portions and backs up overdue ones: it ends up doing most of the work
     # (the first evaluations, before the scheduler knows each replica's pace, are split more evenly). On the
     # first slowed run it must also read the slow one's rows, and a cold portion is only stolen when the
@@ -394,6 +393,10 @@ def test_a_ten_times_slower_replica_does_less_work(client: Client, tmp_path: Pat
     again = sandblaster.minimize(problem.model, ds, store=tmp_path / "again", slowdown={0: 10.0}, **common)
     slow, fast = again.stats["portions_per_replica"]
     assert fast > 2 * slow, (slow, fast)
+    # Backups were sent for the slow replica's overdue portions. Whether one *wins* is a race the fast
+    # replica's stealing often makes moot (a CI run saw 0 won in 8 iterations); the scheduler's decisions
+    # themselves are checked deterministically in test_scheduler.py.
+    assert int(res.history.backups_issued.sum() + again.history.backups_issued.sum()) > 0
     # The same iterates, bit for bit, whoever computed which portion.
     assert res.nit == even.nit == 8
     assert res.fun == even.fun and np.array_equal(res.x, even.x)
