@@ -67,9 +67,11 @@ RESULTS = Path(__file__).parent / "results"
 SETTLE_S = 0.5
 
 
-def settle() -> None:
-    """Let the previous run's threads go idle before the next timed run starts."""
-    time.sleep(SETTLE_S)
+def settle(quick: bool = False) -> None:
+    """Let the previous run's threads go idle before the next timed run starts (a ``--quick`` smoke run
+    times nothing that counts: no pause)."""
+    if not quick:
+        time.sleep(SETTLE_S)
 
 
 #: Every peer's final objective must be within this relative gap of the best any peer reached.
@@ -359,12 +361,13 @@ def _kernel_pass_ms(
     return 1e3 * float(np.median(times[1:]))
 
 
-def warm_up_workers(client: Client, tmp: str) -> None:
+def warm_up_workers(client: Client, tmp: str, quick: bool = False) -> None:
     """Short runs on unrelated data, so no timed run pays the workers' first imports: one small, and one
     big enough (> 8 MiB of rows per replica) to load the models' compiled kernel (numba) on every worker,
-    as scipy's process has it loaded after its own warm-up call below."""
+    as scipy's process has it loaded after its own warm-up call below. (``--quick``: the small one only;
+    its problems are too small for the compiled kernel.)"""
     rng = np.random.default_rng(0)
-    for rows, d in ((2000, 10), (12_000, 200)):
+    for rows, d in ((2000, 10),) if quick else ((2000, 10), (12_000, 200)):
         X = rng.standard_normal((rows, d))
         ds = Dataset.from_arrays(X, (X[:, 0] > 0).astype(float), path=f"{tmp}/warm-up-{d}", overwrite=True)
         run_ours(client, models.Logistic(d), ds, 1e-3, 10, f"{tmp}/warm-up-run-{d}", maxiter=3, portions=2)
@@ -402,7 +405,7 @@ def bench_problem(
         "fused_model_kernel": (True, "models"),
     }
     # Cold: the first run on the freshly written dataset, its replicas reading every row from zarr.
-    settle()
+    settle(quick)
     cold = run_ours(client, model, ds, l2, m, f"{tmp}/cold")
     out["sandblaster_cold"] = {
         "wall_s": cold["wall_s"],
@@ -418,9 +421,9 @@ def bench_problem(
     ours: list[dict[str, Any]] = []
     for k in range(repeats):
         for label, (limit, kernel) in variants.items():
-            settle()
+            settle(quick)
             scipy_runs[label].append(run_scipy(model, X, y, l2, m, limit, kernel))
-        settle()
+        settle(quick)
         ours.append(run_ours(client, model, ds, l2, m, f"{tmp}/run{k}"))
     # The reported reference is the fastest numpy-gradient variant; the fused-kernel row gets its own ratio.
     best = min(("as_installed", "scipy_blas_1_thread"), key=lambda k: median_of(scipy_runs[k], "wall_s"))
@@ -452,7 +455,7 @@ def bench_problem(
     glm_repeats = 1 if name != "digits" else min(repeats, 3)
     glm = []
     for _ in range(glm_repeats):
-        settle()
+        settle(quick)
         glm.append(run_dask_glm(client, X, y, l2, gtol))
     out["dask_glm"] = {
         "wall_s_median": median_of(glm, "wall_s"),
@@ -491,7 +494,7 @@ def round_trips_by_history(client: Client, tmp: str, quick: bool = False) -> dic
     ds = Dataset.from_arrays(X, y.astype(float), path=f"{tmp}/softmax", overwrite=True)
     out = {}
     for m in (5, 10, 20):
-        res = run_ours(client, model, ds, 1e-3, m, f"{tmp}/rt{m}", maxiter=8 if quick else 40)
+        res = run_ours(client, model, ds, 1e-3, m, f"{tmp}/rt{m}", maxiter=6 if quick else 40)
         out[str(m)] = {
             "round_trips_per_iteration_median": res["per_iteration"]["round_trips_median"],
             "max_scalars_received_per_call": res["stats"]["max_values_received"],
@@ -503,7 +506,7 @@ def round_trips_by_history(client: Client, tmp: str, quick: bool = False) -> dic
 def straggler(client: Client, tmp: str, quick: bool) -> dict[str, Any]:
     X, y, l2 = make_problem("synthetic", quick)
     X, y = X[:60_000], y[:60_000]
-    maxiter = 3 if quick else 8
+    maxiter = 2 if quick else 8
     model = models.Logistic(X.shape[1])
     ds = Dataset.from_arrays(X, y, path=f"{tmp}/straggler", overwrite=True)
     out = {}
@@ -558,7 +561,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None, *, client: Client | None = None) -> dict[str, Any]:
+    """Run the benchmark (``argv`` as on the command line); ``client``: run on its cluster instead of
+    starting one (the test suite's smoke run)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small problems and one repeat (a smoke run)")
     parser.add_argument("--out", type=Path, default=RESULTS / "sandblaster_vs_peers.json")
@@ -583,9 +588,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         with (
             tempfile.TemporaryDirectory(prefix="bench-sandblaster-") as tmp,
-            embedded_client(None) as client,
+            embedded_client(client) as client,
         ):
-            warm_up_workers(client, tmp)
+            warm_up_workers(client, tmp, args.quick)
             for name in problems:
                 print(f"== {name}", flush=True)
                 results["problems"][name] = bench_problem(

@@ -1,4 +1,5 @@
-"""Shared fixtures: one real multi-process LocalCluster for the whole session."""
+"""Shared fixtures: one real multi-process LocalCluster for the whole session, and one 3-worker cluster for
+the tests that kill a worker and need two others to go on (each cluster costs seconds to start)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import dask
 import pytest
 from distributed import Client, LocalCluster
 from hypothesis import settings
+
+from distbelief.storage import worker_addresses
 
 # No per-example deadline: the examples take microseconds to milliseconds, and on a loaded 2-core machine
 # a GC pause or a preemption would fail one as "unreliable timing" though the code is right.
@@ -39,3 +42,25 @@ def client(session_client: Client) -> Client:
     a worker (the nanny restarts it), the scheduler can briefly list fewer."""
     session_client.wait_for_workers(2, timeout=60)
     return session_client
+
+
+@pytest.fixture(scope="session")
+def _three_worker_cluster() -> Iterator[tuple[LocalCluster, Client]]:
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
+        ) as cluster,
+        Client(cluster, direct_to_workers=True, set_as_default=False) as client,
+    ):
+        yield cluster, client
+
+
+@pytest.fixture
+def three_workers(
+    _three_worker_cluster: tuple[LocalCluster, Client],
+) -> tuple[LocalCluster, Client, list[str]]:
+    """The 3-worker cluster, its client and its workers' addresses, once all three are up (the nanny
+    restarts a worker killed by an earlier test)."""
+    cluster, client = _three_worker_cluster
+    client.wait_for_workers(3, timeout=60)
+    return cluster, client, worker_addresses(client)

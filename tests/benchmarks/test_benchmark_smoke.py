@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from distributed import LocalCluster
+from distributed import Client, LocalCluster
 
 from benchmarks import api_load, downpour_figure4, sandblaster_vs_peers, shard_ops
 
@@ -22,9 +22,12 @@ HAVE_SPARK = importlib.util.find_spec("pyspark") is not None
 
 # -- sandblaster_vs_peers ---------------------------------------------------------------------------------
 @pytest.mark.timeout(900)
-def test_sandblaster_vs_peers_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sandblaster_vs_peers_quick_run(
+    client: Client, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "sb.json"
-    result = sandblaster_vs_peers.main(["--quick", "--out", str(out)])
+    # On the session's cluster: the script's own would cost a cluster start.
+    result = sandblaster_vs_peers.main(["--quick", "--out", str(out)], client=client)
     saved = json.loads(out.read_text())
     assert out.with_suffix(".png").exists()
     assert set(saved["problems"]) == {"digits", "synthetic", "synthetic-correlated"}
@@ -103,8 +106,11 @@ def test_sandblaster_vs_peers_says_why_spark_is_skipped(monkeypatch: pytest.Monk
 
 # -- downpour_figure4 -------------------------------------------------------------------------------------
 @pytest.mark.timeout(900)
-def test_downpour_figure4_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert downpour_figure4.main(["--quick", "--out", str(tmp_path)]) == 0
+def test_downpour_figure4_quick_run(
+    client: Client, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # On the session's cluster: the script's own would cost a cluster start.
+    assert downpour_figure4.main(["--quick", "--out", str(tmp_path)], client=client) == 0
     saved = json.loads((tmp_path / "downpour_figure4.json").read_text())
     assert (tmp_path / "downpour_figure4.png").exists()
     printed = capsys.readouterr().out
@@ -123,8 +129,16 @@ def test_downpour_figure4_quick_run(tmp_path: Path, capsys: pytest.CaptureFixtur
                 if row["kind"] == "downpour":
                     assert isinstance(run["success"], bool) and run["message"]
                     assert run["staleness_scale"] == (row["rule"] == "sgd" and row["replicas"] > 1)
+    # --quick: every row on the first problem; on the second, its headline ratio's rows, the floor, L-BFGS.
+    first, second = saved["problems"].values()
+    assert len(first["rows"]) == 9
+    assert [r["label"] for r in second["rows"]] == [
+        "numpy SGD (1 process)",
+        "single-replica SGD",
+        "Downpour Adagrad, 2 replicas",
+        "Sandblaster L-BFGS",
+    ]
     # Communication rows (first problem in --quick): fused vs unfused vs compressed, side by side.
-    first = next(iter(saved["problems"].values()))
     comm = {c["label"]: c for c in first["communication"]["rows"]}
     assert comm["Downpour Adagrad, 2 replicas"]["bytes_per_step_ratio"] == 1.0
     unfused = comm["Downpour Adagrad, 2 replicas, unfused"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import cloudpickle
@@ -17,7 +17,6 @@ from distributed import Client, LocalCluster
 from distbelief import downpour
 from distbelief.downpour import Progress
 from distbelief.downpour._resume import checkpoint_vector
-from distbelief.storage import worker_addresses
 from tests.downpour import _helpers
 from tests.downpour._helpers import ConstantGradient
 
@@ -28,17 +27,6 @@ N = 3000
 LR = 1e-3
 #: Rows of the constant-gradient model (their values do not matter: every row's gradient is ``c``).
 DATA = (np.zeros((2000, 1)), np.zeros(2000))
-
-
-@pytest.fixture(scope="module")
-def cluster3() -> Iterator[tuple[LocalCluster, Client]]:
-    with (
-        LocalCluster(
-            n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
-        ) as cluster,
-        Client(cluster, direct_to_workers=True) as client,
-    ):
-        yield cluster, client
 
 
 def killer(cluster: LocalCluster, address: str, at: float, log: list[float]) -> Callable[[Progress], None]:
@@ -55,11 +43,9 @@ def killer(cluster: LocalCluster, address: str, at: float, log: list[float]) -> 
 
 
 def test_a_killed_replica_worker_leaves_the_others_training(
-    cluster3: tuple[LocalCluster, Client], tmp_path: Path
+    three_workers: tuple[LocalCluster, Client, list[str]], tmp_path: Path
 ) -> None:
-    cluster, client = cluster3
-    client.wait_for_workers(3, timeout=60)  # the nanny restarts a worker killed by an earlier test
-    a, b, c = worker_addresses(client)
+    cluster, client, (a, b, c) = three_workers
     killed: list[float] = []
     model = ConstantGradient(N)
     res = downpour.train(
@@ -88,11 +74,9 @@ def test_a_killed_replica_worker_leaves_the_others_training(
 
 @pytest.mark.parametrize("rule", ["sgd", "adagrad"])
 def test_a_lost_shard_is_restored_from_its_checkpoint_and_training_continues(
-    cluster3: tuple[LocalCluster, Client], tmp_path: Path, rule: str
+    three_workers: tuple[LocalCluster, Client, list[str]], tmp_path: Path, rule: str
 ) -> None:
-    cluster, client = cluster3
-    client.wait_for_workers(3, timeout=60)  # the nanny restarts a worker killed by an earlier test
-    a, b, c = worker_addresses(client)
+    cluster, client, (a, b, c) = three_workers
     killed: list[float] = []
     model = ConstantGradient(N)
     res = downpour.train(

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 import scipy.optimize
-from distributed import Client, LocalCluster
 
 from distbelief import models
-from distbelief.storage import load_digits, worker_addresses
+from distbelief.storage import load_digits
 
 
 @dataclass
@@ -106,22 +104,3 @@ def rosenbrock() -> Problem:
     model = ExtendedRosenbrock(100)
     X = np.arange(50, dtype=float)[:, None]
     return Problem(model, X, np.zeros(50), 0.0, model.init_params())
-
-
-@pytest.fixture(scope="module")
-def _three_worker_cluster() -> Iterator[tuple[LocalCluster, Client]]:
-    """One 3-worker cluster for the tests of this module that kill a worker (not the session's)."""
-    with (
-        LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
-        Client(cluster, direct_to_workers=True) as client,
-    ):
-        yield cluster, client
-
-
-@pytest.fixture
-def three_workers(
-    _three_worker_cluster: tuple[LocalCluster, Client],
-) -> tuple[LocalCluster, Client, list[str]]:
-    cluster, client = _three_worker_cluster
-    client.wait_for_workers(3, timeout=60)  # the nanny restarts a worker killed by an earlier test
-    return cluster, client, worker_addresses(client)

@@ -162,15 +162,15 @@ def test_store_errors_say_what_to_do(client: Client, tmp_path: Path) -> None:
         ps.close()
 
 
-def test_a_lost_shard_is_named_and_rebuilt_from_the_checkpoint(tmp_path: Path) -> None:
-    with (
-        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
-        Client(cluster, direct_to_workers=True) as client,
-    ):
-        workers = worker_addresses(client)
-        n = 1000
-        x = np.arange(n, dtype=float)
-        ps = ParameterServer.create(client, n, shards=2, store=str(tmp_path / "ps"), workers=workers)
+def test_a_lost_shard_is_named_and_rebuilt_from_the_checkpoint(
+    cluster: LocalCluster, client: Client, tmp_path: Path
+) -> None:
+    # The session's cluster: its nanny restarts the killed worker, and the client fixture waits for it.
+    workers = worker_addresses(client)
+    n = 1000
+    x = np.arange(n, dtype=float)
+    ps = ParameterServer.create(client, n, shards=2, store=str(tmp_path / "ps"), workers=workers)
+    try:
         ps.scatter("x", x)
         ps.checkpoint()
         ps.scale(2.0, "x")  # after the checkpoint: shard 1's share of this is lost with its worker
@@ -192,4 +192,5 @@ def test_a_lost_shard_is_named_and_rebuilt_from_the_checkpoint(tmp_path: Path) -
         np.testing.assert_array_equal(ps.gather("x"), expected)
         ps.rollback()
         np.testing.assert_array_equal(ps.gather("x"), x)
+    finally:
         ps.close()

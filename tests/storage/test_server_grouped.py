@@ -34,15 +34,15 @@ def test_more_shards_than_workers_cost_one_call_per_worker(client: Client, tmp_p
         ps.close()
 
 
-def test_a_lost_worker_with_two_shards_loses_both_and_both_come_back(tmp_path: Path) -> None:
-    with (
-        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
-        Client(cluster, direct_to_workers=True) as client,
-    ):
-        workers = worker_addresses(client)
-        n = 1000
-        x = np.arange(n, dtype=float)
-        ps = ParameterServer.create(client, n, shards=4, store=str(tmp_path / "ps"), workers=workers)
+def test_a_lost_worker_with_two_shards_loses_both_and_both_come_back(
+    cluster: LocalCluster, client: Client, tmp_path: Path
+) -> None:
+    # The session's cluster: its nanny restarts the killed worker, and the client fixture waits for it.
+    workers = worker_addresses(client)
+    n = 1000
+    x = np.arange(n, dtype=float)
+    ps = ParameterServer.create(client, n, shards=4, store=str(tmp_path / "ps"), workers=workers)
+    try:
         ps.scatter("x", x)
         ps.checkpoint()
         victim = next(w for w in cluster.workers.values() if w.worker_address == workers[1])
@@ -54,4 +54,5 @@ def test_a_lost_worker_with_two_shards_loses_both_and_both_come_back(tmp_path: P
                 time.sleep(0.05)
         assert info.value.shard == 1 and "3 [" in str(info.value)
         assert ps.dot("x", "x") == pytest.approx(x @ x)  # no second ShardLostError for shard 3
+    finally:
         ps.close()
