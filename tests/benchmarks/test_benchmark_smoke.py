@@ -41,14 +41,15 @@ def test_sandblaster_vs_peers_quick_run(
         assert prob["sandblaster"]["relative_objective_gap_to_best"] < 1e-4
         assert ref["relative_objective_gap_to_best"] < 1e-4
         spark = prob["spark"]
-        if HAVE_SPARK:
+        if HAVE_SPARK and name != "synthetic":
+            assert "synthetic problem only" in spark["skipped"]  # --quick runs Spark on one problem
+        elif HAVE_SPARK:
             # F without intercept (regParam = l2, no standardization), evaluated by our code on Spark's
             # coefficients, against SciPy on that objective: on the well-conditioned synthetic problem Spark
             # reaches the optimum within the quick run's 30 iterations (13 measured); the others need more.
             assert isinstance(spark["met"], bool) and spark["scipy_fun_same_objective"] > 0
             assert spark["met"] == (spark["relative_objective_gap_to_best"] <= 1e-5)
-            if name == "synthetic":
-                assert spark["relative_objective_gap_to_best"] < 1e-4, spark
+            assert spark["relative_objective_gap_to_best"] < 1e-4, spark
             assert spark["nit"] > 0 and spark["wall_s_median"] > 0
             assert "spark_over_sandblaster" in prob["ratios"]
         else:
