@@ -16,6 +16,7 @@ Examples
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 from collections.abc import Iterator, Mapping
@@ -166,13 +167,24 @@ class Client:
     def submit(self, spec: Mapping[str, Any]) -> dict[str, Any]:
         """Submit a job: ``{"algorithm", "dataset", "model", "options", ...}`` as for ``POST /api/jobs``.
 
+        An option given as an options object of the Python API (``downpour.Compression(tau=0.01)``) is sent
+        as its JSON form (``{"tau": 0.01}``), so ``options`` can be the keyword arguments of
+        ``downpour.train`` as they are.
+
         Examples
         --------
         >>> c.submit({"algorithm": "sandblaster-gd", "dataset": "tiny",
         ...           "model": {"kind": "logistic", "n_features": 2}})["status"]   # doctest: +SKIP
         'queued'
+        >>> c.submit({"algorithm": "downpour-sgd", "dataset": "tiny",
+        ...           "model": {"kind": "logistic", "n_features": 2},
+        ...           "options": {"epochs": 2, "fuse": False, "max_coalesce": 4,
+        ...                       "compression": downpour.Compression(tau=0.05)}})   # doctest: +SKIP
         """
-        result: dict[str, Any] = self._json("POST", "/api/jobs", json=dict(spec))
+        body = dict(spec)
+        if isinstance(body.get("options"), Mapping):
+            body["options"] = {k: _json_option(v) for k, v in body["options"].items()}
+        result: dict[str, Any] = self._json("POST", "/api/jobs", json=body)
         return result
 
     def jobs(self, *, status: str | None = None, limit: int = 1000, offset: int = 0) -> list[dict[str, Any]]:
@@ -315,6 +327,23 @@ class Client:
         """``{"status": "ok", "version": ...}``."""
         result: dict[str, Any] = self._json("GET", "/api/health")
         return result
+
+
+def _json_option(value: Any) -> Any:
+    """An option value as JSON: an options dataclass (``downpour.Compression``) as the dict of its fields.
+
+    Examples
+    --------
+    >>> from dataclasses import dataclass
+    >>> @dataclass(frozen=True)
+    ... class Compression:
+    ...     tau: float
+    >>> _json_option(Compression(tau=0.5)), _json_option(3)
+    ({'tau': 0.5}, 3)
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
 
 
 def _detail(response: httpx.Response) -> str:

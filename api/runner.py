@@ -52,6 +52,7 @@ __all__ = [
     "RunOutcome",
     "Subscription",
     "UnknownDatasetError",
+    "downpour_kwargs",
     "run_downpour",
     "run_sandblaster",
 ]
@@ -143,6 +144,33 @@ def _user_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return dict(options)
 
 
+def downpour_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``downpour-sgd`` job's options (JSON, as stored) as the keyword arguments of
+    :func:`downpour.train`: ``compression`` ``{"tau": t}`` becomes ``downpour.Compression(tau=t)``.
+
+    Examples
+    --------
+    >>> downpour_kwargs({"epochs": 2, "compression": {"tau": 0.5}})
+    {'epochs': 2, 'compression': Compression(tau=0.5)}
+    >>> downpour_kwargs({"compression": 0.5})
+    Traceback (most recent call last):
+    ...
+    distbelief.errors.InvalidOptionError: option compression=0.5 is invalid: expected null ...
+    """
+    out = dict(options)
+    spec = out.get("compression")
+    if spec is not None:
+        from distbelief.downpour import Compression
+
+        if not isinstance(spec, Mapping) or set(spec) != {"tau"}:
+            raise InvalidOptionError(
+                f"option compression={spec!r} is invalid: expected null (uncompressed pushes) or "
+                '{"tau": ...} with a threshold > 0 (Strom 2015 compressed pushes)'
+            )
+        out["compression"] = Compression(tau=spec["tau"])
+    return out
+
+
 def run_sandblaster(ctx: RunContext) -> RunOutcome:
     """Run a ``sandblaster-*`` job with :func:`sandblaster.minimize`."""
     from distbelief import sandblaster
@@ -173,7 +201,7 @@ def run_downpour(ctx: RunContext) -> RunOutcome:
             "Downpour is not available in this installation (downpour.train is missing); "
             "use a sandblaster-* algorithm"
         )
-    options = _user_options(ctx.options)
+    options = downpour_kwargs(_user_options(ctx.options))
     if int(options.get("partitions", 1)) > 1:
         # A partitioned run reports its progress (steps, loss; its placement is followed live by JobRunner)
         # and can be cancelled through the callback, but starts over on a restart; the held-out rows are
@@ -632,7 +660,8 @@ class JobRunner:
                 from distbelief import downpour
 
                 downpour.DownpourOptions(
-                    **{k: v for k, v in options.items() if k != "partitions"}, has_callback=True
+                    **{k: v for k, v in downpour_kwargs(options).items() if k != "partitions"},
+                    has_callback=True,
                 )
         queued = sum(1 for j in list(self._jobs.values()) if j.record["status"] == "queued")
         if queued >= self.settings.max_queued_jobs:
