@@ -203,10 +203,18 @@ def run_downpour(ctx: RunContext) -> RunOutcome:
         )
     options = downpour_kwargs(_user_options(ctx.options))
     if int(options.get("partitions", 1)) > 1:
-        # A partitioned run reports its progress (steps, loss; its placement is followed live by JobRunner)
-        # and can be cancelled through the callback, but starts over on a restart; the held-out rows are
-        # evaluated when it has finished, as for every job.
-        res = train(ctx.model, ctx.data, client=ctx.client, store=ctx.store, callback=ctx.callback, **options)
+        # A partitioned run reports its progress (steps, loss, objective; its placement is followed live by
+        # JobRunner), can be cancelled through the callback and resumes from its last shard checkpoint; the
+        # held-out rows are evaluated when it has finished, as for every job.
+        res = train(
+            ctx.model,
+            ctx.data,
+            client=ctx.client,
+            store=ctx.store,
+            callback=ctx.callback,
+            resume=ctx.resume,
+            **options,
+        )
     else:
         res = train(
             ctx.model,
@@ -442,7 +450,7 @@ class JobRunner:
         """Where a job left running would resume: ``(resumed_from, last metrics row kept, in words)``.
 
         Sandblaster: the checkpoint iteration the record holds. Downpour: the last shard checkpoint in the
-        job's run directory (its step count; metrics rows are kept up to its time).
+        job's run directory (its step count; metrics rows are kept up to that step).
         """
         rec = job.record
         if rec["algorithm"] == "downpour-sgd":
@@ -451,7 +459,8 @@ class JobRunner:
             point = resume_point(self.store.run_dir(rec["id"]))
             if point is None:
                 return None
-            return point.step, point.time, f"at step {point.step} ({point.time:.3g} s into the run)"
+            # Downpour's metrics rows are indexed by step: those past the checkpoint's are run again.
+            return point.step, float(point.step), f"at step {point.step} ({point.time:.3g} s into the run)"
         if not rec.get("checkpoint_iteration"):
             return None
         k = int(rec["checkpoint_iteration"])
@@ -941,6 +950,10 @@ class JobRunner:
             rows = _history_rows(outcome.history, job.dim)
             if rows is not None and rows[2]:
                 with job.lock:
+                    if rec.get("resumed_from") is not None and job.rows:
+                        # A resumed run's history starts at its checkpoint: the rows before are the
+                        # interrupted run's.
+                        rows = _after_earlier(job.columns, job.rows, rows)
                     job.dim, job.columns, job.rows = rows
                     job.generation += 1
                     rec["iterations"] = int(rows[2][-1][0])
@@ -1097,6 +1110,28 @@ def placement_of_stats(stats: Any) -> list[dict[str, Any]] | None:
         {"replica": g["replica"], "partitions": [{k: p[k] for k in keep} for p in g["partitions"]]}
         for g in _groups(rows)
     ]
+
+
+def _after_earlier(
+    columns: list[str], rows: list[list[float]], history: tuple[str, list[str], list[list[float]]]
+) -> tuple[str, list[str], list[list[float]]]:
+    """A resumed run's ``history`` rows after the earlier ``rows`` (``columns``) that come before its first.
+
+    Examples
+    --------
+    >>> _after_earlier(["step", "loss"], [[0, 9.0], [5, 4.0], [8, 3.5]], ("step", ["step", "f"], [[5, 2.0]]))
+    ('step', ['step', 'f', 'loss'], [[0, nan, 9.0], [5, 2.0, nan]])
+    """
+    dim, new_columns, new_rows = history
+    merged = new_columns + [c for c in columns if c not in new_columns]
+
+    def of(row: list[float], names: list[str]) -> list[float]:
+        values = dict(zip(names, row, strict=True))
+        return [values.get(c, math.nan) for c in merged]
+
+    first = new_rows[0][0]
+    earlier = [of(r, columns) for r in rows if r[0] < first]
+    return dim, merged, earlier + [of(r, new_columns) for r in new_rows]
 
 
 def _objective_of(summary: dict[str, Any], x: np.ndarray, options: dict[str, Any]) -> dict[str, float]:

@@ -29,9 +29,7 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
     return Dataset.from_arrays(X_TR, Y_TR, path=path, portion_rows=512, label_kind="classes", n_classes=10)
 
 
-def _reference(
-    model: models.MLP | models.LocallyConnected, ds: Dataset, steps: int, **kw: float
-) -> np.ndarray:
+def _reference(model: models.MLP | models.LocallyConnected, ds: Dataset, steps: int, **kw: Any) -> np.ndarray:
     plan = BatchPlan.for_rows(ds, 0, ds.n_rows, batch_size=32, seed=3, replica=0)
     batches = list(itertools.islice(plan.global_batches(100), steps))
     return sequential_sgd(model, X_TR, Y_TR, model.init_params(3), batches, **kw)  # type: ignore[arg-type]
@@ -170,7 +168,7 @@ def test_a_killed_worker_holding_a_shard_and_partitions_is_recovered_from_the_ch
     thread = _killer(client, other, 60, killed, settle_s=0.3)
     thread.start()
     res = downpour.train(
-        model, digits, replicas=2, partitions=2, rule="sgd", lr=0.05, max_steps=400, client=client,
+        model, digits, replicas=2, partitions=2, rule="sgd", lr=0.05, max_steps=200, client=client,
         shard_workers=[home, other], replica_workers=[home, other], call_timeout=20.0,
         checkpoint_every_s=0.05,
     )  # fmt: skip
@@ -214,3 +212,48 @@ def test_a_callback_sees_the_progress_and_can_stop_the_run(client: Client, digit
     per = res.stats["per_partition"]
     for k, shard in enumerate(res.stats["shard_counters"]):
         assert shard["applied"] == sum(p["applied"] for p in per if p["partition"] == k) > 0
+
+
+def test_a_stopped_partitioned_run_resumes_from_its_checkpoint_as_if_never_stopped(
+    client: Client, digits: Dataset, tmp_path: Any
+) -> None:
+    # One replica: sequential Adagrad (as sequential SGD above), so the stopped run and the resumed one
+    # together must be the uninterrupted run: parameters, Adagrad accumulators and counts all restored.
+    from distbelief.downpour._resume import checkpoint_vector, resume_point
+
+    model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
+    opts: dict[str, Any] = dict(replicas=1, partitions=2, rule="adagrad", lr=0.1, l2=1e-3, max_steps=80,
+                                seed=3, client=client, store=tmp_path, trace=True)  # fmt: skip
+    seen: list[downpour.Progress] = []
+
+    def stop_at_once(progress: downpour.Progress) -> None:
+        seen.append(progress)
+        if progress.step >= 1:
+            raise StopIteration
+
+    first = downpour.train(model, digits, **opts, callback=stop_at_once)
+    assert first.stop_reason == "callback" and 1 <= first.steps < 80
+    point = resume_point(tmp_path)
+    assert point is not None and point.final and point.step == first.steps
+    x0 = model.init_params(3)
+    # The checkpoint holds the stopped run's parameters (partition-major on the shards), not x0.
+    np.testing.assert_array_equal(np.sort(checkpoint_vector(tmp_path)), np.sort(first.x))
+    assert np.linalg.norm(first.x - x0) > 0
+    # Its progress rows carry the objective at the shards' parameters (F(x0) on the first).
+    f = [p.objective for p in seen if np.isfinite(p.objective)]
+    assert f and f[-1] < models.objective(model, x0, X_TR, Y_TR, l2=1e-3)[0]
+
+    res = downpour.train(model, digits, **opts, resume=True)
+    assert res.success and res.stop_reason == "max_steps" and res.steps == 80, res.message
+    assert res.stats["resumed_from"] == first.steps
+    # Each partition pushed once a step, for the steps after the checkpoint only.
+    assert res.stats["pushes"] == 2 * (80 - first.steps)
+    # The stop let every partition finish the step under way (PartitionActor.finish): the checkpoint holds
+    # exactly the steps it counts, and the two runs together are the uninterrupted one.
+    assert len({p["steps"] for p in first.stats["per_partition"]}) == 1, first.stats["per_partition"]
+    assert [c["applied"] for c in res.stats["shard_counters"]] == [80, 80]
+    ref = _reference(model, digits, 80, rule="adagrad", lr=0.1, l2=1e-3)
+    np.testing.assert_allclose(res.losses[0], ref.losses[first.steps :], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(res.x, ref.x, rtol=1e-10, atol=1e-12)
+    assert res.history.step.values[0] == first.steps
+    assert res.history.time.values[0] == pytest.approx(point.time)
