@@ -168,7 +168,7 @@ def test_a_killed_worker_holding_a_shard_and_partitions_is_recovered_from_the_ch
     thread = _killer(client, other, 60, killed, settle_s=0.3)
     thread.start()
     res = downpour.train(
-        model, digits, replicas=2, partitions=2, rule="sgd", lr=0.05, max_steps=200, client=client,
+        model, digits, replicas=2, partitions=2, rule="sgd", lr=0.05, max_steps=400, client=client,
         shard_workers=[home, other], replica_workers=[home, other], call_timeout=20.0,
         checkpoint_every_s=0.05,
     )  # fmt: skip
