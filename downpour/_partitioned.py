@@ -21,7 +21,6 @@ import contextlib
 import functools
 import math
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -58,6 +57,7 @@ from distbelief.storage._calls import (
 )
 from distbelief.storage._exchange import PartitionPeer, PassAborted
 from distbelief.storage._server import _current_worker
+from distbelief.storage._session import run_store
 
 __all__ = [
     "PartitionActor",
@@ -491,70 +491,58 @@ def train_partitioned(
     x_start = start_vector(model, x0, seed)
     layout = partition_layout(plan.bounds, shards_per_partition=shards_per_partition)
     owned = partition_shards(layout, plan.bounds)
-    tmp = None
-    if store is None:
-        tmp = tempfile.TemporaryDirectory(prefix="downpour-mp-")
-        store = tmp.name
-    store = str(store)
-    try:
-        with embedded_client(client) as c:
-            places = list(workers) if workers else worker_addresses(c, required=True)
-            _check_memory(c, plan, places)
-            dataset = as_dataset(data, store)
-            row_ranges = split_rows(dataset.n_rows, replicas)
-            per_epoch = [
-                BatchPlan.for_rows(
-                    dataset, lo, hi, batch_size=batch_size, seed=seed, replica=r
-                ).batches_per_epoch
-                for r, (lo, hi) in enumerate(row_ranges)
-            ]
-            limits = []
-            for r in range(replicas):
-                limit = math.inf if epochs is None else epochs * per_epoch[r]
-                if max_steps is not None:
-                    limit = min(limit, max_steps // replicas + (1 if r < max_steps % replicas else 0))
-                limits.append(int(limit))
-            homes = list(shard_workers) if shard_workers else places
-            shard_places = [homes[k % len(homes)] for k in range(plan.partitions) for _ in owned[k]]
-            point = None
-            if resume:
-                ps, point = _reopen(c, store, plan, layout, replicas, shard_places, call_timeout)
-            else:
-                ps = ParameterServer.create(
-                    c, model.n_params, store=params_store(store), workers=shard_places, layout=layout,
-                    vectors={"x": x_start[plan.perm]}, timeout=call_timeout, overwrite=True,
-                )  # fmt: skip
-                if rule == "adagrad":
-                    # The accumulators exist from the start: every checkpoint (and a restored shard) holds
-                    # them.
-                    ps.fill("x.adagrad", 0.0)
-                # A shard lost before the first periodic checkpoint comes back from this one.
-                ps.checkpoint(meta=checkpoint_meta(0.0, {}, replicas, partitions=plan.partitions))
-            reason = "max_steps" if max_steps is not None and sum(limits) == max_steps else "epochs"
-            try:
-                args = (
-                    rule,
-                    step_lr,
-                    l2,
-                    batch_size,
-                    seed,
-                    shuffle,
-                    call_timeout,
-                    trace,
-                    TrainResult,
-                    reason,
-                )
-                return _drive(
-                    c, ps, plan, dataset, row_ranges, owned, places, limits, *args,
-                    sync=(n_fetch, n_push, local_lr), checkpoint_every_s=checkpoint_every_s,
-                    callback=callback, resumed=point,
-                    objective=_Objective(model, dataset, l2) if callback is not None else None,
-                )  # fmt: skip
-            finally:
-                ps.close()
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    with run_store(store, "downpour-mp-") as store, embedded_client(client) as c:
+        places = list(workers) if workers else worker_addresses(c, required=True)
+        _check_memory(c, plan, places)
+        dataset = as_dataset(data, store)
+        row_ranges = split_rows(dataset.n_rows, replicas)
+        per_epoch = [
+            BatchPlan.for_rows(dataset, lo, hi, batch_size=batch_size, seed=seed, replica=r).batches_per_epoch
+            for r, (lo, hi) in enumerate(row_ranges)
+        ]
+        limits = []
+        for r in range(replicas):
+            limit = math.inf if epochs is None else epochs * per_epoch[r]
+            if max_steps is not None:
+                limit = min(limit, max_steps // replicas + (1 if r < max_steps % replicas else 0))
+            limits.append(int(limit))
+        homes = list(shard_workers) if shard_workers else places
+        shard_places = [homes[k % len(homes)] for k in range(plan.partitions) for _ in owned[k]]
+        point = None
+        if resume:
+            ps, point = _reopen(c, store, plan, layout, replicas, shard_places, call_timeout)
+        else:
+            ps = ParameterServer.create(
+                c, model.n_params, store=params_store(store), workers=shard_places, layout=layout,
+                vectors={"x": x_start[plan.perm]}, timeout=call_timeout, overwrite=True,
+            )  # fmt: skip
+            if rule == "adagrad":
+                # The accumulators exist from the start: every checkpoint (and a restored shard) holds them.
+                ps.fill("x.adagrad", 0.0)
+            # A shard lost before the first periodic checkpoint comes back from this one.
+            ps.checkpoint(meta=checkpoint_meta(0.0, {}, replicas, partitions=plan.partitions))
+        reason = "max_steps" if max_steps is not None and sum(limits) == max_steps else "epochs"
+        try:
+            args = (
+                rule,
+                step_lr,
+                l2,
+                batch_size,
+                seed,
+                shuffle,
+                call_timeout,
+                trace,
+                TrainResult,
+                reason,
+            )
+            return _drive(
+                c, ps, plan, dataset, row_ranges, owned, places, limits, *args,
+                sync=(n_fetch, n_push, local_lr), checkpoint_every_s=checkpoint_every_s,
+                callback=callback, resumed=point,
+                objective=_Objective(model, dataset, l2) if callback is not None else None,
+            )  # fmt: skip
+        finally:
+            ps.close()
 
 
 def _reopen(

@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import tempfile
 import time
 import uuid
 import warnings
@@ -63,6 +62,7 @@ from distbelief.storage import (
 )
 from distbelief.storage._calls import ShardRecovery, actor_gone, gather_calls, start_call
 from distbelief.storage._keys import use_sparse
+from distbelief.storage._session import run_store
 from distbelief.storage._sparse import as_csr, is_sparse
 
 __all__ = ["Progress", "TrainResult", "train"]
@@ -455,26 +455,17 @@ def train(
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
     x_start = start_vector(model, x0, seed)
     eval_arrays = _eval_arrays(model, eval_data)
-    tmp = None
-    if store is None:
-        tmp = tempfile.TemporaryDirectory(prefix="downpour-")
-        store = tmp.name
-    store = str(store)
-    try:
-        with embedded_client(client) as c:
-            dataset = as_dataset(data, store)
-            dataset.check_model(model)
-            run = _Run(model, dataset, eval_arrays, c, store, opts, x_start, callback)
-            try:
-                run.setup()
-                result = run.drive()
-                result.model = model
-                return result
-            finally:
-                run.teardown()
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    with run_store(store, "downpour-") as store, embedded_client(client) as c:
+        dataset = as_dataset(data, store)
+        dataset.check_model(model)
+        run = _Run(model, dataset, eval_arrays, c, store, opts, x_start, callback)
+        try:
+            run.setup()
+            result = run.drive()
+            result.model = model
+            return result
+        finally:
+            run.teardown()
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -14,7 +14,6 @@ import atexit
 import contextlib
 import numbers
 import os
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +26,7 @@ from sklearn.exceptions import ConvergenceWarning
 
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.storage import Dataset
+from distbelief.storage._session import run_store
 
 __all__ = ["SOLVERS", "FreeParams", "fit_model", "resolve_client"]
 
@@ -210,11 +210,8 @@ def picklable_state(state: dict[str, Any]) -> dict[str, Any]:
 @contextlib.contextmanager
 def fit_store(store: str | os.PathLike[str] | None) -> Iterator[str]:
     """``store`` itself, or a temporary directory deleted after the fit."""
-    if store is not None:
-        yield str(store)
-        return
-    with tempfile.TemporaryDirectory(prefix="distbelief-fit-") as tmp:
-        yield tmp
+    with run_store(store, "distbelief-fit-") as root:
+        yield root
 
 
 def check_common(solver: object, penalty: object, max_iter: object, tol: object, name: str) -> None:

@@ -539,13 +539,9 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
                 x0=model.init_params(seed), seed=0 if seed is None else seed,
                 downpour_options=self.downpour_options,
             )  # fmt: skip
-        self.coefs_, self.intercepts_ = [], []
-        start = 0
-        for fan_in, fan_out in itertools.pairwise(sizes):
-            self.coefs_.append(w[start : start + fan_in * fan_out].reshape(fan_in, fan_out).copy())
-            start += fan_in * fan_out
-            self.intercepts_.append(w[start : start + fan_out].copy())
-            start += fan_out
+        layers = model.unpack(w)
+        self.coefs_ = [W.copy() for W, _ in layers]
+        self.intercepts_ = [b.copy() for _, b in layers]
         self.n_iter_ = self._nit
         self.n_layers_ = len(sizes)
         self.n_outputs_ = k
