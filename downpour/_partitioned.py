@@ -56,8 +56,10 @@ from distbelief.storage._calls import (
     start_call,
 )
 from distbelief.storage._exchange import PartitionPeer, PassAborted
-from distbelief.storage._server import _current_worker
+from distbelief.storage._layout import Layout
+from distbelief.storage._server import _current_worker, _read_attrs
 from distbelief.storage._session import run_store
+from distbelief.storage._store import normalize_url
 
 __all__ = [
     "PartitionActor",
@@ -556,15 +558,17 @@ def _reopen(
 ) -> tuple[ParameterServer, ResumePoint]:
     """``resume=True``: the shards as the run's last checkpoint left them, and its replicas' step counts."""
     point = require_resume_point(store, replicas)
-    ps = ParameterServer.open(c, store=params_store(store), workers=shard_places, timeout=call_timeout)
-    meta = ps.checkpoint_meta
-    if meta.get("partitions") != plan.partitions or ps.layout.ranges() != layout.ranges():
-        ps.close()
+    # Checked before any shard is rebuilt: the store's attributes say how the run was split.
+    attrs = _read_attrs(normalize_url(params_store(store)))
+    saved = Layout.from_dict(attrs["layout"])
+    partitions = (attrs.get("meta") or {}).get("partitions")
+    if partitions != plan.partitions or saved.ranges() != layout.ranges():
         raise InvalidOptionError(
-            f"the checkpoint in {params_store(store)!r} is of a run with partitions={meta.get('partitions')} "
-            f"and {ps.n} parameters in {ps.shards} shards; resume it with the model, partitions and "
+            f"the checkpoint in {params_store(store)!r} is of a run with partitions={partitions} and "
+            f"{saved.n} parameters in {saved.shards} shards; resume it with the model, partitions and "
             "shards_per_partition of that run"
         )
+    ps = ParameterServer.open(c, store=params_store(store), workers=shard_places, timeout=call_timeout)
     return ps, point
 
 

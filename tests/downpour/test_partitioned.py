@@ -243,6 +243,16 @@ def test_a_stopped_partitioned_run_resumes_from_its_checkpoint_as_if_never_stopp
     f = [p.objective for p in seen if np.isfinite(p.objective)]
     assert f and f[-1] < models.objective(model, x0, X_TR, Y_TR, l2=1e-3)[0]
 
+    # Resuming needs the run's store, a checkpoint in it, and the run's partitions and replicas.
+    with pytest.raises(InvalidOptionError, match="needs the store"):
+        downpour.train(model, digits, **{**opts, "store": None}, resume=True)
+    with pytest.raises(InvalidOptionError, match="holds no Downpour checkpoint"):
+        downpour.train(model, digits, **{**opts, "store": tmp_path / "empty"}, resume=True)
+    with pytest.raises(InvalidOptionError, match="with partitions=2 and"):
+        downpour.train(model, digits, **{**opts, "partitions": 3}, resume=True)
+    with pytest.raises(InvalidOptionError, match="resume it with replicas=1"):
+        downpour.train(model, digits, **{**opts, "replicas": 2}, resume=True)
+
     res = downpour.train(model, digits, **opts, resume=True)
     assert res.success and res.stop_reason == "max_steps" and res.steps == 80, res.message
     assert res.stats["resumed_from"] == first.steps
