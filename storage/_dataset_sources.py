@@ -49,9 +49,14 @@ def _label_kind(y: Any, label_kind: object, n_classes: object, compute: Any) -> 
         raise InvalidOptionError(f"label_kind must be one of {_LABEL_KINDS} or None, got {label_kind!r}")
     is_int = (y == da.floor(y)).all()
     is01 = ((y == 0.0) | (y == 1.0)).all()
-    all_int, all01, low = compute(is_int, is01, y.min())
+    all_int, all01, low, high = compute(is_int, is01, y.min(), y.max())
     if all01 or (all_int and low >= 0):
-        # Integer labels: the classes that occur (at most max+1 of them) stand in for y in the usual check.
+        if high >= y.shape[0]:
+            # Classes 0..max cannot all occur in fewer rows: no need to count them (a bincount of
+            # integer-valued regression targets, e.g. 1e10, would not fit in memory). 0 and max stand in.
+            return _detect_labels(np.array([0.0, float(high)]), label_kind, n_classes)
+        # Integer labels: the classes that occur (at most max+1 <= rows of them) stand in for y in the
+        # usual check.
         counts = compute(da.bincount(y.astype(np.int64), minlength=1))
         sample = np.flatnonzero(np.asarray(counts)).astype(np.float64)
         return _detect_labels(sample, label_kind, n_classes)

@@ -50,6 +50,29 @@ def test_from_dask_detects_labels_like_from_arrays(
     assert (ds.label_kind, ds.n_classes) == (ref.label_kind, ref.n_classes) == (kind, k)
 
 
+def test_from_dask_integer_targets_far_above_the_row_count_stay_real_without_a_huge_count(
+    tmp_path: Path,
+) -> None:
+    # Integer-valued regression targets (prices, ids) must not make the label check count every value
+    # 0..max on the workers: 1e10 would need an 80 GB bincount. Classes 0..max cannot all occur in 4 rows.
+    y = np.array([0.0, 3.0, 1.0, 1e10])
+    with dask.config.set(scheduler="sync"):
+        tracemalloc.start()
+        try:
+            ds = Dataset.from_dask(da.ones((4, 2), chunks=2), da.from_array(y, chunks=2), path=tmp_path / "d")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        ref = Dataset.from_arrays(np.ones((4, 2)), y, path=tmp_path / "ref")
+        assert (ds.label_kind, ds.n_classes) == (ref.label_kind, ref.n_classes) == ("real", None)
+        assert peak < 50e6
+        forced = Dataset.from_dask(
+            da.ones((4, 2), chunks=2), da.from_array(np.array([0.0, 1.0, 1.0, 9.0]), chunks=2),
+            path=tmp_path / "c", label_kind="classes",
+        )  # fmt: skip
+        assert (forced.label_kind, forced.n_classes) == ("classes", 10)
+
+
 def test_from_dask_bad_input(tmp_path: Path) -> None:
     X = np.ones((10, 2))
     X[7, 1] = np.nan
