@@ -226,7 +226,8 @@ class _LocalNetwork(ModelBase):
             activate_(A, self._activation)
             inputs.append(A)
         W, b = layers[-1]
-        inputs.append(inputs[-1].reshape(X_arr.shape[0], -1) @ W + b)
+        # The width explicitly: reshape(0, -1) cannot infer it for no rows.
+        inputs.append(inputs[-1].reshape(X_arr.shape[0], W.shape[0]) @ W + b)
         return layers, inputs
 
     def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
@@ -250,7 +251,8 @@ class _LocalNetwork(ModelBase):
         delta = np.ascontiguousarray(inputs.pop())
         loss = softmax_xent_(delta, labels)
         W_out = layers[-1][0]
-        grads: list[FloatArray] = [(inputs[-1].reshape(rows, -1).T @ delta).ravel(), delta.sum(axis=0)]
+        flat = inputs[-1].reshape(rows, W_out.shape[0])
+        grads: list[FloatArray] = [(flat.T @ delta).ravel(), delta.sum(axis=0)]
         dA = (delta @ W_out.T).reshape(inputs[-1].shape)
         for index in range(len(layers) - 2, -1, -1):
             backprop_activation_(dA, inputs[index + 1], self._activation)
