@@ -111,6 +111,11 @@ class FittedMixin:
             except (TypeError, ValueError):
                 value = repr(value)
             fields[f.name] = value
+        group = zarr.open_group(url, mode="a", zarr_format=3, storage_options=storage_options)
+        # Saving over an earlier result: its history and per-replica traces must not survive beside ours.
+        for stale in ("history", "losses"):
+            if stale in group:
+                del group[stale]
         history = getattr(self, "history", None)
         if isinstance(history, xr.Dataset):
             history.to_zarr(
@@ -121,7 +126,6 @@ class FittedMixin:
                 consolidated=False,
                 storage_options=storage_options,
             )
-        group = zarr.open_group(url, mode="a", zarr_format=3, storage_options=storage_options)
         group.attrs.update(
             {
                 "format": RESULT_FORMAT,
