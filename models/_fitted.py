@@ -85,11 +85,15 @@ class FittedMixin:
     def to_zarr(self, url: str, *, storage_options: dict[str, Any] | None = None) -> None:
         """Save the result (parameters, model spec, history, scalars) as a zarr group at ``url``.
 
+        A model without a spec (a custom model) cannot be rebuilt, so it is not saved (``model_spec`` is
+        null); the parameters and history still are, and :meth:`from_zarr` then needs ``model=``. Saving
+        over an earlier result at ``url`` replaces it. Fields that are not JSON-able are saved as their
+        ``repr``; a NaN field comes back as None.
+
         Raises
         ------
         InvalidOptionError
-            The model has no spec (a custom model): it cannot be rebuilt, so it is not saved; the
-            parameters and history still are, and :meth:`from_zarr` then needs ``model=``.
+            ``url`` is not a non-empty string.
 
         Examples
         --------
