@@ -120,6 +120,20 @@ def test_free_params_cancels_the_penalty_exactly() -> None:
     assert sum(p[0] for p in parts) / 50 + 0.5 * l2 * float(w @ w) == pytest.approx(value, rel=1e-12)
 
 
+def test_free_params_takes_the_csr_rows_of_a_sparse_dataset() -> None:
+    # fit(dataset) hands the rows of a sparse Dataset (csr_array) to the model: len() of one raises.
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(6, 3)) * (rng.random((6, 3)) < 0.5)
+    y = rng.integers(0, 2, 6).astype(float)
+    m, w = models.Logistic(3), rng.normal(size=4)
+    dense = FreeParams(m, 0.5, [(3, 4)]).loss_and_grad(w, X, y)
+    loss, grad = FreeParams(m, 0.5, [(3, 4)]).loss_and_grad(w, sp.csr_array(X), y)
+    assert loss == pytest.approx(dense[0], rel=1e-12)
+    np.testing.assert_allclose(grad, dense[1], rtol=1e-12)
+
+
 @pytest.mark.parametrize("solver", ["cg", "gd"])
 def test_other_sandblaster_methods(cancer: tuple[np.ndarray, np.ndarray], solver: str) -> None:
     X, y = cancer
