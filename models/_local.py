@@ -10,7 +10,7 @@ The partitioned form is :class:`models.LocallyConnectedPlan` (``models/_partitio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -24,10 +24,24 @@ from distbelief.models._base import ModelBase
 from distbelief.models._checks import LabelKind
 from distbelief.models._linear import softmax_xent_
 
-__all__ = ["LocallyConnected", "activate_", "backprop_activation_", "local_backward", "local_forward"]
+__all__ = [
+    "LocallyConnected",
+    "activate_",
+    "backprop_activation_",
+    "local_backward",
+    "local_forward",
+    "per_layer",
+]
 
 FloatArray = NDArray[np.float64]
 _ACTIVATIONS = ("sigmoid", "tanh", "relu")
+
+
+def per_layer(name: str, value: Any) -> list[Any]:
+    """``value`` as a list with one entry per local layer, or a :class:`ModelSpecError` showing the form."""
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ModelSpecError(f"{name} must be a list with one entry per local layer, e.g. [3], got {value!r}")
+    return list(value)
 
 
 def activate_(Z: FloatArray, activation: str) -> None:
@@ -347,9 +361,9 @@ class LocallyConnected(_LocalNetwork):
     ) -> None:
         self._n_features = _positive("n_features", n_features)
         self._n_classes = self._checked_classes(n_classes)
+        fields = per_layer("fields", fields)  # read once: an iterator would be empty the second time
         self._fields = tuple(_positive("fields[]", f) for f in fields)
-        if strides is None:
-            strides = [1] * len(list(fields))
+        strides = [1] * len(fields) if strides is None else per_layer("strides", strides)
         self._strides = tuple(_positive("strides[]", s) for s in strides)
         if not self._fields or len(self._fields) != len(self._strides):
             raise ModelSpecError(
