@@ -192,3 +192,19 @@ def test_any_order_of_pushes_and_copies_sums_every_portion_once(n_portions: int,
     for grad in grads:  # in portion order, one at a time
         _exactsum.deposit(reference, grad)
     assert np.array_equal(shard.get("acc"), _exactsum.value(reference))  # the same bits, whatever the order
+
+
+@pytest.mark.parametrize("keys", [[2, -1], [1, 1], [3, 0], [0, 4]])
+def test_key_value_pushes_with_bad_keys_are_refused_and_change_nothing(keys: list[int]) -> None:
+    # Keys must be sorted, unique local offsets: a -1 after a 2 would update the last entry, a repeated key
+    # would lose one of its updates.
+    s = Shard(0, 10, 14)
+    s.set("x", 10, 14, np.arange(4.0))
+    s.run([("reset_acc", "g", 1, 2, [])])
+    k = np.array(keys)
+    with pytest.raises(InvalidOptionError, match="sorted, unique"):
+        s.push(np.ones(2), source="r", seq=0, rule="sgd", lr=1.0, keys=k)
+    with pytest.raises(InvalidOptionError, match="sorted, unique"):
+        s.push_portions_at("g", k, np.ones(2), [0], epoch=1)
+    np.testing.assert_array_equal(s.get("x"), np.arange(4.0))
+    assert s.version == 0 and s.accumulators["g"].covered == set()
