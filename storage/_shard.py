@@ -464,7 +464,10 @@ class Shard:
         if rule == "adagrad":
             acc = self.vectors.get(f"{param}.adagrad")
             if acc is None:
-                acc = self.vectors[f"{param}.adagrad"] = np.zeros(self.size)
+                self.vectors[f"{param}.adagrad"] = np.zeros(self.size)
+                # Read back: over the memory budget the store spilled it, and updates to the array given
+                # would not reach the file.
+                acc = self.vectors[f"{param}.adagrad"]
         if keys is not None and not keys.size:
             return  # nothing to update (and BLAS refuses empty vectors)
         w_at = w if keys is None else w[keys]
