@@ -193,6 +193,28 @@ def test_fit_dask_arrays(iris: tuple[np.ndarray, np.ndarray]) -> None:
     np.testing.assert_array_equal(lazy.compute(), ref.predict(X))
 
 
+def test_dask_arrays_are_read_by_the_estimators_own_cluster(
+    iris: tuple[np.ndarray, np.ndarray], client: Client, tmp_path: Path
+) -> None:
+    # client= names the cluster: the classes and the dataset must be computed there, not by whatever
+    # scheduler is the default in this process (here the local synchronous one).
+    import dask
+    import dask.array as da
+    from distributed import get_worker
+
+    def on_a_worker(block: np.ndarray) -> np.ndarray:
+        get_worker()  # ValueError outside a worker
+        return block
+
+    X, y = iris
+    Xd = da.from_array(X, chunks=(50, 4)).map_blocks(on_a_worker, dtype=float)
+    yd = da.from_array(y, chunks=50).map_blocks(on_a_worker, dtype=y.dtype)
+    with dask.config.set(scheduler="sync"):
+        ds, n = LogisticRegression(client=client)._dask_data(Xd, yd, str(tmp_path))
+    assert (n, ds.n_classes) == (150, 3)
+    np.testing.assert_array_equal(ds.read_all()[1], y)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 
