@@ -47,8 +47,8 @@ def _plain(value: Any) -> Any:
         return value.item()
     if isinstance(value, np.ndarray):
         return value.tolist()
-    if isinstance(value, float) and not np.isfinite(value):
-        return None if np.isnan(value) else (1e308 * 10 if value > 0 else -1e308 * 10)
+    # NaN and infinities stay floats: zarr writes and reads them back as such (a NaN turned into None made
+    # a diverged result's fun None after a reload, and its repr raise).
     return value
 
 
@@ -88,7 +88,7 @@ class FittedMixin:
         A model without a spec (a custom model) cannot be rebuilt, so it is not saved (``model_spec`` is
         null); the parameters and history still are, and :meth:`from_zarr` then needs ``model=``. Saving
         over an earlier result at ``url`` replaces it. Fields that are not JSON-able are saved as their
-        ``repr``; a NaN field comes back as None.
+        ``repr``.
 
         Raises
         ------

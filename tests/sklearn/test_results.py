@@ -128,3 +128,18 @@ def test_saving_over_an_earlier_result_leaves_nothing_of_it(tmp_path: Path) -> N
     assert set(back.losses) == {0}
     np.testing.assert_array_equal(back.losses[0], np.zeros(3))
     assert "a" not in back.history
+
+
+def test_a_diverged_result_saves_and_loads_its_nan_objective(tmp_path: Path) -> None:
+    import math
+
+    import xarray as xr
+
+    res = OptimizeResult(
+        x=np.zeros(5), fun=math.nan, grad_norm=math.inf, nit=1, nfev=1, success=False, status=2,
+        message="the objective became NaN", history=xr.Dataset(), model=models.Logistic(4),
+    )  # fmt: skip
+    res.to_zarr(str(tmp_path / "nan"))
+    back = OptimizeResult.from_zarr(str(tmp_path / "nan"))
+    assert math.isnan(back.fun) and back.grad_norm == math.inf
+    assert "fun=nan" in repr(back)
