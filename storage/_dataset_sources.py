@@ -127,6 +127,14 @@ def dataset_from_dask(
     return Dataset(loc, meta, p)
 
 
+def _check_features(features: Sequence[Any], label: object) -> None:
+    """Refuse no features, or the label among them (a model would learn the label from itself)."""
+    if not features:
+        raise DatasetError("features must list at least one column (or None: every column but the label)")
+    if label in features:
+        raise DatasetError(f"{label!r} is the label; drop it from features")
+
+
 def _columns(ds: Any, names: str | Sequence[str], what: str) -> Any:
     """``ds[names]`` as a 2-D (rows x features) array, lazy if the variables are Dask-backed."""
     import dask.array as da
@@ -160,6 +168,7 @@ def dataset_from_xarray(
 
     if not isinstance(ds, xr.Dataset):
         raise DatasetError(f"from_xarray needs an xarray.Dataset, got {type(ds).__name__}")
+    _check_features([features] if isinstance(features, str) else list(features), label)
     X = _columns(ds, features, "features")
     if isinstance(label, str) and label in ds.variables:
         y = ds[label].data
@@ -197,6 +206,7 @@ def dataset_from_parquet(
         raise DatasetError(f"cannot read {url!r} as Parquet: {exc}") from exc
     columns = [str(col) for col in frame.columns]
     wanted = [c for c in columns if c != label] if features is None else list(features)
+    _check_features(wanted, label)
     missing = [c for c in [*wanted, label] if c not in columns]
     if missing:
         raise DatasetError(f"{url!r} has no column {missing[0]!r} (it has {columns}); pass its column names")

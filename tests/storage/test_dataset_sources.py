@@ -141,6 +141,8 @@ def test_from_xarray(tmp_path: Path, client: Client) -> None:
         Dataset.from_xarray(xds, features=["a"], label="u", path=tmp_path / "bad")
     with pytest.raises(DatasetError, match=r"needs an xarray\.Dataset"):
         Dataset.from_xarray({"a": a}, features=["a"], label="t", path=tmp_path / "bad")
+    with pytest.raises(DatasetError, match="'t' is the label; drop it from features"):
+        Dataset.from_xarray(xds, features=["a", "t"], label="t", path=tmp_path / "bad")
 
 
 def _table(n: int = 40) -> tuple[np.ndarray, np.ndarray, object]:
@@ -167,6 +169,16 @@ def test_from_parquet_local(tmp_path: Path) -> None:
         np.testing.assert_array_equal(two.read_all()[0], X[:, [2, 0]])
         with pytest.raises(DatasetError, match="no column 'nope'"):
             Dataset.from_parquet(str(tmp_path / "rows.parquet"), label="nope", path=tmp_path / "bad")
+        # The label among the features would be learned from itself.
+        with pytest.raises(DatasetError, match="'label' is the label; drop it from features"):
+            Dataset.from_parquet(
+                str(tmp_path / "rows.parquet"), features=["f0", "label"], label="label", path=tmp_path / "bad"
+            )
+        with pytest.raises(DatasetError, match="features must list at least one column"):
+            Dataset.from_parquet(
+                str(tmp_path / "rows.parquet"), features=[], label="label", path=tmp_path / "bad"
+            )
+        assert not (tmp_path / "bad").exists()
         (tmp_path / "junk.parquet").write_bytes(b"not parquet")
         with pytest.raises(DatasetError, match="cannot read"):
             Dataset.from_parquet(str(tmp_path / "junk.parquet"), label="label", path=tmp_path / "bad")
