@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException
 from fastapi.responses import FileResponse, RedirectResponse
 
 from distbelief.api._docs import add_docs
+from distbelief.api._fastpath import StatusReadFastPath
 from distbelief.api._http import BodyLimitMiddleware, UnexpectedErrorMiddleware, install_error_handlers
 from distbelief.api._jobstore import JobStore
 from distbelief.api.deps import require_token
@@ -180,9 +181,11 @@ def create_app(settings: Settings | None = None, *, client: Client | None = None
     app.add_middleware(
         BodyLimitMiddleware, limit=settings.max_body_bytes, upload_limit=settings.max_upload_bytes
     )
-    # Added last, so it wraps the others: an unexpected error anywhere below is a JSON 500 on a connection
-    # that stays open.
+    # Added after the body limit, so it wraps it: an unexpected error anywhere below is a JSON 500 on a
+    # connection that stays open.
     app.add_middleware(UnexpectedErrorMiddleware)
+    # Outermost: a plain status read is answered before the rest of the stack (it passes everything else on).
+    app.add_middleware(StatusReadFastPath, state=app.state)
     install_error_handlers(app)
 
     guarded = APIRouter(dependencies=[Depends(require_token)])
