@@ -251,7 +251,22 @@ def code_of(checkout: Path, env: dict[str, str] | None = None) -> dict[str, Any]
     found = _output([sys.executable, "-c", probe], cwd=checkout, env=env or dict(os.environ)).split()
     return {
         "commit": _output(["git", "-C", str(checkout), "rev-parse", "HEAD"]) or None,
-        "dirty": bool(_output(["git", "-C", str(checkout), "status", "--porcelain", "--untracked-files=no"])),
+        # Results written by earlier runs (benchmarks/results) are not a change of the code.
+        "dirty": bool(
+            _output(
+                [
+                    "git",
+                    "-C",
+                    str(checkout),
+                    "status",
+                    "--porcelain",
+                    "--untracked-files=no",
+                    "--",
+                    ".",
+                    ":!benchmarks/results",
+                ]
+            )
+        ),
         "uvloop": found[:1] == ["True"],
         "httptools": found[1:2] == ["True"],
     }
