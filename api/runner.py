@@ -456,6 +456,14 @@ class JobRunner:
         with job.lock:
             return dict(job.record)
 
+    def find(self, job_id: str) -> dict[str, Any] | None:
+        """A copy of the job's record, or None if there is no such job (:meth:`get` raises then)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        with job.lock:
+            return dict(job.record)
+
     def list_jobs(
         self, *, status: str | None = None, limit: int = 50, offset: int = 0
     ) -> tuple[list[dict[str, Any]], int]:
