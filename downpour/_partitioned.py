@@ -490,6 +490,7 @@ def train_partitioned(
             ps = ParameterServer.create(
                 c, model.n_params, store=os.path.join(store, "ps"), workers=shard_places, layout=layout,
                 vectors={"x": x_start[plan.perm]}, timeout=call_timeout,
+                overwrite=True,  # a run starts over (the service runs a job again in its run directory)
             )  # fmt: skip
             if rule == "adagrad":
                 # The accumulators exist from the start: every checkpoint (and a restored shard) holds them.

@@ -214,3 +214,12 @@ def test_a_callback_sees_the_progress_and_can_stop_the_run(client: Client, digit
     per = res.stats["per_partition"]
     for k, shard in enumerate(res.stats["shard_counters"]):
         assert shard["applied"] == sum(p["applied"] for p in per if p["partition"] == k) > 0
+
+
+def test_a_second_run_on_the_same_store_starts_over(client: Client, digits: Dataset, tmp_path: Any) -> None:
+    # The service runs a job in the same run directory again when a restart interrupted it before its end
+    # (a partitioned job starts over): the shards the first run left in the store must not stop it.
+    model = models.MLP([64, 8, 10])
+    first = downpour.train(model, digits, partitions=2, max_steps=2, store=tmp_path, client=client)
+    again = downpour.train(model, digits, partitions=2, max_steps=2, store=tmp_path, client=client)
+    assert first.success and again.success and again.steps == 2
