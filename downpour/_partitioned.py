@@ -25,7 +25,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,7 @@ from distributed import Client
 from distributed.utils import sync
 
 from distbelief.downpour._batches import BatchPlan, split_rows
+from distbelief.downpour._options import DownpourOptions
 from distbelief.errors import ClusterError, InvalidOptionError, ShardLostError
 from distbelief.models._partitioned import PartitionPlan, partition_plan
 from distbelief.storage import (
@@ -918,6 +919,14 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "staleness_scale": None,  # the default (on for multi-replica SGD elsewhere): partitions run unscaled
     "compression": None,
     "max_coalesce": None,
+    # Taken by downpour.train but not by a partitioned run (it has no history cadence, driver poll, loss
+    # watchdog, fused messages, key-value communication or resume): refused rather than ignored.
+    "resume": False,
+    "eval_every": 1.0,
+    "poll_every": 0.05,
+    "max_loss_growth": 10.0,
+    "fuse": True,
+    "communication": "auto",
 }
 
 
@@ -942,6 +951,8 @@ def check_partitioned_options(partitions: int, given: dict[str, Any]) -> dict[st
         if name in given and given[name] is not default and given[name] != default:
             if name == "staleness_scale" and given[name] is False:
                 continue  # unscaled is what a partitioned run does
+            if name == "communication" and given[name] == "dense":
+                continue  # dense is what a partitioned run does
             raise InvalidOptionError(
                 f"{name}={given[name]!r} is not supported with partitions={partitions}; leave it at its "
                 f"default ({default!r}) or train with partitions=1"
@@ -955,6 +966,13 @@ def check_partitioned_options(partitions: int, given: dict[str, Any]) -> dict[st
         raise InvalidOptionError(
             f"give epochs or max_steps with partitions={partitions} (a partitioned run needs a known length)"
         )
+    # The options it takes are checked as downpour.train checks them (lr > 0, l2 >= 0, seed >= 0, ...).
+    names = {f.name for f in fields(DownpourOptions)} - {"has_callback"}
+    checked = {name: given[name] for name in names if name in given}
+    for name in ("shard_workers", "replica_workers"):
+        if checked.get(name) is not None:
+            checked[name] = tuple(checked[name])
+    DownpourOptions(**checked, has_callback=True)
     kwargs = {name: given[name] for name in _SUPPORTED if name in given}
     if given.get("replica_workers"):
         kwargs["workers"] = given["replica_workers"]

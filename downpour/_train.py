@@ -365,7 +365,10 @@ def train(
         shards aligned to them (:func:`downpour._partitioned.train_partitioned`; ``models.MLP`` and
         ``models.LocallyConnected``). ``None`` or 1: one actor per replica. With partitions, ``n_fetch``,
         ``n_push``, ``local_lr``, ``shard_workers`` and ``replica_workers`` apply as without; a replica that
-        loses a partition's worker is rebuilt on the others (``stats["rebuilt_replicas"]``).
+        loses a partition's worker is rebuilt on the others (``stats["rebuilt_replicas"]``). The options a
+        partitioned run has no use for (``resume``, ``eval_data``, ``eval_every``, ``poll_every``,
+        ``max_loss_growth``, ``fuse``, ``communication="sparse"``, ``warmstart_steps``, ``time_limit``, ...)
+        are refused unless left at their defaults.
     communication : {"auto", "dense", "sparse"}
         ``"sparse"``: each replica fetches only the parameters its rows touch and pushes only the nonzero
         entries of its accrued gradient, as key-value pairs per shard (ps-lite's pull/push; needs CSR data,
@@ -414,7 +417,7 @@ def train(
     >>> float(res.history.test_accuracy[-1]) > 0.9                                # doctest: +SKIP
     True
     """
-    if partitions is not None and partitions != 1:
+    if partitions is not None and not (type(partitions) is int and partitions == 1):  # True is not 1 here
         from distbelief.downpour._partitioned import train_from_options
 
         return train_from_options(model, data, partitions=partitions, given=locals())

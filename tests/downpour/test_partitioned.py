@@ -90,7 +90,7 @@ def test_unsupported_options_are_refused(client: Client, digits: Dataset) -> Non
     with pytest.raises(InvalidOptionError, match="n_push"):
         downpour.train(model, digits, partitions=2, n_push=0, max_steps=1, client=client)
     for bad in (-1.0, math.inf, "5", True):
-        with pytest.raises(InvalidOptionError, match="checkpoint_every_s must be"):
+        with pytest.raises(InvalidOptionError, match=r"checkpoint_every_s=.* is invalid"):
             downpour.train(model, digits, partitions=2, checkpoint_every_s=bad, max_steps=1, client=client)
     with pytest.raises(InvalidOptionError, match="cannot be partitioned"):
         downpour.train(models.Softmax(64, 10), digits, partitions=2, max_steps=1, client=client)
@@ -223,3 +223,34 @@ def test_a_second_run_on_the_same_store_starts_over(client: Client, digits: Data
     first = downpour.train(model, digits, partitions=2, max_steps=2, store=tmp_path, client=client)
     again = downpour.train(model, digits, partitions=2, max_steps=2, store=tmp_path, client=client)
     assert first.success and again.success and again.steps == 2
+
+
+@pytest.mark.parametrize(
+    ("option", "match"),
+    [
+        ({"lr": -1.0}, "lr=-1.0 is invalid"),
+        ({"lr": math.nan}, "lr=nan is invalid"),
+        ({"l2": -1.0}, "l2=-1.0 is invalid"),
+        ({"seed": -1}, "seed=-1 is invalid"),
+        ({"max_steps": 0}, "max_steps=0 is invalid"),
+        ({"epochs": 0, "max_steps": None}, "epochs=0 is invalid"),
+        ({"call_timeout": 0.0}, "call_timeout=0.0 is invalid"),
+        ({"shuffle": "yes"}, "shuffle='yes' is invalid"),
+        ({"trace": 1}, "trace=1 is invalid"),
+        ({"partitions": True}, "partitions must be a positive integer"),
+        # Options a partitioned run would otherwise ignore without a word.
+        ({"resume": True}, "resume=True is not supported with partitions=2"),
+        ({"eval_every": 0.5}, "eval_every=0.5 is not supported with partitions=2"),
+        ({"poll_every": 0.5}, "poll_every=0.5 is not supported with partitions=2"),
+        ({"max_loss_growth": 2.0}, "max_loss_growth=2.0 is not supported with partitions=2"),
+        ({"fuse": False}, "fuse=False is not supported with partitions=2"),
+        ({"communication": "sparse"}, "communication='sparse' is not supported with partitions=2"),
+    ],
+)
+def test_bad_or_ignored_options_are_refused_before_the_run(
+    client: Client, digits: Dataset, tmp_path: Any, option: dict[str, Any], match: str
+) -> None:
+    kwargs: dict[str, Any] = {"partitions": 2, "max_steps": 1, "client": client, "store": tmp_path, **option}
+    with pytest.raises(InvalidOptionError, match=match):
+        downpour.train(models.MLP([64, 8, 10]), digits, **kwargs)
+    assert not any(tmp_path.iterdir())  # nothing was stored
