@@ -34,7 +34,7 @@ from distributed import Client
 from distributed.utils import sync
 
 from distbelief.downpour._batches import BatchPlan, split_rows
-from distbelief.downpour._options import DownpourOptions
+from distbelief.downpour._options import DownpourOptions, check_workers, worker_tuple
 from distbelief.errors import ClusterError, InvalidOptionError, ShardLostError
 from distbelief.models._partitioned import PartitionPlan, partition_plan
 from distbelief.storage import (
@@ -470,7 +470,10 @@ def train_partitioned(
     store = str(store)
     try:
         with embedded_client(client) as c:
-            places = list(workers) if workers else worker_addresses(c, required=True)
+            known = worker_addresses(c, required=True)
+            check_workers("replica_workers", workers, known)
+            check_workers("shard_workers", shard_workers, known)
+            places = list(workers) if workers else known
             _check_memory(c, plan, places)
             dataset = as_dataset(data, store)
             row_ranges = split_rows(dataset.n_rows, replicas)
@@ -970,8 +973,7 @@ def check_partitioned_options(partitions: int, given: dict[str, Any]) -> dict[st
     names = {f.name for f in fields(DownpourOptions)} - {"has_callback"}
     checked = {name: given[name] for name in names if name in given}
     for name in ("shard_workers", "replica_workers"):
-        if checked.get(name) is not None:
-            checked[name] = tuple(checked[name])
+        checked[name] = worker_tuple(checked.get(name))
     DownpourOptions(**checked, has_callback=True)
     kwargs = {name: given[name] for name in _SUPPORTED if name in given}
     if given.get("replica_workers"):

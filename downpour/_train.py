@@ -46,7 +46,7 @@ from threadpoolctl import threadpool_limits
 
 from distbelief.downpour._batches import BatchPlan, split_rows
 from distbelief.downpour._compress import Compression
-from distbelief.downpour._options import DownpourOptions, Rule
+from distbelief.downpour._options import DownpourOptions, Rule, check_workers, worker_tuple
 from distbelief.downpour._replica import DownpourReplica, RecordPlan, ReplicaConfig
 from distbelief.downpour._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
 from distbelief.downpour._watch import StepRuleStallWarning, Watchdog, gradient_norms, stall_message
@@ -445,8 +445,8 @@ def train(
         shuffle=shuffle,
         poll_every=poll_every,
         call_timeout=call_timeout,
-        shard_workers=tuple(shard_workers) if shard_workers is not None else None,
-        replica_workers=tuple(replica_workers) if replica_workers is not None else None,
+        shard_workers=worker_tuple(shard_workers),  # type: ignore[arg-type]
+        replica_workers=worker_tuple(replica_workers),  # type: ignore[arg-type]
         trace=trace,
         has_callback=callback is not None,
         communication=communication,
@@ -666,6 +666,8 @@ class _Run:
     def setup(self) -> None:
         opts, client = self.opts, self.client
         workers = worker_addresses(client, required=True)
+        check_workers("shard_workers", opts.shard_workers, workers)
+        check_workers("replica_workers", opts.replica_workers, workers)
         shard_workers = list(opts.shard_workers or workers)
         replica_workers = list(opts.replica_workers or workers)
         n = self.x_start.size
