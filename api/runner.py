@@ -414,7 +414,7 @@ class JobRunner:
         """Where a job left running would resume: ``(resumed_from, last metrics row kept, in words)``.
 
         Sandblaster: the checkpoint iteration the record holds. Downpour: the last shard checkpoint in the
-        job's run directory (its step count; metrics rows are kept up to its time).
+        job's run directory (its step count; metrics rows, indexed by step, are kept up to it).
         """
         rec = job.record
         if rec["algorithm"] == "downpour-sgd":
@@ -423,7 +423,7 @@ class JobRunner:
             point = resume_point(self.store.run_dir(rec["id"]))
             if point is None:
                 return None
-            return point.step, point.time, f"at step {point.step} ({point.time:.3g} s into the run)"
+            return point.step, float(point.step), f"at step {point.step} ({point.time:.3g} s into the run)"
         if not rec.get("checkpoint_iteration"):
             return None
         k = int(rec["checkpoint_iteration"])

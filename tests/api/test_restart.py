@@ -189,3 +189,33 @@ async def test_a_running_downpour_job_resumes_from_its_shard_checkpoint(
     # It went on from there (SGD noise: not always below the checkpoint's) and reached its target.
     assert models.objective(model, w, X, y)[0] < 0.1 * f0
     assert np.all(objective[first:] < 0.5 * f0)
+
+
+def test_a_downpour_job_taken_up_again_keeps_its_metrics_rows_up_to_the_checkpoint_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Downpour's metrics rows are indexed by step: the rows kept on a restart are those up to the
+    # checkpoint's step (they were compared with its time in seconds, which kept almost none).
+    from distbelief.api._jobstore import JobStore
+    from distbelief.api.runner import JobRunner
+    from distbelief.downpour import _resume
+
+    point = _resume.ResumePoint(step=100, time=2.5, replicas=[], checkpoint_id=3, final=False)
+    monkeypatch.setattr(_resume, "resume_point", lambda store: point)
+    store = JobStore(str(tmp_path))
+    record = {
+        "id": "bbbbbbbbbbbbbbbb", "algorithm": "downpour-sgd", "status": "running", "restarts": 0,
+        "created_at": "2026-01-01T00:00:00+00:00",
+    }  # fmt: skip
+    store.save_record(record)
+    rows = [[float(step), step / 40.0, 1.0 / (1 + step)] for step in (0, 50, 100, 150, 200)]
+    store.save_metrics(record["id"], "step", ["step", "time", "objective"], rows)
+    runner = JobRunner(settings_for(tmp_path), store, client=None)  # type: ignore[arg-type]
+    runner._stopping.set()  # the job is taken up but must not run: there is no cluster
+    try:
+        runner.start()
+        job = runner._jobs[record["id"]]
+        assert job.record["status"] == "queued" and job.record["resumed_from"] == 100
+        assert job.rows is not None and [r[0] for r in job.rows] == [0.0, 50.0, 100.0]
+    finally:
+        runner.stop(timeout=0.1)
