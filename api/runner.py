@@ -912,7 +912,15 @@ class JobRunner:
             rows = _history_rows(outcome.history, job.dim)
             if rows is not None and rows[2]:
                 with job.lock:
-                    job.dim, job.columns, job.rows = rows
+                    # A resumed run's history starts at its checkpoint: the rows before it stay.
+                    first = rows[2][0][0]
+                    at = {c: i for i, c in enumerate(job.columns)}
+                    kept = [
+                        [r[at[c]] if c in at else math.nan for c in rows[1]]
+                        for r in (job.rows or [])
+                        if r[0] < first and job.dim == rows[0]
+                    ]
+                    job.dim, job.columns, job.rows = rows[0], rows[1], kept + rows[2]
                     job.generation += 1
                     rec["iterations"] = int(rows[2][-1][0])
                     rec["latest"] = _latest(job.columns, job.rows[-1])
