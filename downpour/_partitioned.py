@@ -903,10 +903,14 @@ def _drive(
         "max_steps": "reached max_steps",
         "epochs": "every replica finished its epochs",
         "callback": "stopped by the callback",
+        "diverged": "diverged: the parameters became NaN or infinite; lower lr, or use rule='adagrad'",
     }
+    if not np.isfinite(x).all():  # no watchdog follows a partitioned run: its end is checked at least
+        stop_reason = "diverged"
     return result_cls(
-        x=x, history=history, stop_reason=stop_reason, success=True, message=messages_by_reason[stop_reason],
-        steps=steps, wall_time=wall, store=ps.url, stats=stats, losses=losses,
+        x=x, history=history, stop_reason=stop_reason, success=stop_reason != "diverged",
+        message=messages_by_reason[stop_reason], steps=steps, wall_time=wall, store=ps.url, stats=stats,
+        losses=losses,
     )  # fmt: skip
 
 

@@ -254,3 +254,11 @@ def test_bad_or_ignored_options_are_refused_before_the_run(
     with pytest.raises(InvalidOptionError, match=match):
         downpour.train(models.MLP([64, 8, 10]), digits, **kwargs)
     assert not any(tmp_path.iterdir())  # nothing was stored
+
+
+def test_a_partitioned_run_whose_parameters_blow_up_is_not_a_success(client: Client, digits: Dataset) -> None:
+    # It reported success=True with inf / NaN parameters (the service then called the job "succeeded").
+    model = models.MLP([64, 8, 10], activation="relu")
+    res = downpour.train(model, digits, partitions=2, rule="sgd", lr=1e300, max_steps=20, client=client)
+    assert not np.isfinite(res.x).all()
+    assert not res.success and res.stop_reason == "diverged" and "lower lr" in res.message
