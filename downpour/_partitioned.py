@@ -537,6 +537,15 @@ STOP_GRACE = 2.0
 PROGRESS_EVERY = 0.2
 
 
+def _calls_back(callback: Callable[[Any], None], progress: Any) -> bool:
+    """``callback(progress)``; whether it raised ``StopIteration`` (which cannot cross a thread's future)."""
+    try:
+        callback(progress)
+    except StopIteration:
+        return True
+    return False
+
+
 class _Supervisor:
     """Waits for every partition's ``run`` (on the client's event loop) and rebuilds a replica that lost a
     partition's worker: its surviving partitions are stopped, and K new ones go on from the step the
@@ -603,9 +612,9 @@ class _Supervisor:
             test_accuracy=math.nan, staleness_mean=float(np.mean(stale)) if stale else math.nan,
             staleness_max=float(max(stale)) if stale else math.nan, replicas_alive=len(rows),
         )  # fmt: skip
-        try:
-            self.callback(progress)
-        except StopIteration:
+        # In a thread: the callback is the user's code (the service writes its metrics to the store in it)
+        # and must not hold up this event loop, which every actor call of the process goes through.
+        if await asyncio.to_thread(_calls_back, self.callback, progress):
             self.stopped_by_callback = True
             await self._stop_all(self.actors)
 

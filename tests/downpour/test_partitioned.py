@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import os
@@ -196,9 +197,17 @@ def test_a_killed_worker_holding_a_shard_and_partitions_is_recovered_from_the_ch
 def test_a_callback_sees_the_progress_and_can_stop_the_run(client: Client, digits: Dataset) -> None:
     model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
     seen: list[downpour.Progress] = []
+    on_event_loop: list[bool] = []
 
     def stop_after_a_few(progress: downpour.Progress) -> None:
         seen.append(progress)
+        # The user's code (the service's writes its metrics to the store) must not block the Dask client's
+        # event loop, which every actor call of every run in the process goes through.
+        try:
+            asyncio.get_running_loop()
+            on_event_loop.append(True)
+        except RuntimeError:
+            on_event_loop.append(False)
         if progress.step >= 10:
             raise StopIteration
 
@@ -210,6 +219,7 @@ def test_a_callback_sees_the_progress_and_can_stop_the_run(client: Client, digit
     assert seen[-1].step >= 10 and 10 <= res.steps < 100_000
     assert [p.step for p in seen] == sorted(p.step for p in seen) and seen[-1].replicas_alive == 2
     assert any(np.isfinite(p.train_loss) for p in seen)
+    assert on_event_loop and not any(on_event_loop)
     # Every push the partitions saw applied is on the shards: the stop lost none.
     per = res.stats["per_partition"]
     for k, shard in enumerate(res.stats["shard_counters"]):
