@@ -554,8 +554,9 @@ def objective_rows(dataset: Dataset, max_values: int = OBJECTIVE_MAX_VALUES) -> 
 
     Examples
     --------
-    >>> ds = Dataset.from_arrays("/tmp/ds", np.ones((10, 2)), np.zeros(10), portion_rows=2)  # doctest: +SKIP
-    >>> objective_rows(ds, max_values=8)[0].shape                                            # doctest: +SKIP
+    >>> path = tempfile.mkdtemp() + "/ds"
+    >>> ds = Dataset.from_arrays(np.ones((10, 2)), np.zeros(10), path=path, portion_rows=2)
+    >>> objective_rows(ds, max_values=8)[0].shape  # 2 of the 5 portions: the first and the last
     (4, 2)
     """
     # A sparse dataset's size is its nonzeros, not rows x features.
