@@ -634,6 +634,8 @@ class JobRunner:
                 downpour.DownpourOptions(
                     **{k: v for k, v in options.items() if k != "partitions"}, has_callback=True
                 )
+                if options.get("replicas") is not None:  # every replica needs rows of its own
+                    downpour.split_rows(data.n_rows, int(options["replicas"]))
         queued = sum(1 for j in list(self._jobs.values()) if j.record["status"] == "queued")
         if queued >= self.settings.max_queued_jobs:
             raise QueueFullError(
