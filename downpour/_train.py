@@ -417,6 +417,11 @@ def train(
     >>> float(res.history.test_accuracy[-1]) > 0.9                                # doctest: +SKIP
     True
     """
+    if callback is not None and not callable(callback):
+        raise InvalidOptionError(
+            f"option callback={callback!r} is invalid: expected None or a function of one downpour.Progress "
+            "(raise StopIteration in it to stop the run)"
+        )
     if partitions is not None and not (type(partitions) is int and partitions == 1):  # True is not 1 here
         from distbelief.downpour._partitioned import train_from_options
 

@@ -284,6 +284,19 @@ def test_worker_addresses_not_in_the_cluster_are_refused(
     assert not (tmp_path / "params").exists() and not (tmp_path / "ps").exists()
 
 
+@pytest.mark.parametrize("partitions", [1, 2], ids=["replicas", "partitions"])
+def test_a_callback_that_is_not_callable_is_refused_before_anything_is_stored(
+    client: Client, digits: Dataset, tmp_path: Path, partitions: int
+) -> None:
+    # It was a TypeError from the driver loop once the shards and replicas were running.
+    with pytest.raises(InvalidOptionError, match="callback=5 is invalid"):
+        downpour.train(
+            models.MLP([64, 8, 10]), digits, max_steps=5, partitions=partitions, callback=5,  # type: ignore[arg-type]
+            client=client, store=tmp_path,
+        )  # fmt: skip
+    assert not any(tmp_path.iterdir())
+
+
 def test_sparse_rows_train_as_their_dense_copy(client: Client, tmp_path: Path) -> None:
     import scipy.sparse as sp
 
