@@ -476,6 +476,7 @@ def train_partitioned(
             places = list(workers) if workers else known
             _check_memory(c, plan, places)
             dataset = as_dataset(data, store)
+            dataset.check_model(model)  # a partition reads its input columns by index: never the wrong ones
             row_ranges = split_rows(dataset.n_rows, replicas)
             per_epoch = [
                 BatchPlan.for_rows(

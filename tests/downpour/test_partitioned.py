@@ -17,7 +17,7 @@ from distributed import Client
 
 from distbelief import downpour, models
 from distbelief.downpour import BatchPlan, sequential_sgd
-from distbelief.errors import InvalidOptionError
+from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.storage import Dataset, worker_addresses
 from distbelief.storage._digits import train_test_split_digits
 
@@ -272,3 +272,18 @@ def test_a_partitioned_run_whose_parameters_blow_up_is_not_a_success(client: Cli
     res = downpour.train(model, digits, partitions=2, rule="sgd", lr=1e300, max_steps=20, client=client)
     assert not np.isfinite(res.x).all()
     assert not res.success and res.stop_reason == "diverged" and "lower lr" in res.message
+
+
+@pytest.mark.parametrize(
+    ("model", "match"),
+    [
+        (models.MLP([10, 8, 10]), "features"),  # the digits have 64: it trained on the first 10
+        (models.MLP([64, 8, 3]), "label"),  # labels 0..9 for 3 classes
+    ],
+    ids=["features", "labels"],
+)
+def test_data_the_model_cannot_train_on_is_refused(
+    client: Client, digits: Dataset, model: models.MLP, match: str
+) -> None:
+    with pytest.raises(DatasetError, match=match):
+        downpour.train(model, digits, partitions=2, max_steps=2, client=client)
