@@ -701,6 +701,7 @@ class _Supervisor:
                     self.checkpoints += 1
                 next_ckpt = time.monotonic() + every
             broken: set[int] = set()
+            errors: dict[int, BaseException] = {}
             for task in done:
                 r, k = tasks.pop(task)
                 if task.exception() is None:
@@ -712,6 +713,7 @@ class _Supervisor:
                         statuses.append({**got, "stopped": True})
                 else:
                     broken.add(r)
+                    errors.setdefault(r, task.exception())  # type: ignore[arg-type]
             if not self.stopped_by_callback:
                 broken |= {r for r, _ in tasks.values() if self._dead(r)}
             elif tasks:
@@ -726,7 +728,11 @@ class _Supervisor:
                 await self._probe()
                 restored = any(self.t0 + t >= self.started[r] for t, _ in self.shard_losses)
                 if not dead and not restored:
-                    raise ClusterError(f"a partition of replica {r} failed (its worker is alive)")
+                    why = errors.get(r)
+                    reason = f": {type(why).__name__}: {why}" if why is not None else ""
+                    raise ClusterError(
+                        f"a partition of replica {r} failed (its worker is alive){reason}"
+                    ) from why
                 await self._rebuild(r)
                 start(r, step)
             if time.monotonic() > deadline:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import math
 import os
@@ -17,7 +18,7 @@ from distributed import Client
 
 from distbelief import downpour, models
 from distbelief.downpour import BatchPlan, sequential_sgd
-from distbelief.errors import DatasetError, InvalidOptionError
+from distbelief.errors import ClusterError, DatasetError, InvalidOptionError
 from distbelief.storage import Dataset, worker_addresses
 from distbelief.storage._digits import train_test_split_digits
 
@@ -287,3 +288,18 @@ def test_data_the_model_cannot_train_on_is_refused(
 ) -> None:
     with pytest.raises(DatasetError, match=match):
         downpour.train(model, digits, partitions=2, max_steps=2, client=client)
+
+
+def test_a_failed_partition_says_why(client: Client, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "a partition of replica 0 failed (its worker is alive)" said nothing of the error the partition raised.
+    from distbelief.downpour import _partitioned
+    from distbelief.storage._calls import confirm_dead_async
+
+    # The worker is alive: no need to watch it for the 10 s grace a lost worker gets to be reported.
+    monkeypatch.setattr(_partitioned, "confirm_dead_async", functools.partial(confirm_dead_async, grace=0.3))
+    ds = Dataset.from_arrays(X_TR, Y_TR, path=tmp_path / "d", label_kind="classes", n_classes=10)
+    for chunk in (tmp_path / "d" / "X").rglob("*"):  # the rows are gone: every read of them fails
+        if chunk.is_file() and chunk.name != "zarr.json":
+            chunk.write_bytes(b"not a chunk")
+    with pytest.raises(ClusterError, match=r"a partition of replica 0 failed \(its worker is alive\): \w+"):
+        downpour.train(models.MLP([64, 8, 10]), ds, partitions=2, max_steps=2, client=client)
