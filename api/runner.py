@@ -414,7 +414,7 @@ class JobRunner:
         """Where a job left running would resume: ``(resumed_from, last metrics row kept, in words)``.
 
         Sandblaster: the checkpoint iteration the record holds. Downpour: the last shard checkpoint in the
-        job's run directory (its step count; metrics rows are kept up to its time).
+        job's run directory (its step count; metrics rows, indexed by step, are kept up to it).
         """
         rec = job.record
         if rec["algorithm"] == "downpour-sgd":
@@ -423,7 +423,7 @@ class JobRunner:
             point = resume_point(self.store.run_dir(rec["id"]))
             if point is None:
                 return None
-            return point.step, point.time, f"at step {point.step} ({point.time:.3g} s into the run)"
+            return point.step, float(point.step), f"at step {point.step} ({point.time:.3g} s into the run)"
         if not rec.get("checkpoint_iteration"):
             return None
         k = int(rec["checkpoint_iteration"])
@@ -642,6 +642,8 @@ class JobRunner:
                 downpour.DownpourOptions(
                     **{k: v for k, v in options.items() if k != "partitions"}, has_callback=True
                 )
+                if options.get("replicas") is not None:  # every replica needs rows of its own
+                    downpour.split_rows(data.n_rows, int(options["replicas"]))
         queued = sum(1 for j in list(self._jobs.values()) if j.record["status"] == "queued")
         if queued >= self.settings.max_queued_jobs:
             raise QueueFullError(
@@ -920,7 +922,15 @@ class JobRunner:
             rows = _history_rows(outcome.history, job.dim)
             if rows is not None and rows[2]:
                 with job.lock:
-                    job.dim, job.columns, job.rows = rows
+                    # A resumed run's history starts at its checkpoint: the rows before it stay.
+                    first = rows[2][0][0]
+                    at = {c: i for i, c in enumerate(job.columns)}
+                    kept = [
+                        [r[at[c]] if c in at else math.nan for c in rows[1]]
+                        for r in (job.rows or [])
+                        if r[0] < first and job.dim == rows[0]
+                    ]
+                    job.dim, job.columns, job.rows = rows[0], rows[1], kept + rows[2]
                     job.generation += 1
                     rec["iterations"] = int(rows[2][-1][0])
                     rec["latest"] = _latest(job.columns, job.rows[-1])
