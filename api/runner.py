@@ -450,7 +450,7 @@ class JobRunner:
         """Where a job left running would resume: ``(resumed_from, last metrics row kept, in words)``.
 
         Sandblaster: the checkpoint iteration the record holds. Downpour: the last shard checkpoint in the
-        job's run directory (its step count; metrics rows are kept up to that step).
+        job's run directory (its step count; metrics rows, indexed by step, are kept up to it).
         """
         rec = job.record
         if rec["algorithm"] == "downpour-sgd":
@@ -459,7 +459,6 @@ class JobRunner:
             point = resume_point(self.store.run_dir(rec["id"]))
             if point is None:
                 return None
-            # Downpour's metrics rows are indexed by step: those past the checkpoint's are run again.
             return point.step, float(point.step), f"at step {point.step} ({point.time:.3g} s into the run)"
         if not rec.get("checkpoint_iteration"):
             return None
@@ -490,6 +489,14 @@ class JobRunner:
     def get(self, job_id: str) -> dict[str, Any]:
         """A copy of the job's record."""
         job = self._job(job_id)
+        with job.lock:
+            return dict(job.record)
+
+    def find(self, job_id: str) -> dict[str, Any] | None:
+        """A copy of the job's record, or None if there is no such job (:meth:`get` raises then)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
         with job.lock:
             return dict(job.record)
 
@@ -672,6 +679,8 @@ class JobRunner:
                     **{k: v for k, v in downpour_kwargs(options).items() if k != "partitions"},
                     has_callback=True,
                 )
+                if options.get("replicas") is not None:  # every replica needs rows of its own
+                    downpour.split_rows(data.n_rows, int(options["replicas"]))
         queued = sum(1 for j in list(self._jobs.values()) if j.record["status"] == "queued")
         if queued >= self.settings.max_queued_jobs:
             raise QueueFullError(
@@ -950,11 +959,15 @@ class JobRunner:
             rows = _history_rows(outcome.history, job.dim)
             if rows is not None and rows[2]:
                 with job.lock:
-                    if rec.get("resumed_from") is not None and job.rows:
-                        # A resumed run's history starts at its checkpoint: the rows before are the
-                        # interrupted run's.
-                        rows = _after_earlier(job.columns, job.rows, rows)
-                    job.dim, job.columns, job.rows = rows
+                    # A resumed run's history starts at its checkpoint: the rows before it stay.
+                    first = rows[2][0][0]
+                    at = {c: i for i, c in enumerate(job.columns)}
+                    kept = [
+                        [r[at[c]] if c in at else math.nan for c in rows[1]]
+                        for r in (job.rows or [])
+                        if r[0] < first and job.dim == rows[0]
+                    ]
+                    job.dim, job.columns, job.rows = rows[0], rows[1], kept + rows[2]
                     job.generation += 1
                     rec["iterations"] = int(rows[2][-1][0])
                     rec["latest"] = _latest(job.columns, job.rows[-1])
@@ -1110,28 +1123,6 @@ def placement_of_stats(stats: Any) -> list[dict[str, Any]] | None:
         {"replica": g["replica"], "partitions": [{k: p[k] for k in keep} for p in g["partitions"]]}
         for g in _groups(rows)
     ]
-
-
-def _after_earlier(
-    columns: list[str], rows: list[list[float]], history: tuple[str, list[str], list[list[float]]]
-) -> tuple[str, list[str], list[list[float]]]:
-    """A resumed run's ``history`` rows after the earlier ``rows`` (``columns``) that come before its first.
-
-    Examples
-    --------
-    >>> _after_earlier(["step", "loss"], [[0, 9.0], [5, 4.0], [8, 3.5]], ("step", ["step", "f"], [[5, 2.0]]))
-    ('step', ['step', 'f', 'loss'], [[0, nan, 9.0], [5, 2.0, nan]])
-    """
-    dim, new_columns, new_rows = history
-    merged = new_columns + [c for c in columns if c not in new_columns]
-
-    def of(row: list[float], names: list[str]) -> list[float]:
-        values = dict(zip(names, row, strict=True))
-        return [values.get(c, math.nan) for c in merged]
-
-    first = new_rows[0][0]
-    earlier = [of(r, columns) for r in rows if r[0] < first]
-    return dim, merged, earlier + [of(r, new_columns) for r in new_rows]
 
 
 def _objective_of(summary: dict[str, Any], x: np.ndarray, options: dict[str, Any]) -> dict[str, float]:

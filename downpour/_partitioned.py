@@ -24,7 +24,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from distributed import Client
 from distributed.utils import sync
 
 from distbelief.downpour._batches import BatchPlan, split_rows
+from distbelief.downpour._options import DownpourOptions, check_workers, worker_tuple
 from distbelief.downpour._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
 from distbelief.errors import ClusterError, InvalidOptionError, ShardLostError
 from distbelief.models._partitioned import PartitionPlan, partition_plan
@@ -494,9 +495,13 @@ def train_partitioned(
     layout = partition_layout(plan.bounds, shards_per_partition=shards_per_partition)
     owned = partition_shards(layout, plan.bounds)
     with run_store(store, "downpour-mp-") as store, embedded_client(client) as c:
-        places = list(workers) if workers else worker_addresses(c, required=True)
+        known = worker_addresses(c, required=True)
+        check_workers("replica_workers", workers, known)
+        check_workers("shard_workers", shard_workers, known)
+        places = list(workers) if workers else known
         _check_memory(c, plan, places)
         dataset = as_dataset(data, store)
+        dataset.check_model(model)  # a partition reads its input columns by index: never the wrong ones
         row_ranges = split_rows(dataset.n_rows, replicas)
         per_epoch = [
             BatchPlan.for_rows(dataset, lo, hi, batch_size=batch_size, seed=seed, replica=r).batches_per_epoch
@@ -628,6 +633,15 @@ STOP_SETTLE = 0.3
 PROGRESS_EVERY = 0.2
 
 
+def _calls_back(callback: Callable[[Any], None], progress: Any) -> bool:
+    """``callback(progress)``; whether it raised ``StopIteration`` (which cannot cross a thread's future)."""
+    try:
+        callback(progress)
+    except StopIteration:
+        return True
+    return False
+
+
 class _Supervisor:
     """Waits for every partition's ``run`` (on the client's event loop) and rebuilds a replica that lost a
     partition's worker: its surviving partitions are stopped, and K new ones go on from the step the
@@ -717,19 +731,12 @@ class _Supervisor:
             staleness_max=float(max(stale)) if stale else math.nan, replicas_alive=len(rows),
         )  # fmt: skip
         self.rows.append(progress)
-        if await asyncio.to_thread(self._call_back, progress):
+        # In a thread: the callback is the user's code (the service writes its metrics to the store in it)
+        # and must not hold up this event loop, which every actor call of the process goes through.
+        if await asyncio.to_thread(_calls_back, self.callback, progress):
             self.stopped_by_callback = True
             self.stopped_at = time.monotonic()
             await self._stop_all(self.actors, after_step=True)
-
-    def _call_back(self, progress: Any) -> bool:
-        """Call the callback (in a thread: it may take its time, e.g. the service's first write of a job's
-        metrics, and the client's event loop serves the whole run); whether it asked to stop."""
-        try:
-            self.callback(progress)
-        except StopIteration:  # cannot cross into an asyncio future: it would become a TypeError
-            return True
-        return False
 
     async def _count_steps(self) -> None:
         """Every live replica's step count (the least of its partitions': they step together, one may be a
@@ -845,6 +852,7 @@ class _Supervisor:
                     await self.checkpoint()
                 next_ckpt = time.monotonic() + every
             broken: set[int] = set()
+            errors: dict[int, BaseException] = {}
             for task in done:
                 r, k = tasks.pop(task)
                 if task.exception() is None:
@@ -856,6 +864,7 @@ class _Supervisor:
                         statuses.append({**got, "stopped": True})
                 else:
                     broken.add(r)
+                    errors.setdefault(r, task.exception())  # type: ignore[arg-type]
             if not self.stopped_by_callback:
                 broken |= {r for r, _ in tasks.values() if self._dead(r)}
             elif tasks and time.monotonic() - self.stopped_at >= STOP_SETTLE:
@@ -871,7 +880,11 @@ class _Supervisor:
                 await self._probe()
                 restored = any(self.t0 + t >= self.started[r] for t, _ in self.shard_losses)
                 if not dead and not restored:
-                    raise ClusterError(f"a partition of replica {r} failed (its worker is alive)")
+                    why = errors.get(r)
+                    reason = f": {type(why).__name__}: {why}" if why is not None else ""
+                    raise ClusterError(
+                        f"a partition of replica {r} failed (its worker is alive){reason}"
+                    ) from why
                 await self._rebuild(r)
                 start(r, step)
             if time.monotonic() > deadline:
@@ -1065,10 +1078,14 @@ def _drive(
         "max_steps": "reached max_steps",
         "epochs": "every replica finished its epochs",
         "callback": "stopped by the callback",
+        "diverged": "diverged: the parameters became NaN or infinite; lower lr, or use rule='adagrad'",
     }
+    if not np.isfinite(x).all():  # no watchdog follows a partitioned run: its end is checked at least
+        stop_reason = "diverged"
     return result_cls(
-        x=x, history=history, stop_reason=stop_reason, success=True, message=messages_by_reason[stop_reason],
-        steps=steps, wall_time=wall, store=ps.url, stats=stats, losses=losses,
+        x=x, history=history, stop_reason=stop_reason, success=stop_reason != "diverged",
+        message=messages_by_reason[stop_reason], steps=steps, wall_time=wall, store=ps.url, stats=stats,
+        losses=losses,
     )  # fmt: skip
 
 
@@ -1103,6 +1120,13 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "staleness_scale": None,  # the default (on for multi-replica SGD elsewhere): partitions run unscaled
     "compression": None,
     "max_coalesce": None,
+    # Taken by downpour.train but not by a partitioned run (it has no history cadence, driver poll, loss
+    # watchdog, fused messages or key-value communication): refused rather than ignored.
+    "eval_every": 1.0,
+    "poll_every": 0.05,
+    "max_loss_growth": 10.0,
+    "fuse": True,
+    "communication": "auto",
 }
 
 
@@ -1127,6 +1151,8 @@ def check_partitioned_options(partitions: int, given: dict[str, Any]) -> dict[st
         if name in given and given[name] is not default and given[name] != default:
             if name == "staleness_scale" and given[name] is False:
                 continue  # unscaled is what a partitioned run does
+            if name == "communication" and given[name] == "dense":
+                continue  # dense is what a partitioned run does
             raise InvalidOptionError(
                 f"{name}={given[name]!r} is not supported with partitions={partitions}; leave it at its "
                 f"default ({default!r}) or train with partitions=1"
@@ -1140,6 +1166,12 @@ def check_partitioned_options(partitions: int, given: dict[str, Any]) -> dict[st
         raise InvalidOptionError(
             f"give epochs or max_steps with partitions={partitions} (a partitioned run needs a known length)"
         )
+    # The options it takes are checked as downpour.train checks them (lr > 0, l2 >= 0, seed >= 0, ...).
+    names = {f.name for f in fields(DownpourOptions)} - {"has_callback"}
+    checked = {name: given[name] for name in names if name in given}
+    for name in ("shard_workers", "replica_workers"):
+        checked[name] = worker_tuple(checked.get(name))
+    DownpourOptions(**checked, has_callback=True)
     kwargs = {name: given[name] for name in _SUPPORTED if name in given}
     if given.get("replica_workers"):
         kwargs["workers"] = given["replica_workers"]

@@ -45,7 +45,7 @@ from threadpoolctl import threadpool_limits
 
 from distbelief.downpour._batches import BatchPlan, split_rows
 from distbelief.downpour._compress import Compression
-from distbelief.downpour._options import DownpourOptions, Rule
+from distbelief.downpour._options import DownpourOptions, Rule, check_workers, worker_tuple
 from distbelief.downpour._replica import DownpourReplica, RecordPlan, ReplicaConfig
 from distbelief.downpour._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
 from distbelief.downpour._watch import StepRuleStallWarning, Watchdog, gradient_norms, stall_message
@@ -366,6 +366,9 @@ def train(
         ``models.LocallyConnected``). ``None`` or 1: one actor per replica. With partitions, ``n_fetch``,
         ``n_push``, ``local_lr``, ``shard_workers``, ``replica_workers`` and ``resume`` apply as without;
         a replica that loses a partition's worker is rebuilt on the others (``stats["rebuilt_replicas"]``).
+        The options a partitioned run has no use for (``eval_data``, ``eval_every``, ``poll_every``,
+        ``max_loss_growth``, ``fuse``, ``communication="sparse"``, ``warmstart_steps``, ``time_limit``,
+        ...) are refused unless left at their defaults.
     communication : {"auto", "dense", "sparse"}
         ``"sparse"``: each replica fetches only the parameters its rows touch and pushes only the nonzero
         entries of its accrued gradient, as key-value pairs per shard (ps-lite's pull/push; needs CSR data,
@@ -414,7 +417,12 @@ def train(
     >>> float(res.history.test_accuracy[-1]) > 0.9                                # doctest: +SKIP
     True
     """
-    if partitions is not None and partitions != 1:
+    if callback is not None and not callable(callback):
+        raise InvalidOptionError(
+            f"option callback={callback!r} is invalid: expected None or a function of one downpour.Progress "
+            "(raise StopIteration in it to stop the run)"
+        )
+    if partitions is not None and not (type(partitions) is int and partitions == 1):  # True is not 1 here
         from distbelief.downpour._partitioned import train_from_options
 
         return train_from_options(model, data, partitions=partitions, given=locals())
@@ -442,8 +450,8 @@ def train(
         shuffle=shuffle,
         poll_every=poll_every,
         call_timeout=call_timeout,
-        shard_workers=tuple(shard_workers) if shard_workers is not None else None,
-        replica_workers=tuple(replica_workers) if replica_workers is not None else None,
+        shard_workers=worker_tuple(shard_workers),  # type: ignore[arg-type]
+        replica_workers=worker_tuple(replica_workers),  # type: ignore[arg-type]
         trace=trace,
         has_callback=callback is not None,
         communication=communication,
@@ -542,8 +550,9 @@ def objective_rows(dataset: Dataset, max_values: int = OBJECTIVE_MAX_VALUES) -> 
 
     Examples
     --------
-    >>> ds = Dataset.from_arrays("/tmp/ds", np.ones((10, 2)), np.zeros(10), portion_rows=2)  # doctest: +SKIP
-    >>> objective_rows(ds, max_values=8)[0].shape                                            # doctest: +SKIP
+    >>> path = tempfile.mkdtemp() + "/ds"
+    >>> ds = Dataset.from_arrays(np.ones((10, 2)), np.zeros(10), path=path, portion_rows=2)
+    >>> objective_rows(ds, max_values=8)[0].shape  # 2 of the 5 portions: the first and the last
     (4, 2)
     """
     # A sparse dataset's size is its nonzeros, not rows x features.
@@ -654,6 +663,8 @@ class _Run:
     def setup(self) -> None:
         opts, client = self.opts, self.client
         workers = worker_addresses(client, required=True)
+        check_workers("shard_workers", opts.shard_workers, workers)
+        check_workers("replica_workers", opts.replica_workers, workers)
         shard_workers = list(opts.shard_workers or workers)
         replica_workers = list(opts.replica_workers or workers)
         n = self.x_start.size

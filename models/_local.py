@@ -10,7 +10,7 @@ The partitioned form is :class:`models.LocallyConnectedPlan` (``models/_partitio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -24,10 +24,24 @@ from distbelief.models._base import ModelBase
 from distbelief.models._checks import LabelKind
 from distbelief.models._linear import softmax_xent_
 
-__all__ = ["LocallyConnected", "activate_", "backprop_activation_", "local_backward", "local_forward"]
+__all__ = [
+    "LocallyConnected",
+    "activate_",
+    "backprop_activation_",
+    "local_backward",
+    "local_forward",
+    "per_layer",
+]
 
 FloatArray = NDArray[np.float64]
 _ACTIVATIONS = ("sigmoid", "tanh", "relu")
+
+
+def per_layer(name: str, value: Any) -> list[Any]:
+    """``value`` as a list with one entry per local layer, or a :class:`ModelSpecError` showing the form."""
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ModelSpecError(f"{name} must be a list with one entry per local layer, e.g. [3], got {value!r}")
+    return list(value)
 
 
 def activate_(Z: FloatArray, activation: str) -> None:
@@ -226,7 +240,8 @@ class _LocalNetwork(ModelBase):
             activate_(A, self._activation)
             inputs.append(A)
         W, b = layers[-1]
-        inputs.append(inputs[-1].reshape(X_arr.shape[0], -1) @ W + b)
+        # The width explicitly: reshape(0, -1) cannot infer it for no rows.
+        inputs.append(inputs[-1].reshape(X_arr.shape[0], W.shape[0]) @ W + b)
         return layers, inputs
 
     def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
@@ -250,7 +265,8 @@ class _LocalNetwork(ModelBase):
         delta = np.ascontiguousarray(inputs.pop())
         loss = softmax_xent_(delta, labels)
         W_out = layers[-1][0]
-        grads: list[FloatArray] = [(inputs[-1].reshape(rows, -1).T @ delta).ravel(), delta.sum(axis=0)]
+        flat = inputs[-1].reshape(rows, W_out.shape[0])
+        grads: list[FloatArray] = [(flat.T @ delta).ravel(), delta.sum(axis=0)]
         dA = (delta @ W_out.T).reshape(inputs[-1].shape)
         for index in range(len(layers) - 2, -1, -1):
             backprop_activation_(dA, inputs[index + 1], self._activation)
@@ -345,9 +361,9 @@ class LocallyConnected(_LocalNetwork):
     ) -> None:
         self._n_features = _positive("n_features", n_features)
         self._n_classes = self._checked_classes(n_classes)
+        fields = per_layer("fields", fields)  # read once: an iterator would be empty the second time
         self._fields = tuple(_positive("fields[]", f) for f in fields)
-        if strides is None:
-            strides = [1] * len(list(fields))
+        strides = [1] * len(fields) if strides is None else per_layer("strides", strides)
         self._strides = tuple(_positive("strides[]", s) for s in strides)
         if not self._fields or len(self._fields) != len(self._strides):
             raise ModelSpecError(

@@ -24,7 +24,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from numpy.typing import NDArray
 
 from distbelief.errors import ModelSpecError
-from distbelief.models._local import _LocalNetwork, _positive
+from distbelief.models._local import _LocalNetwork, _positive, per_layer
 
 __all__ = ["LocallyConnected2D", "local2d_backward", "local2d_forward"]
 
@@ -151,13 +151,15 @@ class LocallyConnected2D(_LocalNetwork):
         height, width = _pair("image_shape", list(image_shape))
         channels = _positive("channels", channels)
         self._n_classes = self._checked_classes(n_classes)
-        self._patches = tuple(_pair("patches[]", p) for p in patches)
+        self._patches = tuple(_pair("patches[]", p) for p in per_layer("patches", patches))
         n_layers = len(self._patches)
         self._strides = tuple(
-            _pair("strides[]", s) for s in (strides if strides is not None else [1] * n_layers)
+            _pair("strides[]", s)
+            for s in (per_layer("strides", strides) if strides is not None else [1] * n_layers)
         )
         self._filters = tuple(
-            _positive("filters[]", f) for f in (filters if filters is not None else [4] * n_layers)
+            _positive("filters[]", f)
+            for f in (per_layer("filters", filters) if filters is not None else [4] * n_layers)
         )
         if not n_layers or len(self._strides) != n_layers or len(self._filters) != n_layers:
             raise ModelSpecError(

@@ -52,6 +52,7 @@ from distbelief.sandblaster._scheduler import PortionScheduler
 from distbelief.storage import Dataset, ShardMap, _exactsum, default_row_cache, keep_loop_responsive
 from distbelief.storage import reduce_results as _reduce_results
 from distbelief.storage._calls import DEAD_STATES, await_call
+from distbelief.storage._direct import install as install_direct_calls
 from distbelief.storage._exchange import PartitionPeer, PassAborted, call_peer
 from distbelief.storage._server import _worker_alive
 
@@ -95,6 +96,9 @@ class SandblasterPartition(PartitionPeer):
     ...                     actor=True)                                   # doctest: +SKIP
     """
 
+    #: Methods the coordinator calls straight through the worker's handler (:mod:`storage._direct`).
+    DIRECT_METHODS = frozenset({"work"})
+
     def __init__(
         self,
         replica: int,
@@ -106,6 +110,7 @@ class SandblasterPartition(PartitionPeer):
         call_timeout: float = 60.0,
     ) -> None:
         keep_loop_responsive()  # its compute thread must not slow the shards' and the peers' messages
+        install_direct_calls()  # the coordinator's work calls come straight to a worker handler
         super().__init__(replica, k, call_timeout=call_timeout)
         self.plan, self.dataset, self.map = plan, dataset, shard_map
         self.shards = list(shards)
@@ -215,7 +220,7 @@ class SandblasterPartition(PartitionPeer):
         for i in self.shards:
             lo, hi = self.map.layout.ranges()[i]
             part = grad[..., lo - base : hi - base]
-            self.bytes_pushed += 8 * (hi - lo)
+            self.bytes_pushed += part.nbytes  # a binned group sum is 4 values a parameter, not 1
             ask = self.map.ask(
                 i,
                 "accumulate",

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from distbelief.storage._direct import install as install_direct_calls
 from distbelief.storage._shard import Shard
 from distbelief.storage._store import open_group
 from distbelief.storage._vectorstore import default_budget
@@ -89,6 +90,9 @@ class ShardActor:
     :mod:`storage._vectorstore`): ``"auto"`` takes a share of this worker's ``memory_limit`` split over its
     ``shards_here`` shards, ``None`` keeps everything in RAM."""
 
+    #: Methods other workers may call straight through the worker's handler (:mod:`storage._direct`).
+    DIRECT_METHODS = frozenset({"packed"})
+
     def __init__(
         self,
         index: int,
@@ -104,6 +108,7 @@ class ShardActor:
         spill_dir: str | None = None,
     ) -> None:
         keep_loop_responsive()
+        install_direct_calls()  # its worker answers direct calls of ``packed`` (:mod:`storage._direct`)
         budget = default_budget(shards_here) if memory_budget == "auto" else memory_budget
         assert budget is None or isinstance(budget, int)
         self.core = Shard(index, lo, hi, memory_budget=budget, spill_dir=spill_dir)

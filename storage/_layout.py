@@ -34,8 +34,8 @@ class Layout:
 
     Examples
     --------
-    >>> Layout.split(10, 3).ranges()
-    [(0, 4), (4, 7), (7, 10)]
+    >>> Layout.split(10, 3).ranges()  # chunks of 4: every inner bound is a multiple of it
+    [(0, 4), (4, 8), (8, 10)]
     """
 
     n: int

@@ -45,6 +45,7 @@ from distbelief.storage._calls import (
     gather_calls,
     start_call,
 )
+from distbelief.storage._direct import direct_call
 from distbelief.storage._layout import DEFAULT_TARGET_CHUNK, Layout
 from distbelief.storage._session import NO_WORKERS, worker_addresses
 from distbelief.storage._shard import OPS
@@ -241,7 +242,12 @@ class ShardMap:
         actor = self.actors[shard]
         message = (method, args, kwargs)
         if array_bytes(message) <= SMALL_BYTES:
-            return unpack(await actor.packed(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)))
+            request = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            worker = _current_worker()
+            if worker is not None:
+                # A plain RPC to the shard's worker: half an actor call's cost (storage._direct).
+                return unpack(await direct_call(worker.rpc, actor, "packed", request))
+            return unpack(await actor.packed(request))
         return await getattr(actor, method)(*args, **kwargs)
 
     async def ask(
@@ -420,6 +426,7 @@ class ParameterServer:
         for name, values in initial.items():
             if values.size != n:
                 raise InvalidOptionError(f"vector {name!r} has {values.size} values, the server holds {n}")
+        _check_budget(memory_budget)  # before the store is touched
         url = normalize_url(store)
         group = zarr.open_group(store=_store_for(url), mode="a")
         if ATTR in group.attrs and not overwrite:
@@ -960,10 +967,17 @@ def _read_attrs(url: str) -> dict[str, Any]:
     return dict(meta)
 
 
+def _check_budget(budget: object) -> None:
+    """Refuse a ``memory_budget`` that is not bytes (an int >= 0, not a bool), ``"auto"`` or None."""
+    if budget is None or budget == "auto":
+        return
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise InvalidOptionError(f"memory_budget must be bytes (an int >= 0), 'auto' or None, got {budget!r}")
+
+
 def _budget_kwargs(budget: int | str | None, placement: Sequence[str], i: int) -> dict[str, Any]:
     """The ShardActor keywords for the memory budget of the shard placed at ``placement[i]``."""
-    if budget is not None and budget != "auto" and not (isinstance(budget, int) and budget >= 0):
-        raise InvalidOptionError(f"memory_budget must be bytes (an int >= 0), 'auto' or None, got {budget!r}")
+    _check_budget(budget)
     return {"memory_budget": budget, "shards_here": max(1, list(placement).count(placement[i]))}
 
 

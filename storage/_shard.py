@@ -445,7 +445,8 @@ class Shard:
     def _push_at(self, keys: np.ndarray, grad: np.ndarray, rule: str, step: float, param: str) -> None:
         """The update rule at ``keys`` only: the dense rule on the gathered entries, scattered back."""
         w = self.vector(param)
-        if grad.shape != keys.shape or (keys.size and (keys[0] < 0 or keys[-1] >= w.size)):
+        _check_keys(self.index, keys, w.size)
+        if grad.shape != keys.shape:
             raise InvalidOptionError(
                 f"shard {self.index}: key-value push with {keys.size} keys and {grad.size} values "
                 f"for a slice of {w.size}"
@@ -463,7 +464,10 @@ class Shard:
         if rule == "adagrad":
             acc = self.vectors.get(f"{param}.adagrad")
             if acc is None:
-                acc = self.vectors[f"{param}.adagrad"] = np.zeros(self.size)
+                self.vectors[f"{param}.adagrad"] = np.zeros(self.size)
+                # Read back: over the memory budget the store spilled it, and updates to the array given
+                # would not reach the file.
+                acc = self.vectors[f"{param}.adagrad"]
         if keys is not None and not keys.size:
             return  # nothing to update (and BLAS refuses empty vectors)
         w_at = w if keys is None else w[keys]
@@ -519,8 +523,7 @@ class Shard:
             raise InvalidOptionError(
                 f"shard {self.index}: {keys.size} keys but values of shape {values.shape}"
             )
-        if keys.size and (int(keys.min()) < 0 or int(keys.max()) >= self.size):
-            raise InvalidOptionError(f"shard {self.index}: pushed keys outside its slice of {self.size}")
+        _check_keys(self.index, keys, self.size)
         taken = self.accumulate(name, values, portions, epoch=epoch, solo=solo, keys=keys)
         return self._maybe_finalize(name, taken)
 
@@ -710,6 +713,20 @@ class Shard:
         self.applied = int(state.get("applied", 0))
         self.applied_weight = float(state.get("applied_weight", 0.0))
         self.applied_steps_sq = int(state.get("applied_steps_sq", 0))
+
+
+def _check_keys(index: int, keys: np.ndarray, size: int) -> None:
+    """Refuse pushed keys that are not sorted, unique local offsets in ``[0, size)``: a negative one would
+    update an entry from the end, a repeated one would lose one of its updates in the scatter."""
+    if keys.ndim != 1 or (keys.size and keys.dtype.kind not in "iu"):
+        raise InvalidOptionError(
+            f"shard {index}: a key-value push needs a 1-D integer array of keys, got {keys.dtype}"
+        )
+    if keys.size and (int(keys[0]) < 0 or int(keys[-1]) >= size or not bool(np.all(keys[1:] > keys[:-1]))):
+        raise InvalidOptionError(
+            f"shard {index}: a key-value push needs sorted, unique local offsets in [0, {size}) "
+            "(storage._keys.split_keys gives them)"
+        )
 
 
 def _signed_values(

@@ -98,7 +98,7 @@ class FreeParams:
         loss, grad = self.model.loss_and_grad(w, X, y)
         grad = np.array(grad, dtype=np.float64)
         w_arr = np.asarray(w, dtype=np.float64)
-        n = len(X)  # type: ignore[arg-type]
+        n = np.shape(X)[0]  # not len(X): the rows of a sparse dataset are a csr_array, whose len() raises
         for a, b in self.free:
             part = w_arr[a:b]
             loss -= n * 0.5 * self.l2 * float(part @ part)

@@ -191,6 +191,67 @@ async def test_a_running_downpour_job_resumes_from_its_shard_checkpoint(
     assert np.all(objective[first:] < 0.5 * f0)
 
 
+def test_a_downpour_job_taken_up_again_keeps_its_metrics_rows_up_to_the_checkpoint_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Downpour's metrics rows are indexed by step: the rows kept on a restart are those up to the
+    # checkpoint's step (they were compared with its time in seconds, which kept almost none).
+    from distbelief.api._jobstore import JobStore
+    from distbelief.api.runner import JobRunner
+    from distbelief.downpour import _resume
+
+    point = _resume.ResumePoint(step=100, time=2.5, replicas=[], checkpoint_id=3, final=False)
+    monkeypatch.setattr(_resume, "resume_point", lambda store: point)
+    store = JobStore(str(tmp_path))
+    record = {
+        "id": "bbbbbbbbbbbbbbbb", "algorithm": "downpour-sgd", "status": "running", "restarts": 0,
+        "created_at": "2026-01-01T00:00:00+00:00",
+    }  # fmt: skip
+    store.save_record(record)
+    rows = [[float(step), step / 40.0, 1.0 / (1 + step)] for step in (0, 50, 100, 150, 200)]
+    store.save_metrics(record["id"], "step", ["step", "time", "objective"], rows)
+    runner = JobRunner(settings_for(tmp_path), store, client=None)  # type: ignore[arg-type]
+    runner._stopping.set()  # the job is taken up but must not run: there is no cluster
+    try:
+        runner.start()
+        job = runner._jobs[record["id"]]
+        assert job.record["status"] == "queued" and job.record["resumed_from"] == 100
+        assert job.rows is not None and [r[0] for r in job.rows] == [0.0, 50.0, 100.0]
+    finally:
+        runner.stop(timeout=0.1)
+
+
+def test_a_resumed_downpour_job_ends_with_its_rows_from_before_the_checkpoint(tmp_path: Path) -> None:
+    # The resumed run's history starts at its checkpoint: the job's metrics keep the rows before it.
+    import xarray as xr
+
+    from distbelief.api._jobstore import JobStore
+    from distbelief.api.runner import JobRunner, RunOutcome, _Job
+
+    store = JobStore(str(tmp_path))
+    runner = JobRunner(settings_for(tmp_path), store, client=None)  # type: ignore[arg-type]
+    runner._evaluate = lambda *args: {}  # type: ignore[method-assign]
+    record = {
+        "id": "cccccccccccccccc", "algorithm": "downpour-sgd", "status": "running", "options": {},
+        "resumed_from": 100, "created_at": "2026-01-01T00:00:00+00:00",
+    }  # fmt: skip
+    job = _Job.of(record, columns=["step", "objective"], rows=[[0.0, 2.0], [50.0, 1.5], [100.0, 1.2]])
+    runner._jobs[record["id"]] = job
+    history = xr.Dataset(
+        {"objective": ("time", [1.2, 1.0, 0.9]), "step": ("time", [100, 150, 200])},
+        coords={"time": [2.5, 3.0, 4.0]},
+    )
+    outcome = RunOutcome(x=np.zeros(2), history=history, summary={"stop_reason": "epochs", "message": "ok"})
+    try:
+        runner._finish(job, outcome, model=None, data=None, eval_data=None)  # type: ignore[arg-type]
+        assert job.record["status"] == "succeeded" and job.columns[:2] == ["step", "objective"]
+        assert job.rows is not None and [r[0] for r in job.rows] == [0.0, 50.0, 100.0, 150.0, 200.0]
+        assert [r[1] for r in job.rows] == [2.0, 1.5, 1.2, 1.0, 0.9]
+    finally:
+        runner._stopping.set()
+        runner.stop(timeout=0.1)
+
+
 # Model parallelism: a locally connected network on the digits in 2 partitions. 600 steps leave the job
 # running well past its first progress row (~30 steps) and the ~0.5 s its stop takes, and little to do after.
 LC = {"kind": "locally_connected", "n_features": 64, "n_classes": 10, "fields": [6], "strides": [2]}

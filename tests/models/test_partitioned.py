@@ -11,6 +11,7 @@ from distbelief.errors import InvalidOptionError, ModelSpecError
 from distbelief.models import (
     MLP,
     LocallyConnected,
+    LocallyConnected2D,
     Softmax,
     partition_plan,
     run_partitioned,
@@ -132,3 +133,13 @@ def test_bad_locally_connected_shapes_are_refused() -> None:
         LocallyConnected(8, 2, fields=[3, 2], strides=[1])
     with pytest.raises(ModelSpecError, match="n_classes"):
         LocallyConnected(8, 1)
+    # A number where a list per layer is expected: a ModelSpecError that shows the form, not a TypeError.
+    with pytest.raises(ModelSpecError, match=r"fields must be a list with one entry per local layer"):
+        LocallyConnected(10, 2, fields=5)  # type: ignore[arg-type]
+    with pytest.raises(ModelSpecError, match=r"strides must be a list"):
+        LocallyConnected(10, 2, fields=[3], strides=2)  # type: ignore[arg-type]
+    for bad in ({"patches": 3}, {"strides": 2}, {"filters": 2}):
+        with pytest.raises(ModelSpecError, match=f"{next(iter(bad))} must be a list"):
+            LocallyConnected2D((8, 8), 2, **bad)  # type: ignore[arg-type]
+    # An iterator is read once, not once for the fields and again for the default strides.
+    assert LocallyConnected(10, 2, fields=iter([3, 2])).widths == (10, 8, 7)

@@ -148,3 +148,35 @@ def test_examples_run() -> None:
         _partitioned, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False
     )
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_partition_counts_the_bytes_of_a_binned_push(tmp_path: Path) -> None:
+    # A summed group travels as an exact-sum state (storage._exactsum: 4 rows a parameter), not a vector.
+    import asyncio
+
+    from distbelief.sandblaster._messages import WorkCall
+    from distbelief.storage import Dataset, Layout, _exactsum
+
+    model = models.MLP([3, 4, 2])
+    plan = _partitioned.partition_plan(model, 2)
+    n = plan.bounds[-1]
+    ds = Dataset.from_arrays(np.ones((4, 3)), np.zeros(4), path=tmp_path / "d")
+
+    class Map:
+        layout = Layout(n=n, chunk=1, bounds=tuple(plan.bounds))
+
+        async def ask(self, *args: Any, **kwargs: Any) -> tuple[bool, None]:
+            return True, None
+
+    part = _partitioned.SandblasterPartition(0, 1, plan, ds, Map(), [1])  # type: ignore[arg-type]
+    size = plan.bounds[2] - plan.bounds[1]
+    binned = _exactsum.deposit(_exactsum.zeros(size), np.ones(size))
+
+    async def push() -> None:
+        for grad, solo in ((np.ones(size), True), (binned, False)):
+            call = WorkCall(1, "x", "acc", (0, 1), solo=solo)
+            await asyncio.gather(*(f for _, f in part._push(call, [0, 1], grad)))
+
+    asyncio.run(push())
+    part._compute.shutdown()
+    assert part.bytes_pushed == 8 * size + binned.nbytes

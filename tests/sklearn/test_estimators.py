@@ -120,6 +120,20 @@ def test_free_params_cancels_the_penalty_exactly() -> None:
     assert sum(p[0] for p in parts) / 50 + 0.5 * l2 * float(w @ w) == pytest.approx(value, rel=1e-12)
 
 
+def test_free_params_takes_the_csr_rows_of_a_sparse_dataset() -> None:
+    # fit(dataset) hands the rows of a sparse Dataset (csr_array) to the model: len() of one raises.
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(6, 3)) * (rng.random((6, 3)) < 0.5)
+    y = rng.integers(0, 2, 6).astype(float)
+    m, w = models.Logistic(3), rng.normal(size=4)
+    dense = FreeParams(m, 0.5, [(3, 4)]).loss_and_grad(w, X, y)
+    loss, grad = FreeParams(m, 0.5, [(3, 4)]).loss_and_grad(w, sp.csr_array(X), y)
+    assert loss == pytest.approx(dense[0], rel=1e-12)
+    np.testing.assert_allclose(grad, dense[1], rtol=1e-12)
+
+
 @pytest.mark.parametrize("solver", ["cg", "gd"])
 def test_other_sandblaster_methods(cancer: tuple[np.ndarray, np.ndarray], solver: str) -> None:
     X, y = cancer
@@ -177,6 +191,28 @@ def test_fit_dask_arrays(iris: tuple[np.ndarray, np.ndarray]) -> None:
     lazy = ours.predict(da.from_array(X, chunks=(50, 4)))
     assert isinstance(lazy, da.Array)
     np.testing.assert_array_equal(lazy.compute(), ref.predict(X))
+
+
+def test_dask_arrays_are_read_by_the_estimators_own_cluster(
+    iris: tuple[np.ndarray, np.ndarray], client: Client, tmp_path: Path
+) -> None:
+    # client= names the cluster: the classes and the dataset must be computed there, not by whatever
+    # scheduler is the default in this process (here the local synchronous one).
+    import dask
+    import dask.array as da
+    from distributed import get_worker
+
+    def on_a_worker(block: np.ndarray) -> np.ndarray:
+        get_worker()  # ValueError outside a worker
+        return block
+
+    X, y = iris
+    Xd = da.from_array(X, chunks=(50, 4)).map_blocks(on_a_worker, dtype=float)
+    yd = da.from_array(y, chunks=50).map_blocks(on_a_worker, dtype=y.dtype)
+    with dask.config.set(scheduler="sync"):
+        ds, n = LogisticRegression(client=client)._dask_data(Xd, yd, str(tmp_path))
+    assert (n, ds.n_classes) == (150, 3)
+    np.testing.assert_array_equal(ds.read_all()[1], y)
 
 
 # ------------------------------------------------------------------------------------------ bad input

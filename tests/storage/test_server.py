@@ -94,6 +94,10 @@ def test_vectors_of_the_wrong_size_are_refused_before_anything_is_stored(
     with pytest.raises(InvalidOptionError, match="has 4 values, the server holds 5"):
         ParameterServer.create(client, 5, store=str(tmp_path / "ps"), vectors={"x": np.ones(4)})
     assert not (tmp_path / "ps").exists()
+    for bad in (-1, "big", 1.5, True):
+        with pytest.raises(InvalidOptionError, match="memory_budget must be bytes"):
+            ParameterServer.create(client, 5, store=str(tmp_path / "ps"), memory_budget=bad)
+        assert not (tmp_path / "ps").exists()
 
 
 def test_a_batch_costs_one_round_trip_and_returns_only_scalars(client: Client, tmp_path: Path) -> None:

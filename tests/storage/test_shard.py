@@ -192,3 +192,33 @@ def test_any_order_of_pushes_and_copies_sums_every_portion_once(n_portions: int,
     for grad in grads:  # in portion order, one at a time
         _exactsum.deposit(reference, grad)
     assert np.array_equal(shard.get("acc"), _exactsum.value(reference))  # the same bits, whatever the order
+
+
+@pytest.mark.parametrize("keys", [[2, -1], [1, 1], [3, 0], [0, 4]])
+def test_key_value_pushes_with_bad_keys_are_refused_and_change_nothing(keys: list[int]) -> None:
+    # Keys must be sorted, unique local offsets: a -1 after a 2 would update the last entry, a repeated key
+    # would lose one of its updates.
+    s = Shard(0, 10, 14)
+    s.set("x", 10, 14, np.arange(4.0))
+    s.run([("reset_acc", "g", 1, 2, [])])
+    k = np.array(keys)
+    with pytest.raises(InvalidOptionError, match="sorted, unique"):
+        s.push(np.ones(2), source="r", seq=0, rule="sgd", lr=1.0, keys=k)
+    with pytest.raises(InvalidOptionError, match="sorted, unique"):
+        s.push_portions_at("g", k, np.ones(2), [0], epoch=1)
+    np.testing.assert_array_equal(s.get("x"), np.arange(4.0))
+    assert s.version == 0 and s.accumulators["g"].covered == set()
+
+
+def test_adagrad_on_a_spilled_shard_gives_the_in_ram_bits() -> None:
+    # The accumulator made by the first push went to a spill file while that push updated a RAM copy.
+    shards = [Shard(0, 0, 4), Shard(0, 0, 4, memory_budget=0)]
+    for s in shards:
+        s.set("x", 0, 4, np.zeros(4))
+        for seq in range(3):
+            s.push(np.arange(1.0, 5.0) * (seq + 1), source="r", seq=seq, rule="adagrad", lr=0.1)
+    assert shards[1].vectors.spilled == {"x", "x.adagrad"}
+    for name in ("x", "x.adagrad"):
+        np.testing.assert_array_equal(shards[1].get(name), shards[0].get(name))
+    np.testing.assert_array_equal(shards[0].get("x.adagrad"), [14.0, 56.0, 126.0, 224.0])
+    shards[1].close()
