@@ -87,7 +87,8 @@ class SandblasterPartition(PartitionPeer):
     shards : list of int
         The shards holding this partition's parameters, in order.
     call_timeout : float
-        Seconds a shard call or a peer's message may take.
+        Seconds a shard call or a peer's message may take, stretched for wide shards already
+        (:attr:`storage.ParameterServer.timeout`): the shard calls do not stretch it again.
 
     Examples
     --------
@@ -180,7 +181,15 @@ class SandblasterPartition(PartitionPeer):
     ) -> tuple[np.ndarray, dict[int, list[Any]]]:
         parts = await asyncio.gather(
             *(
-                self.map.ask(i, "prepare_and_fetch", eval_id, list(prep), [x_name], timeout=self.call_timeout)
+                self.map.ask(
+                    i,
+                    "prepare_and_fetch",
+                    eval_id,
+                    list(prep),
+                    [x_name],
+                    timeout=self.call_timeout,
+                    scale=False,
+                )
                 for i in self.shards
             )
         )
@@ -225,6 +234,7 @@ class SandblasterPartition(PartitionPeer):
                 call.eval_id,
                 call.solo,
                 timeout=self.call_timeout,
+                scale=False,
             )
             out.append((i, asyncio.ensure_future(ask)))
         return out
