@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -69,6 +70,8 @@ __all__ = [
 MAX_REBUILDS = 8
 #: Seconds to start a rebuilt partition and reconnect its replica before the replica is given up as lost.
 REBUILD_TIMEOUT = 60.0
+
+logger = logging.getLogger(__name__)
 
 
 class SandblasterPartition(PartitionPeer):
@@ -563,8 +566,16 @@ class PartitionedScheduler(PortionScheduler):
             return self.machine.lose(r)
         try:
             new_group = await asyncio.wait_for(self._rebuild(r, group, lost, live), REBUILD_TIMEOUT)
-        except Exception:
-            return self.machine.lose(r)  # could not rebuild in time: the other replicas redo its work
+        except Exception as exc:
+            # Given up all the same (the other replicas redo its work), but whoever reads the log learns why.
+            moves = ", ".join(
+                f"partition {k} (lost with {group.places[k]}) on {live[(r + j) % len(live)]}"
+                for j, k in enumerate(lost)
+            )  # the placement _rebuild tried
+            logger.warning(
+                "replica %d: rebuilding %s failed: %r; the other replicas take over its work", r, moves, exc
+            )
+            return self.machine.lose(r)
         self._rebuilds += 1
         self.rebuilt += [(r, k) for k in lost]
         self.replicas[r] = (new_group.actors[0], new_group)  # type: ignore[assignment]

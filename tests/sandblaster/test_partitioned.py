@@ -216,3 +216,34 @@ def test_a_partitions_shard_calls_stretch_the_timeout_once(tmp_path: Path, monke
     finally:
         part._compute.shutdown()
     assert waits == [stretched, stretched]
+
+
+def test_a_failed_rebuild_is_logged_with_its_workers_and_cause(caplog: Any, monkeypatch: Any) -> None:
+    # The replica is still given up (its work goes to the others), but why is no longer dropped silently.
+    import asyncio
+    import logging
+
+    class Group:
+        places = ("tcp://w0", "tcp://w1")
+
+        def dead(self) -> list[int]:
+            return [1]
+
+    class Machine:
+        def lose(self, r: int) -> list[Any]:
+            return [("lost", r)]
+
+    async def rebuild(*args: Any) -> None:
+        raise MemoryError("no room for the partition's rows")
+
+    sched = object.__new__(_partitioned.PartitionedScheduler)
+    sched.replicas = [(None, Group())]
+    sched.workers = ["tcp://w0", "tcp://w1", "tcp://w2"]
+    sched.machine, sched._rebuilds, sched.max_rebuilds = Machine(), 0, 3  # type: ignore[assignment]
+    monkeypatch.setattr(sched, "_rebuild", rebuild)
+    with caplog.at_level(logging.WARNING, logger="distbelief.sandblaster._partitioned"):
+        assert asyncio.run(sched._replica_lost(0)) == [("lost", 0)]
+    (record,) = caplog.records
+    text = record.getMessage()
+    assert record.levelno == logging.WARNING and "replica 0" in text and "partition 1" in text
+    assert "tcp://w1" in text and "tcp://w0" in text and "no room for the partition's rows" in text
