@@ -362,13 +362,14 @@ def train(
         Seconds a single call to a shard or replica may take before it counts as failed.
     partitions : int, optional
         Model parallelism (paper, section 3): split every replica into this many partition actors with
-        shards aligned to them (:func:`downpour._partitioned.train_partitioned`; ``models.MLP`` and
-        ``models.LocallyConnected``). ``None`` or 1: one actor per replica. With partitions, ``n_fetch``,
-        ``n_push``, ``local_lr``, ``shard_workers`` and ``replica_workers`` apply as without; a replica that
-        loses a partition's worker is rebuilt on the others (``stats["rebuilt_replicas"]``). The options a
-        partitioned run has no use for (``resume``, ``eval_data``, ``eval_every``, ``poll_every``,
-        ``max_loss_growth``, ``fuse``, ``communication="sparse"``, ``warmstart_steps``, ``time_limit``, ...)
-        are refused unless left at their defaults.
+        shards aligned to them (:func:`downpour._partitioned.train_partitioned`; ``models.MLP``,
+        ``models.LocallyConnected`` and ``models.LocallyConnected2D``). ``None`` or 1: one actor per
+        replica. With partitions, ``n_fetch``, ``n_push``, ``local_lr``, ``shard_workers`` and
+        ``replica_workers`` apply as without; a replica that loses a partition's worker is rebuilt on the
+        others (``stats["rebuilt_replicas"]``). The options a partitioned run has no use for (``resume``,
+        ``eval_data``, ``eval_every``, ``poll_every``, ``max_loss_growth``, ``fuse``,
+        ``communication="sparse"``, ``warmstart_steps``, ``time_limit``, ...) are refused unless left at
+        their defaults.
     communication : {"auto", "dense", "sparse"}
         ``"sparse"``: each replica fetches only the parameters its rows touch and pushes only the nonzero
         entries of its accrued gradient, as key-value pairs per shard (ps-lite's pull/push; needs CSR data,

@@ -251,9 +251,18 @@ class ShardMap:
         return await getattr(actor, method)(*args, **kwargs)
 
     async def ask(
-        self, shard: int, method: str, *args: Any, timeout: float | None = 60.0, **kwargs: Any
+        self,
+        shard: int,
+        method: str,
+        *args: Any,
+        timeout: float | None = 60.0,
+        scale: bool = True,
+        **kwargs: Any,
     ) -> Any:
         """Await ``method`` on shard ``shard`` from a worker's event loop.
+
+        ``timeout`` is stretched for wide shards (:func:`scaled_timeout`) unless ``scale=False``: pass that
+        with a timeout stretched already (:attr:`ParameterServer.timeout`), or it is stretched twice.
 
         Fails fast with :class:`errors.ClusterError` when the shard's worker dies meanwhile. A small shard
         in this very process runs the op inline on this loop: there is no message to wait for and no worker
@@ -271,7 +280,7 @@ class ShardMap:
 
         return await await_call(
             self.call(shard, method, *args, **kwargs),
-            timeout=scaled_timeout(timeout, self.layout),
+            timeout=scaled_timeout(timeout, self.layout) if scale else timeout,
             gone=gone,
             what=f"shard {shard}",
         )
