@@ -48,6 +48,23 @@ def test_growth_past_the_bound_is_divergence() -> None:
     assert feed(w, [(0.7, 0.7), (1e6, 1e6)]) == [None, None]
 
 
+def test_a_loss_back_at_its_starting_value_is_not_divergence() -> None:
+    # Logistic regression from w = 0 (every row's loss ln 2): a replica whose first fetch came before any
+    # push was applied takes its first step there, after the other's running loss fell tenfold. Its row read
+    # ln 2 one ulp up (a difference of cumulative sums) against a first row of exactly ln 2: "diverged".
+    ln2 = math.log(2.0)
+    loss_sum = 20.0  # the replicas' cumulative loss before the row; then one 16-row step at w = 0
+    window = ((loss_sum + 16 * ln2) - loss_sum) / 16
+    assert window == math.nextafter(ln2, math.inf)  # the driver's rounding, not a made-up ulp
+    w = Watchdog(10.0)
+    assert feed(w, [(math.nan, math.nan), (ln2, math.nan), (0.0171, math.nan)]) == [None, None, None]
+    assert w.observe(train_loss=window, test_loss=math.nan) is None
+    assert w.observe(train_loss=ln2 * (1 + 1e-9), test_loss=math.nan) is None
+    # A millionth above its start and more is growth past it, as before.
+    msg = w.observe(train_loss=ln2 * (1 + 2e-6), test_loss=math.nan)
+    assert msg is not None and "to 0.6931" in msg
+
+
 def test_stall_needs_a_flat_loss_and_a_gradient_that_is_not_small() -> None:
     t = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     flat = [1.0, 0.7, 0.6, 0.55, 0.55, 0.5499, 0.5498]
