@@ -393,7 +393,7 @@ def train_partitioned(
 
     Parameters
     ----------
-    model : models.MLP or models.LocallyConnected
+    model : models.MLP, models.LocallyConnected or models.LocallyConnected2D
         A model with a partitioned form (``models.partition_plan``).
     data : storage.Dataset or (X, y)
         Training rows.

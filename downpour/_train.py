@@ -329,10 +329,11 @@ def train(
         for ``rule="sgd"`` with more than one replica, off otherwise (see
         :meth:`DownpourOptions.scales_staleness`).
     max_loss_growth : float, optional
-        The run stops as diverged (``success=False``, the reason in ``message``) when the training or
-        held-out loss becomes NaN or infinite or grows past this multiple of its first value (None: only
-        NaN / inf). At the end of a run whose loss is flat while the gradient is not small, the message
-        carries a warning and a :class:`downpour.StepRuleStallWarning` is issued (see
+        The run stops as diverged (``success=False``, the reason in ``message``) when the training
+        objective, the running training loss or the held-out loss becomes NaN or infinite, or the objective
+        or the held-out loss grows past this multiple of its lowest value (never below its value at the
+        start) (None: only NaN / inf). At the end of a run whose loss is flat while the gradient is not
+        small, the message carries a warning and a :class:`downpour.StepRuleStallWarning` is issued (see
         ``downpour._watch``).
     max_staleness : int, optional
         A replica that knows its next push would be more than this many updates stale waits for a fresh
@@ -362,13 +363,14 @@ def train(
         Seconds a single call to a shard or replica may take before it counts as failed.
     partitions : int, optional
         Model parallelism (paper, section 3): split every replica into this many partition actors with
-        shards aligned to them (:func:`downpour._partitioned.train_partitioned`; ``models.MLP`` and
-        ``models.LocallyConnected``). ``None`` or 1: one actor per replica. With partitions, ``n_fetch``,
-        ``n_push``, ``local_lr``, ``shard_workers``, ``replica_workers`` and ``resume`` apply as without;
-        a replica that loses a partition's worker is rebuilt on the others (``stats["rebuilt_replicas"]``).
-        The options a partitioned run has no use for (``eval_data``, ``eval_every``, ``poll_every``,
-        ``max_loss_growth``, ``fuse``, ``communication="sparse"``, ``warmstart_steps``, ``time_limit``,
-        ...) are refused unless left at their defaults.
+        shards aligned to them (:func:`downpour._partitioned.train_partitioned`; ``models.MLP``,
+        ``models.LocallyConnected`` and ``models.LocallyConnected2D``). ``None`` or 1: one actor per
+        replica. With partitions, ``n_fetch``, ``n_push``, ``local_lr``, ``shard_workers``,
+        ``replica_workers`` and ``resume`` apply as without; a replica that loses a partition's worker is
+        rebuilt on the others (``stats["rebuilt_replicas"]``). The options a partitioned run has no use
+        for (``eval_data``, ``eval_every``, ``poll_every``, ``max_loss_growth``, ``fuse``,
+        ``communication="sparse"``, ``warmstart_steps``, ``time_limit``, ...) are refused unless left at
+        their defaults.
     communication : {"auto", "dense", "sparse"}
         ``"sparse"``: each replica fetches only the parameters its rows touch and pushes only the nonzero
         entries of its accrued gradient, as key-value pairs per shard (ps-lite's pull/push; needs CSR data,
@@ -482,7 +484,12 @@ def train(
 def _diverged(watch: Watchdog, progress: Progress, x: np.ndarray | None) -> bool:
     """Feed a history row to the watchdog (downpour._watch); whether the run has diverged."""
     finite = x is None or bool(np.isfinite(x).all())
-    verdict = watch.observe(train_loss=progress.train_loss, test_loss=progress.test_loss, x_finite=finite)
+    verdict = watch.observe(
+        train_loss=progress.train_loss,
+        test_loss=progress.test_loss,
+        x_finite=finite,
+        objective=progress.objective,
+    )
     return verdict is not None
 
 
@@ -940,6 +947,8 @@ class _Run:
         x_bytes = 8 * self.x_start.size
         x_every = 0 if x_bytes > HISTORY_X_BYTES else math.ceil(HISTORY_POINTS * x_bytes / HISTORY_X_BYTES)
         self.plan = RecordPlan(every_steps=every_steps, every_s=every_s, x_every=x_every)
+        # Rows with parameters have the exact objective to judge growth by; without, the running loss is all.
+        self.watch.running_loss_growth = x_every == 0
         self._planned_every = every_steps
         return self.plan
 

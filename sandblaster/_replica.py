@@ -328,8 +328,12 @@ class Replica:
                 reads.append(int(p))
             start = time.perf_counter()
             X, y = self._portion(p)
-            loss, grad = self.model.loss_and_grad(w, X, y)
-            grad = np.asarray(grad, dtype=np.float64)
+            loss, returned = self.model.loss_and_grad(w, X, y)
+            grad = np.asarray(returned, dtype=np.float64)
+            if grad is returned and len(assign) > 1 and (solo or first is None):
+                # Kept past the next portion's loss_and_grad, which may reuse the array it returned (a
+                # model writing into one buffer of its own): its own copy, or the push sums g2 + g2.
+                grad = grad.copy()
             if self.slowdown > 1.0:
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
             results.append((int(p), float(loss), int(X.shape[0])))

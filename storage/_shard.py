@@ -50,6 +50,10 @@ class _Accumulator:
     final: list[Any] | None = None
 
 
+#: Versions kept per push source for :meth:`Shard.others_since`: a replica has at most a few pushes in
+#: flight, so its last 64 cover any fetch it still computes from.
+_OWN_VERSIONS = 64
+
 #: op name -> how partial results combine across shards (None: the op returns nothing).
 OPS: dict[str, str | None] = {
     "fill": None,
@@ -432,8 +436,7 @@ class Shard:
     def _applied_push(self, source: str, seq: int) -> None:
         self.last_seq[source] = seq
         self.version += 1
-        # A replica has at most a few pushes in flight: the last 64 cover any fetch it still computes from.
-        self._own_versions.setdefault(source, collections.deque(maxlen=64)).append(self.version)
+        self._own_versions.setdefault(source, collections.deque(maxlen=_OWN_VERSIONS)).append(self.version)
 
     def _count_applied(self, steps: int, staleness: int, staleness_scale: bool) -> None:
         """``staleness`` here is the one the step was scaled by (other sources' updates)."""
@@ -703,13 +706,26 @@ class Shard:
 
     # -- persistence -----------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """Scalar state kept beside the vectors in a checkpoint."""
-        return {**self.counters(), "last_seq": dict(self.last_seq)}
+        """Scalar state kept beside the vectors in a checkpoint (JSON-able).
+
+        It includes the versions each source's pushes produced: :meth:`others_since` of a shard restored
+        from it (a new one, or this one rolled back) leaves out the same updates as this shard does now.
+        """
+        own = {src: list(versions) for src, versions in self._own_versions.items()}
+        return {**self.counters(), "last_seq": dict(self.last_seq), "own_versions": own}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`state`."""
+        """Inverse of :meth:`state`.
+
+        A checkpoint written before ``own_versions`` were kept restores none (every update it holds then
+        counts as another source's, as in a new shard): never the versions of pushes it does not hold.
+        """
         self.version = int(state.get("version", 0))
         self.last_seq = {str(k): int(v) for k, v in dict(state.get("last_seq", {})).items()}
+        self._own_versions = {
+            str(src): collections.deque((int(v) for v in versions), maxlen=_OWN_VERSIONS)
+            for src, versions in dict(state.get("own_versions", {})).items()
+        }
         self.applied = int(state.get("applied", 0))
         self.applied_weight = float(state.get("applied_weight", 0.0))
         self.applied_steps_sq = int(state.get("applied_steps_sq", 0))

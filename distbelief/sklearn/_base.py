@@ -225,9 +225,11 @@ def check_common(solver: object, penalty: object, max_iter: object, tol: object,
         raise InvalidOptionError(f"{name}: penalty must be 'l2' or None, got {penalty!r}")
     if solver not in SOLVERS:
         raise InvalidOptionError(f"{name}: solver must be one of {SOLVERS}, got {solver!r}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int | np.integer) or max_iter < 1:
+    # numbers.Integral / numbers.Real take numpy's scalars too (np.int32(5), np.float32(1e-4)), as
+    # scikit-learn's parameter checks do; a bool is an Integral, but never a count or a tolerance.
+    if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 1:
         raise InvalidOptionError(f"{name}: max_iter must be an int >= 1, got {max_iter!r}")
-    if isinstance(tol, bool) or not isinstance(tol, int | float) or not tol >= 0:
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not float(tol) >= 0:
         raise InvalidOptionError(f"{name}: tol must be a number >= 0, got {tol!r}")
 
 

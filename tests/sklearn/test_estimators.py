@@ -18,7 +18,7 @@ from sklearn.preprocessing import StandardScaler
 from distbelief import models
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.sklearn import LinearRegression, LogisticRegression, MLPClassifier, SoftmaxRegression
-from distbelief.sklearn._base import FreeParams, resolve_client
+from distbelief.sklearn._base import FreeParams, check_common, resolve_client
 from distbelief.storage import Dataset
 
 
@@ -240,6 +240,40 @@ def test_bad_options_raise_clear_errors(est: object, match: str) -> None:
     X, y = np.eye(4), np.array([0, 1, 0, 1])
     with pytest.raises(InvalidOptionError, match=match):
         est.fit(X, y)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("max_iter", "tol"),
+    [(np.int32(5), np.float32(1e-4)), (np.int64(1), np.float16(0.5)), (np.uint8(3), np.int64(0)), (7, 1)],
+)
+def test_numpy_scalars_are_accepted_where_python_numbers_are(max_iter: object, tol: object) -> None:
+    # As scikit-learn: a tol read from a float32 array or a grid of np.arange values is a number.
+    check_common("lbfgs", "l2", max_iter, tol, "LogisticRegression")
+
+
+@pytest.mark.parametrize(
+    ("max_iter", "tol", "match"),
+    [
+        (True, 1e-4, "max_iter must be an int >= 1"),
+        (np.bool_(True), 1e-4, "max_iter must be an int >= 1"),
+        (5.0, 1e-4, "max_iter must be an int >= 1"),
+        (np.float64(5), 1e-4, "max_iter must be an int >= 1"),
+        ("5", 1e-4, "max_iter must be an int >= 1"),
+        (np.int64(0), 1e-4, "max_iter must be an int >= 1"),
+        (5, True, "tol must be a number >= 0"),
+        (5, np.bool_(False), "tol must be a number >= 0"),
+        (5, np.float32("nan"), "tol must be a number >= 0"),
+        (5, float("nan"), "tol must be a number >= 0"),
+        (5, np.float32(-1e-3), "tol must be a number >= 0"),
+        (5, np.int8(-1), "tol must be a number >= 0"),
+        (5, "1e-4", "tol must be a number >= 0"),
+        (5, None, "tol must be a number >= 0"),
+        (5, np.array([1e-4]), "tol must be a number >= 0"),
+    ],
+)
+def test_bad_max_iter_and_tol_are_refused_numpy_or_not(max_iter: object, tol: object, match: str) -> None:
+    with pytest.raises(InvalidOptionError, match=match):
+        check_common("lbfgs", "l2", max_iter, tol, "LogisticRegression")
 
 
 def test_bad_data_raise_clear_errors(tmp_path: Path) -> None:

@@ -137,6 +137,33 @@ def test_staleness_scaling_leaves_out_the_pushers_own_updates() -> None:
     assert shard.counters()["applied_weight"] == pytest.approx(1 + 1 + 1 / 3 + 1 / 2)
 
 
+def test_a_restored_or_rolled_back_shard_scales_staleness_as_at_its_checkpoint() -> None:
+    # others_since needs which updates were the pusher's own: a checkpoint keeps that with the version, so a
+    # shard restored from it (a new one, or this one rolled back) leaves out the same updates as before.
+    import json
+
+    shard, _ = make(2)
+    g = np.ones(2)
+    push = {"rule": "sgd", "lr": 1.0, "param": "a"}
+    for source, seq in [("a", 0), ("b", 0), ("a", 1)]:
+        shard.push(g, source=source, seq=seq, **push)  # type: ignore[arg-type]
+    state = json.loads(json.dumps(shard.state()))  # as the server stores it (the store's JSON attributes)
+    expected = [(src, v, shard.others_since(src, v)) for src in "abc" for v in range(4)]
+    assert expected[:4] == [("a", 0, 1), ("a", 1, 1), ("a", 2, 0), ("a", 3, 0)]
+    # Rolled back after "a" pushed on: its later pushes must not count as its own at the versions reused.
+    for seq in (2, 3):
+        shard.push(g, source="a", seq=seq, **push)  # type: ignore[arg-type]
+    shard.load_state(state)
+    fresh, _ = make(2)
+    fresh.load_state(state)
+    for restored in (shard, fresh):
+        assert [(src, v, restored.others_since(src, v)) for src, v, _ in expected] == expected
+    # And from there on: "b" pushes twice, then "a" (fetched at 3) is scaled by those two updates.
+    for seq in (1, 2):
+        shard.push(g, source="b", seq=seq, **push)  # type: ignore[arg-type]
+    assert shard.others_since("a", 3) == 2 and shard.others_since("b", 3) == 0
+
+
 def test_summed_and_solo_pushes_count_each_portion_exactly_once() -> None:
     shard = Shard(0, 0, 4)
     shard.reset_accumulator("acc", epoch=1)
