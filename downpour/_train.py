@@ -557,6 +557,7 @@ def objective_rows(dataset: Dataset, max_values: int = OBJECTIVE_MAX_VALUES) -> 
 
     Examples
     --------
+    >>> import tempfile
     >>> path = tempfile.mkdtemp() + "/ds"
     >>> ds = Dataset.from_arrays(np.ones((10, 2)), np.zeros(10), path=path, portion_rows=2)
     >>> objective_rows(ds, max_values=8)[0].shape  # 2 of the 5 portions: the first and the last
