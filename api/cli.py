@@ -143,6 +143,11 @@ def _submit(args: argparse.Namespace) -> int:
         raise InvalidOptionError(
             f"{args.job} is not valid JSON ({exc}); write the body of POST /api/jobs"
         ) from exc
+    if not isinstance(spec, dict):
+        raise InvalidOptionError(
+            f"{args.job} holds {type(spec).__name__ if spec is not None else 'null'}, not a JSON object; "
+            'write the body of POST /api/jobs: {"algorithm": ..., "dataset": ..., "model": {...}, ...}'
+        )
     with _client(args) as client:
         job = client.submit(spec)
         print(f"submitted job {job['id']} ({job['algorithm']} on {job['dataset']})", flush=True)

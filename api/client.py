@@ -16,10 +16,12 @@ Examples
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -27,7 +29,7 @@ import numpy.typing as npt
 import xarray as xr
 
 from distbelief.api._metrics import metrics_to_dataset
-from distbelief.errors import DistbeliefError
+from distbelief.errors import DistbeliefError, InvalidOptionError
 
 __all__ = ["ApiError", "Client"]
 
@@ -155,24 +157,35 @@ class Client:
 
     def dataset(self, name: str) -> dict[str, Any]:
         """One dataset."""
-        result: dict[str, Any] = self._json("GET", f"/api/datasets/{name}")
+        result: dict[str, Any] = self._json("GET", f"/api/datasets/{_segment(name, 'dataset name')}")
         return result
 
     def delete_dataset(self, name: str) -> None:
         """Delete an uploaded dataset (or forget a registered one)."""
-        self._request("DELETE", f"/api/datasets/{name}")
+        self._request("DELETE", f"/api/datasets/{_segment(name, 'dataset name')}")
 
     # -- jobs ---------------------------------------------------------------------------------------
     def submit(self, spec: Mapping[str, Any]) -> dict[str, Any]:
         """Submit a job: ``{"algorithm", "dataset", "model", "options", ...}`` as for ``POST /api/jobs``.
+
+        An option given as an options object of the Python API (``downpour.Compression(tau=0.01)``) is sent
+        as its JSON form (``{"tau": 0.01}``), so ``options`` can be the keyword arguments of
+        ``downpour.train`` as they are.
 
         Examples
         --------
         >>> c.submit({"algorithm": "sandblaster-gd", "dataset": "tiny",
         ...           "model": {"kind": "logistic", "n_features": 2}})["status"]   # doctest: +SKIP
         'queued'
+        >>> c.submit({"algorithm": "downpour-sgd", "dataset": "tiny",
+        ...           "model": {"kind": "logistic", "n_features": 2},
+        ...           "options": {"epochs": 2, "fuse": False, "max_coalesce": 4,
+        ...                       "compression": downpour.Compression(tau=0.05)}})   # doctest: +SKIP
         """
-        result: dict[str, Any] = self._json("POST", "/api/jobs", json=dict(spec))
+        body = dict(spec)
+        if isinstance(body.get("options"), Mapping):
+            body["options"] = {k: _json_option(v) for k, v in body["options"].items()}
+        result: dict[str, Any] = self._json("POST", "/api/jobs", json=body)
         return result
 
     def jobs(self, *, status: str | None = None, limit: int = 1000, offset: int = 0) -> list[dict[str, Any]]:
@@ -184,7 +197,7 @@ class Client:
 
     def job(self, job_id: str) -> dict[str, Any]:
         """One job's record."""
-        result: dict[str, Any] = self._json("GET", f"/api/jobs/{job_id}")
+        result: dict[str, Any] = self._json("GET", f"/api/jobs/{_segment(job_id, 'job id')}")
         return result
 
     def wait(
@@ -231,7 +244,7 @@ class Client:
         >>> c.metrics(job_id).objective.values[-1]   # doctest: +SKIP
         0.2639
         """
-        body = self._json("GET", f"/api/jobs/{job_id}/metrics")
+        body = self._json("GET", f"/api/jobs/{_segment(job_id, 'job id')}/metrics")
         columns: dict[str, list[float | None]] = body["columns"]
         names = list(columns)
         # null (a missing value) becomes NaN
@@ -240,7 +253,7 @@ class Client:
 
     def params(self, job_id: str) -> np.ndarray:
         """The parameters the job ended with."""
-        data = self._request("GET", f"/api/jobs/{job_id}/params").content
+        data = self._request("GET", f"/api/jobs/{_segment(job_id, 'job id')}/params").content
         return np.asarray(np.load(io.BytesIO(data), allow_pickle=False))
 
     def estimator(self, job_id: str, **params: Any) -> Any:
@@ -276,18 +289,20 @@ class Client:
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Cancel a queued or running job."""
-        result: dict[str, Any] = self._json("POST", f"/api/jobs/{job_id}/cancel")
+        result: dict[str, Any] = self._json("POST", f"/api/jobs/{_segment(job_id, 'job id')}/cancel")
         return result
 
     def delete(self, job_id: str) -> None:
         """Delete a finished job and what it stored."""
-        self._request("DELETE", f"/api/jobs/{job_id}")
+        self._request("DELETE", f"/api/jobs/{_segment(job_id, 'job id')}")
 
     def events(self, job_id: str) -> Iterator[tuple[str, Any]]:
         """Follow the job's server-sent events: ``(event, data)`` pairs until it has finished."""
         import json
 
-        with self._http.stream("GET", f"/api/jobs/{job_id}/events", timeout=None) as response:
+        with self._http.stream(
+            "GET", f"/api/jobs/{_segment(job_id, 'job id')}/events", timeout=None
+        ) as response:
             if response.status_code >= 400:
                 response.read()
                 raise ApiError(response.status_code, _detail(response))
@@ -315,6 +330,38 @@ class Client:
         """``{"status": "ok", "version": ...}``."""
         result: dict[str, Any] = self._json("GET", "/api/health")
         return result
+
+
+def _json_option(value: Any) -> Any:
+    """An option value as JSON: an options dataclass (``downpour.Compression``) as the dict of its fields.
+
+    Examples
+    --------
+    >>> from dataclasses import dataclass
+    >>> @dataclass(frozen=True)
+    ... class Compression:
+    ...     tau: float
+    >>> _json_option(Compression(tau=0.5)), _json_option(3)
+    ({'tau': 0.5}, 3)
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
+
+
+def _segment(value: str, what: str) -> str:
+    """``value`` as one escaped path segment: a job id or dataset name never reaches another route
+    (``"../datasets/digits"`` as a job id would have made ``delete`` delete a dataset).
+
+    Examples
+    --------
+    >>> _segment("../datasets/d", "job id")
+    '..%2Fdatasets%2Fd'
+    """
+    text = str(value)
+    if text in ("", ".", ".."):
+        raise InvalidOptionError(f"{what} {text!r} is not valid; pass the {what} the server gave")
+    return quote(text, safe="")
 
 
 def _detail(response: httpx.Response) -> str:

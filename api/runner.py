@@ -52,6 +52,7 @@ __all__ = [
     "RunOutcome",
     "Subscription",
     "UnknownDatasetError",
+    "downpour_kwargs",
     "run_downpour",
     "run_sandblaster",
 ]
@@ -143,6 +144,33 @@ def _user_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return dict(options)
 
 
+def downpour_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``downpour-sgd`` job's options (JSON, as stored) as the keyword arguments of
+    :func:`downpour.train`: ``compression`` ``{"tau": t}`` becomes ``downpour.Compression(tau=t)``.
+
+    Examples
+    --------
+    >>> downpour_kwargs({"epochs": 2, "compression": {"tau": 0.5}})
+    {'epochs': 2, 'compression': Compression(tau=0.5)}
+    >>> downpour_kwargs({"compression": 0.5})
+    Traceback (most recent call last):
+    ...
+    distbelief.errors.InvalidOptionError: option compression=0.5 is invalid: expected null ...
+    """
+    out = dict(options)
+    spec = out.get("compression")
+    if spec is not None:
+        from distbelief.downpour import Compression
+
+        if not isinstance(spec, Mapping) or set(spec) != {"tau"}:
+            raise InvalidOptionError(
+                f"option compression={spec!r} is invalid: expected null (uncompressed pushes) or "
+                '{"tau": ...} with a threshold > 0 (Strom 2015 compressed pushes)'
+            )
+        out["compression"] = Compression(tau=spec["tau"])
+    return out
+
+
 def run_sandblaster(ctx: RunContext) -> RunOutcome:
     """Run a ``sandblaster-*`` job with :func:`sandblaster.minimize`."""
     from distbelief import sandblaster
@@ -173,12 +201,20 @@ def run_downpour(ctx: RunContext) -> RunOutcome:
             "Downpour is not available in this installation (downpour.train is missing); "
             "use a sandblaster-* algorithm"
         )
-    options = _user_options(ctx.options)
+    options = downpour_kwargs(_user_options(ctx.options))
     if int(options.get("partitions", 1)) > 1:
-        # A partitioned run reports its progress (steps, loss; its placement is followed live by JobRunner)
-        # and can be cancelled through the callback, but starts over on a restart; the held-out rows are
-        # evaluated when it has finished, as for every job.
-        res = train(ctx.model, ctx.data, client=ctx.client, store=ctx.store, callback=ctx.callback, **options)
+        # A partitioned run reports its progress (steps, loss, objective; its placement is followed live by
+        # JobRunner), can be cancelled through the callback and resumes from its last shard checkpoint; the
+        # held-out rows are evaluated when it has finished, as for every job.
+        res = train(
+            ctx.model,
+            ctx.data,
+            client=ctx.client,
+            store=ctx.store,
+            callback=ctx.callback,
+            resume=ctx.resume,
+            **options,
+        )
     else:
         res = train(
             ctx.model,
@@ -414,7 +450,7 @@ class JobRunner:
         """Where a job left running would resume: ``(resumed_from, last metrics row kept, in words)``.
 
         Sandblaster: the checkpoint iteration the record holds. Downpour: the last shard checkpoint in the
-        job's run directory (its step count; metrics rows are kept up to its time).
+        job's run directory (its step count; metrics rows, indexed by step, are kept up to it).
         """
         rec = job.record
         if rec["algorithm"] == "downpour-sgd":
@@ -423,7 +459,7 @@ class JobRunner:
             point = resume_point(self.store.run_dir(rec["id"]))
             if point is None:
                 return None
-            return point.step, point.time, f"at step {point.step} ({point.time:.3g} s into the run)"
+            return point.step, float(point.step), f"at step {point.step} ({point.time:.3g} s into the run)"
         if not rec.get("checkpoint_iteration"):
             return None
         k = int(rec["checkpoint_iteration"])
@@ -453,6 +489,14 @@ class JobRunner:
     def get(self, job_id: str) -> dict[str, Any]:
         """A copy of the job's record."""
         job = self._job(job_id)
+        with job.lock:
+            return dict(job.record)
+
+    def find(self, job_id: str) -> dict[str, Any] | None:
+        """A copy of the job's record, or None if there is no such job (:meth:`get` raises then)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
         with job.lock:
             return dict(job.record)
 
@@ -632,8 +676,11 @@ class JobRunner:
                 from distbelief import downpour
 
                 downpour.DownpourOptions(
-                    **{k: v for k, v in options.items() if k != "partitions"}, has_callback=True
+                    **{k: v for k, v in downpour_kwargs(options).items() if k != "partitions"},
+                    has_callback=True,
                 )
+                if options.get("replicas") is not None:  # every replica needs rows of its own
+                    downpour.split_rows(data.n_rows, int(options["replicas"]))
         queued = sum(1 for j in list(self._jobs.values()) if j.record["status"] == "queued")
         if queued >= self.settings.max_queued_jobs:
             raise QueueFullError(
@@ -912,7 +959,15 @@ class JobRunner:
             rows = _history_rows(outcome.history, job.dim)
             if rows is not None and rows[2]:
                 with job.lock:
-                    job.dim, job.columns, job.rows = rows
+                    # A resumed run's history starts at its checkpoint: the rows before it stay.
+                    first = rows[2][0][0]
+                    at = {c: i for i, c in enumerate(job.columns)}
+                    kept = [
+                        [r[at[c]] if c in at else math.nan for c in rows[1]]
+                        for r in (job.rows or [])
+                        if r[0] < first and job.dim == rows[0]
+                    ]
+                    job.dim, job.columns, job.rows = rows[0], rows[1], kept + rows[2]
                     job.generation += 1
                     rec["iterations"] = int(rows[2][-1][0])
                     rec["latest"] = _latest(job.columns, job.rows[-1])

@@ -34,6 +34,7 @@ __all__ = [
     "ActorPublic",
     "Algorithm",
     "ClusterPublic",
+    "CompressionOptions",
     "DatasetPublic",
     "DatasetRegister",
     "DatasetsPublic",
@@ -53,6 +54,7 @@ __all__ = [
     "SandblasterJobOptions",
     "WorkerPublic",
     "front_door_takes_partitions",
+    "options_json_schema",
 ]
 
 Algorithm = Literal[
@@ -129,6 +131,27 @@ class SandblasterJobOptions(_Options):
     ) = None
 
 
+#: Largest ``compression.tau`` accepted: the threshold is in units of the mini-batch mean gradient, so a
+#: larger one would never send anything.
+MAX_TAU = 1e6
+_TAU_DOC = (
+    "Threshold and quantum of Strom's compressed pushes, in units of the mini-batch mean gradient (> 0): "
+    "a replica sends only the entries of its residual with |r| >= tau, as +tau or -tau"
+)
+
+
+class CompressionOptions(_Options):
+    """``compression`` of a ``downpour-sgd`` job: :class:`downpour.Compression` as JSON, ``{"tau": ...}``.
+
+    Examples
+    --------
+    >>> CompressionOptions(tau=0.05).model_dump()
+    {'tau': 0.05}
+    """
+
+    tau: Annotated[_Finite, Field(gt=0, le=MAX_TAU, description=_TAU_DOC)]
+
+
 class DownpourJobOptions(_Options):
     """Options of ``downpour-sgd`` jobs (see :func:`downpour.train`); unset ones take its defaults.
 
@@ -162,12 +185,104 @@ class DownpourJobOptions(_Options):
     checkpoint_every_s: Annotated[_Finite, Field(ge=0, le=86400)] | None = None
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
     shuffle: bool | None = None
+    fuse: (
+        Annotated[
+            bool,
+            Field(
+                description="Send each push and the next fetch as one message per shard when n_push == "
+                "n_fetch (default true)"
+            ),
+        ]
+        | None
+    ) = None
+    compression: (
+        Annotated[
+            CompressionOptions,
+            Field(
+                description='Compressed pushes (Strom 2015): {"tau": threshold}; null or absent: '
+                "uncompressed. Not with partitions > 1"
+            ),
+        ]
+        | None
+    ) = None
+    max_coalesce: (
+        Annotated[
+            int,
+            Field(
+                ge=0,
+                le=_MAX_ITER,
+                description="Most steps a push may sum while all of a replica's pushes are outstanding; "
+                "0: no limit; absent: 8 for rule adagrad, no limit for sgd. Not with partitions > 1",
+            ),
+        ]
+        | None
+    ) = None
+
+    @field_validator("compression", mode="before")
+    @classmethod
+    def _compression_object(cls, value: Any) -> Any:
+        # A bare number is the likely mistake (downpour.Compression(tau) takes its threshold by name).
+        if value is not None and not isinstance(value, dict | CompressionOptions):
+            raise ValueError(
+                f'give an object {{"tau": <threshold > 0>}} (Strom 2015 compressed pushes) or null, got '
+                f"{_short(value)}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _stops(self) -> DownpourJobOptions:
         if self.epochs is None and self.max_steps is None and self.time_limit is None:
             raise ValueError("a downpour-sgd job needs a limit: set epochs, max_steps or time_limit")
         return self
+
+
+def _object_of(annotation: Any) -> Any:
+    """The pydantic model inside an option's annotation (``X | None`` -> ``X``), or None."""
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        inner = _object_of(arg)
+        if inner is not None:
+            return inner
+    return None
+
+
+def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with every ``#/$defs/...`` reference replaced by its definition (OpenAPI resolves a
+    ``$ref`` against the whole document, where a model's own ``$defs`` are not)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return walk(dict(defs[ref.removeprefix("#/$defs/")]))
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return dict(walk(schema))
+
+
+def options_json_schema() -> dict[str, Any]:
+    """The JSON schema of a job's ``options`` for the OpenAPI: Sandblaster's or Downpour's, every option
+    with its type and limits (which of the two applies depends on ``algorithm``).
+
+    Examples
+    --------
+    >>> downpour = options_json_schema()["anyOf"][1]
+    >>> downpour["title"], downpour["properties"]["max_coalesce"]["anyOf"][0]["minimum"]
+    ('DownpourJobOptions', 0)
+    """
+    return {
+        "anyOf": [_inline_refs(SandblasterJobOptions.model_json_schema()),
+                  _inline_refs(DownpourJobOptions.model_json_schema())],
+        "description": "The algorithm's options: those of SandblasterJobOptions for the sandblaster-* "
+        "algorithms, of DownpourJobOptions for downpour-sgd.",
+    }  # fmt: skip
 
 
 def _check_name(name: str) -> str:
@@ -222,7 +337,11 @@ class JobCreate(BaseModel):
         description=f"Name of a held-out dataset (optional): {NAME_DOC}.",
         json_schema_extra={"anyOf": [{"type": "string", **NAME_SCHEMA}, {"type": "null"}]},
     )
-    options: dict[str, Any] = Field(default_factory=dict, description="The algorithm's options.")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The algorithm's options.",
+        json_schema_extra=lambda schema: schema.update(options_json_schema()),
+    )
     name: Annotated[str, Field(max_length=200)] | None = Field(None, description="A label for people.")
 
     @field_validator("model", mode="before")
@@ -247,12 +366,20 @@ class JobCreate(BaseModel):
             problems, unknown = [], []
             for err in exc.errors(include_url=False):
                 field = ".".join(str(p) for p in err["loc"])
-                if err["type"] == "extra_forbidden":
+                msg = str(err["msg"]).removeprefix("Value error, ")
+                if err["type"] == "extra_forbidden" and len(err["loc"]) > 1:
+                    # A key inside an object option (compression): name that object's own keys.
+                    inner = schema.model_fields[str(err["loc"][0])].annotation
+                    keys = ", ".join(sorted(getattr(_object_of(inner), "model_fields", {})))
+                    problems.append(f"unknown key {field!r}; option {str(err['loc'][0])!r} takes: {keys}")
+                elif err["type"] == "extra_forbidden":
                     unknown.append(field)
                 elif not field:
-                    problems.append(str(err["msg"]).removeprefix("Value error, "))
+                    problems.append(msg)
+                elif err["type"] == "value_error":
+                    problems.append(f"option {field!r}: {msg}")
                 else:
-                    problems.append(f"option {field!r}: {err['msg']}, got {_short(err.get('input'))}")
+                    problems.append(f"option {field!r}: {msg}, got {_short(err.get('input'))}")
             if unknown:
                 # One message however many there are: 60,000 unknown keys must not make a 21 MB response.
                 named = ", ".join(_short(k) for k in unknown[:_LISTED])

@@ -14,8 +14,10 @@ percentile (the dashboard polls them).
 The machine may be shared: the JSON says the load average before and after every round, and ``--against
 CHECKOUT`` runs the same load, in the same period, against a server started from another checkout of the
 project (say, the main branch), alternating the two for ``--rounds`` rounds, so that two versions are
-compared under the same conditions. The reference row is SciPy's L-BFGS-B solving the same jobs one after the
-other in this process (no service at all), and ``status_read_idle`` the floor of one read at a time.
+compared under the same conditions; every run says which code it ran (``code``: the checkout's commit,
+whether its work tree differs from it, and whether the server found uvloop and httptools). The reference
+row is SciPy's L-BFGS-B solving the same jobs one after the other in this process (no service at all), and
+``status_read_idle`` the floor of one read at a time.
 
 Run: ``python benchmarks/api_load.py`` (``--help`` for the knobs); ``--quick`` is a smoke run (5 jobs, 20
 reads, one round).
@@ -235,6 +237,41 @@ def scipy_reference(n_jobs: int) -> dict[str, Any]:
     }
 
 
+def _output(cmd: list[str], **kwargs: Any) -> str:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **kwargs)
+    out, _ = proc.communicate(timeout=60)
+    return out.strip() if proc.returncode == 0 else ""
+
+
+def code_of(checkout: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Which code a server started from ``checkout`` (with ``env``) runs: the commit, whether the work tree
+    differs from it, and whether its interpreter finds uvloop and httptools (uvicorn serves with them when it
+    does), so that the two sides of a comparison are known to be what they were meant to be."""
+    probe = "import importlib.util as u; print(*(bool(u.find_spec(m)) for m in ('uvloop', 'httptools')))"
+    found = _output([sys.executable, "-c", probe], cwd=checkout, env=env or dict(os.environ)).split()
+    return {
+        "commit": _output(["git", "-C", str(checkout), "rev-parse", "HEAD"]) or None,
+        # Results written by earlier runs (benchmarks/results) are not a change of the code.
+        "dirty": bool(
+            _output(
+                [
+                    "git",
+                    "-C",
+                    str(checkout),
+                    "status",
+                    "--porcelain",
+                    "--untracked-files=no",
+                    "--",
+                    ".",
+                    ":!benchmarks/results",
+                ]
+            )
+        ),
+        "uvloop": found[:1] == ["True"],
+        "httptools": found[1:2] == ["True"],
+    }
+
+
 def serve_and_load(checkout: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One round: start `distbelief serve` from ``checkout``, warm it up, read one at a time, then load it."""
     # The server is `distbelief serve` in a process of its own (embedded 2-worker LocalCluster), as a user
@@ -261,6 +298,7 @@ def serve_and_load(checkout: Path, args: argparse.Namespace) -> dict[str, Any]:
             str(port),
         ]
         cmd += ["--store", store, "--log-level", "warning"]
+        code = code_of(checkout, env)
         # The checkout's own distbelief comes first on sys.path: its working directory is the checkout.
         server = subprocess.Popen(cmd, env=env, cwd=checkout)
         try:
@@ -291,7 +329,13 @@ def serve_and_load(checkout: Path, args: argparse.Namespace) -> dict[str, Any]:
             server.terminate()
             server.wait(timeout=60)
     result.pop("job_ids")
-    return {"status_read_idle": idle, **result, "load_average_before": before, "load_average_after": after}
+    return {
+        "code": code,
+        "status_read_idle": idle,
+        **result,
+        "load_average_before": before,
+        "load_average_after": after,
+    }
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -301,7 +345,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r[kind][key] for r in runs if r[kind][key] is not None]
         return float(statistics.median(values)) if values else None
 
-    out: dict[str, Any] = {"rounds": len(runs)}
+    out: dict[str, Any] = {"rounds": len(runs), "code": runs[0]["code"] if runs else None}
     for kind in ("status_read_idle", "submit", "status_read"):
         out[kind] = {
             "errors": sum(r[kind]["errors"] for r in runs),
@@ -351,10 +395,13 @@ def main(argv: list[str] | None = None) -> int:
             run = serve_and_load(checkouts[name], args)
             runs[name].append(run)
             s, q = run["submit"], run["status_read"]
+            code = run["code"]
+            which = f"{(code['commit'] or '?')[:10]}{'+dirty' if code['dirty'] else ''}"
             print(
-                f"round {r} {name:<8} submit p50/p99 {s['p50_ms']:.0f}/{s['p99_ms']:.0f} ms, status read "
-                f"p50/p99 {q['p50_ms']:.0f}/{q['p99_ms']:.0f} ms, lost {run['lost']}, load average "
-                f"{run['load_average_before'][0]:.1f} -> {run['load_average_after'][0]:.1f}",
+                f"round {r} {name:<8} ({which}, uvloop {code['uvloop']}, httptools {code['httptools']}) "
+                f"submit p50/p99 {s['p50_ms']:.0f}/{s['p99_ms']:.0f} ms, "
+                f"status read p50/p99 {q['p50_ms']:.0f}/{q['p99_ms']:.0f} ms, lost {run['lost']}, "
+                f"load average {run['load_average_before'][0]:.1f} -> {run['load_average_after'][0]:.1f}",
                 flush=True,
             )
     summary = {name: summarize(rs) for name, rs in runs.items()}

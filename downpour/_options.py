@@ -7,6 +7,7 @@ the shards, a learning rate for Adagrad about an order of magnitude above the be
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,7 +15,7 @@ from distbelief.downpour._compress import Compression, check_compression
 from distbelief.downpour._core import ADAGRAD_MAX_COALESCE
 from distbelief.errors import InvalidOptionError
 
-__all__ = ["DEFAULT_LR", "DownpourOptions", "Rule"]
+__all__ = ["DEFAULT_LR", "DownpourOptions", "Rule", "check_workers", "worker_tuple"]
 
 Rule = Literal["sgd", "adagrad"]
 
@@ -35,6 +36,41 @@ def _is_number(value: object) -> bool:
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
         raise InvalidOptionError(f"option {name}={value!r} is invalid: expected {expected}")
+
+
+def worker_tuple(value: object) -> object:
+    """A sequence of worker addresses as a tuple; anything else (a single string too) as it is, for
+    :class:`DownpourOptions` to refuse (``tuple("tcp://...")`` would be its characters).
+
+    Examples
+    --------
+    >>> worker_tuple(["tcp://a:1"]), worker_tuple("tcp://a:1")
+    (('tcp://a:1',), 'tcp://a:1')
+    """
+    if value is None or isinstance(value, str | bytes):
+        return value
+    try:
+        return tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        return value
+
+
+def check_workers(name: str, given: Sequence[str] | None, known: Sequence[str]) -> None:
+    """Refuse worker addresses that are not workers of the cluster (their actors would wait for ever).
+
+    Examples
+    --------
+    >>> check_workers("shard_workers", ["tcp://b:2"], ["tcp://a:1"])
+    Traceback (most recent call last):
+    ...
+    distbelief.errors.InvalidOptionError: option shard_workers: 'tcp://b:2' is not a worker of the ...
+    """
+    for address in given or ():
+        if address not in known:
+            raise InvalidOptionError(
+                f"option {name}: {address!r} is not a worker of the cluster; use some of its workers "
+                f"({', '.join(known)}) or None for all of them"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,7 +205,8 @@ class DownpourOptions:
         for name in ("shard_workers", "replica_workers"):
             value = getattr(self, name)
             _check(
-                value is None or (len(value) > 0 and all(isinstance(w, str) for w in value)),
+                value is None
+                or (isinstance(value, tuple) and len(value) > 0 and all(isinstance(w, str) for w in value)),
                 name,
                 value,
                 "None or a non-empty list of worker addresses",

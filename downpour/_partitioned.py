@@ -21,11 +21,10 @@ import contextlib
 import functools
 import math
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,8 @@ from distributed import Client
 from distributed.utils import sync
 
 from distbelief.downpour._batches import BatchPlan, split_rows
+from distbelief.downpour._options import DownpourOptions, check_workers, worker_tuple
+from distbelief.downpour._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
 from distbelief.errors import ClusterError, InvalidOptionError, ShardLostError
 from distbelief.models._partitioned import PartitionPlan, partition_plan
 from distbelief.storage import (
@@ -56,7 +57,10 @@ from distbelief.storage._calls import (
     start_call,
 )
 from distbelief.storage._exchange import PartitionPeer, PassAborted
-from distbelief.storage._server import _current_worker
+from distbelief.storage._layout import Layout
+from distbelief.storage._server import _current_worker, _read_attrs
+from distbelief.storage._session import run_store
+from distbelief.storage._store import normalize_url
 
 __all__ = [
     "PartitionActor",
@@ -156,6 +160,7 @@ class PartitionActor(PartitionPeer):
         self.generation = generation
         self.applied = 0
         self._stopped = False
+        self._hard_stop = False
 
     def _segment(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         if s not in self._segments:
@@ -203,8 +208,15 @@ class PartitionActor(PartitionPeer):
 
     async def stop(self) -> None:
         """Stop training at the next step (the replica lost a partition): passes under way are aborted."""
-        self._stopped = True
+        self._stopped = self._hard_stop = True
         self.abort_all()
+
+    async def finish(self) -> None:
+        """Stop training after the step under way (the run was stopped): a pass under way goes on, and
+        what the partition accrued since its last push is pushed. A partition that started a pass its
+        peers will not run waits in it until :meth:`stop` aborts it; so every partition of a replica ends
+        with the same step count, and the shards hold exactly those steps (what a resume relies on)."""
+        self._stopped = True
 
     async def run(self, start: int = 0) -> dict[str, Any]:
         """Train until ``step_limit`` steps; the partition's counters.
@@ -264,7 +276,7 @@ class PartitionActor(PartitionPeer):
                     await self._push(accrued, accrued_steps, versions)
                     accrued, accrued_steps = None, 0
             epoch += 1
-        if accrued is not None and not self._stopped:
+        if accrued is not None and not self._hard_stop:
             await self._push(accrued, accrued_steps, versions)  # the last steps' gradient
         return self.status_now()
 
@@ -300,6 +312,11 @@ class PartitionActor(PartitionPeer):
     async def status(self) -> dict[str, Any]:
         """:meth:`status_now`, as an actor call."""
         return self.status_now()
+
+    async def step_count(self) -> int:
+        """Steps taken so far (a rebuilt or resumed partition counts from the step it started at): what a
+        checkpoint records, without :meth:`status`'s loss and staleness lists."""
+        return self.steps
 
 
 def memory_needed(plan: PartitionPlan) -> int:
@@ -368,6 +385,7 @@ def train_partitioned(
     shard_workers: Sequence[str] | None = None,
     checkpoint_every_s: float = 5.0,
     callback: Callable[[Any], None] | None = None,
+    resume: bool = False,
 ) -> Any:
     """Downpour SGD with ``replicas`` model replicas, each split into ``partitions`` partition actors.
 
@@ -375,7 +393,7 @@ def train_partitioned(
 
     Parameters
     ----------
-    model : models.MLP or models.LocallyConnected
+    model : models.MLP, models.LocallyConnected or models.LocallyConnected2D
         A model with a partitioned form (``models.partition_plan``).
     data : storage.Dataset or (X, y)
         Training rows.
@@ -399,13 +417,25 @@ def train_partitioned(
     shard_workers : list of str, optional
         Where the shards go instead (partition ``k``'s to ``shard_workers[k % len(shard_workers)]``).
     checkpoint_every_s : float
-        Seconds between checkpoints of the shards to zarr (0: only the initial one). A shard lost with its
-        worker is restored from the last one on a live worker, and the partitions are handed the new shard
-        map (the updates it received since are lost, as in the paper's section 4.1).
+        Seconds between checkpoints of the shards to zarr (0: only the initial one; one more is taken at
+        the end of the run, also when the callback stops it). A shard lost with its worker is restored from
+        the last one on a live worker, and the partitions are handed the new shard map (the updates it
+        received since are lost, as in the paper's section 4.1). Each checkpoint carries every replica's
+        step count (:func:`downpour._resume.checkpoint_meta`), for ``resume``.
     callback : callable, optional
         Called every ``PROGRESS_EVERY`` seconds with a ``downpour.Progress`` (steps, running mini-batch loss
-        and staleness of partition 0 of every live replica; no objective or held-out metrics, which are
-        NaN). Raising ``StopIteration`` stops every partition: ``stop_reason="callback"``.
+        and staleness of partition 0 of every live replica, and the ``objective`` at the shards' parameters
+        when it is cheap enough, else NaN: see :class:`_Objective`; no held-out metrics, which are NaN).
+        Raising ``StopIteration`` stops every partition: ``stop_reason="callback"``. The rows it was called
+        with are the result's ``history``.
+    resume : bool
+        Continue the run whose checkpoints are in ``store`` (which must be given) from its last checkpoint
+        (:mod:`downpour._resume`): the shards' parameters, Adagrad accumulators and clocks as they were, and
+        every replica's K partitions going on from the replica's step count then (the mini-batches before
+        it are skipped, so ``epochs`` and ``max_steps`` count the whole run). A periodic checkpoint's counts
+        are read just before it is taken, so a resumed replica may repeat the few steps that were pushed
+        in between; the final checkpoint's are exact up to a step a stopped partition had under way.
+        ``partitions``, ``replicas`` and the model must be those of the interrupted run.
     call_timeout : float
         Seconds a partition waits for a shard or a peer's message before the run fails.
     n_fetch, n_push, local_lr
@@ -435,6 +465,8 @@ def train_partitioned(
     """
     from distbelief.downpour._train import TrainResult
 
+    if resume and store is None:
+        raise InvalidOptionError("resume=True needs the store= of the run to continue")
     plan = partition_plan(model, partitions)
     if rule not in ("sgd", "adagrad"):
         raise InvalidOptionError(f"unknown update rule {rule!r}; use 'sgd' or 'adagrad'")
@@ -462,63 +494,129 @@ def train_partitioned(
     x_start = start_vector(model, x0, seed)
     layout = partition_layout(plan.bounds, shards_per_partition=shards_per_partition)
     owned = partition_shards(layout, plan.bounds)
-    tmp = None
-    if store is None:
-        tmp = tempfile.TemporaryDirectory(prefix="downpour-mp-")
-        store = tmp.name
-    store = str(store)
-    try:
-        with embedded_client(client) as c:
-            places = list(workers) if workers else worker_addresses(c, required=True)
-            _check_memory(c, plan, places)
-            dataset = as_dataset(data, store)
-            row_ranges = split_rows(dataset.n_rows, replicas)
-            per_epoch = [
-                BatchPlan.for_rows(
-                    dataset, lo, hi, batch_size=batch_size, seed=seed, replica=r
-                ).batches_per_epoch
-                for r, (lo, hi) in enumerate(row_ranges)
-            ]
-            limits = []
-            for r in range(replicas):
-                limit = math.inf if epochs is None else epochs * per_epoch[r]
-                if max_steps is not None:
-                    limit = min(limit, max_steps // replicas + (1 if r < max_steps % replicas else 0))
-                limits.append(int(limit))
-            homes = list(shard_workers) if shard_workers else places
-            shard_places = [homes[k % len(homes)] for k in range(plan.partitions) for _ in owned[k]]
+    with run_store(store, "downpour-mp-") as store, embedded_client(client) as c:
+        known = worker_addresses(c, required=True)
+        check_workers("replica_workers", workers, known)
+        check_workers("shard_workers", shard_workers, known)
+        places = list(workers) if workers else known
+        _check_memory(c, plan, places)
+        dataset = as_dataset(data, store)
+        dataset.check_model(model)  # a partition reads its input columns by index: never the wrong ones
+        row_ranges = split_rows(dataset.n_rows, replicas)
+        per_epoch = [
+            BatchPlan.for_rows(dataset, lo, hi, batch_size=batch_size, seed=seed, replica=r).batches_per_epoch
+            for r, (lo, hi) in enumerate(row_ranges)
+        ]
+        limits = []
+        for r in range(replicas):
+            limit = math.inf if epochs is None else epochs * per_epoch[r]
+            if max_steps is not None:
+                limit = min(limit, max_steps // replicas + (1 if r < max_steps % replicas else 0))
+            limits.append(int(limit))
+        homes = list(shard_workers) if shard_workers else places
+        shard_places = [homes[k % len(homes)] for k in range(plan.partitions) for _ in owned[k]]
+        point = None
+        if resume:
+            ps, point = _reopen(c, store, plan, layout, replicas, shard_places, call_timeout)
+        else:
             ps = ParameterServer.create(
-                c, model.n_params, store=os.path.join(store, "ps"), workers=shard_places, layout=layout,
-                vectors={"x": x_start[plan.perm]}, timeout=call_timeout,
+                c, model.n_params, store=params_store(store), workers=shard_places, layout=layout,
+                vectors={"x": x_start[plan.perm]}, timeout=call_timeout, overwrite=True,
             )  # fmt: skip
             if rule == "adagrad":
                 # The accumulators exist from the start: every checkpoint (and a restored shard) holds them.
                 ps.fill("x.adagrad", 0.0)
-            ps.checkpoint()  # a shard lost before the first periodic checkpoint comes back from this one
-            reason = "max_steps" if max_steps is not None and sum(limits) == max_steps else "epochs"
-            try:
-                args = (
-                    rule,
-                    step_lr,
-                    l2,
-                    batch_size,
-                    seed,
-                    shuffle,
-                    call_timeout,
-                    trace,
-                    TrainResult,
-                    reason,
-                )
-                return _drive(
-                    c, ps, plan, dataset, row_ranges, owned, places, limits, *args,
-                    sync=(n_fetch, n_push, local_lr), checkpoint_every_s=checkpoint_every_s,
-                    callback=callback,
-                )  # fmt: skip
-            finally:
-                ps.close()
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+            # A shard lost before the first periodic checkpoint comes back from this one.
+            ps.checkpoint(meta=checkpoint_meta(0.0, {}, replicas, partitions=plan.partitions))
+        reason = "max_steps" if max_steps is not None and sum(limits) == max_steps else "epochs"
+        try:
+            args = (
+                rule,
+                step_lr,
+                l2,
+                batch_size,
+                seed,
+                shuffle,
+                call_timeout,
+                trace,
+                TrainResult,
+                reason,
+            )
+            return _drive(
+                c, ps, plan, dataset, row_ranges, owned, places, limits, *args,
+                sync=(n_fetch, n_push, local_lr), checkpoint_every_s=checkpoint_every_s,
+                callback=callback, resumed=point,
+                objective=_Objective(model, dataset, l2) if callback is not None else None,
+            )  # fmt: skip
+        finally:
+            ps.close()
+
+
+def _reopen(
+    c: Client,
+    store: str,
+    plan: PartitionPlan,
+    layout: Any,
+    replicas: int,
+    shard_places: Sequence[str],
+    call_timeout: float,
+) -> tuple[ParameterServer, ResumePoint]:
+    """``resume=True``: the shards as the run's last checkpoint left them, and its replicas' step counts."""
+    point = require_resume_point(store, replicas)
+    # Checked before any shard is rebuilt: the store's attributes say how the run was split.
+    attrs = _read_attrs(normalize_url(params_store(store)))
+    saved = Layout.from_dict(attrs["layout"])
+    partitions = (attrs.get("meta") or {}).get("partitions")
+    if partitions != plan.partitions or saved.ranges() != layout.ranges():
+        raise InvalidOptionError(
+            f"the checkpoint in {params_store(store)!r} is of a run with partitions={partitions} and "
+            f"{saved.n} parameters in {saved.shards} shards; resume it with the model, partitions and "
+            "shards_per_partition of that run"
+        )
+    ps = ParameterServer.open(c, store=params_store(store), workers=shard_places, timeout=call_timeout)
+    return ps, point
+
+
+class _Objective:
+    """``F(w)`` for a partitioned run's progress rows, at the shards' parameters, when it is cheap.
+
+    The partitions hold only their slices and their mini-batch losses, so the objective needs the whole
+    vector (one gather from the shards, ``8 n`` bytes) and a pass of the full model over the training rows
+    (:func:`downpour._train.objective_rows`: all of them, or a spread sample past
+    ``OBJECTIVE_MAX_VALUES``) in the driver. That is done in a thread, and not again before ``BUDGET``
+    times its last cost has passed, so it takes at most about ``1 / BUDGET`` of the driver's time; a
+    model above ``MAX_PARAMS`` parameters (one that needed partitioning for its size, whose gather would
+    weigh on the driver) gets NaN.
+    """
+
+    #: Parameters above which the objective is not computed while the run goes on.
+    MAX_PARAMS = 10_000_000
+    #: The objective's cost is kept under ``1 / BUDGET`` of the time between rows.
+    BUDGET = 10.0
+
+    def __init__(self, model: Any, dataset: Dataset, l2: float) -> None:
+        self.model, self.dataset, self.l2 = model, dataset, l2
+        self.rows: tuple[Any, Any] | None = None
+        self.next_at = 0.0
+        self.enabled = model.n_params <= self.MAX_PARAMS
+
+    def due(self) -> bool:
+        """Whether a row taken now should carry the objective."""
+        return self.enabled and time.monotonic() >= self.next_at
+
+    def __call__(self, x_perm: np.ndarray, perm: np.ndarray) -> float:
+        """F at the partition-major vector ``x_perm`` (``x[perm]``); blocking (run it in a thread)."""
+        from distbelief.downpour._train import objective_rows
+        from distbelief.models import objective
+
+        t0 = time.monotonic()
+        if self.rows is None:
+            self.rows = objective_rows(self.dataset)
+        x = np.empty_like(x_perm)
+        x[perm] = x_perm
+        value = float(objective(self.model, x, *self.rows, l2=self.l2)[0])
+        self.next_at = time.monotonic() + self.BUDGET * (time.monotonic() - t0)
+        return value
 
 
 #: Times a run may rebuild a replica that lost a partition's worker before the run fails.
@@ -528,8 +626,20 @@ MAX_RECOVERIES = 5
 #: Seconds a stopped partition has to end its ``run`` before its counters are read with ``status``: one
 #: blocked sending to a peer on a dead worker would otherwise hold the rebuild for the whole call timeout.
 STOP_GRACE = 2.0
+#: Seconds a run stopped by its callback gives its partitions to finish the step under way before it
+#: aborts the passes still waiting (those of steps a peer will not take).
+STOP_SETTLE = 0.3
 #: Seconds between two calls of a partitioned run's ``callback``.
 PROGRESS_EVERY = 0.2
+
+
+def _calls_back(callback: Callable[[Any], None], progress: Any) -> bool:
+    """``callback(progress)``; whether it raised ``StopIteration`` (which cannot cross a thread's future)."""
+    try:
+        callback(progress)
+    except StopIteration:
+        return True
+    return False
 
 
 class _Supervisor:
@@ -556,6 +666,11 @@ class _Supervisor:
         ps: ParameterServer,
         checkpoint_every_s: float,
         callback: Any = None,
+        *,
+        starts: Sequence[int] | None = None,
+        elapsed: float = 0.0,
+        objective: _Objective | None = None,
+        perm: np.ndarray | None = None,
     ) -> None:
         self.client, self.futures, self.actors = client, futures, actors
         self.places, self.submit, self.call_timeout = list(places), submit, call_timeout
@@ -565,12 +680,21 @@ class _Supervisor:
         self.ps, self.checkpoint_every_s = ps, checkpoint_every_s
         self.shard_map = ps.shard_map()
         self.recovery = ShardRecovery(ps, max_recoveries=MAX_RECOVERIES, on_restored=self._restored)
-        self.t0 = time.monotonic()
-        self.started = [self.t0] * len(actors)  # when each replica's current generation started
+        # A resumed run's clock goes on from its checkpoint's (its progress rows continue the earlier ones).
+        self.t0 = time.monotonic() - elapsed
+        self.started = [time.monotonic()] * len(actors)  # when each replica's current generation started
+        #: The step each replica starts from (a resumed run's checkpoint), then its last known count.
+        self.steps = list(starts) if starts is not None else [0] * len(actors)
+        #: Each replica's step count as its slowest partition last reported it (what checkpoints record).
+        self.counted = list(self.steps)
+        self.objective, self.perm = objective, perm
+        #: Every Progress the callback was given: the run's history.
+        self.rows: list[Any] = []
         self.shard_losses: list[tuple[float, int]] = []
         self.checkpoints = 1  # the initial one, taken before the run
         self.callback = callback
         self.stopped_by_callback = False
+        self.stopped_at = math.inf
         self._seen: dict[int, tuple[int, int]] = {}  # replica -> (losses, staleness) already reported
 
     async def _progress(self) -> None:
@@ -591,23 +715,59 @@ class _Supervisor:
             losses += st["losses"][n_loss:]
             stale += st["staleness"][n_stale:]
             self._seen[r] = (len(st["losses"]), len(st["staleness"]))
-        steps = sum(st["steps"] for _, st in rows)
+        for r, st in rows:
+            self.steps[r] = max(self.steps[r], int(st["steps"]))
+        now = time.monotonic() - self.t0
+        value = math.nan
+        if self.objective is not None and self.perm is not None and self.objective.due():
+            # The shards' parameters as they are now (the replicas' steps under way land a little later).
+            with contextlib.suppress(ClusterError):
+                x_perm = await self._ps_call(lambda: self.ps.gather("x"))
+                value = await asyncio.to_thread(self.objective, x_perm, self.perm)
         progress = Progress(
-            time=time.monotonic() - self.t0, step=steps, epoch=math.nan,
-            train_loss=float(np.mean(losses)) if losses else math.nan, test_loss=math.nan,
+            time=now, step=sum(self.steps), epoch=math.nan,
+            train_loss=float(np.mean(losses)) if losses else math.nan, objective=value, test_loss=math.nan,
             test_accuracy=math.nan, staleness_mean=float(np.mean(stale)) if stale else math.nan,
             staleness_max=float(max(stale)) if stale else math.nan, replicas_alive=len(rows),
         )  # fmt: skip
-        try:
-            self.callback(progress)
-        except StopIteration:
+        self.rows.append(progress)
+        # In a thread: the callback is the user's code (the service writes its metrics to the store in it)
+        # and must not hold up this event loop, which every actor call of the process goes through.
+        if await asyncio.to_thread(_calls_back, self.callback, progress):
             self.stopped_by_callback = True
-            await self._stop_all(self.actors)
+            self.stopped_at = time.monotonic()
+            await self._stop_all(self.actors, after_step=True)
 
-    async def _stop_all(self, actors: Sequence[Any]) -> None:
-        """Stop ``actors`` (lists of a replica's partitions) whose workers are alive."""
+    async def _count_steps(self) -> None:
+        """Every live replica's step count (the least of its partitions': they step together, one may be a
+        step behind) into ``self.steps``; a replica that does not answer keeps its last known count."""
+        for r, (row, futs) in enumerate(zip(self.actors, self.futures, strict=True)):
+            if any(f.status in DEAD_STATES for f in futs):
+                continue
+            with contextlib.suppress(Exception):
+                counts = await asyncio.gather(
+                    *(asyncio.wait_for(a.step_count()._result(), self.call_timeout) for a in row)
+                )
+                self.counted[r] = min(int(n) for n in counts)
+
+    async def checkpoint(self, *, final: bool = False, steps: Sequence[int] | None = None) -> None:
+        """Checkpoint the shards with the replicas' step counts, for ``resume`` (``steps``: the exact
+        counts of a run that has ended; otherwise they are read from the partitions just before)."""
+        if steps is None:
+            await self._count_steps()
+            steps = self.counted
+        counts = {r: {"steps": int(n)} for r, n in enumerate(steps)}
+        meta = checkpoint_meta(
+            time.monotonic() - self.t0, counts, len(self.actors), partitions=len(self.actors[0]), final=final
+        )
+        await self._ps_call(lambda: self.ps.checkpoint(meta=meta))
+        self.checkpoints += 1
+
+    async def _stop_all(self, actors: Sequence[Any], *, after_step: bool = False) -> None:
+        """Stop ``actors`` (lists of a replica's partitions) whose workers are alive: at once, aborting the
+        passes under way, or (``after_step``) once each has finished the step it is in."""
         calls = [
-            asyncio.wait_for(a.stop()._result(), self.call_timeout)
+            asyncio.wait_for((a.finish() if after_step else a.stop())._result(), self.call_timeout)
             for row, futs in zip(actors, self.futures, strict=True)
             for a, f in zip(row, futs, strict=True)
             if f.status not in DEAD_STATES
@@ -656,6 +816,13 @@ class _Supervisor:
         result: tuple[list[dict[str, Any]], list[int]] = sync(loop, self._run)
         return result
 
+    def final_checkpoint(self, steps: Sequence[int]) -> None:
+        """The checkpoint at the end of the run (also one the callback stopped), with the exact counts."""
+        loop = self.client.loop
+        if loop is None:
+            raise ClusterError("the Dask client is closed; connect a client and try again")
+        sync(loop, functools.partial(self.checkpoint, final=True, steps=steps))
+
     def _dead(self, r: int) -> bool:
         return any(f.status in DEAD_STATES for f in self.futures[r])
 
@@ -670,7 +837,7 @@ class _Supervisor:
                 tasks[task] = (r, k)
 
         for r in range(len(self.actors)):
-            start(r, 0)
+            start(r, self.steps[r])
         deadline = time.monotonic() + self.budget
         every = self.checkpoint_every_s
         next_ckpt = time.monotonic() + every if every > 0 else math.inf
@@ -682,10 +849,10 @@ class _Supervisor:
                 next_progress = time.monotonic() + PROGRESS_EVERY
             if time.monotonic() >= next_ckpt:
                 with contextlib.suppress(ClusterError):  # a failed checkpoint leaves the last one current
-                    await self._ps_call(self.ps.checkpoint)
-                    self.checkpoints += 1
+                    await self.checkpoint()
                 next_ckpt = time.monotonic() + every
             broken: set[int] = set()
+            errors: dict[int, BaseException] = {}
             for task in done:
                 r, k = tasks.pop(task)
                 if task.exception() is None:
@@ -697,11 +864,13 @@ class _Supervisor:
                         statuses.append({**got, "stopped": True})
                 else:
                     broken.add(r)
+                    errors.setdefault(r, task.exception())  # type: ignore[arg-type]
             if not self.stopped_by_callback:
                 broken |= {r for r, _ in tasks.values() if self._dead(r)}
-            elif tasks:
-                # Stop again: a partition that was computing when it was stopped may since wait for a peer's
-                # message of a pass the peer (stopped first) will never run; a stop aborts that wait.
+            elif tasks and time.monotonic() - self.stopped_at >= STOP_SETTLE:
+                # A partition that began a step before it was told to stop waits for a peer's message of a
+                # pass the peer (stopped first) will never run: a stop aborts that wait. Not sooner, so that
+                # the steps under way are finished by every partition, not some.
                 await self._stop_all(self.actors)
             for r in sorted(broken):
                 step = await self._stop(r, tasks, statuses)
@@ -711,7 +880,11 @@ class _Supervisor:
                 await self._probe()
                 restored = any(self.t0 + t >= self.started[r] for t, _ in self.shard_losses)
                 if not dead and not restored:
-                    raise ClusterError(f"a partition of replica {r} failed (its worker is alive)")
+                    why = errors.get(r)
+                    reason = f": {type(why).__name__}: {why}" if why is not None else ""
+                    raise ClusterError(
+                        f"a partition of replica {r} failed (its worker is alive){reason}"
+                    ) from why
                 await self._rebuild(r)
                 start(r, step)
             if time.monotonic() > deadline:
@@ -813,6 +986,8 @@ def _drive(
     sync: tuple[int, int, float | None] = (1, 1, None),
     checkpoint_every_s: float = 5.0,
     callback: Callable[[Any], None] | None = None,
+    resumed: ResumePoint | None = None,
+    objective: _Objective | None = None,
 ) -> Any:
     run_id = uuid.uuid4().hex[:12]
     n_fetch, n_push, local_lr = sync
@@ -844,19 +1019,26 @@ def _drive(
             if not ok:
                 raise ClusterError(f"a partition could not be connected to its peers: {value!r}")
     t0 = time.perf_counter()
+    elapsed = resumed.time if resumed is not None else 0.0
     supervisor = _Supervisor(
-        c, futures, actors, places, submit, call_timeout, max(limits), ps, checkpoint_every_s, callback
-    )
+        c, futures, actors, places, submit, call_timeout, max(limits), ps, checkpoint_every_s, callback,
+        starts=[p["steps"] for p in resumed.replicas] if resumed is not None else None, elapsed=elapsed,
+        objective=objective, perm=plan.perm,
+    )  # fmt: skip
     statuses, rebuilt = supervisor.run()
     wall = time.perf_counter() - t0
+    # Steps count on across a replica's generations (a rebuilt one goes on from the stopped one's count),
+    # and a replica's partitions may have stopped a step apart: its count is its slowest partition's.
+    reached: dict[tuple[int, int], int] = {}
+    for st in statuses:
+        key = (st["replica"], st["partition"])
+        reached[key] = max(reached.get(key, 0), st["steps"])
+    last = {r: min(n for (rr, _), n in reached.items() if rr == r) for r in sorted({r for r, _ in reached})}
+    with contextlib.suppress(ClusterError):  # the previous checkpoint stays current
+        supervisor.final_checkpoint([last.get(r, supervisor.counted[r]) for r in range(len(row_ranges))])
     x_perm = supervisor.recovery.run(lambda: ps.gather("x"))
     x = np.empty_like(x_perm)
     x[plan.perm] = x_perm
-    # Steps count on across a replica's generations (a rebuilt one goes on from the stopped one's count).
-    last: dict[int, int] = {}
-    for st in statuses:
-        if st["partition"] == 0:
-            last[st["replica"]] = max(last.get(st["replica"], 0), st["steps"])
     steps = sum(last.values())
     messages = sum(st["messages"] for st in statuses)
     n_bytes = sum(st["bytes"] for st in statuses)
@@ -868,11 +1050,8 @@ def _drive(
     losses = (
         {st["replica"]: np.array(st["losses"]) for st in statuses if st["partition"] == 0} if trace else {}
     )
-    history = xr.Dataset(
-        {"step": ("time", np.array([0, steps]))},
-        coords={"time": np.array([0.0, wall])},
-        attrs={"replicas": len(row_ranges), "partitions": K, "rule": rule, "lr": lr},
-    )
+    history = _history(supervisor.rows, (elapsed, resumed.step if resumed else 0), (elapsed + wall, steps))
+    history.attrs.update({"replicas": len(row_ranges), "partitions": K, "rule": rule, "lr": lr})
     stats = {
         "replicas": len(row_ranges),
         "partitions": K,
@@ -880,6 +1059,7 @@ def _drive(
         "rebuilt_replicas": rebuilt,
         "shard_counters": supervisor.recovery.run(ps.counters),
         "checkpoints": supervisor.checkpoints,
+        "resumed_from": resumed.step if resumed is not None else None,
         "recoveries": supervisor.recovery.recoveries,
         "shard_losses": list(supervisor.shard_losses),
         "pushes": sum(len(st["staleness"]) for st in statuses),
@@ -898,17 +1078,40 @@ def _drive(
         "max_steps": "reached max_steps",
         "epochs": "every replica finished its epochs",
         "callback": "stopped by the callback",
+        "diverged": "diverged: the parameters became NaN or infinite; lower lr, or use rule='adagrad'",
     }
+    if not np.isfinite(x).all():  # no watchdog follows a partitioned run: its end is checked at least
+        stop_reason = "diverged"
     return result_cls(
-        x=x, history=history, stop_reason=stop_reason, success=True, message=messages_by_reason[stop_reason],
-        steps=steps, wall_time=wall, store=ps.url, stats=stats, losses=losses,
+        x=x, history=history, stop_reason=stop_reason, success=stop_reason != "diverged",
+        message=messages_by_reason[stop_reason], steps=steps, wall_time=wall, store=ps.url, stats=stats,
+        losses=losses,
     )  # fmt: skip
+
+
+def _history(rows: Sequence[Any], first: tuple[float, int], last: tuple[float, int]) -> xr.Dataset:
+    """The run's history: the progress rows the callback was given, between a first and a last row
+    ``(time, step)`` (the run's start, or its checkpoint when resumed, and its end).
+
+    Examples
+    --------
+    >>> _history([], (0.0, 0), (1.5, 40)).step.values.tolist()
+    [0, 40]
+    """
+    times = [first[0], *(float(p.time) for p in rows), last[0]]
+    steps = [first[1], *(int(p.step) for p in rows), last[1]]
+    columns = ("train_loss", "objective", "staleness_mean", "staleness_max")
+    data: dict[str, Any] = {"step": ("time", np.array(steps, dtype=np.int64))}
+    for name in columns:
+        data[name] = ("time", np.array([math.nan, *(float(getattr(p, name)) for p in rows), math.nan]))
+    keep = np.r_[True, np.diff(times) > 0]  # a last row at the time of the last progress row is dropped
+    return xr.Dataset(data, coords={"time": np.array(times)}).isel(time=keep)
 
 
 #: ``downpour.train`` options a partitioned run takes, and the defaults of the ones it does not support.
 _SUPPORTED = ("replicas", "rule", "lr", "l2", "batch_size", "epochs", "max_steps", "seed", "x0", "shuffle",
               "client", "store", "trace", "call_timeout", "n_fetch", "n_push", "local_lr",
-              "shard_workers", "checkpoint_every_s", "callback")  # fmt: skip
+              "shard_workers", "checkpoint_every_s", "callback", "resume")  # fmt: skip
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "shards": None,
     "warmstart_steps": 0,
@@ -917,6 +1120,13 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "staleness_scale": None,  # the default (on for multi-replica SGD elsewhere): partitions run unscaled
     "compression": None,
     "max_coalesce": None,
+    # Taken by downpour.train but not by a partitioned run (it has no history cadence, driver poll, loss
+    # watchdog, fused messages or key-value communication): refused rather than ignored.
+    "eval_every": 1.0,
+    "poll_every": 0.05,
+    "max_loss_growth": 10.0,
+    "fuse": True,
+    "communication": "auto",
 }
 
 
@@ -941,6 +1151,8 @@ def check_partitioned_options(partitions: int, given: dict[str, Any]) -> dict[st
         if name in given and given[name] is not default and given[name] != default:
             if name == "staleness_scale" and given[name] is False:
                 continue  # unscaled is what a partitioned run does
+            if name == "communication" and given[name] == "dense":
+                continue  # dense is what a partitioned run does
             raise InvalidOptionError(
                 f"{name}={given[name]!r} is not supported with partitions={partitions}; leave it at its "
                 f"default ({default!r}) or train with partitions=1"
@@ -954,6 +1166,12 @@ def check_partitioned_options(partitions: int, given: dict[str, Any]) -> dict[st
         raise InvalidOptionError(
             f"give epochs or max_steps with partitions={partitions} (a partitioned run needs a known length)"
         )
+    # The options it takes are checked as downpour.train checks them (lr > 0, l2 >= 0, seed >= 0, ...).
+    names = {f.name for f in fields(DownpourOptions)} - {"has_callback"}
+    checked = {name: given[name] for name in names if name in given}
+    for name in ("shard_workers", "replica_workers"):
+        checked[name] = worker_tuple(checked.get(name))
+    DownpourOptions(**checked, has_callback=True)
     kwargs = {name: given[name] for name in _SUPPORTED if name in given}
     if given.get("replica_workers"):
         kwargs["workers"] = given["replica_workers"]

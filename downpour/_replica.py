@@ -476,6 +476,11 @@ class DownpourReplica:
                     if self._stop.is_set():
                         self.stop_reason = "stopped"
                         return
+                # The rows first, then the parameters. A read between the fetch and the gradient (a replica's
+                # first read opens the store on its worker: 30-100 ms at load average ~15) made the gradient
+                # stale: a replica's first step ran at x0 while the shard had applied 7 pushes of another,
+                # and its lone ln 2 mini-batch loss in a history row read as divergence.
+                X, y = self._segment(s)
                 core.begin_step()
                 self._maybe_fetch()
                 if core.must_wait():
@@ -496,7 +501,6 @@ class DownpourReplica:
                     msg = core.take_push()
                     if msg is not None:
                         self._send_push(msg)
-                X, y = self._segment(s)
                 t_compute = time.perf_counter()
                 core.compute(self.model, X[rows], y[rows])
                 self.compute_s += time.perf_counter() - t_compute

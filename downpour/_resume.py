@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import InvalidOptionError, StoreError
-from distbelief.storage._actor import read_checkpoint
+from distbelief.storage._actor import read_stored_vector
 from distbelief.storage._layout import Layout
 from distbelief.storage._server import _read_attrs
 from distbelief.storage._store import normalize_url
@@ -133,5 +133,4 @@ def checkpoint_vector(store: str | os.PathLike[str], name: str = "x") -> np.ndar
     if attrs.get("current") is None or name not in attrs.get("names", []):
         raise StoreError(f"{url!r} has no checkpoint of {name!r}; its vectors: {attrs.get('names')}")
     layout = Layout.from_dict(attrs["layout"])
-    slot = f"slot{attrs['current']}"
-    return np.asarray(read_checkpoint(url, slot, 0, layout.n, [name])[name])
+    return np.asarray(read_stored_vector(url, f"slot{attrs['current']}", layout, name))

@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import tempfile
 import time
 import uuid
 import warnings
@@ -46,7 +45,7 @@ from threadpoolctl import threadpool_limits
 
 from distbelief.downpour._batches import BatchPlan, split_rows
 from distbelief.downpour._compress import Compression
-from distbelief.downpour._options import DownpourOptions, Rule
+from distbelief.downpour._options import DownpourOptions, Rule, check_workers, worker_tuple
 from distbelief.downpour._replica import DownpourReplica, RecordPlan, ReplicaConfig
 from distbelief.downpour._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
 from distbelief.downpour._watch import StepRuleStallWarning, Watchdog, gradient_norms, stall_message
@@ -63,6 +62,7 @@ from distbelief.storage import (
 )
 from distbelief.storage._calls import ShardRecovery, actor_gone, gather_calls, start_call
 from distbelief.storage._keys import use_sparse
+from distbelief.storage._session import run_store
 from distbelief.storage._sparse import as_csr, is_sparse
 
 __all__ = ["Progress", "TrainResult", "train"]
@@ -329,10 +329,11 @@ def train(
         for ``rule="sgd"`` with more than one replica, off otherwise (see
         :meth:`DownpourOptions.scales_staleness`).
     max_loss_growth : float, optional
-        The run stops as diverged (``success=False``, the reason in ``message``) when the training or
-        held-out loss becomes NaN or infinite or grows past this multiple of its first value (None: only
-        NaN / inf). At the end of a run whose loss is flat while the gradient is not small, the message
-        carries a warning and a :class:`downpour.StepRuleStallWarning` is issued (see
+        The run stops as diverged (``success=False``, the reason in ``message``) when the training
+        objective, the running training loss or the held-out loss becomes NaN or infinite, or the objective
+        or the held-out loss grows past this multiple of its lowest value (never below its value at the
+        start) (None: only NaN / inf). At the end of a run whose loss is flat while the gradient is not
+        small, the message carries a warning and a :class:`downpour.StepRuleStallWarning` is issued (see
         ``downpour._watch``).
     max_staleness : int, optional
         A replica that knows its next push would be more than this many updates stale waits for a fresh
@@ -362,10 +363,14 @@ def train(
         Seconds a single call to a shard or replica may take before it counts as failed.
     partitions : int, optional
         Model parallelism (paper, section 3): split every replica into this many partition actors with
-        shards aligned to them (:func:`downpour._partitioned.train_partitioned`; ``models.MLP`` and
-        ``models.LocallyConnected``). ``None`` or 1: one actor per replica. With partitions, ``n_fetch``,
-        ``n_push``, ``local_lr``, ``shard_workers`` and ``replica_workers`` apply as without; a replica that
-        loses a partition's worker is rebuilt on the others (``stats["rebuilt_replicas"]``).
+        shards aligned to them (:func:`downpour._partitioned.train_partitioned`; ``models.MLP``,
+        ``models.LocallyConnected`` and ``models.LocallyConnected2D``). ``None`` or 1: one actor per
+        replica. With partitions, ``n_fetch``, ``n_push``, ``local_lr``, ``shard_workers``,
+        ``replica_workers`` and ``resume`` apply as without; a replica that loses a partition's worker is
+        rebuilt on the others (``stats["rebuilt_replicas"]``). The options a partitioned run has no use
+        for (``eval_data``, ``eval_every``, ``poll_every``, ``max_loss_growth``, ``fuse``,
+        ``communication="sparse"``, ``warmstart_steps``, ``time_limit``, ...) are refused unless left at
+        their defaults.
     communication : {"auto", "dense", "sparse"}
         ``"sparse"``: each replica fetches only the parameters its rows touch and pushes only the nonzero
         entries of its accrued gradient, as key-value pairs per shard (ps-lite's pull/push; needs CSR data,
@@ -414,7 +419,12 @@ def train(
     >>> float(res.history.test_accuracy[-1]) > 0.9                                # doctest: +SKIP
     True
     """
-    if partitions is not None and partitions != 1:
+    if callback is not None and not callable(callback):
+        raise InvalidOptionError(
+            f"option callback={callback!r} is invalid: expected None or a function of one downpour.Progress "
+            "(raise StopIteration in it to stop the run)"
+        )
+    if partitions is not None and not (type(partitions) is int and partitions == 1):  # True is not 1 here
         from distbelief.downpour._partitioned import train_from_options
 
         return train_from_options(model, data, partitions=partitions, given=locals())
@@ -442,8 +452,8 @@ def train(
         shuffle=shuffle,
         poll_every=poll_every,
         call_timeout=call_timeout,
-        shard_workers=tuple(shard_workers) if shard_workers is not None else None,
-        replica_workers=tuple(replica_workers) if replica_workers is not None else None,
+        shard_workers=worker_tuple(shard_workers),  # type: ignore[arg-type]
+        replica_workers=worker_tuple(replica_workers),  # type: ignore[arg-type]
         trace=trace,
         has_callback=callback is not None,
         communication=communication,
@@ -455,26 +465,17 @@ def train(
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
     x_start = start_vector(model, x0, seed)
     eval_arrays = _eval_arrays(model, eval_data)
-    tmp = None
-    if store is None:
-        tmp = tempfile.TemporaryDirectory(prefix="downpour-")
-        store = tmp.name
-    store = str(store)
-    try:
-        with embedded_client(client) as c:
-            dataset = as_dataset(data, store)
-            dataset.check_model(model)
-            run = _Run(model, dataset, eval_arrays, c, store, opts, x_start, callback)
-            try:
-                run.setup()
-                result = run.drive()
-                result.model = model
-                return result
-            finally:
-                run.teardown()
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    with run_store(store, "downpour-") as store, embedded_client(client) as c:
+        dataset = as_dataset(data, store)
+        dataset.check_model(model)
+        run = _Run(model, dataset, eval_arrays, c, store, opts, x_start, callback)
+        try:
+            run.setup()
+            result = run.drive()
+            result.model = model
+            return result
+        finally:
+            run.teardown()
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -483,7 +484,12 @@ def train(
 def _diverged(watch: Watchdog, progress: Progress, x: np.ndarray | None) -> bool:
     """Feed a history row to the watchdog (downpour._watch); whether the run has diverged."""
     finite = x is None or bool(np.isfinite(x).all())
-    verdict = watch.observe(train_loss=progress.train_loss, test_loss=progress.test_loss, x_finite=finite)
+    verdict = watch.observe(
+        train_loss=progress.train_loss,
+        test_loss=progress.test_loss,
+        x_finite=finite,
+        objective=progress.objective,
+    )
     return verdict is not None
 
 
@@ -551,8 +557,10 @@ def objective_rows(dataset: Dataset, max_values: int = OBJECTIVE_MAX_VALUES) -> 
 
     Examples
     --------
-    >>> ds = Dataset.from_arrays("/tmp/ds", np.ones((10, 2)), np.zeros(10), portion_rows=2)  # doctest: +SKIP
-    >>> objective_rows(ds, max_values=8)[0].shape                                            # doctest: +SKIP
+    >>> import tempfile
+    >>> path = tempfile.mkdtemp() + "/ds"
+    >>> ds = Dataset.from_arrays(np.ones((10, 2)), np.zeros(10), path=path, portion_rows=2)
+    >>> objective_rows(ds, max_values=8)[0].shape  # 2 of the 5 portions: the first and the last
     (4, 2)
     """
     # A sparse dataset's size is its nonzeros, not rows x features.
@@ -663,6 +671,8 @@ class _Run:
     def setup(self) -> None:
         opts, client = self.opts, self.client
         workers = worker_addresses(client, required=True)
+        check_workers("shard_workers", opts.shard_workers, workers)
+        check_workers("replica_workers", opts.replica_workers, workers)
         shard_workers = list(opts.shard_workers or workers)
         replica_workers = list(opts.replica_workers or workers)
         n = self.x_start.size
@@ -938,6 +948,8 @@ class _Run:
         x_bytes = 8 * self.x_start.size
         x_every = 0 if x_bytes > HISTORY_X_BYTES else math.ceil(HISTORY_POINTS * x_bytes / HISTORY_X_BYTES)
         self.plan = RecordPlan(every_steps=every_steps, every_s=every_s, x_every=x_every)
+        # Rows with parameters have the exact objective to judge growth by; without, the running loss is all.
+        self.watch.running_loss_growth = x_every == 0
         self._planned_every = every_steps
         return self.plan
 

@@ -47,8 +47,8 @@ def _plain(value: Any) -> Any:
         return value.item()
     if isinstance(value, np.ndarray):
         return value.tolist()
-    if isinstance(value, float) and not np.isfinite(value):
-        return None if np.isnan(value) else (1e308 * 10 if value > 0 else -1e308 * 10)
+    # NaN and infinities stay floats: zarr writes and reads them back as such (a NaN turned into None made
+    # a diverged result's fun None after a reload, and its repr raise).
     return value
 
 
@@ -85,11 +85,15 @@ class FittedMixin:
     def to_zarr(self, url: str, *, storage_options: dict[str, Any] | None = None) -> None:
         """Save the result (parameters, model spec, history, scalars) as a zarr group at ``url``.
 
+        A model without a spec (a custom model) cannot be rebuilt, so it is not saved (``model_spec`` is
+        null); the parameters and history still are, and :meth:`from_zarr` then needs ``model=``. Saving
+        over an earlier result at ``url`` replaces it. Fields that are not JSON-able are saved as their
+        ``repr``.
+
         Raises
         ------
         InvalidOptionError
-            The model has no spec (a custom model): it cannot be rebuilt, so it is not saved; the
-            parameters and history still are, and :meth:`from_zarr` then needs ``model=``.
+            ``url`` is not a non-empty string.
 
         Examples
         --------
@@ -111,6 +115,11 @@ class FittedMixin:
             except (TypeError, ValueError):
                 value = repr(value)
             fields[f.name] = value
+        group = zarr.open_group(url, mode="a", zarr_format=3, storage_options=storage_options)
+        # Saving over an earlier result: its history and per-replica traces must not survive beside ours.
+        for stale in ("history", "losses"):
+            if stale in group:
+                del group[stale]
         history = getattr(self, "history", None)
         if isinstance(history, xr.Dataset):
             history.to_zarr(
@@ -121,7 +130,6 @@ class FittedMixin:
                 consolidated=False,
                 storage_options=storage_options,
             )
-        group = zarr.open_group(url, mode="a", zarr_format=3, storage_options=storage_options)
         group.attrs.update(
             {
                 "format": RESULT_FORMAT,

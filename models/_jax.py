@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import scipy.sparse
 from numpy.typing import ArrayLike, NDArray
 
 from distbelief.errors import InvalidOptionError
@@ -92,6 +93,12 @@ class JaxModel:
             )
         self.loss_fn = loss_fn
         self.predict_fn = predict_fn
+        if (
+            isinstance(init_scale, bool)
+            or not isinstance(init_scale, int | float | np.integer | np.floating)
+            or not (np.isfinite(init_scale) and init_scale >= 0)
+        ):
+            raise InvalidOptionError(f"init_scale must be a finite number >= 0, got {init_scale!r}")
         self.init_scale = float(init_scale)
         self.example_params = example_params
         if example_params is not None:
@@ -167,6 +174,12 @@ class JaxModel:
         w_arr = np.asarray(w, dtype=np.float64)
         if w_arr.shape != (self._n,):
             raise InvalidOptionError(f"w must have shape ({self._n},), got {w_arr.shape}")
+        if scipy.sparse.issparse(X):
+            raise InvalidOptionError(
+                "JaxModel takes dense rows, but these are sparse (a sparse dataset's rows come as a "
+                "csr_array); build the dataset from dense rows (X.toarray()), or write a model whose "
+                "loss_and_grad takes CSR rows"
+            )
         value_and_grad, _ = self._functions()
         value, grad = value_and_grad(w_arr, np.asarray(X, dtype=np.float64), np.asarray(y, dtype=np.float64))
         return float(value), np.array(grad, dtype=np.float64)

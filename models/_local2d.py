@@ -21,14 +21,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
-from numpy.typing import ArrayLike, NDArray
+from numpy.typing import NDArray
 
 from distbelief.errors import ModelSpecError
-from distbelief.models import _checks
-from distbelief.models._base import ModelBase
-from distbelief.models._checks import LabelKind
-from distbelief.models._linear import softmax_xent_
-from distbelief.models._local import _ACTIVATIONS, activate_, backprop_activation_
+from distbelief.models._local import _LocalNetwork, _positive, per_layer
 
 __all__ = ["LocallyConnected2D", "local2d_backward", "local2d_forward"]
 
@@ -75,12 +71,6 @@ def local2d_backward(
     return gW, gb, dA
 
 
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ModelSpecError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _pair(name: str, value: Any) -> Pair:
     def positive(v: Any) -> int:
         if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
@@ -97,7 +87,7 @@ def _pair(name: str, value: Any) -> Pair:
     return side, side
 
 
-class LocallyConnected2D(ModelBase):
+class LocallyConnected2D(_LocalNetwork):
     """2-D locally connected network (no weight sharing) with a dense softmax cross-entropy output layer.
 
     Parameter layout (one flat float64 vector): for every local layer ``W_l`` of shape
@@ -143,7 +133,6 @@ class LocallyConnected2D(ModelBase):
     """
 
     kind: ClassVar[str] = "locally_connected_2d"
-    label_kind: ClassVar[LabelKind] = "classes"
     _name: ClassVar[str] = "2-D locally connected network"
 
     def __init__(
@@ -161,16 +150,16 @@ class LocallyConnected2D(ModelBase):
             raise ModelSpecError(f"image_shape must be [height, width], got {image_shape!r}")
         height, width = _pair("image_shape", list(image_shape))
         channels = _positive("channels", channels)
-        self._n_classes = _positive("n_classes", n_classes)
-        if self._n_classes < 2:
-            raise ModelSpecError(f"n_classes must be >= 2, got {n_classes}; use 2 for binary labels")
-        self._patches = tuple(_pair("patches[]", p) for p in patches)
+        self._n_classes = self._checked_classes(n_classes)
+        self._patches = tuple(_pair("patches[]", p) for p in per_layer("patches", patches))
         n_layers = len(self._patches)
         self._strides = tuple(
-            _pair("strides[]", s) for s in (strides if strides is not None else [1] * n_layers)
+            _pair("strides[]", s)
+            for s in (per_layer("strides", strides) if strides is not None else [1] * n_layers)
         )
         self._filters = tuple(
-            _positive("filters[]", f) for f in (filters if filters is not None else [4] * n_layers)
+            _positive("filters[]", f)
+            for f in (per_layer("filters", filters) if filters is not None else [4] * n_layers)
         )
         if not n_layers or len(self._strides) != n_layers or len(self._filters) != n_layers:
             raise ModelSpecError(
@@ -178,9 +167,7 @@ class LocallyConnected2D(ModelBase):
                 f"{len(self._patches)}, {len(self._strides)} and {len(self._filters)}; give one patch (and "
                 "stride, filters) per local layer"
             )
-        if activation not in _ACTIVATIONS:
-            raise ModelSpecError(f"unknown activation {activation!r}; valid: {', '.join(_ACTIVATIONS)}")
-        self._activation = activation
+        self._activation = self._checked_activation(activation)
         shapes = [(height, width, channels)]
         for (ph, pw), (sh, sw), f in zip(self._patches, self._strides, self._filters, strict=True):
             h, w, _ = shapes[-1]
@@ -190,36 +177,23 @@ class LocallyConnected2D(ModelBase):
                 )
             shapes.append(((h - ph) // sh + 1, (w - pw) // sw + 1, f))
         self._shapes = tuple(shapes)
-        # Shapes of (W, b) of every layer, the output layer last, and their (start W, start b, end b).
-        self._param_shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = [
-            ((h2, w2, ph, pw, c, f), (h2, w2, f))
-            for (_, _, c), (h2, w2, f), (ph, pw) in zip(shapes[:-1], shapes[1:], self._patches, strict=True)
-        ]
+        # Location (i, j) of a local layer has its own filters and biases; the output layer is dense.
         h, w, f = shapes[-1]
-        self._param_shapes.append(((h * w * f, self._n_classes), (self._n_classes,)))
-        self._offsets: list[tuple[int, int, int]] = []
-        start = 0
-        for w_shape, b_shape in self._param_shapes:
-            nw, nb = int(np.prod(w_shape)), int(np.prod(b_shape))
-            self._offsets.append((start, start + nw, start + nw + nb))
-            start += nw + nb
-        self._n_params = start
-
-    @property
-    def n_params(self) -> int:
-        """Total number of weights and biases."""
-        return self._n_params
+        self._set_layout(
+            [
+                ((h2, w2, ph, pw, c, f), (h2, w2, f))
+                for (_, _, c), (h2, w2, f), (ph, pw) in zip(
+                    shapes[:-1], shapes[1:], self._patches, strict=True
+                )
+            ]
+            + [((h * w * f, self._n_classes), (self._n_classes,))]
+        )
 
     @property
     def n_features(self) -> int:
         """Input width: height x width x channels."""
         h, w, c = self._shapes[0]
         return h * w * c
-
-    @property
-    def n_classes(self) -> int:
-        """Number of classes."""
-        return self._n_classes
 
     @property
     def shapes(self) -> tuple[tuple[int, int, int], ...]:
@@ -242,16 +216,6 @@ class LocallyConnected2D(ModelBase):
         return self._filters
 
     @property
-    def activation(self) -> str:
-        """Activation of the local layers."""
-        return self._activation
-
-    @property
-    def offsets(self) -> tuple[tuple[int, int, int], ...]:
-        """``(start of W, start of b, end of b)`` of every layer in the flat vector, the output layer last."""
-        return tuple(self._offsets)
-
-    @property
     def spec(self) -> dict[str, Any]:
         """``{"kind": "locally_connected_2d", "image_shape", "channels", "n_classes", "patches", "strides",
         "filters", "activation"}`` (patches and strides as pairs)."""
@@ -267,105 +231,17 @@ class LocallyConnected2D(ModelBase):
             "activation": self._activation,
         }
 
-    def unpack(self, w: ArrayLike) -> list[tuple[FloatArray, FloatArray]]:
-        """Views ``[(W_1, b_1), ..., (W_out, b_out)]`` into ``w``.
+    @property
+    def _input_shape(self) -> tuple[int, ...]:
+        return self._shapes[0]
 
-        Examples
-        --------
-        >>> m = LocallyConnected2D((4, 4), 2, patches=[2], filters=[1])
-        >>> [W.shape for W, _ in m.unpack(np.zeros(m.n_params))]
-        [(3, 3, 2, 2, 1, 1), (9, 2)]
-        """
-        return self._layers(_checks.as_params(w, self._n_params, self._name))
+    def _layer_forward(self, A: FloatArray, W: FloatArray, b: FloatArray, stride: Pair) -> FloatArray:
+        return local2d_forward(A, W, b, stride)
 
-    def _layers(self, w: FloatArray) -> list[tuple[FloatArray, FloatArray]]:
-        return [
-            (w[a:b].reshape(ws), w[b:c].reshape(bs))
-            for (a, b, c), (ws, bs) in zip(self._offsets, self._param_shapes, strict=True)
-        ]
+    def _layer_backward(
+        self, A: FloatArray, W: FloatArray, delta: FloatArray, stride: Pair, *, need_input: bool
+    ) -> tuple[FloatArray, FloatArray, FloatArray | None]:
+        return local2d_backward(A, W, delta, stride, need_input=need_input)
 
-    def init_params(self, seed: int | None = None) -> FloatArray:
-        """Glorot uniform weights (fan-in = the patch, fan-out = the filters), zero biases.
-
-        Examples
-        --------
-        >>> m = LocallyConnected2D((4, 4), 2, patches=[2])
-        >>> bool((m.init_params(1) == m.init_params(1)).all())
-        True
-        """
-        rng = np.random.default_rng(seed)
-        w = np.zeros(self._n_params)
-        layers = self._layers(w)
-        for index, (W, _) in enumerate(layers):
-            if index == len(layers) - 1:
-                fan_in, fan_out = W.shape
-            else:
-                fan_in, fan_out = int(np.prod(W.shape[2:5])), W.shape[5]
-            limit = np.sqrt(6.0 / (fan_in + fan_out))
-            W[...] = rng.uniform(-limit, limit, size=W.shape)
-        return w
-
-    def _forward(
-        self, w: ArrayLike, X: ArrayLike
-    ) -> tuple[list[tuple[FloatArray, FloatArray]], list[FloatArray]]:
-        w_arr = _checks.as_params(w, self._n_params, self._name)
-        X_arr = _checks.as_rows(X, self.n_features, self._name)
-        layers = self._layers(w_arr)
-        inputs = [X_arr.reshape(X_arr.shape[0], *self._shapes[0])]
-        for (W, b), stride in zip(layers[:-1], self._strides, strict=True):
-            A = local2d_forward(inputs[-1], W, b, stride)
-            activate_(A, self._activation)
-            inputs.append(A)
-        W, b = layers[-1]
-        inputs.append(inputs[-1].reshape(X_arr.shape[0], -1) @ W + b)
-        return layers, inputs
-
-    def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
-        """Summed cross-entropy over the rows and its gradient by backpropagation.
-
-        Examples
-        --------
-        >>> m = LocallyConnected2D((2, 2), 2, patches=[2])
-        >>> loss, _ = m.loss_and_grad(np.zeros(m.n_params), [[1.0, 2.0, 3.0, 4.0]], [1])
-        >>> round(loss, 6)
-        0.693147
-        """
-        layers, inputs = self._forward(w, X)
-        rows = inputs[0].shape[0]
-        labels = _checks.class_labels(_checks.as_targets(y, rows, self._name), self._n_classes, self._name)
-        delta = np.ascontiguousarray(inputs.pop())
-        loss = softmax_xent_(delta, labels)
-        W_out = layers[-1][0]
-        grads: list[FloatArray] = [(inputs[-1].reshape(rows, -1).T @ delta).ravel(), delta.sum(axis=0)]
-        dA = (delta @ W_out.T).reshape(inputs[-1].shape)
-        for index in range(len(layers) - 2, -1, -1):
-            backprop_activation_(dA, inputs[index + 1], self._activation)
-            gW, gb, dA_below = local2d_backward(
-                inputs[index], layers[index][0], dA, self._strides[index], need_input=index > 0
-            )
-            grads = [gW.ravel(), gb.ravel(), *grads]
-            if dA_below is not None:
-                dA = dA_below
-        return loss, np.concatenate(grads)
-
-    def predict(self, w: ArrayLike, X: ArrayLike) -> NDArray[np.int64]:
-        """Most probable class of every row.
-
-        Examples
-        --------
-        >>> m = LocallyConnected2D((2, 2), 2, patches=[2])
-        >>> m.predict(np.zeros(m.n_params), np.ones((3, 4))).shape
-        (3,)
-        """
-        return np.argmax(self._forward(w, X)[1][-1], axis=1).astype(np.int64)
-
-    def accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
-        """Fraction of rows whose predicted class equals ``y``.
-
-        Examples
-        --------
-        >>> m = LocallyConnected2D((2, 2), 2, patches=[2])
-        >>> m.accuracy(np.zeros(m.n_params), np.ones((2, 4)), [0, 1])
-        0.5
-        """
-        return self._accuracy(w, X, y)
+    def _local_fans(self, W: FloatArray) -> tuple[int, int]:
+        return int(np.prod(W.shape[2:5])), W.shape[5]  # a patch of all channels in; the filters out

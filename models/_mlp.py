@@ -15,12 +15,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from scipy.special import expit
 
 from distbelief.models import _checks
 from distbelief.models._base import ModelBase
 from distbelief.models._checks import LabelKind
 from distbelief.models._linear import softmax_xent_
+from distbelief.models._local import activate_
 from distbelief.models._specs import MLPSpec, validate_spec
 
 __all__ = ["MLP"]
@@ -172,15 +172,6 @@ class MLP(ModelBase):
                 W[...] = rng.uniform(-limit, limit, size=W.shape)
         return w
 
-    def _activate_(self, Z: FloatArray) -> None:
-        """Apply the hidden activation in place."""
-        if self._activation == "sigmoid":
-            expit(Z, out=Z)
-        elif self._activation == "tanh":
-            np.tanh(Z, out=Z)
-        else:
-            np.maximum(Z, 0.0, out=Z)
-
     def _backprop_activation_(self, delta: FloatArray, A: FloatArray) -> None:
         """``delta *= f'(Z)``, with the derivative expressed through the activation ``A = f(Z)``.
 
@@ -205,7 +196,7 @@ class MLP(ModelBase):
         for W, b in layers[:-1]:
             A = inputs[-1] @ W
             A += b
-            self._activate_(A)
+            activate_(A, self._activation)
             inputs.append(A)
         W, b = layers[-1]
         Z = inputs[-1] @ W

@@ -653,8 +653,11 @@ class LocallyConnected2DPlan(_SpatialPlan):
 
     def _forward(self, layer: int, A: FloatArray, W: FloatArray, b: FloatArray) -> FloatArray:
         _, w, c = self.model.shapes[layer - 1]
-        Z = local2d_forward(A.reshape(A.shape[0], -1, w, c), W, b, self.model.strides[layer - 1])
-        return Z.reshape(A.shape[0], -1)
+        # Heights spelled out: reshape cannot infer a -1 for no rows.
+        Z = local2d_forward(
+            A.reshape(A.shape[0], A.shape[1] // (w * c), w, c), W, b, self.model.strides[layer - 1]
+        )
+        return Z.reshape(A.shape[0], int(np.prod(Z.shape[1:])))
 
     def _backward(
         self, layer: int, A: FloatArray, W: FloatArray, delta: FloatArray, need_input: bool
@@ -662,13 +665,13 @@ class LocallyConnected2DPlan(_SpatialPlan):
         _, w, c = self.model.shapes[layer - 1]
         rows = A.shape[0]
         gW, gb, dA = local2d_backward(
-            A.reshape(rows, -1, w, c),
+            A.reshape(rows, A.shape[1] // (w * c), w, c),
             W,
             delta.reshape(rows, *W.shape[:2], W.shape[5]),
             self.model.strides[layer - 1],
             need_input=need_input,
         )
-        return gW.ravel(), gb.ravel(), None if dA is None else dA.reshape(rows, -1)
+        return gW.ravel(), gb.ravel(), None if dA is None else dA.reshape(rows, A.shape[1])
 
 
 AnyPlan = MLPPlan | LocallyConnectedPlan | LocallyConnected2DPlan

@@ -315,7 +315,33 @@ def _dcstep(
     return stx, fx, dx, sty, fy, dy, stpf, brackt
 
 
-class StrongWolfeLineSearch:
+class _SearchState:
+    """What both line searches expose while they run (private): ``done``, ``result``, ``step``.
+
+    A subclass keeps its next trial step in ``_stp`` and its outcome in ``_result`` (``None`` while the
+    current search goes on).
+    """
+
+    _stp: float
+    _result: LineSearchResult | None
+
+    @property
+    def done(self) -> bool:
+        """Whether the current search has ended (read :attr:`result`)."""
+        return self._result is not None
+
+    @property
+    def result(self) -> LineSearchResult | None:
+        """The outcome of the current search once :attr:`done`, else ``None``."""
+        return self._result
+
+    @property
+    def step(self) -> float:
+        """The next trial step to evaluate (the accepted step once done)."""
+        return self._stp if self._result is None else self._result.step
+
+
+class StrongWolfeLineSearch(_SearchState):
     """Moré-Thuente line search for the strong Wolfe conditions, as a state machine over scalars.
 
     Finds ``t`` with ``phi(t) <= phi(0) + c1*t*phi'(0)`` and ``|phi'(t)| <= c2*|phi'(0)|`` where
@@ -418,21 +444,6 @@ class StrongWolfeLineSearch:
         # Open interval of steps known to give finite values (see _non_finite).
         self._bad_lo = -math.inf
         self._bad_hi = math.inf
-
-    @property
-    def done(self) -> bool:
-        """Whether the search has ended (read :attr:`result`)."""
-        return self._result is not None
-
-    @property
-    def result(self) -> LineSearchResult | None:
-        """The outcome once :attr:`done`, else ``None``."""
-        return self._result
-
-    @property
-    def step(self) -> float:
-        """The next trial step to evaluate (the accepted step once done)."""
-        return self._stp if self._result is None else self._result.step
 
     def _finish(
         self, status: LineSearchStatus, step: float, phi: float, dphi: float | None, last: bool, message: str
@@ -550,7 +561,7 @@ class StrongWolfeLineSearch:
         return None
 
 
-class ArmijoBacktracking:
+class ArmijoBacktracking(_SearchState):
     """Backtracking line search for the Armijo condition, kept across iterations as a scalar state machine.
 
     Each search starts from the current step size, halves it (``shrink``) until
@@ -616,21 +627,6 @@ class ArmijoBacktracking:
         self._n_evals = 0
         self._result: LineSearchResult | None = None
         self._active = False
-
-    @property
-    def done(self) -> bool:
-        """Whether the current search has ended (read :attr:`result`)."""
-        return self._result is not None
-
-    @property
-    def result(self) -> LineSearchResult | None:
-        """The outcome of the current search once :attr:`done`."""
-        return self._result
-
-    @property
-    def step(self) -> float:
-        """The trial step to evaluate next (the accepted step once done)."""
-        return self._stp if self._result is None else self._result.step
 
     def start(self, phi0: float, dphi0: float) -> float:
         """Begin a search from ``phi(0) = phi0`` with slope ``dphi0`` (< 0); return the first trial step.

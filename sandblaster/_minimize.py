@@ -330,10 +330,10 @@ def minimize(
         Model parallelism (paper, section 3): every replica is split into this many partition actors on
         different workers, each holding only its parameter slice, fetching from and pushing to only the
         shards that hold it, and exchanging only the activations that cross its boundaries
-        (``models.MLP`` and ``models.LocallyConnected``, dense rows). The iterates are those of
-        ``partitions=1`` up to rounding (~1e-13: a partitioned pass adds partial products in another
-        order). A partition whose worker dies is rebuilt on a live one. ``stats["rebuilt_partitions"]``
-        lists them.
+        (``models.MLP``, ``models.LocallyConnected`` and ``models.LocallyConnected2D``, dense rows). The
+        iterates are those of ``partitions=1`` up to rounding (~1e-13: a partitioned pass adds partial
+        products in another order). A partition whose worker dies is rebuilt on a live one.
+        ``stats["rebuilt_partitions"]`` lists them.
 
     Returns
     -------

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -52,6 +53,7 @@ from distbelief.sandblaster._scheduler import PortionScheduler
 from distbelief.storage import Dataset, ShardMap, _exactsum, default_row_cache, keep_loop_responsive
 from distbelief.storage import reduce_results as _reduce_results
 from distbelief.storage._calls import DEAD_STATES, await_call
+from distbelief.storage._direct import install as install_direct_calls
 from distbelief.storage._exchange import PartitionPeer, PassAborted, call_peer
 from distbelief.storage._server import _worker_alive
 
@@ -70,6 +72,8 @@ MAX_REBUILDS = 8
 #: Seconds to start a rebuilt partition and reconnect its replica before the replica is given up as lost.
 REBUILD_TIMEOUT = 60.0
 
+logger = logging.getLogger(__name__)
+
 
 class SandblasterPartition(PartitionPeer):
     """Dask actor: partition ``k`` of Sandblaster replica ``replica`` (partition 0 is the replica's head).
@@ -87,13 +91,17 @@ class SandblasterPartition(PartitionPeer):
     shards : list of int
         The shards holding this partition's parameters, in order.
     call_timeout : float
-        Seconds a shard call or a peer's message may take.
+        Seconds a shard call or a peer's message may take, stretched for wide shards already
+        (:attr:`storage.ParameterServer.timeout`): the shard calls do not stretch it again.
 
     Examples
     --------
     >>> fut = client.submit(SandblasterPartition, 0, 1, plan, ds, ps.shard_map(), [1], 60.0,
     ...                     actor=True)                                   # doctest: +SKIP
     """
+
+    #: Methods the coordinator calls straight through the worker's handler (:mod:`storage._direct`).
+    DIRECT_METHODS = frozenset({"work"})
 
     def __init__(
         self,
@@ -106,6 +114,7 @@ class SandblasterPartition(PartitionPeer):
         call_timeout: float = 60.0,
     ) -> None:
         keep_loop_responsive()  # its compute thread must not slow the shards' and the peers' messages
+        install_direct_calls()  # the coordinator's work calls come straight to a worker handler
         super().__init__(replica, k, call_timeout=call_timeout)
         self.plan, self.dataset, self.map = plan, dataset, shard_map
         self.shards = list(shards)
@@ -180,7 +189,15 @@ class SandblasterPartition(PartitionPeer):
     ) -> tuple[np.ndarray, dict[int, list[Any]]]:
         parts = await asyncio.gather(
             *(
-                self.map.ask(i, "prepare_and_fetch", eval_id, list(prep), [x_name], timeout=self.call_timeout)
+                self.map.ask(
+                    i,
+                    "prepare_and_fetch",
+                    eval_id,
+                    list(prep),
+                    [x_name],
+                    timeout=self.call_timeout,
+                    scale=False,
+                )
                 for i in self.shards
             )
         )
@@ -215,7 +232,7 @@ class SandblasterPartition(PartitionPeer):
         for i in self.shards:
             lo, hi = self.map.layout.ranges()[i]
             part = grad[..., lo - base : hi - base]
-            self.bytes_pushed += 8 * (hi - lo)
+            self.bytes_pushed += part.nbytes  # a binned group sum is 4 values a parameter, not 1
             ask = self.map.ask(
                 i,
                 "accumulate",
@@ -225,6 +242,7 @@ class SandblasterPartition(PartitionPeer):
                 call.eval_id,
                 call.solo,
                 timeout=self.call_timeout,
+                scale=False,
             )
             out.append((i, asyncio.ensure_future(ask)))
         return out
@@ -553,8 +571,16 @@ class PartitionedScheduler(PortionScheduler):
             return self.machine.lose(r)
         try:
             new_group = await asyncio.wait_for(self._rebuild(r, group, lost, live), REBUILD_TIMEOUT)
-        except Exception:
-            return self.machine.lose(r)  # could not rebuild in time: the other replicas redo its work
+        except Exception as exc:
+            # Given up all the same (the other replicas redo its work), but whoever reads the log learns why.
+            moves = ", ".join(
+                f"partition {k} (lost with {group.places[k]}) on {live[(r + j) % len(live)]}"
+                for j, k in enumerate(lost)
+            )  # the placement _rebuild tried
+            logger.warning(
+                "replica %d: rebuilding %s failed: %r; the other replicas take over its work", r, moves, exc
+            )
+            return self.machine.lose(r)
         self._rebuilds += 1
         self.rebuilt += [(r, k) for k in lost]
         self.replicas[r] = (new_group.actors[0], new_group)  # type: ignore[assignment]

@@ -32,6 +32,7 @@ import numpy as np
 from distbelief.errors import ClusterError
 from distbelief.sandblaster._messages import PortionResult, WorkCall, WorkReport, decode, encode
 from distbelief.storage import Dataset, ShardMap, _exactsum, default_row_cache, keep_loop_responsive
+from distbelief.storage._direct import install as install_direct_calls
 from distbelief.storage._keys import (
     SparsePortion,
     compact_portion,
@@ -100,6 +101,9 @@ class Replica:
         CSR rows. ``"dense"``: whole slices (the default).
     """
 
+    #: Methods the coordinator calls straight through the worker's handler (:mod:`storage._direct`).
+    DIRECT_METHODS = frozenset({"work"})
+
     def __init__(
         self,
         index: int,
@@ -111,6 +115,7 @@ class Replica:
         communication: str = "dense",
     ) -> None:
         keep_loop_responsive()  # its compute thread must not slow the shards' and its own messages
+        install_direct_calls()  # the coordinator's work calls come straight to a worker handler
         self.sparse = communication == "sparse"
         #: Key-value mode: the union of the held portions' keys, and which portions it covers.
         self._kv_held: tuple[np.ndarray, frozenset[int]] = (np.zeros(0, dtype=np.int64), frozenset())
@@ -323,8 +328,12 @@ class Replica:
                 reads.append(int(p))
             start = time.perf_counter()
             X, y = self._portion(p)
-            loss, grad = self.model.loss_and_grad(w, X, y)
-            grad = np.asarray(grad, dtype=np.float64)
+            loss, returned = self.model.loss_and_grad(w, X, y)
+            grad = np.asarray(returned, dtype=np.float64)
+            if grad is returned and len(assign) > 1 and (solo or first is None):
+                # Kept past the next portion's loss_and_grad, which may reuse the array it returned (a
+                # model writing into one buffer of its own): its own copy, or the push sums g2 + g2.
+                grad = grad.copy()
             if self.slowdown > 1.0:
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
             results.append((int(p), float(loss), int(X.shape[0])))

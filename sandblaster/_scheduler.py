@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from distributed import Client, Future
-from distributed.utils import sync
 
 from distbelief.errors import ClusterError
 from distbelief.sandblaster._messages import WorkCall, WorkReport, decode, encode
@@ -33,6 +32,7 @@ from distbelief.sandblaster._portions import (
 )
 from distbelief.storage._calls import DEAD_STATES, confirm_dead_async, gather_calls, start_call
 from distbelief.storage._calls import POLL as _POLL
+from distbelief.storage._direct import direct_call
 
 __all__ = ["BALANCED_PACE", "READ_COST_PRIOR", "EvaluationStats", "PortionScheduler"]
 
@@ -128,8 +128,24 @@ class PortionScheduler:
         """
         loop = self.client.loop
         assert loop is not None
-        result: EvaluationStats = sync(loop, self._evaluate, eval_id, x_name, acc_name, tuple(prep))
-        return result
+        aio: asyncio.AbstractEventLoop = loop.asyncio_loop  # type: ignore[attr-defined]  # tornado's AsyncIOLoop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is aio:
+            raise RuntimeError(
+                "PortionScheduler.evaluate blocks: call it from a thread other than the client's loop"
+            )
+        # Straight onto the client's asyncio loop and back: distributed's ``sync`` adds a tornado coroutine
+        # and an extra turn of the loop to every call, and an evaluation is one call (small problems make
+        # hundreds a second).
+        future = asyncio.run_coroutine_threadsafe(self._evaluate(eval_id, x_name, acc_name, tuple(prep)), aio)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # an interrupt (or an error) while waiting: stop the evaluation's coroutine
+            raise
 
     def refresh_shards(self, shard_map: Any, timeout: float = 60.0) -> None:
         """Point every live replica at ``shard_map`` (after the parameter server rebuilt lost shards)."""
@@ -169,7 +185,11 @@ class PortionScheduler:
                     request = WorkCall(
                         eval_id, x_name, acc_name, ins.portions, ins.solo, prep, machine.push_every
                     )
-                    fut = asyncio.ensure_future(self.replicas[ins.replica][0].work(encode(request))._result())
+                    # A plain RPC to the replica's worker, not an actor call (half its cost, measured
+                    # in storage._direct); a lost worker fails it with OSError, as an actor call.
+                    fut = asyncio.ensure_future(
+                        direct_call(self.client.rpc, self.replicas[ins.replica][0], "work", encode(request))
+                    )
                     # A call abandoned (a lost replica's, a backup still running) may fail later: mark its
                     # exception seen so asyncio does not log it as never retrieved.
                     fut.add_done_callback(lambda f: f.cancelled() or f.exception())

@@ -18,6 +18,7 @@ failed line search; Byrd, Lu, Nocedal & Zhu 1995). :func:`minimize_lbfgs_referen
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -253,12 +254,12 @@ class VLBFGSHistory:
     def dot_matrix(self) -> np.ndarray:
         """The ``(2k+1)``-square Gram matrix of :meth:`base_names`, from the cached dot products."""
         names = self.base_names()
-        n = len(names)
-        gram = np.empty((n, n))
-        for i in range(n):
-            for j in range(i, n):
-                gram[i, j] = gram[j, i] = self._dots[_key(names[i], names[j])]
-        return gram
+        dots = self._dots
+        # One comprehension (the key rule of _key inlined): ~8x faster than item-by-item assignment into
+        # the array, and this runs on the coordinator every iteration (~0.1-0.4 ms at m = 10 before).
+        return np.array(
+            [[dots[(a, b) if a <= b else (b, a)] for b in names] for a in names], dtype=np.float64
+        )
 
     # -- protocol ------------------------------------------------------------------------------------
     def push_pair(self) -> tuple[str, str]:
@@ -491,6 +492,11 @@ def resumed_history(resume: Mapping[str, Any], m: int) -> tuple[VLBFGSHistory, l
     return VLBFGSHistory.from_state(resume["hist"]), list(resume["next_values"]), resume.get("descent")
 
 
+def _checkpoint_extra(spec: VLBFGSHistory, values: list[float], descent: float) -> dict[str, Any]:
+    """L-BFGS's scalars in a checkpoint (made only when one is due: the snapshot is not free)."""
+    return {"hist": spec.to_state(), "next_values": values, "descent": descent}
+
+
 class _SpeculativePair:
     """The ops each trial runs with its gradient: the next pair ``s = t*d``, ``y = g_t - g`` in a free
     slot, and its new Gram entries, assuming the line search accepts the trial (it usually does at once).
@@ -613,7 +619,7 @@ def _minimize_lbfgs(
         kept = [name for names in spec.pair_names for name in names]
         close_iteration(
             space, res.step, callback, [st.x, st.g, *kept, *pair.names],
-            {"hist": spec.to_state(), "next_values": list(values), "descent": next_dots[2]},
+            functools.partial(_checkpoint_extra, spec, list(values), next_dots[2]),
         )  # fmt: skip
         stop = stop_test(st, f_old, gtol=gtol, ftol=ftol, maxiter=maxiter)
         if stop is not None:

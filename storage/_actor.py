@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from distbelief.storage._direct import install as install_direct_calls
+from distbelief.storage._layout import Layout
 from distbelief.storage._shard import Shard
 from distbelief.storage._store import open_group
 from distbelief.storage._vectorstore import default_budget
@@ -31,6 +33,7 @@ __all__ = [
     "ShardActor",
     "keep_loop_responsive",
     "read_checkpoint",
+    "read_stored_vector",
     "write_checkpoint",
 ]
 
@@ -60,7 +63,8 @@ def keep_loop_responsive() -> None:
 def write_checkpoint(
     url: str, slot: str, lo: int, hi: int, vectors: dict[str, np.ndarray], cache: dict[str, Any] | None = None
 ) -> None:
-    """Write one shard's slices into the arrays ``{slot}/{name}`` (already created by the server).
+    """Write one shard's slices into ``lo:hi`` of the arrays ``{slot}/{name}`` (already created by the
+    server; ``lo`` is the shard's stored offset, :meth:`Layout.offsets`).
 
     ``cache`` keeps the opened arrays between checkpoints: opening costs metadata reads per array.
     """
@@ -76,9 +80,20 @@ def write_checkpoint(
 
 
 def read_checkpoint(url: str, slot: str, lo: int, hi: int, names: Sequence[str]) -> dict[str, np.ndarray]:
-    """Read one shard's slices of ``names`` from checkpoint slot ``slot``."""
+    """Read one shard's slices of ``names`` from checkpoint slot ``slot`` (``lo:hi`` in the stored arrays,
+    see :meth:`Layout.offsets`)."""
     group = open_group(url, mode="r")
     return {name: np.ascontiguousarray(group[f"{slot}/{name}"][lo:hi], dtype=np.float64) for name in names}
+
+
+def read_stored_vector(url: str, slot: str, layout: Layout, name: str) -> np.ndarray:
+    """The whole vector ``name`` of checkpoint slot ``slot``, without the padding between shards."""
+    stored = read_checkpoint(url, slot, 0, layout.stored_size, [name])[name]
+    if not layout.padded:
+        return stored
+    return np.concatenate(
+        [stored[o : o + hi - lo] for o, (lo, hi) in zip(layout.offsets(), layout.ranges(), strict=True)]
+    )
 
 
 class ShardActor:
@@ -87,7 +102,11 @@ class ShardActor:
 
     ``memory_budget`` is the bytes of vectors the shard keeps in RAM (the rest spill to local files, see
     :mod:`storage._vectorstore`): ``"auto"`` takes a share of this worker's ``memory_limit`` split over its
-    ``shards_here`` shards, ``None`` keeps everything in RAM."""
+    ``shards_here`` shards, ``None`` keeps everything in RAM. ``offset`` is where the shard's range starts in
+    the checkpoint arrays (:meth:`Layout.offsets`; default ``lo``)."""
+
+    #: Methods other workers may call straight through the worker's handler (:mod:`storage._direct`).
+    DIRECT_METHODS = frozenset({"packed"})
 
     def __init__(
         self,
@@ -102,14 +121,18 @@ class ShardActor:
         memory_budget: int | str | None = None,
         shards_here: int = 1,
         spill_dir: str | None = None,
+        offset: int | None = None,
     ) -> None:
         keep_loop_responsive()
+        install_direct_calls()  # its worker answers direct calls of ``packed`` (:mod:`storage._direct`)
         budget = default_budget(shards_here) if memory_budget == "auto" else memory_budget
         assert budget is None or isinstance(budget, int)
         self.core = Shard(index, lo, hi, memory_budget=budget, spill_dir=spill_dir)
         for name, values in (vectors or {}).items():
             self.core.set(name, lo, hi, values)
         self.url = url
+        #: This shard's range in the checkpoint arrays (its range in the vector unless the layout pads).
+        self.stored = (lo, hi) if offset is None else (offset, offset + hi - lo)
         self._arrays: dict[str, Any] = {}  # opened checkpoint arrays, by "slot/name"
         inline = hi - lo <= INLINE_MAX_ELEMENTS
         #: Whether ops run on the event loop itself (a small slice), not on the shard's own thread.
@@ -117,7 +140,7 @@ class ShardActor:
         self._executor = None if inline else ThreadPoolExecutor(1, thread_name_prefix=f"shard{index}")
         if slot is not None:
             for name in names:  # one vector at a time: the budget places each before the next is read
-                self.core.vectors.update(read_checkpoint(url, slot, lo, hi, [name]))
+                self.core.vectors.update(read_checkpoint(url, slot, *self.stored, [name]))
             self.core.load_state(state or {})
 
     async def _do(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -248,22 +271,20 @@ class ShardActor:
 
         if self._executor is None:
             vectors, state = _snapshot()
-            await asyncio.to_thread(
-                write_checkpoint, self.url, slot, self.core.lo, self.core.hi, vectors, self._arrays
-            )
+            await asyncio.to_thread(write_checkpoint, self.url, slot, *self.stored, vectors, self._arrays)
             return state
 
         def _write() -> dict[str, Any]:
             # Large shard: ops are serialized on its one thread, so writing in place is consistent.
             vectors = {n: self.core.vector(n) for n in names}
-            write_checkpoint(self.url, slot, self.core.lo, self.core.hi, vectors, self._arrays)
+            write_checkpoint(self.url, slot, *self.stored, vectors, self._arrays)
             return self.core.state()
 
         return await self._do(_write)
 
     async def restore(self, slot: str, names: Sequence[str], state: dict[str, Any]) -> None:
         """Replace every vector by the checkpoint in ``slot`` (a rollback)."""
-        lo, hi = self.core.lo, self.core.hi
+        lo, hi = self.stored
         if self._executor is not None:
             # Large shard: read one vector at a time on its op thread (ops wait, as they would for the
             # swap), so a restore never holds every vector in RAM at once beside the memory budget.

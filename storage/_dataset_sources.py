@@ -49,9 +49,14 @@ def _label_kind(y: Any, label_kind: object, n_classes: object, compute: Any) -> 
         raise InvalidOptionError(f"label_kind must be one of {_LABEL_KINDS} or None, got {label_kind!r}")
     is_int = (y == da.floor(y)).all()
     is01 = ((y == 0.0) | (y == 1.0)).all()
-    all_int, all01, low = compute(is_int, is01, y.min())
+    all_int, all01, low, high = compute(is_int, is01, y.min(), y.max())
     if all01 or (all_int and low >= 0):
-        # Integer labels: the classes that occur (at most max+1 of them) stand in for y in the usual check.
+        if high >= y.shape[0]:
+            # Classes 0..max cannot all occur in fewer rows: no need to count them (a bincount of
+            # integer-valued regression targets, e.g. 1e10, would not fit in memory). 0 and max stand in.
+            return _detect_labels(np.array([0.0, float(high)]), label_kind, n_classes)
+        # Integer labels: the classes that occur (at most max+1 <= rows of them) stand in for y in the
+        # usual check.
         counts = compute(da.bincount(y.astype(np.int64), minlength=1))
         sample = np.flatnonzero(np.asarray(counts)).astype(np.float64)
         return _detect_labels(sample, label_kind, n_classes)
@@ -122,6 +127,14 @@ def dataset_from_dask(
     return Dataset(loc, meta, p)
 
 
+def _check_features(features: Sequence[Any], label: object) -> None:
+    """Refuse no features, or the label among them (a model would learn the label from itself)."""
+    if not features:
+        raise DatasetError("features must list at least one column (or None: every column but the label)")
+    if label in features:
+        raise DatasetError(f"{label!r} is the label; drop it from features")
+
+
 def _columns(ds: Any, names: str | Sequence[str], what: str) -> Any:
     """``ds[names]`` as a 2-D (rows x features) array, lazy if the variables are Dask-backed."""
     import dask.array as da
@@ -155,6 +168,7 @@ def dataset_from_xarray(
 
     if not isinstance(ds, xr.Dataset):
         raise DatasetError(f"from_xarray needs an xarray.Dataset, got {type(ds).__name__}")
+    _check_features([features] if isinstance(features, str) else list(features), label)
     X = _columns(ds, features, "features")
     if isinstance(label, str) and label in ds.variables:
         y = ds[label].data
@@ -192,6 +206,7 @@ def dataset_from_parquet(
         raise DatasetError(f"cannot read {url!r} as Parquet: {exc}") from exc
     columns = [str(col) for col in frame.columns]
     wanted = [c for c in columns if c != label] if features is None else list(features)
+    _check_features(wanted, label)
     missing = [c for c in [*wanted, label] if c not in columns]
     if missing:
         raise DatasetError(f"{url!r} has no column {missing[0]!r} (it has {columns}); pass its column names")

@@ -183,9 +183,16 @@ class PartitionPeer:
                 return result
             if hasattr(op, "array"):
                 self._count(op.tag, op.array)
-                await asyncio.wait_for(
-                    call_peer(self.peers[op.dest], "deliver", self.k, op.tag, key, op.array), timeout
-                )
+                try:
+                    await asyncio.wait_for(
+                        call_peer(self.peers[op.dest], "deliver", self.k, op.tag, key, op.array), timeout
+                    )
+                except TimeoutError:
+                    raise ClusterError(
+                        f"partition {self.k} of replica {self.replica} could not send {op.tag!r} to "
+                        f"partition {op.dest} within {timeout:g} s; its worker may have died or be "
+                        "overloaded: check the Dask dashboard"
+                    ) from None
                 value = None
             else:
                 try:
@@ -193,7 +200,8 @@ class PartitionPeer:
                 except TimeoutError:
                     raise ClusterError(
                         f"partition {self.k} of replica {self.replica} waited {timeout:g} s for {op.tag!r} "
-                        f"from partition {op.src}; its worker may have died"
+                        f"from partition {op.src}; its worker may have died or be overloaded: check the Dask "
+                        "dashboard"
                     ) from None
                 self.mailbox.pop((op.src, op.tag, key), None)
             self.seconds["wait"] += time.perf_counter() - t1

@@ -24,8 +24,10 @@ def partition_layout(
 
     Each partition's range is split into ``shards_per_partition`` shards.
 
-    The zarr chunk is the largest divisor of every inner boundary that is at most ``target_chunk`` (so no
-    two shards share a chunk).
+    The zarr chunk is as large as the shards allow (up to ``target_chunk``) while the padding that keeps
+    each shard on chunks of its own (:meth:`Layout.offsets`) stays under 1/16 of ``n``. Partition boundaries
+    are seldom multiples of a common large number, so the chunk no longer has to divide them: that made
+    it 1 for most models.
 
     Parameters
     ----------
@@ -63,18 +65,25 @@ def partition_layout(
     for lo, hi in itertools.pairwise(b):
         pieces = min(shards_per_partition, hi - lo)
         out += [lo + (i * (hi - lo)) // pieces for i in range(1, pieces)] + [hi]
-    n = out[-1]
-    g = 0
-    for x in out[1:-1]:
-        g = math.gcd(g, x)
-    g = g or n
-    chunk = max(d for d in _divisors(g) if d <= max(1, target_chunk))
-    return Layout(n=n, chunk=chunk, bounds=tuple(out))
+    return Layout(n=out[-1], chunk=_chunk_for(out, max(1, target_chunk)), bounds=tuple(out))
 
 
-def _divisors(g: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(g) + 1) if g % d == 0]
-    return small + [g // d for d in small]
+def _chunk_for(bounds: Sequence[int], target: int) -> int:
+    """The largest chunk ``ceil(widest / j) <= target`` whose padding is at most ``n / 16``.
+
+    ``j = 1`` gives one chunk per shard (padding: how much narrower each shard is than the widest); larger
+    ``j`` cut the padding, and once the chunk is at most ``n / (16 * shards)`` it is bounded by that
+    (each shard but the last pads less than one chunk), so the search stops there.
+    """
+    sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
+    n, widest = bounds[-1], max(sizes)
+    j = 1
+    while True:
+        chunk = min(target, math.ceil(widest / j))
+        padding = sum(math.ceil(s / chunk) * chunk - s for s in sizes[:-1])
+        if chunk == 1 or 16 * padding <= n:
+            return chunk
+        j = max(j + 1, math.ceil(widest / chunk))
 
 
 def partition_shards(layout: Layout, bounds: Sequence[int]) -> list[list[int]]:

@@ -7,7 +7,8 @@ only scalars come back (DistBelief paper, section 4.2 and the Sandblaster append
 Store layout (zarr v3, no compressor: random floats barely compress and compression costs 3x)::
 
     <store>/                 group; attrs["distbelief_ps"] = layout, current slot, names, shard states, meta
-    <store>/slot0/<name>     float64 (n,), chunked on the layout's chunk grid
+    <store>/slot0/<name>     float64 (layout.stored_size,), chunked on the layout's chunk grid; shard i
+                             at ``layout.offsets()[i]`` (its place in the vector unless the layout pads)
     <store>/slot1/<name>     the other half of a double buffer: a checkpoint writes the slot that is *not*
                              current and flips ``current`` only when every shard has written, so a crash in
                              the middle of a checkpoint leaves the previous one intact.
@@ -45,6 +46,7 @@ from distbelief.storage._calls import (
     gather_calls,
     start_call,
 )
+from distbelief.storage._direct import direct_call
 from distbelief.storage._layout import DEFAULT_TARGET_CHUNK, Layout
 from distbelief.storage._session import NO_WORKERS, worker_addresses
 from distbelief.storage._shard import OPS
@@ -54,7 +56,12 @@ from distbelief.storage._wire import SMALL_BYTES, array_bytes, unpack
 __all__ = ["Batch", "ParameterServer", "ServerStats", "ShardMap", "reduce_results"]
 
 ATTR = "distbelief_ps"
-FORMAT_VERSION = 1
+#: Format 2: shards are stored at ``Layout.offsets()``, each on chunks of its own with padding between
+#: (partition-aligned layouts, whose bounds are not chunk multiples). A store that needs no padding is
+#: written as format 1, byte for byte as before, so older versions still open it; format 1 stores are read
+#: as they always were (their offsets are their bounds).
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 
 
 @dataclass
@@ -241,13 +248,27 @@ class ShardMap:
         actor = self.actors[shard]
         message = (method, args, kwargs)
         if array_bytes(message) <= SMALL_BYTES:
-            return unpack(await actor.packed(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)))
+            request = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            worker = _current_worker()
+            if worker is not None:
+                # A plain RPC to the shard's worker: half an actor call's cost (storage._direct).
+                return unpack(await direct_call(worker.rpc, actor, "packed", request))
+            return unpack(await actor.packed(request))
         return await getattr(actor, method)(*args, **kwargs)
 
     async def ask(
-        self, shard: int, method: str, *args: Any, timeout: float | None = 60.0, **kwargs: Any
+        self,
+        shard: int,
+        method: str,
+        *args: Any,
+        timeout: float | None = 60.0,
+        scale: bool = True,
+        **kwargs: Any,
     ) -> Any:
         """Await ``method`` on shard ``shard`` from a worker's event loop.
+
+        ``timeout`` is stretched for wide shards (:func:`scaled_timeout`) unless ``scale=False``: pass that
+        with a timeout stretched already (:attr:`ParameterServer.timeout`), or it is stretched twice.
 
         Fails fast with :class:`errors.ClusterError` when the shard's worker dies meanwhile. A small shard
         in this very process runs the op inline on this loop: there is no message to wait for and no worker
@@ -265,7 +286,7 @@ class ShardMap:
 
         return await await_call(
             self.call(shard, method, *args, **kwargs),
-            timeout=scaled_timeout(timeout, self.layout),
+            timeout=scaled_timeout(timeout, self.layout) if scale else timeout,
             gone=gone,
             what=f"shard {shard}",
         )
@@ -420,6 +441,7 @@ class ParameterServer:
         for name, values in initial.items():
             if values.size != n:
                 raise InvalidOptionError(f"vector {name!r} has {values.size} values, the server holds {n}")
+        _check_budget(memory_budget)  # before the store is touched
         url = normalize_url(store)
         group = zarr.open_group(store=_store_for(url), mode="a")
         if ATTR in group.attrs and not overwrite:
@@ -430,6 +452,7 @@ class ParameterServer:
         placement = _placement(client, layout.shards, workers)
         largest = max((hi - lo for lo, hi in layout.ranges()), default=0)
         inline = 8 * largest * len(initial) <= INLINE_VECTOR_BYTES
+        offsets = layout.offsets()
         # The actors are built while the store is prepared below: a new shard reads nothing from it.
         futures = [
             client.submit(
@@ -440,6 +463,7 @@ class ParameterServer:
                 url,
                 vectors={name: values[lo:hi] for name, values in initial.items()} if inline else None,
                 **_budget_kwargs(memory_budget, placement, i),
+                offset=offsets[i],
                 actor=True,
                 workers=[placement[i]],
                 allow_other_workers=False,
@@ -449,7 +473,7 @@ class ParameterServer:
             for i, (lo, hi) in enumerate(layout.ranges())
         ]
         meta: dict[str, Any] = {
-            "format": FORMAT_VERSION,
+            "format": FORMAT_VERSION if layout.padded else 1,
             "layout": layout.to_dict(),
             "current": None,
             "checkpoint_id": 0,
@@ -495,6 +519,7 @@ class ParameterServer:
         layout = Layout.from_dict(meta["layout"])
         placement = _placement(client, layout.shards, workers)
         slot = meta["current"]
+        offsets = layout.offsets()
         futures = [
             client.submit(
                 ShardActor,
@@ -506,6 +531,7 @@ class ParameterServer:
                 meta["names"],
                 meta["states"][i] if slot is not None else None,
                 **_budget_kwargs(memory_budget, placement, i),
+                offset=offsets[i],
                 actor=True,
                 workers=[placement[i]],
                 allow_other_workers=False,
@@ -660,6 +686,7 @@ class ParameterServer:
                 self._meta.get("names", []),
                 self._meta["states"][i] if restored else None,
                 **_budget_kwargs(self.memory_budget, [placement[k]], 0),  # its worker's other shards unknown
+                offset=self.layout.offsets()[i],
                 actor=True,
                 workers=[placement[k]],
                 allow_other_workers=False,
@@ -837,7 +864,7 @@ class ParameterServer:
             existing.add(name)
             sub.create_array(
                 name,
-                shape=(self.n,),
+                shape=(self.layout.stored_size,),
                 chunks=(self.layout.chunk,),
                 dtype="float64",
                 compressors=None,
@@ -955,15 +982,28 @@ def _read_attrs(url: str) -> dict[str, Any]:
         raise StoreError(
             f"{url!r} holds no parameter server; create one with ParameterServer.create(client, n, store=...)"
         )
-    if meta.get("format") != FORMAT_VERSION:
-        raise StoreError(f"{url!r} was written by format {meta.get('format')}, this is {FORMAT_VERSION}")
+    if meta.get("format") not in READABLE_FORMATS:
+        raise StoreError(
+            f"{url!r} was written by parameter-server format {meta.get('format')}; this version reads "
+            f"formats {list(READABLE_FORMATS)}: open it with the distbelief version that wrote it"
+        )
+    if meta["format"] == 1 and Layout.from_dict(meta["layout"]).padded:
+        # Format 1 stored every shard at its own bounds; a layout that pads cannot have written it.
+        raise StoreError(f"{url!r} says format 1 but its layout is not chunk-aligned: the store is damaged")
     return dict(meta)
+
+
+def _check_budget(budget: object) -> None:
+    """Refuse a ``memory_budget`` that is not bytes (an int >= 0, not a bool), ``"auto"`` or None."""
+    if budget is None or budget == "auto":
+        return
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise InvalidOptionError(f"memory_budget must be bytes (an int >= 0), 'auto' or None, got {budget!r}")
 
 
 def _budget_kwargs(budget: int | str | None, placement: Sequence[str], i: int) -> dict[str, Any]:
     """The ShardActor keywords for the memory budget of the shard placed at ``placement[i]``."""
-    if budget is not None and budget != "auto" and not (isinstance(budget, int) and budget >= 0):
-        raise InvalidOptionError(f"memory_budget must be bytes (an int >= 0), 'auto' or None, got {budget!r}")
+    _check_budget(budget)
     return {"memory_budget": budget, "shards_here": max(1, list(placement).count(placement[i]))}
 
 

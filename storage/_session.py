@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ __all__ = [
     "as_dataset",
     "embedded_client",
     "is_loopback",
+    "run_store",
     "scheduler_identity",
     "start_vector",
     "worker_addresses",
@@ -120,6 +122,29 @@ def embedded_client(client: Client | None) -> Iterator[Client]:
         Client(cluster, direct_to_workers=True) as embedded,
     ):
         yield embedded
+
+
+@contextlib.contextmanager
+def run_store(store: str | os.PathLike[str] | None, prefix: str) -> Iterator[str]:
+    """``store`` as a string, or a temporary directory (named ``prefix...``) deleted after the ``with`` block.
+
+    A front door's ``store=None`` means "keep nothing": the run's vectors, checkpoints and rows go to the
+    temporary directory.
+
+    Examples
+    --------
+    >>> import os
+    >>> with run_store(None, "doc-") as root:
+    ...     os.path.basename(root).startswith("doc-"), os.path.isdir(root)
+    (True, True)
+    >>> os.path.isdir(root)
+    False
+    """
+    if store is not None:
+        yield str(store)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield tmp
 
 
 def is_loopback(host: str) -> bool:

@@ -50,6 +50,10 @@ class _Accumulator:
     final: list[Any] | None = None
 
 
+#: Versions kept per push source for :meth:`Shard.others_since`: a replica has at most a few pushes in
+#: flight, so its last 64 cover any fetch it still computes from.
+_OWN_VERSIONS = 64
+
 #: op name -> how partial results combine across shards (None: the op returns nothing).
 OPS: dict[str, str | None] = {
     "fill": None,
@@ -432,8 +436,7 @@ class Shard:
     def _applied_push(self, source: str, seq: int) -> None:
         self.last_seq[source] = seq
         self.version += 1
-        # A replica has at most a few pushes in flight: the last 64 cover any fetch it still computes from.
-        self._own_versions.setdefault(source, collections.deque(maxlen=64)).append(self.version)
+        self._own_versions.setdefault(source, collections.deque(maxlen=_OWN_VERSIONS)).append(self.version)
 
     def _count_applied(self, steps: int, staleness: int, staleness_scale: bool) -> None:
         """``staleness`` here is the one the step was scaled by (other sources' updates)."""
@@ -445,7 +448,8 @@ class Shard:
     def _push_at(self, keys: np.ndarray, grad: np.ndarray, rule: str, step: float, param: str) -> None:
         """The update rule at ``keys`` only: the dense rule on the gathered entries, scattered back."""
         w = self.vector(param)
-        if grad.shape != keys.shape or (keys.size and (keys[0] < 0 or keys[-1] >= w.size)):
+        _check_keys(self.index, keys, w.size)
+        if grad.shape != keys.shape:
             raise InvalidOptionError(
                 f"shard {self.index}: key-value push with {keys.size} keys and {grad.size} values "
                 f"for a slice of {w.size}"
@@ -463,7 +467,10 @@ class Shard:
         if rule == "adagrad":
             acc = self.vectors.get(f"{param}.adagrad")
             if acc is None:
-                acc = self.vectors[f"{param}.adagrad"] = np.zeros(self.size)
+                self.vectors[f"{param}.adagrad"] = np.zeros(self.size)
+                # Read back: over the memory budget the store spilled it, and updates to the array given
+                # would not reach the file.
+                acc = self.vectors[f"{param}.adagrad"]
         if keys is not None and not keys.size:
             return  # nothing to update (and BLAS refuses empty vectors)
         w_at = w if keys is None else w[keys]
@@ -519,8 +526,7 @@ class Shard:
             raise InvalidOptionError(
                 f"shard {self.index}: {keys.size} keys but values of shape {values.shape}"
             )
-        if keys.size and (int(keys.min()) < 0 or int(keys.max()) >= self.size):
-            raise InvalidOptionError(f"shard {self.index}: pushed keys outside its slice of {self.size}")
+        _check_keys(self.index, keys, self.size)
         taken = self.accumulate(name, values, portions, epoch=epoch, solo=solo, keys=keys)
         return self._maybe_finalize(name, taken)
 
@@ -700,16 +706,43 @@ class Shard:
 
     # -- persistence -----------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """Scalar state kept beside the vectors in a checkpoint."""
-        return {**self.counters(), "last_seq": dict(self.last_seq)}
+        """Scalar state kept beside the vectors in a checkpoint (JSON-able).
+
+        It includes the versions each source's pushes produced: :meth:`others_since` of a shard restored
+        from it (a new one, or this one rolled back) leaves out the same updates as this shard does now.
+        """
+        own = {src: list(versions) for src, versions in self._own_versions.items()}
+        return {**self.counters(), "last_seq": dict(self.last_seq), "own_versions": own}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`state`."""
+        """Inverse of :meth:`state`.
+
+        A checkpoint written before ``own_versions`` were kept restores none (every update it holds then
+        counts as another source's, as in a new shard): never the versions of pushes it does not hold.
+        """
         self.version = int(state.get("version", 0))
         self.last_seq = {str(k): int(v) for k, v in dict(state.get("last_seq", {})).items()}
+        self._own_versions = {
+            str(src): collections.deque((int(v) for v in versions), maxlen=_OWN_VERSIONS)
+            for src, versions in dict(state.get("own_versions", {})).items()
+        }
         self.applied = int(state.get("applied", 0))
         self.applied_weight = float(state.get("applied_weight", 0.0))
         self.applied_steps_sq = int(state.get("applied_steps_sq", 0))
+
+
+def _check_keys(index: int, keys: np.ndarray, size: int) -> None:
+    """Refuse pushed keys that are not sorted, unique local offsets in ``[0, size)``: a negative one would
+    update an entry from the end, a repeated one would lose one of its updates in the scatter."""
+    if keys.ndim != 1 or (keys.size and keys.dtype.kind not in "iu"):
+        raise InvalidOptionError(
+            f"shard {index}: a key-value push needs a 1-D integer array of keys, got {keys.dtype}"
+        )
+    if keys.size and (int(keys[0]) < 0 or int(keys[-1]) >= size or not bool(np.all(keys[1:] > keys[:-1]))):
+        raise InvalidOptionError(
+            f"shard {index}: a key-value push needs sorted, unique local offsets in [0, {size}) "
+            "(storage._keys.split_keys gives them)"
+        )
 
 
 def _signed_values(

@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as _dt
 import gzip
 import math
 import os
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, cast
 
@@ -183,18 +181,9 @@ def sparse_layout(
 
 
 def _new_meta(n_rows: int, n_features: int, c: int, p: int, kind: Any, k: int | None) -> _d._Meta:
-    return _d._Meta(
-        dataset_id=uuid.uuid4().hex,
-        n_rows=n_rows,
-        n_features=n_features,
-        chunk_rows=c,
-        portion_rows=p,
-        label_kind=kind,
-        n_classes=k,
-        created_at=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        format_version=FORMAT_VERSION,
-        layout=LAYOUT,
-    )
+    """A dense dataset's fresh metadata, marked as CSR and as the format version that older readers refuse."""
+    meta = _d._Meta.fresh(n_rows, n_features, c, p, kind, k)
+    return dataclasses.replace(meta, format_version=FORMAT_VERSION, layout=LAYOUT)
 
 
 # ---------------------------------------------------------------------------------------------- writing

@@ -247,17 +247,16 @@ class VectorStore(MutableMapping[str, np.ndarray]):
             self._write_file(name, vec)
 
     # -- files -----------------------------------------------------------------------------------------
-    def _path(self, name: str) -> str:
+    def _new_file(self, name: str) -> str:
         if self._dir is None:
             self._dir = tempfile.mkdtemp(prefix="shard-spill-")
             self._own_dir = True
         os.makedirs(self._dir, exist_ok=True)
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-        return os.path.join(self._dir, f"{safe}-{len(self._files)}-{os.getpid()}.f64")
-
-    def _new_file(self, name: str) -> str:
-        path = self._path(name)
-        with open(path, "wb") as f:
+        # A name of its own, made atomically: the shards of one worker may share a spill directory, and
+        # names can sanitize alike ("a b", "a_b"); two vectors in one file would overwrite each other.
+        fd, path = tempfile.mkstemp(prefix=f"{safe}-", suffix=".f64", dir=self._dir)
+        with os.fdopen(fd, "wb") as f:
             f.truncate(8 * self.size)  # sparse file: no disk written until the op fills it
         self._files[name] = path
         return path

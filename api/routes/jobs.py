@@ -14,6 +14,7 @@ from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
 from distbelief.api._admission import WorkerMemory, admit
+from distbelief.api._fastpath import job_body
 from distbelief.api._http import error_responses
 from distbelief.api._jobstore import json_safe
 from distbelief.api.deps import RunnerDep, SettingsDep
@@ -82,34 +83,21 @@ async def list_jobs(
     return {"data": data, "count": count}
 
 
-_PUBLIC_FIELDS = frozenset(JobPublic.model_fields)
-
-
 def job_json(record: dict[str, Any]) -> Response:
-    """A job record as the JSON body of a ``JobPublic``, encoded directly.
-
-    Status reads are the hottest route (the dashboard and clients poll them): a record the runner wrote has
-    exactly the public fields with JSON values already, so it skips FastAPI's validation and re-encoding
-    through the response model, which cost more than the rest of the read. Anything else (a record from an
-    older store, a NaN) goes through ``JobPublic`` as before.
+    """A job record as the JSON response of a ``JobPublic`` (see :func:`api._fastpath.job_body`).
 
     Examples
     --------
     >>> job_json(record).media_type   # doctest: +SKIP
     'application/json'
     """
-    try:
-        if record.keys() != _PUBLIC_FIELDS:
-            raise ValueError("not exactly the public fields")
-        body = json.dumps(record, allow_nan=False, separators=(",", ":")).encode()
-    except (TypeError, ValueError):
-        body = JobPublic.model_validate(record).model_dump_json().encode()
-    return Response(body, media_type="application/json")
+    return Response(job_body(record), media_type="application/json")
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=error_responses(404))
 async def get_job(job_id: str, runner: RunnerDep) -> Response:
     """One job: status, progress, latest metrics, and the result once it has finished."""
+    # The plain case is answered before this route, by api._fastpath.StatusReadFastPath: keep the two alike.
     return job_json(runner.get(job_id))
 
 

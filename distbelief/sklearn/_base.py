@@ -14,7 +14,6 @@ import atexit
 import contextlib
 import numbers
 import os
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +26,7 @@ from sklearn.exceptions import ConvergenceWarning
 
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.storage import Dataset
+from distbelief.storage._session import run_store
 
 __all__ = ["SOLVERS", "FreeParams", "fit_model", "resolve_client"]
 
@@ -98,7 +98,7 @@ class FreeParams:
         loss, grad = self.model.loss_and_grad(w, X, y)
         grad = np.array(grad, dtype=np.float64)
         w_arr = np.asarray(w, dtype=np.float64)
-        n = len(X)  # type: ignore[arg-type]
+        n = np.shape(X)[0]  # not len(X): the rows of a sparse dataset are a csr_array, whose len() raises
         for a, b in self.free:
             part = w_arr[a:b]
             loss -= n * 0.5 * self.l2 * float(part @ part)
@@ -210,11 +210,8 @@ def picklable_state(state: dict[str, Any]) -> dict[str, Any]:
 @contextlib.contextmanager
 def fit_store(store: str | os.PathLike[str] | None) -> Iterator[str]:
     """``store`` itself, or a temporary directory deleted after the fit."""
-    if store is not None:
-        yield str(store)
-        return
-    with tempfile.TemporaryDirectory(prefix="distbelief-fit-") as tmp:
-        yield tmp
+    with run_store(store, "distbelief-fit-") as root:
+        yield root
 
 
 def check_common(solver: object, penalty: object, max_iter: object, tol: object, name: str) -> None:
@@ -228,9 +225,11 @@ def check_common(solver: object, penalty: object, max_iter: object, tol: object,
         raise InvalidOptionError(f"{name}: penalty must be 'l2' or None, got {penalty!r}")
     if solver not in SOLVERS:
         raise InvalidOptionError(f"{name}: solver must be one of {SOLVERS}, got {solver!r}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int | np.integer) or max_iter < 1:
+    # numbers.Integral / numbers.Real take numpy's scalars too (np.int32(5), np.float32(1e-4)), as
+    # scikit-learn's parameter checks do; a bool is an Integral, but never a count or a tolerance.
+    if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 1:
         raise InvalidOptionError(f"{name}: max_iter must be an int >= 1, got {max_iter!r}")
-    if isinstance(tol, bool) or not isinstance(tol, int | float) or not tol >= 0:
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not float(tol) >= 0:
         raise InvalidOptionError(f"{name}: tol must be a number >= 0, got {tol!r}")
 
 

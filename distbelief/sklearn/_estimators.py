@@ -23,6 +23,7 @@ from distbelief.sklearn._base import (
     is_dask_array,
     map_rows,
     picklable_state,
+    resolve_client,
 )
 from distbelief.storage import Dataset
 
@@ -102,6 +103,8 @@ class _Distbelief(BaseEstimator):
         from distbelief.storage._dataset_sources import dataset_from_dask
 
         name = type(self).__name__
+        # The estimator's cluster, not the process's default scheduler: the rows are read where they live.
+        client = resolve_client(self.client)
         if not (is_dask_array(X) and is_dask_array(y)):
             raise DatasetError(f"{name}.fit: pass X and y both as Dask arrays (or both as numpy arrays)")
         if X.ndim != 2 or y.ndim != 1:
@@ -109,12 +112,12 @@ class _Distbelief(BaseEstimator):
                 f"{name}.fit: X must be 2-D and y 1-D, got X.ndim={X.ndim} and y.ndim={y.ndim}"
             )
         if self._classifier:
-            classes = np.asarray(da.unique(y).compute())
+            classes = np.asarray(client.compute(da.unique(y), sync=True))
             check_classification_targets(classes)
             self.classes_ = classes
             y = y.map_blocks(lambda b: np.searchsorted(classes, b).astype(np.float64), dtype=np.float64)
         self.n_features_in_ = int(X.shape[1])
-        ds = dataset_from_dask(X, y, path=f"{store}/data", overwrite=True)
+        ds = dataset_from_dask(X, y, path=f"{store}/data", overwrite=True, client=client)
         return ds, ds.n_rows
 
     def _rows(self, X: Any) -> FloatArray:
@@ -539,13 +542,9 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
                 x0=model.init_params(seed), seed=0 if seed is None else seed,
                 downpour_options=self.downpour_options,
             )  # fmt: skip
-        self.coefs_, self.intercepts_ = [], []
-        start = 0
-        for fan_in, fan_out in itertools.pairwise(sizes):
-            self.coefs_.append(w[start : start + fan_in * fan_out].reshape(fan_in, fan_out).copy())
-            start += fan_in * fan_out
-            self.intercepts_.append(w[start : start + fan_out].copy())
-            start += fan_out
+        layers = model.unpack(w)
+        self.coefs_ = [W.copy() for W, _ in layers]
+        self.intercepts_ = [b.copy() for _, b in layers]
         self.n_iter_ = self._nit
         self.n_layers_ = len(sizes)
         self.n_outputs_ = k

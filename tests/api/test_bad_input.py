@@ -66,6 +66,10 @@ def _spec(**changes: Any) -> dict[str, Any]:
     return {**LBFGS, **changes}
 
 
+def _downpour(**options: Any) -> dict[str, Any]:
+    return {**DOWNPOUR, "options": {"epochs": 1, **options}}
+
+
 # Each case: request kwargs, expected status, words the message must hold.
 JOB_CASES: list[tuple[str, dict[str, Any], int, tuple[str, ...]]] = [
     (
@@ -144,6 +148,46 @@ JOB_CASES: list[tuple[str, dict[str, Any], int, tuple[str, ...]]] = [
         422,
         ("'l2'", "finite number"),
     ),
+    # Downpour's fuse, compression and max_coalesce (downpour.train's options, as JSON).
+    ("fuse as a string", {"json": _downpour(fuse="no")}, 422, ("'fuse'", "valid boolean")),
+    ("fuse as a number", {"json": _downpour(fuse=0)}, 422, ("'fuse'", "valid boolean")),
+    ("compression as a number", {"json": _downpour(compression=0.1)}, 422, ('{"tau": <threshold > 0>}',)),
+    ("compression as a list", {"json": _downpour(compression=[0.1])}, 422, ('{"tau"', "[0.1]")),
+    ("compression without tau", {"json": _downpour(compression={})}, 422, ("'compression.tau'", "required")),
+    ("tau = 0", {"json": _downpour(compression={"tau": 0})}, 422, ("'compression.tau'", "greater than 0")),
+    ("negative tau", {"json": _downpour(compression={"tau": -1.0})}, 422, ("greater than 0",)),
+    (
+        "tau as a string",
+        {"json": _downpour(compression={"tau": "0.1"})},
+        422,
+        ("'compression.tau'", "number"),
+    ),
+    ("huge tau", {"json": _downpour(compression={"tau": 1e7})}, 422, ("less than or equal to 1000000",)),
+    (
+        "NaN tau",
+        {
+            "content": json.dumps(_downpour(compression={"tau": 1.0})).replace("1.0", "NaN").encode(),
+            "headers": {"Content-Type": "application/json"},
+        },
+        422,
+        ("'compression.tau'", "finite number"),
+    ),
+    (
+        "unknown key of compression",
+        {"json": _downpour(compression={"tau": 0.1, "taus": 2})},
+        422,
+        ("unknown key 'compression.taus'", "takes: tau"),
+    ),
+    (
+        "compression for L-BFGS",
+        {"json": _spec(options={"compression": {"tau": 0.1}})},
+        422,
+        ("unknown option",),
+    ),
+    ("negative max_coalesce", {"json": _downpour(max_coalesce=-1)}, 422, ("'max_coalesce'", "0")),
+    ("fractional max_coalesce", {"json": _downpour(max_coalesce=2.5)}, 422, ("'max_coalesce'", "integer")),
+    ("max_coalesce as a bool", {"json": _downpour(max_coalesce=True)}, 422, ("'max_coalesce'", "integer")),
+    ("huge max_coalesce", {"json": _downpour(max_coalesce=10**7)}, 422, ("'max_coalesce'", "less than")),
     ("unknown algorithm", {"json": _spec(algorithm="adam")}, 422, ("algorithm", "sandblaster-lbfgs")),
     ("l1 for a smooth method", {"json": _spec(options={"l1": 0.1})}, 422, ('use method="owlqn"',)),
     (

@@ -157,6 +157,11 @@ def test_local_mistakes_are_one_line_too(files: dict[str, Path], capsys: pytest.
     assert_one_line(code, err, "is not valid JSON")
     code, _, err = run(["datasets", "upload", str(files["job"])], capsys)
     assert_one_line(code, err, "neither .npz", "nor .csv")
+    for not_an_object in ("[1, 2]", '"job"', "null"):  # was "unexpected ValueError", exit code 3
+        files["job"].with_name("list.json").write_text(not_an_object)
+        code, _, err = run(["submit", str(files["job"].with_name("list.json"))], capsys)
+        assert_one_line(code, err, "list.json holds", "not a JSON object")
+        assert code == 2
 
 
 def test_datasets_upload_list_show(

@@ -135,3 +135,37 @@ def test_cli_submit_and_status(
     monkeypatch.setenv("DISTBELIEF_API_TOKEN", "")
     assert main(["status", "--url", server]) == 1
     assert "HTTP 401" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["../datasets/digits", "..", ".", "", "a?b=1", "a/cancel", "a#b", "x y"])
+def test_an_id_or_name_is_one_path_segment_never_another_route(bad: str) -> None:
+    # "../datasets/digits" as a job id made DELETE /api/jobs/{id} delete the dataset "digits".
+    from urllib.parse import quote
+
+    import httpx
+
+    from distbelief.errors import InvalidOptionError
+
+    sent: list[str] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.raw_path.decode())
+        return httpx.Response(404, json={"detail": "no such thing"})
+
+    calls = {
+        "/api/jobs/{}": ("delete", "job"),
+        "/api/jobs/{}/cancel": ("cancel",),
+        "/api/jobs/{}/params": ("params",),
+        "/api/jobs/{}/metrics": ("metrics",),
+        "/api/datasets/{}": ("dataset", "delete_dataset"),
+    }
+    with Client("http://127.0.0.1:1", transport=httpx.MockTransport(record)) as c:
+        for route, methods in calls.items():
+            for method in methods:
+                sent.clear()
+                with pytest.raises((InvalidOptionError, ApiError)) as info:
+                    getattr(c, method)(bad)
+                if isinstance(info.value, InvalidOptionError):  # refused before anything was sent
+                    assert not sent and bad in ("", ".", "..")
+                else:  # sent, as one escaped path segment of the route it was meant for
+                    assert sent == [route.format(quote(bad, safe=""))], method

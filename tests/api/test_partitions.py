@@ -73,6 +73,14 @@ async def test_bad_specs_and_partitions_get_422_and_nothing_is_stored(
             ),
             (_downpour(LC2D, partitions=2, warmstart_steps=3), "warmstart_steps=3 is not supported with"),
             (
+                _downpour(LC2D, partitions=2, compression={"tau": 0.1}),
+                "compression={'tau': 0.1} is not supported with partitions=2",
+            ),
+            (
+                _downpour(LC2D, partitions=2, max_coalesce=4),
+                "max_coalesce=4 is not supported with partitions=2",
+            ),
+            (
                 _downpour(LC2D, partitions=2, max_steps=None, time_limit=5.0),
                 "time_limit=5.0 is not supported",
             ),

@@ -16,7 +16,7 @@ from distributed import Client as DaskClient
 from distbelief import models, sandblaster
 from distbelief.downpour._resume import checkpoint_vector, resume_point
 from distbelief.storage import Dataset, load_digits
-from tests.api.conftest import npz_bytes, running_app, settings_for, wait_final
+from tests.api.conftest import npz_bytes, running_app, settings_for, wait_final, wait_iterations
 
 pytestmark = pytest.mark.anyio
 
@@ -189,3 +189,120 @@ async def test_a_running_downpour_job_resumes_from_its_shard_checkpoint(
     # It went on from there (SGD noise: not always below the checkpoint's) and reached its target.
     assert models.objective(model, w, X, y)[0] < 0.1 * f0
     assert np.all(objective[first:] < 0.5 * f0)
+
+
+def test_a_downpour_job_taken_up_again_keeps_its_metrics_rows_up_to_the_checkpoint_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Downpour's metrics rows are indexed by step: the rows kept on a restart are those up to the
+    # checkpoint's step (they were compared with its time in seconds, which kept almost none).
+    from distbelief.api._jobstore import JobStore
+    from distbelief.api.runner import JobRunner
+    from distbelief.downpour import _resume
+
+    point = _resume.ResumePoint(step=100, time=2.5, replicas=[], checkpoint_id=3, final=False)
+    monkeypatch.setattr(_resume, "resume_point", lambda store: point)
+    store = JobStore(str(tmp_path))
+    record = {
+        "id": "bbbbbbbbbbbbbbbb", "algorithm": "downpour-sgd", "status": "running", "restarts": 0,
+        "created_at": "2026-01-01T00:00:00+00:00",
+    }  # fmt: skip
+    store.save_record(record)
+    rows = [[float(step), step / 40.0, 1.0 / (1 + step)] for step in (0, 50, 100, 150, 200)]
+    store.save_metrics(record["id"], "step", ["step", "time", "objective"], rows)
+    runner = JobRunner(settings_for(tmp_path), store, client=None)  # type: ignore[arg-type]
+    runner._stopping.set()  # the job is taken up but must not run: there is no cluster
+    try:
+        runner.start()
+        job = runner._jobs[record["id"]]
+        assert job.record["status"] == "queued" and job.record["resumed_from"] == 100
+        assert job.rows is not None and [r[0] for r in job.rows] == [0.0, 50.0, 100.0]
+    finally:
+        runner.stop(timeout=0.1)
+
+
+def test_a_resumed_downpour_job_ends_with_its_rows_from_before_the_checkpoint(tmp_path: Path) -> None:
+    # The resumed run's history starts at its checkpoint: the job's metrics keep the rows before it.
+    import xarray as xr
+
+    from distbelief.api._jobstore import JobStore
+    from distbelief.api.runner import JobRunner, RunOutcome, _Job
+
+    store = JobStore(str(tmp_path))
+    runner = JobRunner(settings_for(tmp_path), store, client=None)  # type: ignore[arg-type]
+    runner._evaluate = lambda *args: {}  # type: ignore[method-assign]
+    record = {
+        "id": "cccccccccccccccc", "algorithm": "downpour-sgd", "status": "running", "options": {},
+        "resumed_from": 100, "created_at": "2026-01-01T00:00:00+00:00",
+    }  # fmt: skip
+    job = _Job.of(record, columns=["step", "objective"], rows=[[0.0, 2.0], [50.0, 1.5], [100.0, 1.2]])
+    runner._jobs[record["id"]] = job
+    history = xr.Dataset(
+        {"objective": ("time", [1.2, 1.0, 0.9]), "step": ("time", [100, 150, 200])},
+        coords={"time": [2.5, 3.0, 4.0]},
+    )
+    outcome = RunOutcome(x=np.zeros(2), history=history, summary={"stop_reason": "epochs", "message": "ok"})
+    try:
+        runner._finish(job, outcome, model=None, data=None, eval_data=None)  # type: ignore[arg-type]
+        assert job.record["status"] == "succeeded" and job.columns[:2] == ["step", "objective"]
+        assert job.rows is not None and [r[0] for r in job.rows] == [0.0, 50.0, 100.0, 150.0, 200.0]
+        assert [r[1] for r in job.rows] == [2.0, 1.5, 1.2, 1.0, 0.9]
+    finally:
+        runner._stopping.set()
+        runner.stop(timeout=0.1)
+
+
+# Model parallelism: a locally connected network on the digits in 2 partitions. 600 steps leave the job
+# running well past its first progress row (~30 steps) and the ~0.5 s its stop takes, and little to do after.
+LC = {"kind": "locally_connected", "n_features": 64, "n_classes": 10, "fields": [6], "strides": [2]}
+PARTITIONED = {"partitions": 2, "replicas": 1, "max_steps": 600, "lr": 0.1, "checkpoint_every_s": 0.2}
+
+
+async def test_a_running_partitioned_job_resumes_from_its_shard_checkpoint(
+    tmp_path: Path, client: DaskClient
+) -> None:
+    X, y = load_digits()
+    model = models.from_spec(LC)
+    perm = models.partition_plan(model, 2).perm
+    f0 = models.objective(model, model.init_params(0), X, y)[0]
+    settings = settings_for(tmp_path)
+    body = {"algorithm": "downpour-sgd", "dataset": "digits", "model": LC, "options": PARTITIONED}
+    async with running_app(settings, client) as (_, http):
+        await http.post("/api/datasets", data={"name": "digits"}, files={"file": ("d.npz", npz_bytes(X, y))})
+        job = (await http.post("/api/jobs", json=body)).json()
+        run_dir = tmp_path / "jobs" / job["id"] / "run"
+        # Stopped once it reports steps: the stop checkpoints it (a periodic checkpoint may not exist yet).
+        record = await wait_iterations(http, job["id"], 1)
+        assert record["status"] == "running", record
+    # The app stopped the job after the step under way, checkpointed it with its exact step count, and
+    # left it "running".
+    stored = json.loads((tmp_path / "jobs" / job["id"] / "job.json").read_text())
+    assert stored["status"] == "running"
+    point = resume_point(run_dir)
+    assert point is not None and point.final and record["iterations"] <= point.step < 600
+    x_ckpt = np.empty(model.n_params)
+    x_ckpt[perm] = checkpoint_vector(run_dir)
+    f_ckpt = models.objective(model, x_ckpt, X, y)[0]
+    assert f_ckpt < 0.9 * f0  # the checkpoint is well away from the start
+
+    async with running_app(settings, client) as (_, http):
+        resumed = await wait_final(http, job["id"])
+        assert resumed["status"] == "succeeded", resumed["message"]
+        assert resumed["resumed_from"] == point.step and resumed["restarts"] == 1
+        result = resumed["result"]
+        assert result["stop_reason"] == "max_steps" and result["steps"] == 600
+        # Only the steps after the checkpoint ran again (a push per partition a step), on shards whose
+        # clocks went on from the checkpoint's: every step of both runs applied once.
+        assert result["stats"]["resumed_from"] == point.step
+        assert result["stats"]["pushes"] == 2 * (600 - point.step)
+        assert [c["applied"] for c in result["stats"]["shard_counters"]] == [600, 600]
+        metrics = (await http.get(f"/api/jobs/{job['id']}/metrics")).json()["columns"]
+    steps = np.array(metrics["step"])
+    objective = np.array(metrics["objective"], dtype=float)
+    assert np.all(np.diff(steps) >= 0) and steps[-1] == 600
+    # The interrupted run's rows are kept up to the checkpoint; the resumed run's rows go on from there,
+    # with the objective of the progress rows near the checkpoint's, not F(x0).
+    assert steps[0] <= point.step and point.step in steps
+    later = objective[(steps > point.step) & np.isfinite(objective)]
+    assert later.size and np.all(later < 0.9 * f0)
+    assert result["objective"] < f_ckpt

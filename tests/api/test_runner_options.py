@@ -151,3 +151,20 @@ async def test_the_app_freezes_once_after_its_first_job(
     alone._collect_garbage()
     alone.stop(timeout=1)
     assert len(freezes) == 2
+
+
+def test_a_downpour_job_with_more_replicas_than_rows_is_refused_at_submission(tmp_path: Path) -> None:
+    # It was accepted (201) and failed when it started: "cannot split 10 rows among 20 replicas".
+    X, y = tiny_xy(n=10)
+    settings = settings_for(tmp_path)
+    store = JobStore(settings.store)
+    Dataset.from_arrays(X, y, path=f"{store.datasets_root}/ten")
+    runner = JobRunner(settings, store, client=None)  # type: ignore[arg-type]
+    body = {"algorithm": "downpour-sgd", "dataset": "ten", "model": LOGISTIC}
+    try:
+        with pytest.raises(InvalidOptionError, match="cannot split 10 rows among 20 replicas"):
+            runner.submit(JobCreate.model_validate({**body, "options": {"epochs": 1, "replicas": 20}}))
+        assert runner.list_jobs()[1] == 0 and store.load_records() == []  # nothing queued or stored
+    finally:
+        runner._stopping.set()
+        runner.stop(timeout=0.1)

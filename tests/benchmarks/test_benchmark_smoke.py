@@ -185,6 +185,12 @@ def test_api_load_quick_run(tmp_path: Path) -> None:
     assert len(run["load_average_before"]) == 3 and len(report["machine"]["load_average_at_end"]) == 3
     assert report["summary"]["this"]["submit"]["p99_ms"] == run["submit"]["p99_ms"]
     assert report["reference"]["all_final_s"] > 0
+    # ... and which code the server ran: this checkout, served with uvloop and httptools if it finds them.
+    code = run["code"]
+    assert code == report["summary"]["this"]["code"]
+    assert set(code) == {"commit", "dirty", "uvloop", "httptools"}
+    assert code["uvloop"] == (importlib.util.find_spec("uvloop") is not None)
+    assert code["httptools"] == (importlib.util.find_spec("httptools") is not None)
 
 
 def test_api_load_marks_a_slow_read_as_missed() -> None:

@@ -15,6 +15,8 @@ MODULES = [
     "distbelief.downpour._partitioned",
     "distbelief.downpour._reference",
     "distbelief.downpour._replica",
+    "distbelief.downpour._train",
+    "distbelief.downpour._watch",
 ]
 
 

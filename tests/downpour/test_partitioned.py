@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
 import math
 import os
@@ -16,7 +18,7 @@ from distributed import Client
 
 from distbelief import downpour, models
 from distbelief.downpour import BatchPlan, sequential_sgd
-from distbelief.errors import InvalidOptionError
+from distbelief.errors import ClusterError, DatasetError, InvalidOptionError
 from distbelief.storage import Dataset, worker_addresses
 from distbelief.storage._digits import train_test_split_digits
 
@@ -29,9 +31,7 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
     return Dataset.from_arrays(X_TR, Y_TR, path=path, portion_rows=512, label_kind="classes", n_classes=10)
 
 
-def _reference(
-    model: models.MLP | models.LocallyConnected, ds: Dataset, steps: int, **kw: float
-) -> np.ndarray:
+def _reference(model: models.MLP | models.LocallyConnected, ds: Dataset, steps: int, **kw: Any) -> np.ndarray:
     plan = BatchPlan.for_rows(ds, 0, ds.n_rows, batch_size=32, seed=3, replica=0)
     batches = list(itertools.islice(plan.global_batches(100), steps))
     return sequential_sgd(model, X_TR, Y_TR, model.init_params(3), batches, **kw)  # type: ignore[arg-type]
@@ -90,7 +90,7 @@ def test_unsupported_options_are_refused(client: Client, digits: Dataset) -> Non
     with pytest.raises(InvalidOptionError, match="n_push"):
         downpour.train(model, digits, partitions=2, n_push=0, max_steps=1, client=client)
     for bad in (-1.0, math.inf, "5", True):
-        with pytest.raises(InvalidOptionError, match="checkpoint_every_s must be"):
+        with pytest.raises(InvalidOptionError, match=r"checkpoint_every_s=.* is invalid"):
             downpour.train(model, digits, partitions=2, checkpoint_every_s=bad, max_steps=1, client=client)
     with pytest.raises(InvalidOptionError, match="cannot be partitioned"):
         downpour.train(models.Softmax(64, 10), digits, partitions=2, max_steps=1, client=client)
@@ -196,9 +196,17 @@ def test_a_killed_worker_holding_a_shard_and_partitions_is_recovered_from_the_ch
 def test_a_callback_sees_the_progress_and_can_stop_the_run(client: Client, digits: Dataset) -> None:
     model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
     seen: list[downpour.Progress] = []
+    on_event_loop: list[bool] = []
 
     def stop_after_a_few(progress: downpour.Progress) -> None:
         seen.append(progress)
+        # The user's code (the service's writes its metrics to the store) must not block the Dask client's
+        # event loop, which every actor call of every run in the process goes through.
+        try:
+            asyncio.get_running_loop()
+            on_event_loop.append(True)
+        except RuntimeError:
+            on_event_loop.append(False)
         if progress.step >= 10:
             raise StopIteration
 
@@ -210,7 +218,141 @@ def test_a_callback_sees_the_progress_and_can_stop_the_run(client: Client, digit
     assert seen[-1].step >= 10 and 10 <= res.steps < 100_000
     assert [p.step for p in seen] == sorted(p.step for p in seen) and seen[-1].replicas_alive == 2
     assert any(np.isfinite(p.train_loss) for p in seen)
+    assert on_event_loop and not any(on_event_loop)
     # Every push the partitions saw applied is on the shards: the stop lost none.
     per = res.stats["per_partition"]
     for k, shard in enumerate(res.stats["shard_counters"]):
         assert shard["applied"] == sum(p["applied"] for p in per if p["partition"] == k) > 0
+
+
+def test_a_second_run_on_the_same_store_starts_over(client: Client, digits: Dataset, tmp_path: Any) -> None:
+    # The service runs a job in the same run directory again when a restart interrupted it before its end
+    # (a partitioned job starts over): the shards the first run left in the store must not stop it.
+    model = models.MLP([64, 8, 10])
+    first = downpour.train(model, digits, partitions=2, max_steps=2, store=tmp_path, client=client)
+    again = downpour.train(model, digits, partitions=2, max_steps=2, store=tmp_path, client=client)
+    assert first.success and again.success and again.steps == 2
+
+
+@pytest.mark.parametrize(
+    ("option", "match"),
+    [
+        ({"lr": -1.0}, "lr=-1.0 is invalid"),
+        ({"lr": math.nan}, "lr=nan is invalid"),
+        ({"l2": -1.0}, "l2=-1.0 is invalid"),
+        ({"seed": -1}, "seed=-1 is invalid"),
+        ({"max_steps": 0}, "max_steps=0 is invalid"),
+        ({"epochs": 0, "max_steps": None}, "epochs=0 is invalid"),
+        ({"call_timeout": 0.0}, "call_timeout=0.0 is invalid"),
+        ({"shuffle": "yes"}, "shuffle='yes' is invalid"),
+        ({"trace": 1}, "trace=1 is invalid"),
+        ({"partitions": True}, "partitions must be a positive integer"),
+        # Options a partitioned run would otherwise ignore without a word.
+        ({"resume": True}, "holds no Downpour checkpoint"),  # resume needs one in the store
+        ({"eval_every": 0.5}, "eval_every=0.5 is not supported with partitions=2"),
+        ({"poll_every": 0.5}, "poll_every=0.5 is not supported with partitions=2"),
+        ({"max_loss_growth": 2.0}, "max_loss_growth=2.0 is not supported with partitions=2"),
+        ({"fuse": False}, "fuse=False is not supported with partitions=2"),
+        ({"communication": "sparse"}, "communication='sparse' is not supported with partitions=2"),
+    ],
+)
+def test_bad_or_ignored_options_are_refused_before_the_run(
+    client: Client, digits: Dataset, tmp_path: Any, option: dict[str, Any], match: str
+) -> None:
+    kwargs: dict[str, Any] = {"partitions": 2, "max_steps": 1, "client": client, "store": tmp_path, **option}
+    with pytest.raises(InvalidOptionError, match=match):
+        downpour.train(models.MLP([64, 8, 10]), digits, **kwargs)
+    assert not any(tmp_path.iterdir())  # nothing was stored
+
+
+def test_a_partitioned_run_whose_parameters_blow_up_is_not_a_success(client: Client, digits: Dataset) -> None:
+    # It reported success=True with inf / NaN parameters (the service then called the job "succeeded").
+    model = models.MLP([64, 8, 10], activation="relu")
+    res = downpour.train(model, digits, partitions=2, rule="sgd", lr=1e300, max_steps=20, client=client)
+    assert not np.isfinite(res.x).all()
+    assert not res.success and res.stop_reason == "diverged" and "lower lr" in res.message
+
+
+@pytest.mark.parametrize(
+    ("model", "match"),
+    [
+        (models.MLP([10, 8, 10]), "features"),  # the digits have 64: it trained on the first 10
+        (models.MLP([64, 8, 3]), "label"),  # labels 0..9 for 3 classes
+    ],
+    ids=["features", "labels"],
+)
+def test_data_the_model_cannot_train_on_is_refused(
+    client: Client, digits: Dataset, model: models.MLP, match: str
+) -> None:
+    with pytest.raises(DatasetError, match=match):
+        downpour.train(model, digits, partitions=2, max_steps=2, client=client)
+
+
+def test_a_failed_partition_says_why(client: Client, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "a partition of replica 0 failed (its worker is alive)" said nothing of the error the partition raised.
+    from distbelief.downpour import _partitioned
+    from distbelief.storage._calls import confirm_dead_async
+
+    # The worker is alive: no need to watch it for the 10 s grace a lost worker gets to be reported.
+    monkeypatch.setattr(_partitioned, "confirm_dead_async", functools.partial(confirm_dead_async, grace=0.3))
+    ds = Dataset.from_arrays(X_TR, Y_TR, path=tmp_path / "d", label_kind="classes", n_classes=10)
+    for chunk in (tmp_path / "d" / "X").rglob("*"):  # the rows are gone: every read of them fails
+        if chunk.is_file() and chunk.name != "zarr.json":
+            chunk.write_bytes(b"not a chunk")
+    with pytest.raises(ClusterError, match=r"a partition of replica 0 failed \(its worker is alive\): \w+"):
+        downpour.train(models.MLP([64, 8, 10]), ds, partitions=2, max_steps=2, client=client)
+
+
+def test_a_stopped_partitioned_run_resumes_from_its_checkpoint_as_if_never_stopped(
+    client: Client, digits: Dataset, tmp_path: Any
+) -> None:
+    # One replica: sequential Adagrad (as sequential SGD above), so the stopped run and the resumed one
+    # together must be the uninterrupted run: parameters, Adagrad accumulators and counts all restored.
+    from distbelief.downpour._resume import checkpoint_vector, resume_point
+
+    model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
+    opts: dict[str, Any] = dict(replicas=1, partitions=2, rule="adagrad", lr=0.1, l2=1e-3, max_steps=80,
+                                seed=3, client=client, store=tmp_path, trace=True)  # fmt: skip
+    seen: list[downpour.Progress] = []
+
+    def stop_at_once(progress: downpour.Progress) -> None:
+        seen.append(progress)
+        if progress.step >= 1:
+            raise StopIteration
+
+    first = downpour.train(model, digits, **opts, callback=stop_at_once)
+    assert first.stop_reason == "callback" and 1 <= first.steps < 80
+    point = resume_point(tmp_path)
+    assert point is not None and point.final and point.step == first.steps
+    x0 = model.init_params(3)
+    # The checkpoint holds the stopped run's parameters (partition-major on the shards), not x0.
+    np.testing.assert_array_equal(np.sort(checkpoint_vector(tmp_path)), np.sort(first.x))
+    assert np.linalg.norm(first.x - x0) > 0
+    # Its progress rows carry the objective at the shards' parameters (F(x0) on the first).
+    f = [p.objective for p in seen if np.isfinite(p.objective)]
+    assert f and f[-1] < models.objective(model, x0, X_TR, Y_TR, l2=1e-3)[0]
+
+    # Resuming needs the run's store, a checkpoint in it, and the run's partitions and replicas.
+    with pytest.raises(InvalidOptionError, match="needs the store"):
+        downpour.train(model, digits, **{**opts, "store": None}, resume=True)
+    with pytest.raises(InvalidOptionError, match="holds no Downpour checkpoint"):
+        downpour.train(model, digits, **{**opts, "store": tmp_path / "empty"}, resume=True)
+    with pytest.raises(InvalidOptionError, match="with partitions=2 and"):
+        downpour.train(model, digits, **{**opts, "partitions": 3}, resume=True)
+    with pytest.raises(InvalidOptionError, match="resume it with replicas=1"):
+        downpour.train(model, digits, **{**opts, "replicas": 2}, resume=True)
+
+    res = downpour.train(model, digits, **opts, resume=True)
+    assert res.success and res.stop_reason == "max_steps" and res.steps == 80, res.message
+    assert res.stats["resumed_from"] == first.steps
+    # Each partition pushed once a step, for the steps after the checkpoint only.
+    assert res.stats["pushes"] == 2 * (80 - first.steps)
+    # The stop let every partition finish the step under way (PartitionActor.finish): the checkpoint holds
+    # exactly the steps it counts, and the two runs together are the uninterrupted one.
+    assert len({p["steps"] for p in first.stats["per_partition"]}) == 1, first.stats["per_partition"]
+    assert [c["applied"] for c in res.stats["shard_counters"]] == [80, 80]
+    ref = _reference(model, digits, 80, rule="adagrad", lr=0.1, l2=1e-3)
+    np.testing.assert_allclose(res.losses[0], ref.losses[first.steps :], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(res.x, ref.x, rtol=1e-10, atol=1e-12)
+    assert res.history.step.values[0] == first.steps
+    assert res.history.time.values[0] == pytest.approx(point.time)

@@ -269,6 +269,34 @@ def test_bad_input_is_refused_before_anything_runs(client: Client, digits: Datas
         downpour.train(model, (X_TR[:3], Y_TR[:3]), replicas=4, max_steps=1, client=client)
 
 
+@pytest.mark.timeout(20)  # the shards of an unknown worker were waited for forever
+@pytest.mark.parametrize("partitions", [1, 2], ids=["replicas", "partitions"])
+@pytest.mark.parametrize("where", ["shard_workers", "replica_workers"])
+def test_worker_addresses_not_in_the_cluster_are_refused(
+    client: Client, digits: Dataset, tmp_path: Path, where: str, partitions: int
+) -> None:
+    model = models.MLP([64, 8, 10])
+    run: dict[str, Any] = {"max_steps": 1, "partitions": partitions, "client": client, "store": tmp_path}
+    with pytest.raises(InvalidOptionError, match=f"{where}=.*list of worker addresses"):
+        downpour.train(model, digits, **run, **{where: "tcp://127.0.0.1:1"})  # a string, not a list
+    with pytest.raises(InvalidOptionError, match=r"'tcp://127\.0\.0\.1:1' is not a worker of the cluster"):
+        downpour.train(model, digits, **run, **{where: ["tcp://127.0.0.1:1"]}, call_timeout=2.0)
+    assert not (tmp_path / "params").exists() and not (tmp_path / "ps").exists()
+
+
+@pytest.mark.parametrize("partitions", [1, 2], ids=["replicas", "partitions"])
+def test_a_callback_that_is_not_callable_is_refused_before_anything_is_stored(
+    client: Client, digits: Dataset, tmp_path: Path, partitions: int
+) -> None:
+    # It was a TypeError from the driver loop once the shards and replicas were running.
+    with pytest.raises(InvalidOptionError, match="callback=5 is invalid"):
+        downpour.train(
+            models.MLP([64, 8, 10]), digits, max_steps=5, partitions=partitions, callback=5,  # type: ignore[arg-type]
+            client=client, store=tmp_path,
+        )  # fmt: skip
+    assert not any(tmp_path.iterdir())
+
+
 def test_sparse_rows_train_as_their_dense_copy(client: Client, tmp_path: Path) -> None:
     import scipy.sparse as sp
 

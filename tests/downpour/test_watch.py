@@ -48,6 +48,45 @@ def test_growth_past_the_bound_is_divergence() -> None:
     assert feed(w, [(0.7, 0.7), (1e6, 1e6)]) == [None, None]
 
 
+def test_a_loss_back_at_its_starting_value_is_not_divergence() -> None:
+    # Logistic regression from w = 0 (every row's loss ln 2): a replica whose first fetch came before any
+    # push was applied takes its first step there, after the other's running loss fell tenfold. Its row read
+    # ln 2 one ulp up (a difference of cumulative sums) against a first row of exactly ln 2: "diverged".
+    ln2 = math.log(2.0)
+    loss_sum = 20.0  # the replicas' cumulative loss before the row; then one 16-row step at w = 0
+    window = ((loss_sum + 16 * ln2) - loss_sum) / 16
+    assert window == math.nextafter(ln2, math.inf)  # the driver's rounding, not a made-up ulp
+    w = Watchdog(10.0)
+    assert feed(w, [(math.nan, math.nan), (ln2, math.nan), (0.0171, math.nan)]) == [None, None, None]
+    assert w.observe(train_loss=window, test_loss=math.nan) is None
+    assert w.observe(train_loss=ln2 * (1 + 1e-9), test_loss=math.nan) is None
+    # A millionth above its start and more is growth past it, as before.
+    msg = w.observe(train_loss=ln2 * (1 + 2e-6), test_loss=math.nan)
+    assert msg is not None and "to 0.6931" in msg
+
+
+def test_the_objective_not_one_mini_batch_is_judged_for_growth() -> None:
+    # A short run records a row every step: a row's running loss is one 16-row mini-batch. Breast-cancer
+    # logistic regression from w = 0: batches scored ln 2 (the first row), then 0.005, then 0.74 while F at
+    # the row's parameters was 0.23, and the run stopped as "diverged".
+    ln2 = math.log(2.0)
+    rows = [(math.nan, ln2), (ln2, 0.48), (0.005, 0.24), (0.74, 0.23)]  # (running loss, objective)
+    w = Watchdog(10.0, running_loss_growth=False)
+    assert [w.observe(train_loss=a, test_loss=math.nan, objective=f) for a, f in rows] == [None] * 4
+    # The objective is judged: back above its value at the start after falling tenfold is divergence.
+    assert w.observe(train_loss=0.1, test_loss=math.nan, objective=0.02) is None
+    msg = w.observe(train_loss=0.1, test_loss=math.nan, objective=0.8)
+    assert msg is not None and "training objective grew from 0.02 (its lowest) to 0.8" in msg
+    # The running loss still counts when it is NaN or infinite; a row without parameters has no objective.
+    w = Watchdog(10.0, running_loss_growth=False)
+    assert w.observe(train_loss=1e9, test_loss=math.nan, objective=math.nan) is None
+    assert "training loss became inf" in (w.observe(train_loss=math.inf, test_loss=math.nan) or "")
+    # Judged on the running loss (a run whose rows carry no parameters), those batches are divergence.
+    w = Watchdog(10.0)
+    verdicts = [w.observe(train_loss=a, test_loss=math.nan) for a, _ in rows]
+    assert verdicts[:3] == [None] * 3 and verdicts[3] is not None
+
+
 def test_stall_needs_a_flat_loss_and_a_gradient_that_is_not_small() -> None:
     t = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     flat = [1.0, 0.7, 0.6, 0.55, 0.55, 0.5499, 0.5498]

@@ -135,6 +135,14 @@ def test_bad_input() -> None:
         m.loss_and_grad(np.zeros(4), np.ones((2, 2)), np.zeros(2))
     with pytest.raises(InvalidOptionError, match="no predict_fn"):
         m.predict(np.zeros(3), np.ones((2, 2)))
+    for scale in ("big", float("nan"), -1.0):
+        with pytest.raises(InvalidOptionError, match="init_scale must be a finite number >= 0"):
+            models.JaxModel(logistic_loss, 3, init_scale=scale)  # type: ignore[arg-type]
+    # The rows of a sparse dataset reach the model as a csr_array, which JAX cannot take.
+    import scipy.sparse as sp
+
+    with pytest.raises(InvalidOptionError, match="dense rows"):
+        m.loss_and_grad(np.zeros(3), sp.csr_array(np.ones((2, 3))), np.zeros(2))
 
 
 def test_missing_jax_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from distbelief.errors import ModelSpecError
 from distbelief.models import (
+    LocallyConnected,
     LocallyConnected2D,
     LocallyConnected2DPlan,
     from_spec,
@@ -150,3 +151,23 @@ def test_bad_shapes_are_refused() -> None:
         LocallyConnected2D((8, 8), 1)
     with pytest.raises(ModelSpecError, match="channels"):
         LocallyConnected2D((8, 8), 2, channels=0)
+
+
+@pytest.mark.parametrize(
+    "m",
+    [
+        LocallyConnected2D((5, 4), 3, channels=2, patches=[(3, 2)], filters=[2]),
+        LocallyConnected(8, 3, fields=[3, 2], strides=[2, 1]),
+    ],
+)
+def test_no_rows_give_a_zero_loss_and_gradient_as_the_other_models(
+    m: LocallyConnected2D | LocallyConnected,
+) -> None:
+    w = m.init_params(0)
+    loss, grad = m.loss_and_grad(w, np.zeros((0, m.n_features)), np.zeros(0))
+    assert loss == 0.0
+    np.testing.assert_array_equal(grad, np.zeros(m.n_params))
+    assert m.predict(w, np.zeros((0, m.n_features))).shape == (0,)
+    loss, grad, _ = run_partitioned(partition_plan(m, 2), w, np.zeros((0, m.n_features)), np.zeros(0))
+    assert loss == 0.0
+    np.testing.assert_array_equal(grad, np.zeros(m.n_params))

@@ -11,6 +11,7 @@ from distbelief.errors import InvalidOptionError, ModelSpecError
 from distbelief.models import (
     MLP,
     LocallyConnected,
+    LocallyConnected2D,
     Softmax,
     partition_plan,
     run_partitioned,
@@ -132,3 +133,60 @@ def test_bad_locally_connected_shapes_are_refused() -> None:
         LocallyConnected(8, 2, fields=[3, 2], strides=[1])
     with pytest.raises(ModelSpecError, match="n_classes"):
         LocallyConnected(8, 1)
+    # A number where a list per layer is expected: a ModelSpecError that shows the form, not a TypeError.
+    with pytest.raises(ModelSpecError, match=r"fields must be a list with one entry per local layer"):
+        LocallyConnected(10, 2, fields=5)  # type: ignore[arg-type]
+    with pytest.raises(ModelSpecError, match=r"strides must be a list"):
+        LocallyConnected(10, 2, fields=[3], strides=2)  # type: ignore[arg-type]
+    for bad in ({"patches": 3}, {"strides": 2}, {"filters": 2}):
+        with pytest.raises(ModelSpecError, match=f"{next(iter(bad))} must be a list"):
+            LocallyConnected2D((8, 8), 2, **bad)  # type: ignore[arg-type]
+    # An iterator is read once, not once for the fields and again for the default strides.
+    assert LocallyConnected(10, 2, fields=iter([3, 2])).widths == (10, 8, 7)
+
+
+def test_the_docs_of_partitions_name_every_model_that_can_be_partitioned() -> None:
+    import re
+    from pathlib import Path
+
+    from distbelief import downpour, models, sandblaster
+    from distbelief.downpour import _partitioned as downpour_partitioned
+
+    built_in = [
+        models.LeastSquares(4),
+        models.Logistic(4),
+        models.Softmax(4, 3),
+        MLP([4, 3, 2]),
+        LocallyConnected(8, 2, fields=[3]),
+        LocallyConnected2D((4, 4), 2, patches=[2]),
+    ]
+    splittable = set()
+    for model in built_in:
+        try:
+            partition_plan(model, 2)
+        except InvalidOptionError:
+            continue
+        splittable.add(type(model).__name__)
+    assert splittable == {"MLP", "LocallyConnected", "LocallyConnected2D"}
+
+    def section(doc: str, start: str) -> str:
+        # From the parameter's line to the next parameter's or section's (or the end of the docstring).
+        tail = doc[doc.index(start) :]
+        end = re.search(r"\n    \S", tail[1:])
+        return tail if end is None else tail[: end.start() + 1]
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    bullet = readme[readme.index("- **Model parallelism**") :].split("\n- ", 1)[0]
+    train_partitioned = downpour_partitioned.train_partitioned
+    texts = {
+        "sandblaster.minimize(partitions=)": section(sandblaster.minimize.__doc__ or "", "    partitions :"),
+        "downpour.train(partitions=)": section(downpour.train.__doc__ or "", "    partitions :"),
+        "train_partitioned(model=)": section(train_partitioned.__doc__ or "", "    model :"),
+        "README": bullet,
+    }
+    for where, text in texts.items():
+        named = {name for name in splittable if re.search(rf"\b{name}\b", text)}
+        assert named == splittable, f"{where} omits {sorted(splittable - named)}"
+        for model in built_in:
+            name = type(model).__name__
+            assert name in splittable or not re.search(rf"\b{name}\b", text), f"{where} names {name}"

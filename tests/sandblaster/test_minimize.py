@@ -19,7 +19,7 @@ from distbelief import models, sandblaster
 from distbelief.errors import ClusterError, InvalidOptionError
 from distbelief.sandblaster._minimize import SandblasterOptions, open_session
 from distbelief.sandblaster._replica import Replica
-from distbelief.storage import Dataset
+from distbelief.storage import Dataset, _exactsum
 from tests.sandblaster import conftest
 from tests.sandblaster.conftest import Problem
 
@@ -436,3 +436,41 @@ def test_a_second_run_finds_its_rows_in_the_workers_memory(client: Client, tmp_p
     third = sandblaster.minimize(problem.model, rewritten, store=tmp_path / "c", **common)
     assert client.run(_row_cache_misses) != misses
     assert third.fun != first.fun
+
+
+class _OneBufferLogistic:
+    """A model that returns the same gradient array every call (as models writing into a preallocated
+    buffer do): the replica must not keep that array past the next call."""
+
+    def __init__(self, model: Any) -> None:
+        self.inner = model
+        self.n_params = model.n_params
+        self.buffer = np.zeros(model.n_params)
+
+    def loss_and_grad(self, w: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+        loss, grad = self.inner.loss_and_grad(w, X, y)
+        self.buffer[:] = grad
+        return loss, self.buffer
+
+
+@pytest.mark.parametrize("solo", [False, True])
+def test_a_model_that_reuses_its_gradient_buffer_is_summed_right(
+    logistic_digits: Problem, tmp_path: Path, solo: bool
+) -> None:
+    problem = logistic_digits
+    ds = dataset(problem, tmp_path / "data", portion_rows=256)
+    replica = Replica(0, _OneBufferLogistic(problem.model), ds, None)  # type: ignore[arg-type]
+    try:
+        w = np.random.default_rng(1).standard_normal(problem.model.n_params)
+        _, grads, *_ = replica._compute_portions(w, [0, 1, 2], solo)
+        expected = [problem.model.loss_and_grad(w, *ds.read_portion(p))[1] for p in (0, 1, 2)]
+        got = [g for _, g in grads]
+        if solo:
+            for g, e in zip(got, expected, strict=True):
+                np.testing.assert_allclose(g, e, rtol=1e-12)
+        else:
+            (total,) = got
+            summed = _exactsum.value(total) if total.size != problem.model.n_params else total
+            np.testing.assert_allclose(summed, sum(expected), rtol=1e-10)
+    finally:
+        asyncio.run(replica.close())

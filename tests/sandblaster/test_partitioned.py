@@ -148,3 +148,102 @@ def test_examples_run() -> None:
         _partitioned, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False
     )
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_partition_counts_the_bytes_of_a_binned_push(tmp_path: Path) -> None:
+    # A summed group travels as an exact-sum state (storage._exactsum: 4 rows a parameter), not a vector.
+    import asyncio
+
+    from distbelief.sandblaster._messages import WorkCall
+    from distbelief.storage import Dataset, Layout, _exactsum
+
+    model = models.MLP([3, 4, 2])
+    plan = _partitioned.partition_plan(model, 2)
+    n = plan.bounds[-1]
+    ds = Dataset.from_arrays(np.ones((4, 3)), np.zeros(4), path=tmp_path / "d")
+
+    class Map:
+        layout = Layout(n=n, chunk=1, bounds=tuple(plan.bounds))
+
+        async def ask(self, *args: Any, **kwargs: Any) -> tuple[bool, None]:
+            return True, None
+
+    part = _partitioned.SandblasterPartition(0, 1, plan, ds, Map(), [1])  # type: ignore[arg-type]
+    size = plan.bounds[2] - plan.bounds[1]
+    binned = _exactsum.deposit(_exactsum.zeros(size), np.ones(size))
+
+    async def push() -> None:
+        for grad, solo in ((np.ones(size), True), (binned, False)):
+            call = WorkCall(1, "x", "acc", (0, 1), solo=solo)
+            await asyncio.gather(*(f for _, f in part._push(call, [0, 1], grad)))
+
+    asyncio.run(push())
+    part._compute.shutdown()
+    assert part.bytes_pushed == 8 * size + binned.nbytes
+
+
+def test_a_partitions_shard_calls_stretch_the_timeout_once(tmp_path: Path, monkeypatch: Any) -> None:
+    # minimize(partitions=K) hands the partitions ps.timeout, already stretched for wide shards
+    # (storage.scaled_timeout): the shard calls must not stretch it again (8x became 64x at 2**26 a shard).
+    import asyncio
+
+    from distbelief.sandblaster._messages import WorkCall
+    from distbelief.storage import Dataset, Layout, ShardMap, _server
+
+    layout = Layout.split(1 << 27, 2)  # 2**26 parameters a shard: the timeout is stretched 8 times
+    stretched = _server.scaled_timeout(60.0, layout)
+    assert stretched == 480.0
+    waits: list[float | None] = []
+
+    async def await_call(call: Any, *, timeout: float | None, **kwargs: Any) -> Any:
+        call.close()  # never sent: only the timeout it would be awaited with matters here
+        waits.append(timeout)
+        return True, [np.zeros(1)], []
+
+    monkeypatch.setattr(_server, "await_call", await_call)
+    plan = _partitioned.partition_plan(models.MLP([3, 4, 2]), 2)
+    ds = Dataset.from_arrays(np.ones((4, 3)), np.zeros(4), path=tmp_path / "d")
+    shard_map = ShardMap(layout, (object(), object()))
+    part = _partitioned.SandblasterPartition(0, 1, plan, ds, shard_map, [1], stretched)
+    call = WorkCall(1, "x", "acc", (0, 1), solo=True)
+
+    async def fetch_and_push() -> None:
+        await part._fetch_own(1, "x", [])
+        await asyncio.gather(*(f for _, f in part._push(call, [0, 1], np.ones(4))))
+
+    try:
+        asyncio.run(fetch_and_push())
+    finally:
+        part._compute.shutdown()
+    assert waits == [stretched, stretched]
+
+
+def test_a_failed_rebuild_is_logged_with_its_workers_and_cause(caplog: Any, monkeypatch: Any) -> None:
+    # The replica is still given up (its work goes to the others), but why is no longer dropped silently.
+    import asyncio
+    import logging
+
+    class Group:
+        places = ("tcp://w0", "tcp://w1")
+
+        def dead(self) -> list[int]:
+            return [1]
+
+    class Machine:
+        def lose(self, r: int) -> list[Any]:
+            return [("lost", r)]
+
+    async def rebuild(*args: Any) -> None:
+        raise MemoryError("no room for the partition's rows")
+
+    sched = object.__new__(_partitioned.PartitionedScheduler)
+    sched.replicas = [(None, Group())]
+    sched.workers = ["tcp://w0", "tcp://w1", "tcp://w2"]
+    sched.machine, sched._rebuilds, sched.max_rebuilds = Machine(), 0, 3  # type: ignore[assignment]
+    monkeypatch.setattr(sched, "_rebuild", rebuild)
+    with caplog.at_level(logging.WARNING, logger="distbelief.sandblaster._partitioned"):
+        assert asyncio.run(sched._replica_lost(0)) == [("lost", 0)]
+    (record,) = caplog.records
+    text = record.getMessage()
+    assert record.levelno == logging.WARNING and "replica 0" in text and "partition 1" in text
+    assert "tcp://w1" in text and "tcp://w0" in text and "no room for the partition's rows" in text

@@ -11,8 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import minimize
-from scipy.special import expit
-from sklearn.datasets import load_digits
 from threadpoolctl import threadpool_limits
 
 from distbelief.errors import DatasetError, InvalidOptionError, ProtocolError
@@ -22,6 +20,7 @@ from distbelief.sandblaster._vlbfgs import (
     two_loop_reference,
     vlbfgs_coefficients,
 )
+from tests.sandblaster._problems import ill_conditioned_lsq, logistic_digits, rosenbrock
 
 
 @pytest.fixture(autouse=True)
@@ -289,54 +288,15 @@ def test_protocol_errors() -> None:
 # -- the reference driver against SciPy's L-BFGS-B ----------------------------------------------------
 
 
-def _logistic_digits() -> tuple:
-    features, labels = load_digits(return_X_y=True)
-    x = np.hstack([features / 16.0, np.ones((features.shape[0], 1))])
-    t = np.where(labels == 0, 1.0, -1.0)
-    l2, n_rows = 1e-3, x.shape[0]
-
-    def fg(w: np.ndarray) -> tuple[float, np.ndarray]:
-        z = t * (x @ w)
-        f = np.logaddexp(0.0, -z).sum() / n_rows + 0.5 * l2 * (w @ w)
-        return float(f), -(x.T @ (t * expit(-z))) / n_rows + l2 * w
-
-    return fg, np.zeros(x.shape[1])
-
-
-def _ill_conditioned_lsq(n: int = 60, rows: int = 200, cond: float = 1e4) -> tuple:
-    rng = np.random.default_rng(0)
-    u, _ = np.linalg.qr(rng.standard_normal((rows, n)))
-    v, _ = np.linalg.qr(rng.standard_normal((n, n)))
-    a = (u * np.sqrt(np.logspace(0, np.log10(cond), n))) @ v.T  # cond(A^T A) = cond
-    b = rng.standard_normal(rows)
-
-    def fg(x: np.ndarray) -> tuple[float, np.ndarray]:
-        r = a @ x - b
-        return 0.5 * float(r @ r), a.T @ r
-
-    return fg, np.zeros(n)
-
-
-def _rosenbrock(n: int = 100) -> tuple:
-    def fg(x: np.ndarray) -> tuple[float, np.ndarray]:
-        f = np.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2)
-        g = np.zeros_like(x)
-        g[:-1] = -400.0 * x[:-1] * (x[1:] - x[:-1] ** 2) - 2.0 * (1.0 - x[:-1])
-        g[1:] += 200.0 * (x[1:] - x[:-1] ** 2)
-        return float(f), g
-
-    return fg, np.tile([-1.2, 1.0], n // 2)
-
-
 # Default tolerances on the logistic problem (the runs coincide step for step). On the two slow problems
 # the ftol rule fires while f is still ~1e-7 (relative) above the optimum, at a point that depends on
 # rounding; tighter tolerances make both runs reach the optimum, so their objectives can be compared.
 CASES = [
-    ("logistic", _logistic_digits, 10, {}),
-    ("logistic-m3", _logistic_digits, 3, {}),
-    ("lsq", _ill_conditioned_lsq, 10, {"gtol": 1e-8, "ftol": 1e-13}),
-    ("rosenbrock", _rosenbrock, 10, {"gtol": 1e-8, "ftol": 1e-13}),
-    ("rosenbrock-m3", _rosenbrock, 3, {"gtol": 1e-8, "ftol": 1e-13}),
+    ("logistic", logistic_digits, 10, {}),
+    ("logistic-m3", logistic_digits, 3, {}),
+    ("lsq", ill_conditioned_lsq, 10, {"gtol": 1e-8, "ftol": 1e-13}),
+    ("rosenbrock", rosenbrock, 10, {"gtol": 1e-8, "ftol": 1e-13}),
+    ("rosenbrock-m3", rosenbrock, 3, {"gtol": 1e-8, "ftol": 1e-13}),
 ]
 
 
@@ -354,7 +314,7 @@ def test_reference_lbfgs_matches_scipy(name: str, make: Callable[[], tuple], m: 
 
 
 def test_reference_lbfgs_budget_and_bad_input() -> None:
-    fg, x0 = _rosenbrock(10)
+    fg, x0 = rosenbrock(10)
     r = minimize_lbfgs_reference(fg, x0, maxiter=5)
     assert (r.success, r.nit) == (False, 5)
     start = minimize_lbfgs_reference(fg, np.ones(10))

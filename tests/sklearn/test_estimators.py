@@ -18,7 +18,7 @@ from sklearn.preprocessing import StandardScaler
 from distbelief import models
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.sklearn import LinearRegression, LogisticRegression, MLPClassifier, SoftmaxRegression
-from distbelief.sklearn._base import FreeParams, resolve_client
+from distbelief.sklearn._base import FreeParams, check_common, resolve_client
 from distbelief.storage import Dataset
 
 
@@ -120,6 +120,20 @@ def test_free_params_cancels_the_penalty_exactly() -> None:
     assert sum(p[0] for p in parts) / 50 + 0.5 * l2 * float(w @ w) == pytest.approx(value, rel=1e-12)
 
 
+def test_free_params_takes_the_csr_rows_of_a_sparse_dataset() -> None:
+    # fit(dataset) hands the rows of a sparse Dataset (csr_array) to the model: len() of one raises.
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(6, 3)) * (rng.random((6, 3)) < 0.5)
+    y = rng.integers(0, 2, 6).astype(float)
+    m, w = models.Logistic(3), rng.normal(size=4)
+    dense = FreeParams(m, 0.5, [(3, 4)]).loss_and_grad(w, X, y)
+    loss, grad = FreeParams(m, 0.5, [(3, 4)]).loss_and_grad(w, sp.csr_array(X), y)
+    assert loss == pytest.approx(dense[0], rel=1e-12)
+    np.testing.assert_allclose(grad, dense[1], rtol=1e-12)
+
+
 @pytest.mark.parametrize("solver", ["cg", "gd"])
 def test_other_sandblaster_methods(cancer: tuple[np.ndarray, np.ndarray], solver: str) -> None:
     X, y = cancer
@@ -179,6 +193,28 @@ def test_fit_dask_arrays(iris: tuple[np.ndarray, np.ndarray]) -> None:
     np.testing.assert_array_equal(lazy.compute(), ref.predict(X))
 
 
+def test_dask_arrays_are_read_by_the_estimators_own_cluster(
+    iris: tuple[np.ndarray, np.ndarray], client: Client, tmp_path: Path
+) -> None:
+    # client= names the cluster: the classes and the dataset must be computed there, not by whatever
+    # scheduler is the default in this process (here the local synchronous one).
+    import dask
+    import dask.array as da
+    from distributed import get_worker
+
+    def on_a_worker(block: np.ndarray) -> np.ndarray:
+        get_worker()  # ValueError outside a worker
+        return block
+
+    X, y = iris
+    Xd = da.from_array(X, chunks=(50, 4)).map_blocks(on_a_worker, dtype=float)
+    yd = da.from_array(y, chunks=50).map_blocks(on_a_worker, dtype=y.dtype)
+    with dask.config.set(scheduler="sync"):
+        ds, n = LogisticRegression(client=client)._dask_data(Xd, yd, str(tmp_path))
+    assert (n, ds.n_classes) == (150, 3)
+    np.testing.assert_array_equal(ds.read_all()[1], y)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 
@@ -204,6 +240,40 @@ def test_bad_options_raise_clear_errors(est: object, match: str) -> None:
     X, y = np.eye(4), np.array([0, 1, 0, 1])
     with pytest.raises(InvalidOptionError, match=match):
         est.fit(X, y)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("max_iter", "tol"),
+    [(np.int32(5), np.float32(1e-4)), (np.int64(1), np.float16(0.5)), (np.uint8(3), np.int64(0)), (7, 1)],
+)
+def test_numpy_scalars_are_accepted_where_python_numbers_are(max_iter: object, tol: object) -> None:
+    # As scikit-learn: a tol read from a float32 array or a grid of np.arange values is a number.
+    check_common("lbfgs", "l2", max_iter, tol, "LogisticRegression")
+
+
+@pytest.mark.parametrize(
+    ("max_iter", "tol", "match"),
+    [
+        (True, 1e-4, "max_iter must be an int >= 1"),
+        (np.bool_(True), 1e-4, "max_iter must be an int >= 1"),
+        (5.0, 1e-4, "max_iter must be an int >= 1"),
+        (np.float64(5), 1e-4, "max_iter must be an int >= 1"),
+        ("5", 1e-4, "max_iter must be an int >= 1"),
+        (np.int64(0), 1e-4, "max_iter must be an int >= 1"),
+        (5, True, "tol must be a number >= 0"),
+        (5, np.bool_(False), "tol must be a number >= 0"),
+        (5, np.float32("nan"), "tol must be a number >= 0"),
+        (5, float("nan"), "tol must be a number >= 0"),
+        (5, np.float32(-1e-3), "tol must be a number >= 0"),
+        (5, np.int8(-1), "tol must be a number >= 0"),
+        (5, "1e-4", "tol must be a number >= 0"),
+        (5, None, "tol must be a number >= 0"),
+        (5, np.array([1e-4]), "tol must be a number >= 0"),
+    ],
+)
+def test_bad_max_iter_and_tol_are_refused_numpy_or_not(max_iter: object, tol: object, match: str) -> None:
+    with pytest.raises(InvalidOptionError, match=match):
+        check_common("lbfgs", "l2", max_iter, tol, "LogisticRegression")
 
 
 def test_bad_data_raise_clear_errors(tmp_path: Path) -> None:

@@ -110,3 +110,36 @@ def test_from_model_rebuilds_fitted_estimators(iris: tuple[np.ndarray, np.ndarra
         from_model(object(), [1.0])
     with pytest.raises(InvalidOptionError, match="classes must list"):
         from_model({"kind": "logistic", "n_features": 1}, [1.0, 2.0], classes=[0, 1, 2])
+
+
+def test_saving_over_an_earlier_result_leaves_nothing_of_it(tmp_path: Path) -> None:
+    import xarray as xr
+
+    def result(losses: dict[int, np.ndarray], history: xr.Dataset) -> TrainResult:
+        return TrainResult(
+            x=np.zeros(5), history=history, stop_reason="epochs", success=True, message="", steps=1,
+            wall_time=1.0, losses=losses, model=models.Logistic(4),
+        )  # fmt: skip
+
+    url = str(tmp_path / "run")
+    result({0: np.ones(3), 1: np.ones(3), 2: np.ones(2)}, xr.Dataset({"a": ("t", [1.0, 2.0])})).to_zarr(url)
+    result({0: np.zeros(3)}, xr.Dataset()).to_zarr(url)
+    back = TrainResult.from_zarr(url)
+    assert set(back.losses) == {0}
+    np.testing.assert_array_equal(back.losses[0], np.zeros(3))
+    assert "a" not in back.history
+
+
+def test_a_diverged_result_saves_and_loads_its_nan_objective(tmp_path: Path) -> None:
+    import math
+
+    import xarray as xr
+
+    res = OptimizeResult(
+        x=np.zeros(5), fun=math.nan, grad_norm=math.inf, nit=1, nfev=1, success=False, status=2,
+        message="the objective became NaN", history=xr.Dataset(), model=models.Logistic(4),
+    )  # fmt: skip
+    res.to_zarr(str(tmp_path / "nan"))
+    back = OptimizeResult.from_zarr(str(tmp_path / "nan"))
+    assert math.isnan(back.fun) and back.grad_norm == math.inf
+    assert "fun=nan" in repr(back)

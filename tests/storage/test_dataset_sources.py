@@ -50,6 +50,29 @@ def test_from_dask_detects_labels_like_from_arrays(
     assert (ds.label_kind, ds.n_classes) == (ref.label_kind, ref.n_classes) == (kind, k)
 
 
+def test_from_dask_integer_targets_far_above_the_row_count_stay_real_without_a_huge_count(
+    tmp_path: Path,
+) -> None:
+    # Integer-valued regression targets (prices, ids) must not make the label check count every value
+    # 0..max on the workers: 1e10 would need an 80 GB bincount. Classes 0..max cannot all occur in 4 rows.
+    y = np.array([0.0, 3.0, 1.0, 1e10])
+    with dask.config.set(scheduler="sync"):
+        tracemalloc.start()
+        try:
+            ds = Dataset.from_dask(da.ones((4, 2), chunks=2), da.from_array(y, chunks=2), path=tmp_path / "d")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        ref = Dataset.from_arrays(np.ones((4, 2)), y, path=tmp_path / "ref")
+        assert (ds.label_kind, ds.n_classes) == (ref.label_kind, ref.n_classes) == ("real", None)
+        assert peak < 50e6
+        forced = Dataset.from_dask(
+            da.ones((4, 2), chunks=2), da.from_array(np.array([0.0, 1.0, 1.0, 9.0]), chunks=2),
+            path=tmp_path / "c", label_kind="classes",
+        )  # fmt: skip
+        assert (forced.label_kind, forced.n_classes) == ("classes", 10)
+
+
 def test_from_dask_bad_input(tmp_path: Path) -> None:
     X = np.ones((10, 2))
     X[7, 1] = np.nan
@@ -118,6 +141,8 @@ def test_from_xarray(tmp_path: Path, client: Client) -> None:
         Dataset.from_xarray(xds, features=["a"], label="u", path=tmp_path / "bad")
     with pytest.raises(DatasetError, match=r"needs an xarray\.Dataset"):
         Dataset.from_xarray({"a": a}, features=["a"], label="t", path=tmp_path / "bad")
+    with pytest.raises(DatasetError, match="'t' is the label; drop it from features"):
+        Dataset.from_xarray(xds, features=["a", "t"], label="t", path=tmp_path / "bad")
 
 
 def _table(n: int = 40) -> tuple[np.ndarray, np.ndarray, object]:
@@ -144,6 +169,16 @@ def test_from_parquet_local(tmp_path: Path) -> None:
         np.testing.assert_array_equal(two.read_all()[0], X[:, [2, 0]])
         with pytest.raises(DatasetError, match="no column 'nope'"):
             Dataset.from_parquet(str(tmp_path / "rows.parquet"), label="nope", path=tmp_path / "bad")
+        # The label among the features would be learned from itself.
+        with pytest.raises(DatasetError, match="'label' is the label; drop it from features"):
+            Dataset.from_parquet(
+                str(tmp_path / "rows.parquet"), features=["f0", "label"], label="label", path=tmp_path / "bad"
+            )
+        with pytest.raises(DatasetError, match="features must list at least one column"):
+            Dataset.from_parquet(
+                str(tmp_path / "rows.parquet"), features=[], label="label", path=tmp_path / "bad"
+            )
+        assert not (tmp_path / "bad").exists()
         (tmp_path / "junk.parquet").write_bytes(b"not parquet")
         with pytest.raises(DatasetError, match="cannot read"):
             Dataset.from_parquet(str(tmp_path / "junk.parquet"), label="label", path=tmp_path / "bad")

@@ -1,4 +1,4 @@
-"""The Examples sections of the dataset modules are run, so they cannot go stale."""
+"""The Examples sections of the storage modules are run, so they cannot go stale."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ import pytest
         "distbelief.storage._sparse",
         "distbelief.storage._rowcache",
         "distbelief.storage._exchange",
+        "distbelief.storage._layout",
+        "distbelief.storage._partition_layout",
+        "distbelief.storage._keys",
+        "distbelief.storage._vectorstore",
+        "distbelief.storage._exactsum",
+        "distbelief.storage._shard",
     ],
 )
 def test_examples_run(name: str) -> None:

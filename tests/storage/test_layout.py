@@ -23,6 +23,7 @@ def test_split_partitions_into_balanced_chunk_aligned_ranges(n: int, shards: int
     for lo, hi in ranges:
         assert hi > lo, "every shard owns at least one parameter"
         assert lo % layout.chunk == 0, "every shard starts on a chunk boundary"
+    assert layout.offsets() == layout.bounds[:-1] and layout.stored_size == n and not layout.padded
     sizes = [hi - lo for lo, hi in ranges]
     # Balanced to within one chunk (the last shard may also hold a short final chunk).
     assert max(sizes) - min(sizes) <= 2 * layout.chunk
@@ -37,3 +38,17 @@ def test_layout_round_trips_through_dict() -> None:
 def test_split_refuses_impossible_requests(n: int, shards: int) -> None:
     with pytest.raises(InvalidOptionError):
         Layout.split(n, shards)
+
+
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6), chunk=st.integers(1, 50))
+def test_offsets_put_every_shard_on_chunks_of_its_own(sizes: list[int], chunk: int) -> None:
+    bounds = tuple(itertools.accumulate(sizes, initial=0))
+    layout = Layout(n=bounds[-1], chunk=chunk, bounds=bounds)
+    offsets = layout.offsets()
+    # The chunk indices each shard's stored range touches: disjoint between shards, in order.
+    touched = [set(range(o // chunk, (o + s - 1) // chunk + 1)) for o, s in zip(offsets, sizes, strict=True)]
+    assert all(o % chunk == 0 for o in offsets)
+    for a, b in itertools.pairwise(touched):
+        assert max(a) < min(b)
+    assert layout.stored_size == offsets[-1] + sizes[-1] >= layout.n
+    assert layout.padded == any(b % chunk for b in bounds[1:-1])

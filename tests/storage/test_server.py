@@ -9,13 +9,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zarr
 from distributed import Client, LocalCluster
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distbelief.storage._server as server_module
+from distbelief import models
 from distbelief.errors import InvalidOptionError, ShardLostError, StoreError
-from distbelief.storage import Layout, ParameterServer, worker_addresses
+from distbelief.storage import Layout, ParameterServer, partition_layout, worker_addresses
+from distbelief.storage._actor import read_stored_vector
 
 slow_settings = settings(
     max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -94,6 +97,10 @@ def test_vectors_of_the_wrong_size_are_refused_before_anything_is_stored(
     with pytest.raises(InvalidOptionError, match="has 4 values, the server holds 5"):
         ParameterServer.create(client, 5, store=str(tmp_path / "ps"), vectors={"x": np.ones(4)})
     assert not (tmp_path / "ps").exists()
+    for bad in (-1, "big", 1.5, True):
+        with pytest.raises(InvalidOptionError, match="memory_budget must be bytes"):
+            ParameterServer.create(client, 5, store=str(tmp_path / "ps"), memory_budget=bad)
+        assert not (tmp_path / "ps").exists()
 
 
 def test_a_batch_costs_one_round_trip_and_returns_only_scalars(client: Client, tmp_path: Path) -> None:
@@ -143,6 +150,72 @@ def test_checkpoint_reopen_is_bit_for_bit_and_rollback_restores(client: Client, 
         ps2.close()
 
 
+@pytest.mark.parametrize(
+    ("model", "partitions"),
+    [
+        (models.MLP([784, 300, 100, 10]), 4),  # 266,610 values: large shards, each on its own thread
+        (models.LocallyConnected(64, 10, fields=[5, 3]), 3),  # 1182 values: shards inline on the loop
+    ],
+)
+def test_a_partitioned_server_checkpoints_in_big_chunks_and_restores_exactly(
+    client: Client, tmp_path: Path, model: models.Model, partitions: int
+) -> None:
+    plan = models.partition_plan(model, partitions)
+    layout = partition_layout(plan.bounds)
+    assert layout.padded  # its bounds are not multiples of one big chunk: the stored ranges are padded
+    n = layout.n
+    x = np.random.default_rng(3).standard_normal(n)
+    store = str(tmp_path / "ps")
+    ps = ParameterServer.create(client, n, store=store, layout=layout, vectors={"x": x, "a": x**2})
+    try:
+        ps.checkpoint()
+        array = zarr.open_group(store, mode="r")["slot0/x"]
+        assert array.chunks == (layout.chunk,) and array.shape == (layout.stored_size,)
+        assert array.nchunks <= 2 * layout.shards  # was n for the MLP
+        stored = array[:]
+        padding = np.ones(layout.stored_size, dtype=bool)
+        for o, (lo, hi) in zip(layout.offsets(), layout.ranges(), strict=True):
+            np.testing.assert_array_equal(stored[o : o + hi - lo], x[lo:hi])
+            padding[o : o + hi - lo] = False
+        assert padding.any() and not stored[padding].any(), "the padding stays zero"
+        np.testing.assert_array_equal(read_stored_vector(store, "slot0", layout, "a"), x**2)
+        ps.scale(3.0, "x")
+        ps.checkpoint(["x"])  # the other slot
+        ps.axpy(1.0, "x", "x")
+        ps.rollback()
+        np.testing.assert_array_equal(ps.gather("x"), 3.0 * x)
+    finally:
+        ps.close()
+    assert zarr.open_group(store, mode="r").attrs[server_module.ATTR]["format"] == 2
+    ps2 = ParameterServer.open(client, store=store)
+    try:
+        assert ps2.layout == layout
+        np.testing.assert_array_equal(ps2.gather("x"), 3.0 * x)
+    finally:
+        ps2.close()
+
+
+def test_old_and_unknown_store_formats(client: Client, tmp_path: Path) -> None:
+    store = str(tmp_path / "ps")
+    ps = ParameterServer.create(client, 10, shards=2, store=store, vectors={"x": np.arange(10.0)})
+    ps.checkpoint()
+    ps.close()
+    group = zarr.open_group(store, mode="r+")
+    meta = dict(group.attrs[server_module.ATTR])
+    assert (
+        meta["format"] == 1
+    )  # a chunk-aligned layout needs no padding: stored as before, old versions read it
+    ps = ParameterServer.open(client, store=store)
+    np.testing.assert_array_equal(ps.gather("x"), np.arange(10.0))
+    ps.close()
+    group.attrs[server_module.ATTR] = {**meta, "format": 99}
+    with pytest.raises(StoreError, match=r"format 99.*distbelief version that wrote it"):
+        ParameterServer.open(client, store=store)
+    group.attrs[server_module.ATTR] = {**meta, "layout": {"n": 10, "chunk": 4, "bounds": [0, 5, 10]}}
+    with pytest.raises(StoreError, match="damaged"):
+        ParameterServer.open(client, store=store)
+
+
 def test_store_errors_say_what_to_do(client: Client, tmp_path: Path) -> None:
     with pytest.raises(StoreError, match=r"no zarr store|holds no parameter server"):
         ParameterServer.open(client, store=str(tmp_path / "missing"))
@@ -169,7 +242,9 @@ def test_a_lost_shard_is_named_and_rebuilt_from_the_checkpoint(
     workers = worker_addresses(client)
     n = 1000
     x = np.arange(n, dtype=float)
-    ps = ParameterServer.create(client, n, shards=2, store=str(tmp_path / "ps"), workers=workers)
+    layout = partition_layout([0, 450, n])  # padded: shard 1 is stored away from its bounds
+    assert layout.padded
+    ps = ParameterServer.create(client, n, layout=layout, store=str(tmp_path / "ps"), workers=workers)
     try:
         ps.scatter("x", x)
         ps.checkpoint()

@@ -20,7 +20,7 @@ from distbelief.storage import (
     start_vector,
     worker_addresses,
 )
-from distbelief.storage._session import _on_loopback
+from distbelief.storage._session import _on_loopback, run_store
 
 
 def test_a_callers_loopback_client_talks_to_workers_directly_only_inside_the_block(client: Client) -> None:
@@ -115,3 +115,13 @@ def test_both_front_doors_refuse_a_cluster_without_workers() -> None:
             sandblaster.minimize(model, (X, y), client=c, maxiter=2)
         with pytest.raises(ClusterError, match="no workers"):
             downpour.train(model, (X, y), client=c, epochs=1)
+
+
+def test_run_store_keeps_a_given_store_and_deletes_only_its_own_temporary_one(tmp_path: Path) -> None:
+    with run_store(tmp_path, "unused-") as root:
+        assert root == str(tmp_path)
+    assert tmp_path.is_dir()  # the caller's store is never deleted
+    with run_store(None, "mine-") as root:
+        assert Path(root).name.startswith("mine-") and Path(root).is_dir()
+        (Path(root) / "x").write_text("kept until the block ends")
+    assert not Path(root).exists()

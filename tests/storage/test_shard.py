@@ -137,6 +137,33 @@ def test_staleness_scaling_leaves_out_the_pushers_own_updates() -> None:
     assert shard.counters()["applied_weight"] == pytest.approx(1 + 1 + 1 / 3 + 1 / 2)
 
 
+def test_a_restored_or_rolled_back_shard_scales_staleness_as_at_its_checkpoint() -> None:
+    # others_since needs which updates were the pusher's own: a checkpoint keeps that with the version, so a
+    # shard restored from it (a new one, or this one rolled back) leaves out the same updates as before.
+    import json
+
+    shard, _ = make(2)
+    g = np.ones(2)
+    push = {"rule": "sgd", "lr": 1.0, "param": "a"}
+    for source, seq in [("a", 0), ("b", 0), ("a", 1)]:
+        shard.push(g, source=source, seq=seq, **push)  # type: ignore[arg-type]
+    state = json.loads(json.dumps(shard.state()))  # as the server stores it (the store's JSON attributes)
+    expected = [(src, v, shard.others_since(src, v)) for src in "abc" for v in range(4)]
+    assert expected[:4] == [("a", 0, 1), ("a", 1, 1), ("a", 2, 0), ("a", 3, 0)]
+    # Rolled back after "a" pushed on: its later pushes must not count as its own at the versions reused.
+    for seq in (2, 3):
+        shard.push(g, source="a", seq=seq, **push)  # type: ignore[arg-type]
+    shard.load_state(state)
+    fresh, _ = make(2)
+    fresh.load_state(state)
+    for restored in (shard, fresh):
+        assert [(src, v, restored.others_since(src, v)) for src, v, _ in expected] == expected
+    # And from there on: "b" pushes twice, then "a" (fetched at 3) is scaled by those two updates.
+    for seq in (1, 2):
+        shard.push(g, source="b", seq=seq, **push)  # type: ignore[arg-type]
+    assert shard.others_since("a", 3) == 2 and shard.others_since("b", 3) == 0
+
+
 def test_summed_and_solo_pushes_count_each_portion_exactly_once() -> None:
     shard = Shard(0, 0, 4)
     shard.reset_accumulator("acc", epoch=1)
@@ -192,3 +219,33 @@ def test_any_order_of_pushes_and_copies_sums_every_portion_once(n_portions: int,
     for grad in grads:  # in portion order, one at a time
         _exactsum.deposit(reference, grad)
     assert np.array_equal(shard.get("acc"), _exactsum.value(reference))  # the same bits, whatever the order
+
+
+@pytest.mark.parametrize("keys", [[2, -1], [1, 1], [3, 0], [0, 4]])
+def test_key_value_pushes_with_bad_keys_are_refused_and_change_nothing(keys: list[int]) -> None:
+    # Keys must be sorted, unique local offsets: a -1 after a 2 would update the last entry, a repeated key
+    # would lose one of its updates.
+    s = Shard(0, 10, 14)
+    s.set("x", 10, 14, np.arange(4.0))
+    s.run([("reset_acc", "g", 1, 2, [])])
+    k = np.array(keys)
+    with pytest.raises(InvalidOptionError, match="sorted, unique"):
+        s.push(np.ones(2), source="r", seq=0, rule="sgd", lr=1.0, keys=k)
+    with pytest.raises(InvalidOptionError, match="sorted, unique"):
+        s.push_portions_at("g", k, np.ones(2), [0], epoch=1)
+    np.testing.assert_array_equal(s.get("x"), np.arange(4.0))
+    assert s.version == 0 and s.accumulators["g"].covered == set()
+
+
+def test_adagrad_on_a_spilled_shard_gives_the_in_ram_bits() -> None:
+    # The accumulator made by the first push went to a spill file while that push updated a RAM copy.
+    shards = [Shard(0, 0, 4), Shard(0, 0, 4, memory_budget=0)]
+    for s in shards:
+        s.set("x", 0, 4, np.zeros(4))
+        for seq in range(3):
+            s.push(np.arange(1.0, 5.0) * (seq + 1), source="r", seq=seq, rule="adagrad", lr=0.1)
+    assert shards[1].vectors.spilled == {"x", "x.adagrad"}
+    for name in ("x", "x.adagrad"):
+        np.testing.assert_array_equal(shards[1].get(name), shards[0].get(name))
+    np.testing.assert_array_equal(shards[0].get("x.adagrad"), [14.0, 56.0, 126.0, 224.0])
+    shards[1].close()

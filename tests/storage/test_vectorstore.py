@@ -109,6 +109,21 @@ def test_history_spills_first_and_hot_vectors_evict_it(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []
 
 
+def test_spilled_vectors_never_share_a_file(tmp_path: Path) -> None:
+    # Two shards of one worker process spilling to one directory, and names that sanitize alike.
+    a = VectorStore(3, budget=0, spill_dir=str(tmp_path))
+    b = VectorStore(3, budget=0, spill_dir=str(tmp_path))
+    a["s0"], b["s0"] = np.ones(3), np.full(3, 2.0)
+    a["q"], a["a b"] = np.zeros(3), np.full(3, 3.0)
+    del a["q"]
+    a["a_b"] = np.full(3, 4.0)
+    assert [float(v["s0"][0]) for v in (a, b)] == [1.0, 2.0]
+    assert (float(a["a b"][0]), float(a["a_b"][0])) == (3.0, 4.0)
+    a.close()
+    assert float(b["s0"][0]) == 2.0 and len(os.listdir(tmp_path)) == 1
+    b.close()
+
+
 def test_an_accumulator_on_disk_counts_every_portion_once(tmp_path: Path) -> None:
     shard = Shard(0, 0, 6, memory_budget=0, spill_dir=str(tmp_path))
     shard.run([("reset_acc", "ga", 1, 2, [("settle", "ga"), ("dot", "ga", "ga")])])
