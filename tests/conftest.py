@@ -1,5 +1,6 @@
-"""Shared fixtures: one real multi-process LocalCluster for the whole session, and one 3-worker cluster for
-the tests that kill a worker and need two others to go on (each cluster costs seconds to start)."""
+"""Shared fixtures: one real multi-process LocalCluster for the whole session, and a 3-worker cluster for
+the tests that kill a worker and need two others to go on (one per module: on a heavily loaded machine a
+nanny can fail to bring a killed worker back, and that must not break every later module)."""
 
 from __future__ import annotations
 
@@ -44,13 +45,13 @@ def client(session_client: Client) -> Client:
     return session_client
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def _three_worker_cluster() -> Iterator[tuple[LocalCluster, Client]]:
     with (
         LocalCluster(
             n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
         ) as cluster,
-        Client(cluster, direct_to_workers=True, set_as_default=False) as client,
+        Client(cluster, direct_to_workers=True) as client,
     ):
         yield cluster, client
 
