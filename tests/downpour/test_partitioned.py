@@ -304,14 +304,20 @@ def test_a_failed_partition_says_why(client: Client, tmp_path: Any, monkeypatch:
 
 
 def test_a_stopped_partitioned_run_resumes_from_its_checkpoint_as_if_never_stopped(
-    client: Client, digits: Dataset, tmp_path: Any
+    client: Client, digits: Dataset, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # One replica: sequential Adagrad (as sequential SGD above), so the stopped run and the resumed one
     # together must be the uninterrupted run: parameters, Adagrad accumulators and counts all restored.
+    from distbelief.downpour import _partitioned
     from distbelief.downpour._resume import checkpoint_vector, resume_point
 
+    # The callback comes early, and the run is long enough for its stop to land: on a quiet box 80 steps
+    # took 0.24 s, which the first call (with its objective) outlasted, and the run ended before the stop.
+    monkeypatch.setattr(_partitioned, "PROGRESS_EVERY", 0.01)
+    n = 400
+
     model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
-    opts: dict[str, Any] = dict(replicas=1, partitions=2, rule="adagrad", lr=0.1, l2=1e-3, max_steps=80,
+    opts: dict[str, Any] = dict(replicas=1, partitions=2, rule="adagrad", lr=0.1, l2=1e-3, max_steps=n,
                                 seed=3, client=client, store=tmp_path, trace=True)  # fmt: skip
     seen: list[downpour.Progress] = []
 
@@ -321,7 +327,7 @@ def test_a_stopped_partitioned_run_resumes_from_its_checkpoint_as_if_never_stopp
             raise StopIteration
 
     first = downpour.train(model, digits, **opts, callback=stop_at_once)
-    assert first.stop_reason == "callback" and 1 <= first.steps < 80
+    assert first.stop_reason == "callback" and 1 <= first.steps < n
     point = resume_point(tmp_path)
     assert point is not None and point.final and point.step == first.steps
     x0 = model.init_params(3)
@@ -343,15 +349,15 @@ def test_a_stopped_partitioned_run_resumes_from_its_checkpoint_as_if_never_stopp
         downpour.train(model, digits, **{**opts, "replicas": 2}, resume=True)
 
     res = downpour.train(model, digits, **opts, resume=True)
-    assert res.success and res.stop_reason == "max_steps" and res.steps == 80, res.message
+    assert res.success and res.stop_reason == "max_steps" and res.steps == n, res.message
     assert res.stats["resumed_from"] == first.steps
     # Each partition pushed once a step, for the steps after the checkpoint only.
-    assert res.stats["pushes"] == 2 * (80 - first.steps)
+    assert res.stats["pushes"] == 2 * (n - first.steps)
     # The stop let every partition finish the step under way (PartitionActor.finish): the checkpoint holds
     # exactly the steps it counts, and the two runs together are the uninterrupted one.
     assert len({p["steps"] for p in first.stats["per_partition"]}) == 1, first.stats["per_partition"]
-    assert [c["applied"] for c in res.stats["shard_counters"]] == [80, 80]
-    ref = _reference(model, digits, 80, rule="adagrad", lr=0.1, l2=1e-3)
+    assert [c["applied"] for c in res.stats["shard_counters"]] == [n, n]
+    ref = _reference(model, digits, n, rule="adagrad", lr=0.1, l2=1e-3)
     np.testing.assert_allclose(res.losses[0], ref.losses[first.steps :], rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(res.x, ref.x, rtol=1e-10, atol=1e-12)
     assert res.history.step.values[0] == first.steps
