@@ -202,30 +202,20 @@ def run_downpour(ctx: RunContext) -> RunOutcome:
             "use a sandblaster-* algorithm"
         )
     options = downpour_kwargs(_user_options(ctx.options))
-    if int(options.get("partitions", 1)) > 1:
-        # A partitioned run reports its progress (steps, loss, objective; its placement is followed live by
-        # JobRunner), can be cancelled through the callback and resumes from its last shard checkpoint; the
-        # held-out rows are evaluated when it has finished, as for every job.
-        res = train(
-            ctx.model,
-            ctx.data,
-            client=ctx.client,
-            store=ctx.store,
-            callback=ctx.callback,
-            resume=ctx.resume,
-            **options,
-        )
-    else:
-        res = train(
-            ctx.model,
-            ctx.data,
-            eval_data=ctx.eval_data,
-            client=ctx.client,
-            store=ctx.store,
-            callback=ctx.callback,
-            resume=ctx.resume,
-            **options,
-        )
+    # A partitioned run reports its progress (steps, loss, objective; its placement is followed live by
+    # JobRunner), can be cancelled through the callback and resumes from its last shard checkpoint; it takes
+    # no held-out rows: they are evaluated when it has finished, as for every job.
+    held_out = {} if int(options.get("partitions", 1)) > 1 else {"eval_data": ctx.eval_data}
+    res = train(
+        ctx.model,
+        ctx.data,
+        client=ctx.client,
+        store=ctx.store,
+        callback=ctx.callback,
+        resume=ctx.resume,
+        **held_out,
+        **options,
+    )
     summary = _summary(res, "stop_reason", "success", "message", "steps", "wall_time", "stats")
     return RunOutcome(x=np.asarray(res.x, dtype=np.float64), history=res.history, summary=summary)
 
