@@ -10,12 +10,16 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
 from benchmarks import api_load, downpour_figure4, sandblaster_vs_peers, shard_ops
+from distbelief import models
+from distbelief.storage import Dataset
 
 HAVE_SPARK = importlib.util.find_spec("pyspark") is not None
 
@@ -127,6 +131,33 @@ def test_sandblaster_vs_peers_marks_rows_that_miss_a_target() -> None:
     )
     assert any("dask-glm" in ln and "MISSED" in ln for ln in lines)
     assert any("spark" in ln and "skipped: no pyspark" in ln for ln in lines)
+
+
+def test_sandblaster_vs_peers_floor_rows_cover_every_row_once() -> None:
+    workers = ["tcp://a:1", "tcp://b:2", "tcp://c:3"]
+    for n, portions in ((1797, 1), (200_000, 6), (10, 4), (7, 9)):
+        ds = SimpleNamespace(n_rows=n)
+        ranges = [r for w in workers for r in sandblaster_vs_peers._floor_rows(ds, workers, portions, w)]
+        covered = np.concatenate([np.arange(a, b) for a, b in ranges])
+        np.testing.assert_array_equal(covered, np.arange(n))
+        assert max(b - a for a, b in ranges) <= -(-n // portions)
+
+
+def test_sandblaster_vs_peers_kernel_floor_starts_workers_together(
+    client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((2000, 20))
+    ds = Dataset.from_arrays(X, (X[:, 0] > 0).astype(float), path=str(tmp_path / "ds"), overwrite=True)
+    model = models.Logistic(20)
+    floor = sandblaster_vs_peers.kernel_floor(client, ds, model, 4)
+    assert floor["at_once_ms"] > 0 and floor["one_worker_alone_ms"] > 0
+    assert 0.0 <= floor["overlap"] <= 1.0
+    # Both workers were there before the common instant (a 0.1 s margin, doubled up to 0.8 s if not).
+    assert floor["late_ms"] < 0
+    # A start instant no call can reach in time: tried again with a doubled margin, and reported as late.
+    monkeypatch.setattr(sandblaster_vs_peers, "FLOOR_START_MARGIN_S", 1e-6)
+    assert sandblaster_vs_peers.kernel_floor(client, ds, model, 4)["late_ms"] > 0
 
 
 def test_sandblaster_vs_peers_says_why_spark_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
