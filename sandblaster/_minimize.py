@@ -59,6 +59,10 @@ SHARD_MIN_PARAMS = 1 << 17
 #: portions took 0.78x the CPU per evaluation of 12 (83 against 106 ms) and 1.70x the kernel floor
 #: against 2.02x.
 PORTION_WORK = 25_000_000
+#: Whether a dense model on one shard has that shard hand out the work calls with the parameters
+#: (:meth:`storage.ShardActor.hand_out`) rather than every replica fetching and pushing by itself; off
+#: only to measure the difference (benchmarks) and to test the other path.
+HAND_OUT = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -504,6 +508,8 @@ def open_session(
             push_every=opts.push_every,
             backups=opts.backups,
             in_flight=opts.in_flight,
+            # One shard holds every parameter: it hands the work out with them (PortionScheduler._send).
+            hand_out=shard_map.actors[0] if HAND_OUT and ps.shards == 1 and not sparse else None,
         )
         yield Coordinator(
             ps,
@@ -691,8 +697,9 @@ def _run_method(
 def _bytes_moved(replicas: Sequence[Any], nfev: int) -> dict[str, Any]:
     """Parameter and gradient bytes the replicas moved (keys included), in total and per evaluation, and
     the replicas' seconds summed (``replica_compute_s``: gradient work; ``replica_fetch_s`` and
-    ``replica_push_s``: waiting for the shards' answers)."""
-    pulled = pushed = 0
+    ``replica_push_s``: waiting for the shards' answers), and the work calls the shard handed out with the
+    parameters (``handed_out_calls``)."""
+    pulled = pushed = handed_out = 0
     mode = "dense"
     seconds = {"compute_s": 0.0, "read_s": 0.0, "fetch_s": 0.0, "push_s": 0.0}
     for replica in replicas:
@@ -701,6 +708,7 @@ def _bytes_moved(replicas: Sequence[Any], nfev: int) -> dict[str, Any]:
             got = actor.stats().result(timeout=10)
             pulled += int(got.get("bytes_pulled", 0))
             pushed += int(got.get("bytes_pushed", 0))
+            handed_out += int(got.get("handed_out", 0))
             mode = "sparse" if got.get("sparse") else mode
             for key in seconds:
                 seconds[key] += float(got.get(key, 0.0))
@@ -710,6 +718,7 @@ def _bytes_moved(replicas: Sequence[Any], nfev: int) -> dict[str, Any]:
         "bytes_pulled": pulled,
         "bytes_pushed": pushed,
         "bytes_per_evaluation": (pulled + pushed) / per,
+        "handed_out_calls": handed_out,
         **{f"replica_{key}": value for key, value in seconds.items()},
     }
 

@@ -21,6 +21,7 @@ portions again.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +32,14 @@ import numpy as np
 
 from distbelief.errors import ClusterError
 from distbelief.sandblaster._messages import PortionResult, WorkCall, WorkReport, decode, encode
-from distbelief.storage import Dataset, ShardMap, _exactsum, default_row_cache, keep_loop_responsive
+from distbelief.storage import (
+    Dataset,
+    ShardMap,
+    _exactsum,
+    default_row_cache,
+    keep_loop_responsive,
+    reduce_results,
+)
 from distbelief.storage._direct import install as install_direct_calls
 from distbelief.storage._keys import (
     SparsePortion,
@@ -102,7 +110,7 @@ class Replica:
     """
 
     #: Methods the coordinator calls straight through the worker's handler (:mod:`storage._direct`).
-    DIRECT_METHODS = frozenset({"work"})
+    DIRECT_METHODS = frozenset({"work", "work_with"})
 
     def __init__(
         self,
@@ -137,6 +145,8 @@ class Replica:
         self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"sandblaster-replica-{index}")
         self._fetch: tuple[int, asyncio.Future[Any]] | None = None
         self.fetches = 0
+        #: Work calls the shard handed out with the parameters (:meth:`work_with`).
+        self.handed_out = 0
         for p in preload:
             self._portion(p)
         # Portions an earlier run left in the worker's memory are as good as preloaded (views, no read).
@@ -351,15 +361,21 @@ class Replica:
         return results, grads, time.perf_counter() - t0, read_s, reads
 
     async def _params(
-        self, eval_id: int, x_name: str, prep: Sequence[Sequence[Any]]
+        self, eval_id: int, x_name: str, prep: Sequence[Sequence[Any]], given: Any = None
     ) -> tuple[np.ndarray, list[Any], bool]:
-        """The parameters of evaluation ``eval_id``: fetched by its first call, awaited by the others."""
+        """The parameters of evaluation ``eval_id``: fetched by its first call (or ``given`` with it, as
+        ``([x], reduced prep results)``), awaited by the others."""
         fetched = self._fetch is None or self._fetch[0] != eval_id
         if fetched:
-            self._fetch = (
-                eval_id,
-                asyncio.ensure_future(self.shards.prepare_and_fetch(eval_id, prep, [x_name])),
-            )
+            if given is not None:
+                ready: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                ready.set_result(given)
+                self._fetch = (eval_id, ready)
+            else:
+                self._fetch = (
+                    eval_id,
+                    asyncio.ensure_future(self.shards.prepare_and_fetch(eval_id, prep, [x_name])),
+                )
             self.fetches += 1
             self.bytes_pulled += 8 * self.shards.layout.n
         assert self._fetch is not None
@@ -383,6 +399,33 @@ class Replica:
         )
         return encode(report)
 
+    async def work_with(self, request: bytes) -> bytes:
+        """:meth:`work` handed out by the shard (:meth:`storage.ShardActor.hand_out`).
+
+        ``request`` is a pickled ``(encoded WorkCall, [x], the shard's prep results)``; the answer a pickled
+        ``(encoded WorkReport, pushes)``, where ``pushes`` are the last group's gradients for the shard to
+        accumulate itself (its answer to the coordinator then says the call is on the shard). A dense model
+        on one shard only.
+        """
+        if self.sparse:
+            raise ClusterError("a sparse replica pulls its keys itself: its work cannot be handed out")
+        payload, (x,), prep_results = pickle.loads(request)
+        call = decode(payload, WorkCall)
+        self.handed_out += 1
+        given = ([x], reduce_results(call.prep, [prep_results]))
+        report, held = await self._work_on(
+            call.eval_id,
+            call.x_name,
+            call.acc_name,
+            call.portions,
+            call.solo,
+            call.prep,
+            call.push_every,
+            given=given,
+        )
+        pushes = [(call.acc_name, grad, portions, call.eval_id, call.solo) for portions, grad in held]
+        return pickle.dumps((encode(report), pushes), protocol=pickle.HIGHEST_PROTOCOL)
+
     async def compute(
         self,
         eval_id: int,
@@ -404,15 +447,31 @@ class Replica:
         portion is pushed alone (backup copies, recomputations). Returns the :class:`WorkReport` once every
         shard has every group's gradient.
         """
+        report, _ = await self._work_on(eval_id, x_name, acc_name, assign, solo, prep, push_every)
+        return report
+
+    async def _work_on(
+        self,
+        eval_id: int,
+        x_name: str,
+        acc_name: str,
+        assign: Sequence[int],
+        solo: bool,
+        prep: Sequence[Sequence[Any]],
+        push_every: int | None,
+        given: Any = None,
+    ) -> tuple[WorkReport, list[tuple[list[int], np.ndarray]]]:
+        """:meth:`compute`; with ``given`` (the parameters and prep results, handed out by the shard) the
+        last group's gradients are not pushed but returned, for the shard to accumulate."""
         t0 = time.perf_counter()
         if self._fetch is not None and eval_id < self._fetch[0]:
             # A backup copy or a late call of an evaluation that is over: its push would be refused.
-            return WorkReport()
+            return WorkReport(), []
         w: Any
         if self.sparse:
             w, prep_results, fetched = await self._params_kv(eval_id, x_name, prep, assign)
         else:
-            w, prep_results, fetched = await self._params(eval_id, x_name, prep)
+            w, prep_results, fetched = await self._params(eval_id, x_name, prep, given)
         compute_portions: Any = self._compute_portions_kv if self.sparse else self._compute_portions
         t1 = time.perf_counter()
         step = max(1, push_every or len(assign) or 1)
@@ -421,6 +480,7 @@ class Replica:
         reads: list[int] = []
         busy = read_s = 0.0
         pushes: list[tuple[int, asyncio.Future[Any]]] = []
+        held: list[tuple[list[int], np.ndarray]] = []
         loop = asyncio.get_running_loop()
         # Never inline with an injected slowdown: its sleep would stall the loop and the shards on it.
         inline = [
@@ -451,6 +511,9 @@ class Replica:
                         pushes += self._push_kv(acc_name, portions, grad, eval_id, solo)
                     continue
                 self.bytes_pushed += 8 * sum(grad.size for _, grad in grads)
+                if given is not None and k == len(groups) - 1:
+                    held = grads  # carried back with the answer: the shard that handed out accumulates it
+                    continue
                 pushes += [
                     (
                         shard,
@@ -482,7 +545,7 @@ class Replica:
         self.read_s += read_s
         self.fetch_s += t1 - t0
         self.push_s += push_s
-        return WorkReport(
+        report = WorkReport(
             results=tuple(results),
             prep=tuple(prep_results),
             final=final,
@@ -495,11 +558,13 @@ class Replica:
             reads=tuple(reads),
             push_s=push_s,
         )
+        return report, held
 
     async def stats(self) -> dict[str, Any]:
         """Counters for tests and benchmarks."""
         return {
             "fetches": self.fetches,
+            "handed_out": self.handed_out,
             "cached_portions": sorted(self.cache),
             "bytes_pulled": self.bytes_pulled,
             "bytes_pushed": self.bytes_pushed,

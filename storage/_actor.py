@@ -106,7 +106,7 @@ class ShardActor:
     the checkpoint arrays (:meth:`Layout.offsets`; default ``lo``)."""
 
     #: Methods other workers may call straight through the worker's handler (:mod:`storage._direct`).
-    DIRECT_METHODS = frozenset({"packed"})
+    DIRECT_METHODS = frozenset({"packed", "hand_out"})
 
     def __init__(
         self,
@@ -156,6 +156,38 @@ class ShardActor:
         if method.startswith("_") or method == "packed":
             raise AttributeError(f"no shard method {method!r}")
         return pack_if_small(await getattr(self, method)(*args, **kwargs))
+
+    async def hand_out(self, request: bytes) -> bytes:
+        """Prepare, hand the parameters to a worker actor with its work, and take its gradient back.
+
+        One message from the coordinator does what a fetch, a push and their answers did: ``request`` is a
+        pickled ``(epoch, ops, names, key, address, method, payload)``. This shard runs ``ops`` once for
+        ``epoch`` (:meth:`Shard.prepare`), reads ``names``, and calls ``method`` of the actor ``key`` on the
+        worker at ``address`` (in-process when it lives here) with one pickled frame ``(payload, slices,
+        op results)``. That actor answers ``(answer, pushes)``: its own answer (bytes, passed back as
+        they are) and gradients to accumulate here, each ``(name, values, portions, epoch, solo)`` as
+        :meth:`accumulate` takes them. Returns a pickled ``(answer, finalized)``: the finalize ops' results
+        if one of those pushes completed this shard's batch, else None.
+
+        For a model on one shard, the parameters then travel with the work and the gradient with the
+        answer: two messages fewer on a remote replica's path than a fetch and a push of its own, and the
+        replica never waits for this worker's loop while its neighbour computes (Sandblaster, section 4.2).
+        A lost target fails the call with the ``OSError`` its worker's connection raised.
+        """
+        from distributed import get_worker
+
+        from distbelief.storage._direct import call_from_worker
+
+        epoch, ops, names, key, address, method, payload = pickle.loads(request)
+        _, slices, results = await self.prepare_and_fetch(epoch, ops, names)
+        frame = pickle.dumps((payload, slices, results), protocol=pickle.HIGHEST_PROTOCOL)
+        answer, pushes = pickle.loads(await call_from_worker(get_worker(), address, key, method, frame))
+        finalized = None
+        for name, values, portions, push_epoch, solo in pushes:
+            _, done = await self.accumulate(name, values, portions, push_epoch, solo)
+            if done is not None:
+                finalized = done
+        return pickle.dumps((answer, finalized), protocol=pickle.HIGHEST_PROTOCOL)
 
     async def ping(self) -> tuple[int, int, int]:
         """``(index, lo, hi)``: a cheap liveness check."""

@@ -31,7 +31,9 @@ from typing import Any
 
 from distributed.protocol import to_serialize
 
-__all__ = ["HANDLER", "direct_call", "install"]
+from distbelief.errors import ClusterError
+
+__all__ = ["HANDLER", "call_from_worker", "direct_call", "direct_call_to", "install"]
 
 #: The worker handler's name (the ``op`` of the RPC message).
 HANDLER = "distbelief_actor_call"
@@ -90,9 +92,43 @@ def install(worker: Any = None) -> None:
 async def direct_call(pool: Any, actor: Any, method: str, payload: bytes) -> Any:
     """``await actor.method(payload)`` as a plain RPC through the connection pool ``pool`` (a client's
     or worker's ``rpc``); raises ``OSError`` if the actor's worker cannot be reached."""
-    answer = await pool(actor._address).distbelief_actor_call(actor=actor.key, method=method, payload=payload)
+    return await direct_call_to(pool, actor._address, actor.key, method, payload)
+
+
+async def direct_call_to(pool: Any, address: str, key: str, method: str, payload: bytes) -> Any:
+    """:func:`direct_call` of the actor with key ``key`` on the worker at ``address``."""
+    answer = await pool(address).distbelief_actor_call(actor=key, method=method, payload=payload)
     if isinstance(answer, bytes):
         return answer
+    if not isinstance(answer, dict):  # Dask answers None for an op the worker has no handler for
+        raise ClusterError(
+            f"the worker at {address} takes no direct calls: build the actor {key!r} from a class that "
+            "calls storage._direct.install() in its constructor"
+        )
     if "error" in answer:
         raise answer["error"]
     return answer["object"]
+
+
+async def call_from_worker(worker: Any, address: str, key: str, method: str, payload: bytes) -> Any:
+    """``await actor.method(payload)`` from ``worker``'s event loop: in-process when the actor lives on
+    ``worker`` itself (no message), else :func:`direct_call_to` through the worker's connection pool.
+
+    Examples
+    --------
+    >>> class Echo:
+    ...     DIRECT_METHODS = frozenset({"echo"})
+    ...     async def echo(self, payload): return payload
+    >>> class Worker:  # the two attributes used of a Dask worker
+    ...     address = "tcp://w"
+    ...     class state: actors = {"e": Echo()}
+    >>> import asyncio
+    >>> asyncio.run(call_from_worker(Worker(), "tcp://w", "e", "echo", b"hi"))
+    b'hi'
+    """
+    if address == worker.address:
+        obj = worker.state.actors.get(key)
+        if obj is None:
+            raise KeyError(f"no actor {key!r} on worker {worker.address}; it was released")
+        return await _call_method(obj, method, payload)
+    return await direct_call_to(worker.rpc, address, key, method, payload)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from distbelief import models, sandblaster
 from distbelief.errors import ClusterError, InvalidOptionError
+from distbelief.sandblaster import _minimize as minimize_module
 from distbelief.sandblaster._minimize import SandblasterOptions, open_session
 from distbelief.sandblaster._replica import Replica
 from distbelief.storage import Dataset, _exactsum
@@ -238,6 +239,32 @@ def test_balanced_replicas_get_one_call_each_per_evaluation(
     # replica's remaining 3-4 portions in one call: at least 2 * 2 + 2 calls. Balanced from the start: one.
     assert calls[0] >= 6
     assert calls[1:] == [2, 2]
+
+
+@pytest.mark.parametrize("push_every", [1, 4])
+def test_a_one_shard_model_has_its_work_handed_out_by_the_shard_with_the_same_bits(
+    client: Client, tmp_path: Path, logistic_digits: Problem, monkeypatch: pytest.MonkeyPatch, push_every: int
+) -> None:
+    """With one shard, the shard hands each work call out with the parameters and accumulates the last
+    gradient that comes back (``ShardActor.hand_out``); the run is the same, bit for bit, as when every
+    replica fetches and pushes by itself. ``push_every=1``: a call's earlier portions are still pushed by
+    the replica, only its last group comes back with the answer."""
+    problem = logistic_digits
+    ds = dataset(problem, tmp_path / "data", portion_rows=256)  # 8 portions
+    common = dict(x0=problem.x0, l2=problem.l2, client=client, replicas=2, push_every=push_every, maxiter=15)
+    runs = {}
+    for hand_out in (True, False):
+        monkeypatch.setattr(minimize_module, "HAND_OUT", hand_out)
+        runs[hand_out] = sandblaster.minimize(problem.model, ds, store=tmp_path / f"run-{hand_out}", **common)
+    handed, fetched = runs[True], runs[False]
+    assert handed.stats["shards"] == 1
+    assert handed.stats["handed_out_calls"] >= handed.nfev and fetched.stats["handed_out_calls"] == 0
+    np.testing.assert_array_equal(handed.x, fetched.x)
+    assert (handed.fun, handed.nit, handed.nfev) == (fetched.fun, fetched.nit, fetched.nfev)
+    np.testing.assert_array_equal(handed.history.objective.values, fetched.history.objective.values)
+    # The exact sum makes both the same as one process's gradient at the end point (numpy oracle).
+    f_ref, _ = models.objective(problem.model, handed.x, problem.X, problem.y, l2=problem.l2)
+    assert handed.fun == pytest.approx(f_ref, rel=1e-12)
 
 
 @pytest.mark.parametrize("method", ["cg", "gd"])
