@@ -45,7 +45,7 @@ def sign_align(d: np.ndarray, v: np.ndarray) -> None:
     --------
     >>> d = np.array([-1.0, 1.0, 1.0, 2.0]); sign_align(d, np.array([1.0, 1.0, 0.0, -1.0])); d
     array([-1.,  0.,  0.,  2.])
-    >>> d = np.array([1e-200]); sign_align(d, np.array([-1e-200])); d  # d * v underflows to 0: kept all the same
+    >>> d = np.array([1e-200]); sign_align(d, np.array([-1e-200])); d  # d * v underflows to 0: kept
     array([1.e-200])
     """
     # Times sign(v), not v: d * v underflows to 0 for tiny entries, and a descent coordinate was dropped.
