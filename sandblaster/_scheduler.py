@@ -179,13 +179,16 @@ class PortionScheduler:
         """One work call, answered once every shard holds its gradient.
 
         A plain RPC, not an actor call (half its cost, measured in :mod:`storage._direct`); a lost worker
-        fails it with ``OSError``, as an actor call. With one shard, the call goes to the shard, which runs
+        fails it with ``OSError``, as an actor call. With one shard, a call to a replica on another worker
+        goes to the shard, which runs
         the evaluation's prep ops, hands the work out with the parameters, and accumulates the gradient that
         comes back with the replica's report: on 200,000 x 500 that is two messages fewer on the path of
         the replica on the other worker (a fetch and a push answer), and that replica no longer waits
         for the shard's worker to answer its fetch while the replica there computes.
         """
-        if self.hand_out is None:
+        if self.hand_out is None or replica._address == self.hand_out._address:
+            # A replica beside the shard fetches and pushes in-process: handing out would save no message
+            # and add a frame's pickling (digits: 1.58 against 1.51 ms per evaluation, 16 rounds each).
             return decode(await direct_call(self.client.rpc, replica, "work", encode(request)), WorkReport)
         message = pickle.dumps(
             (

@@ -251,7 +251,15 @@ def test_a_one_shard_model_has_its_work_handed_out_by_the_shard_with_the_same_bi
     the replica, only its last group comes back with the answer."""
     problem = logistic_digits
     ds = dataset(problem, tmp_path / "data", portion_rows=256)  # 8 portions
-    common = dict(x0=problem.x0, l2=problem.l2, client=client, replicas=2, push_every=push_every, maxiter=15)
+    common = dict(
+        x0=problem.x0,
+        l2=problem.l2,
+        client=client,
+        replicas=2,
+        portions=ds.n_portions,
+        push_every=push_every,
+        maxiter=15,
+    )
     runs = {}
     for hand_out in (True, False):
         monkeypatch.setattr(minimize_module, "HAND_OUT", hand_out)
