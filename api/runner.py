@@ -940,10 +940,22 @@ class JobRunner:
     def _finish(
         self, job: _Job, outcome: RunOutcome, model: Any, data: Dataset, eval_data: Dataset | None
     ) -> None:
-        """Evaluate the result, keep the full history as the metrics, save the parameters, close the job."""
+        """Save the parameters, evaluate the result, keep the full history as the metrics, close the job.
+
+        The parameters are saved first: an evaluation that fails (its task lost, or over its time limit)
+        fails the job with a message that says so, and the parameters the run paid for stay available.
+        """
         rec = job.record
+        self.store.save_params(rec["id"], outcome.x)
         summary = dict(outcome.summary)
-        summary.update(self._evaluate(model, outcome.x, data, eval_data))
+        evaluation_failed = None
+        try:
+            summary.update(self._evaluate(model, outcome.x, data, eval_data))
+        except Exception as exc:
+            evaluation_failed = (
+                f"the run ended and its parameters are saved (GET /api/jobs/{rec['id']}/params), but the "
+                f"evaluation of its final loss failed: {type(exc).__name__}: {exc}"
+            )
         summary.update(_objective_of(summary, outcome.x, rec["options"]))
         if outcome.history is not None:
             rows = _history_rows(outcome.history, job.dim)
@@ -961,7 +973,6 @@ class JobRunner:
                     job.generation += 1
                     rec["iterations"] = int(rows[2][-1][0])
                     rec["latest"] = _latest(job.columns, job.rows[-1])
-        self.store.save_params(rec["id"], outcome.x)
         placement = placement_of_stats(summary.get("stats"))
         with job.lock:
             if placement:
@@ -969,7 +980,9 @@ class JobRunner:
             rec["result"] = json_safe(summary)
             # A cancel asked too late for a partitioned run's callback to see it counts at its end.
             partitioned = int(rec["options"].get("partitions", 1)) > 1
-            if job.stopped or (partitioned and job.cancel.is_set()):
+            if evaluation_failed is not None:
+                rec.update(status="failed", finished_at=_now(), message=evaluation_failed)
+            elif job.stopped or (partitioned and job.cancel.is_set()):
                 rec.update(status="cancelled", finished_at=_now(), message="cancelled while running")
             elif summary.get("stop_reason") == "diverged":
                 # A diverged Downpour run is a failed job (its message says what to change); its history and

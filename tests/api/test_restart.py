@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -306,3 +307,35 @@ async def test_a_running_partitioned_job_resumes_from_its_shard_checkpoint(
     later = objective[(steps > point.step) & np.isfinite(objective)]
     assert later.size and np.all(later < 0.9 * f0)
     assert result["objective"] < f_ckpt
+
+
+def test_a_job_whose_final_evaluation_fails_keeps_its_parameters_and_says_so(tmp_path: Path) -> None:
+    # The run paid for its parameters: an evaluation that fails afterwards must not lose them.
+    from distbelief.api._jobstore import JobStore
+    from distbelief.api.runner import JobRunner, RunOutcome, _Job
+
+    store = JobStore(str(tmp_path))
+    runner = JobRunner(settings_for(tmp_path), store, client=None)  # type: ignore[arg-type]
+
+    def lost(*args: object) -> dict[str, float]:
+        raise TimeoutError("the evaluation of the final loss did not finish within 600 s")
+
+    runner._evaluate = lost  # type: ignore[method-assign]
+    record = {
+        "id": "dddddddddddddddd", "algorithm": "sandblaster-lbfgs", "status": "running", "options": {},
+        "created_at": "2026-01-01T00:00:00+00:00",
+    }  # fmt: skip
+    job = _Job.of(record, columns=["iteration", "objective"], rows=[[0.0, 2.0]])
+    runner._jobs[record["id"]] = job
+    x = np.array([0.25, -1.5, 3.0])
+    outcome = RunOutcome(x=x, history=None, summary={"message": "converged"})
+    try:
+        runner._finish(job, outcome, model=None, data=None, eval_data=None)  # type: ignore[arg-type]
+        assert job.record["status"] == "failed"
+        assert "parameters are saved" in job.record["message"] and "TimeoutError" in job.record["message"]
+        saved = store.load_params_bytes(record["id"])
+        assert saved is not None
+        np.testing.assert_array_equal(np.load(io.BytesIO(saved)), x)
+    finally:
+        runner._stopping.set()
+        runner.stop(timeout=0.1)
