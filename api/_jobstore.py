@@ -143,6 +143,7 @@ class JobStore:
         #: Bumped whenever a dataset is installed, deleted, registered or forgotten: what was read of the
         #: datasets at an older version may be stale (see JobRunner.open_dataset, which caches by it).
         self.datasets_version = 0
+        self._version_lock = threading.Lock()
         self._writing: set[str] = set()
         self.root = os.path.abspath(root) if self.local else root.rstrip("/")
         try:
@@ -399,9 +400,16 @@ class JobStore:
             if old is not None:
                 self._rename(old, final)
             raise
-        self.datasets_version += 1
+        self._bump_datasets_version()
         if old is not None:
             self._remove(old)
+
+    def _bump_datasets_version(self) -> None:
+        """Count one change of the datasets, under a lock: ``+=`` on an attribute is a read and a write,
+        which CPython 3.11's GIL happens not to split, but a free-threaded Python would (two request threads
+        changing datasets at once would count one change, and a runner would keep a stale dataset)."""
+        with self._version_lock:
+            self.datasets_version += 1
 
     def discard_staged(self, staged: str) -> None:
         """Remove a staged copy that will not be installed."""
@@ -414,14 +422,14 @@ class JobStore:
         if self.fs.exists(final):
             doomed = self._path("datasets", f".{name}{_DELETED}{uuid.uuid4().hex[:8]}")
             self._rename(final, doomed)
-            self.datasets_version += 1
+            self._bump_datasets_version()
             self._remove(doomed)
 
     # -- registered datasets ------------------------------------------------------------------------
     def save_link(self, name: str, url: str) -> None:
         """Register an existing dataset at ``url`` under ``name``."""
         self._write_atomic(self._path("dataset-links", f"{name}.json"), _dumps({"name": name, "url": url}))
-        self.datasets_version += 1
+        self._bump_datasets_version()
 
     def links(self) -> dict[str, str]:
         """Registered datasets: name -> URL."""
@@ -439,7 +447,7 @@ class JobStore:
         if not self.fs.exists(path):
             return False
         self.fs.rm(path)
-        self.datasets_version += 1
+        self._bump_datasets_version()
         return True
 
 
