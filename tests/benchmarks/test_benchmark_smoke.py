@@ -75,6 +75,8 @@ def test_sandblaster_vs_peers_quick_run(
             "sandblaster_ms",
             "floor_all_workers_at_once_ms",
             "floor_one_worker_alone_ms",
+            "floor_before_ms",
+            "floor_after_ms",
             "over_floor",
         ):
             assert len(rounds[key]) == saved["repeats"], key
