@@ -838,6 +838,24 @@ class _Supervisor:
 
         for r in range(len(self.actors)):
             start(r, self.steps[r])
+        try:
+            return await self._supervise(tasks, statuses, start)
+        except BaseException:
+            # A run that fails leaves no partition computing: the others would go on training, unseen,
+            # until their step limit (their actors are released with the run, not their passes).
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._stop_all(self.actors), self.call_timeout)
+            raise
+
+    async def _supervise(
+        self,
+        tasks: dict[asyncio.Future[Any], tuple[int, int]],
+        statuses: list[dict[str, Any]],
+        start: Callable[[int, int], None],
+    ) -> tuple[list[dict[str, Any]], list[int]]:
+        """The supervision loop of :meth:`_run`: progress, checkpoints, lost partitions rebuilt."""
         deadline = time.monotonic() + self.budget
         every = self.checkpoint_every_s
         next_ckpt = time.monotonic() + every if every > 0 else math.inf
