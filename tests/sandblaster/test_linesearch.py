@@ -23,16 +23,12 @@ from distbelief.sandblaster._linesearch import (
     lbfgsb_initial_step,
     relative_reduction_converged,
 )
+from tests.sandblaster._problems import rosenbrock
 
 Scalar = Callable[[float], float]
 
 
-def _rosenbrock(x: np.ndarray) -> tuple[float, np.ndarray]:
-    f = np.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2)
-    g = np.zeros_like(x)
-    g[:-1] = -400.0 * x[:-1] * (x[1:] - x[:-1] ** 2) - 2.0 * (1.0 - x[:-1])
-    g[1:] += 200.0 * (x[1:] - x[:-1] ** 2)
-    return float(f), g
+_rosenbrock = rosenbrock()[0]  # the shared test problem's objective and gradient
 
 
 def _line(x: np.ndarray, d: np.ndarray) -> tuple[Scalar, Scalar]:
