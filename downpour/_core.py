@@ -75,10 +75,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.linalg import blas
 
 from distbelief.downpour._compress import Compression, ThresholdCompressor, encode, signed_bytes
 from distbelief.errors import InvalidOptionError
+from distbelief.storage import axpy
 from distbelief.storage._keys import kv_bytes, split_keys
 
 __all__ = ["ADAGRAD_MAX_COALESCE", "FetchRequest", "PushMessage", "ReplicaCore", "ReplicaCounters"]
@@ -488,7 +488,7 @@ class ReplicaCore:
         loss, grad = model.loss_and_grad(self.x, X, y)
         g = np.multiply(np.asarray(grad, dtype=np.float64), 1.0 / rows)
         if self.l2:
-            blas.daxpy(self.x, g, a=self.l2)
+            axpy(self.l2, self.x, g)
         mean_loss = float(loss) / rows
         if not (math.isfinite(mean_loss) and np.isfinite(g).all()):
             self.diverged = True
@@ -508,14 +508,14 @@ class ReplicaCore:
                 b if bg == self.gen else None for b, bg in zip(self.base, self._base_gen, strict=True)
             )
             self._accrued_base_sent = tuple(self._base_sent)
-        blas.daxpy(g, self.accrued, a=1.0)
+        axpy(1.0, g, self.accrued)
         self.accrued_steps += 1
         if self.local_rate:
             a = -self.local_rate
-            blas.daxpy(g, self.x, a=a)
-            blas.daxpy(g, self._unsent_dx, a=a)
+            axpy(a, g, self.x)
+            axpy(a, g, self._unsent_dx)
             for f in self._fetches.values():
-                blas.daxpy(g, f.dx, a=a)
+                axpy(a, g, f.dx)
         self.counters.steps += 1
         if self.counters.steps % self.n_push == 0:
             self._push_due = True

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.linalg import blas
 
 from distbelief.errors import InvalidOptionError
-from distbelief.storage import adagrad_update, sgd_update
+from distbelief.storage import adagrad_update, axpy, sgd_update
 
 __all__ = ["ReferenceResult", "sequential_sgd"]
 
@@ -146,7 +145,7 @@ def sequential_sgd(
         loss, grad = model.loss_and_grad(w, Xb, yb)
         g = np.multiply(np.asarray(grad, dtype=np.float64), 1.0 / n)
         if l2:
-            blas.daxpy(w, g, a=l2)
+            axpy(l2, w, g)
         losses.append(float(loss) / n)
         if rule == "sgd":
             sgd_update(w, g, lr=lr)

@@ -32,7 +32,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
-from scipy.linalg import blas
 
 from distbelief.errors import DatasetError, InvalidOptionError, ProtocolError
 from distbelief.sandblaster._linesearch import (
@@ -41,7 +40,7 @@ from distbelief.sandblaster._linesearch import (
     StrongWolfeLineSearch,
     relative_reduction_converged,
 )
-from distbelief.storage import _l1
+from distbelief.storage import _kernels, _l1
 
 __all__ = [
     "Evaluation",
@@ -348,7 +347,7 @@ class ParameterSpace(Protocol):
 class InProcessSpace:
     """A :class:`ParameterSpace` in this process: numpy vectors in a dict, ``fun(x) -> (f, g)`` evaluated.
 
-    Ops use the shards' kernels (BLAS ``daxpy``/``dscal``, ``np.dot``) so a run here and one on a single
+    Ops use the shards' kernels (:mod:`storage._kernels`, ``np.dot``) so a run here and one on a single
     shard agree but for the order in which the replicas' partial gradients are summed.
 
     Parameters
@@ -450,26 +449,18 @@ class InProcessSpace:
         return float(np.dot(self.vector(a), self.vector(b)))
 
     def _lincomb(self, dst: str, coeffs: Sequence[float], names: Sequence[str]) -> None:
-        # The shard's kernel (storage/_shard.py), so both spaces round alike: scale-in-place when dst is a
-        # term, else dst = c0*v0; then one daxpy per remaining term.
+        # The shard's kernel (storage/_shard.py), so both spaces round alike.
         if len(coeffs) != len(names) or not names:
             raise InvalidOptionError("lincomb needs as many coefficients as vectors, and at least one")
         terms = [(float(c), self.vector(n), n) for c, n in zip(coeffs, names, strict=True)]
         if dst in names:
-            out = self.vector(dst)
             own = next(c for c, _, n in terms if n == dst)
-            if own != 1.0 and out.size:
-                blas.dscal(own, out)
             rest = [(c, v) for c, v, n in terms if n != dst]
+            _kernels.lincomb(self.vector(dst), [c for c, _ in rest], [v for _, v in rest], own=own)
         else:
-            c0, v0, _ = terms[0]
-            out = np.multiply(v0, c0)
+            out = np.empty_like(terms[0][1])
+            _kernels.lincomb(out, [c for c, _, _ in terms], [v for _, v, _ in terms])
             self.vectors[dst] = out
-            rest = [(c, v) for c, v, _ in terms[1:]]
-        if out.size:
-            for c, v in rest:
-                if c != 0.0:
-                    blas.daxpy(v, out, a=c)
 
     # -- evaluations -----------------------------------------------------------------------------------
     def evaluate(

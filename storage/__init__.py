@@ -14,6 +14,7 @@ Examples
 from distbelief.storage._actor import keep_loop_responsive
 from distbelief.storage._dataset import Dataset, resolve_name
 from distbelief.storage._digits import digits_dataset, load_digits
+from distbelief.storage._kernels import axpy
 from distbelief.storage._layout import Layout
 from distbelief.storage._partition_layout import partition_layout, partition_shards
 from distbelief.storage._rowcache import ROW_CACHE_ENV, RowCache, default_row_cache
@@ -43,6 +44,7 @@ __all__ = [
     "ShardMap",
     "adagrad_update",
     "as_dataset",
+    "axpy",
     "default_row_cache",
     "digits_dataset",
     "embedded_client",

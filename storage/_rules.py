@@ -7,7 +7,8 @@ reused by single-process references. They update ``w`` (and the Adagrad accumula
 from __future__ import annotations
 
 import numpy as np
-from scipy.linalg import blas
+
+from distbelief.storage import _kernels
 
 __all__ = ["ADAGRAD_EPS", "RULES", "adagrad_update", "sgd_update"]
 
@@ -17,14 +18,15 @@ ADAGRAD_EPS = 1e-8
 
 
 def sgd_update(w: np.ndarray, g: np.ndarray, *, lr: float) -> None:
-    """Plain SGD, ``w -= lr * g``, in place (BLAS axpy: no temporary).
+    """Plain SGD, ``w -= lr * g``, in place (:func:`storage._kernels.axpy`: no temporary, and the same bits
+    for an entry whether the whole slice or a subset of it is updated, on any CPU).
 
     Examples
     --------
     >>> w = np.ones(3); sgd_update(w, np.ones(3), lr=0.5); w
     array([0.5, 0.5, 0.5])
     """
-    blas.daxpy(g, w, a=-lr)
+    _kernels.axpy(-lr, g, w)
 
 
 def adagrad_update(w: np.ndarray, g: np.ndarray, accumulator: np.ndarray, *, lr: float) -> None:
@@ -38,9 +40,7 @@ def adagrad_update(w: np.ndarray, g: np.ndarray, accumulator: np.ndarray, *, lr:
     >>> adagrad_update(w, np.array([2.0, -4.0]), acc, lr=0.1); np.round(w, 6)
     array([-0.1,  0.1])
     """
-    accumulator += g * g
-    step = g / (np.sqrt(accumulator) + ADAGRAD_EPS)
-    blas.daxpy(step, w, a=-lr)
+    _kernels.adagrad_step(w, np.asarray(g, dtype=np.float64), accumulator, lr=lr, eps=ADAGRAD_EPS)
 
 
 RULES = ("sgd", "adagrad")

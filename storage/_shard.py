@@ -5,8 +5,10 @@ in :mod:`storage._actor` only forwards to it. Ops follow the DistBelief paper's 
 (section 4.2 and Appendix): every vector-valued result stays on the shard; only scalars (partial dot
 products, partial norms) come back, and the caller reduces them over shards.
 
-Large-vector arithmetic goes through BLAS (``daxpy``, ``ddot``, ``dscal``) rather than numpy expressions,
-which would allocate a temporary per op (~4x slower on 1e7 elements).
+Large-vector arithmetic goes through :mod:`storage._kernels` (``axpy``, ``scale``, a fused ``lincomb``) rather
+than numpy expressions, which would allocate a temporary per op (~4x slower on 1e7 elements), or BLAS, whose
+``daxpy``/``dscal`` round an element differently in a vector's body and tail on some CPUs; dot products are
+``np.dot`` (reductions carry no bit promise across cuts of a vector).
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.linalg import blas
 
 from distbelief.errors import InvalidOptionError, ProtocolError
-from distbelief.storage import _exactsum, _l1
+from distbelief.storage import _exactsum, _kernels, _l1
 from distbelief.storage._keys import decode_signs
 from distbelief.storage._rules import adagrad_update, sgd_update
 from distbelief.storage._vectorstore import VectorStore, op_operands, run_chunked
@@ -228,14 +229,13 @@ class Shard:
             np.copyto(self._target(dst), source)
 
     def _op_scale(self, alpha: float, name: str) -> None:
-        vec = self.vector(name)
-        if vec.size:
-            blas.dscal(alpha, vec)
+        _kernels.scale(alpha, self.vector(name))
 
     def _op_axpy(self, alpha: float, x: str, y: str) -> None:
         xv, yv = self.vector(x), self.vector(y)
-        if xv.size:
-            blas.daxpy(xv, yv, a=alpha)
+        if xv.shape != yv.shape:
+            raise InvalidOptionError(f"axpy: {x!r} has {xv.size} elements and {y!r} {yv.size}")
+        _kernels.axpy(alpha, xv, yv)
 
     def _op_lincomb(self, dst: str, coeffs: Sequence[float], names: Sequence[str]) -> None:
         """``dst = sum_i coeffs[i] * names[i]``; ``dst`` may be among ``names`` (updated in place)."""
@@ -246,19 +246,11 @@ class Shard:
             raise InvalidOptionError(f"lincomb: destination {dst!r} appears more than once among the terms")
         if dst in names:
             own = next(c for c, _, n in terms if n == dst)
-            out = self.vector(dst)
-            if own != 1.0 and out.size:
-                blas.dscal(own, out)
             rest = [(c, v) for c, v, n in terms if n != dst]
+            _kernels.lincomb(self.vector(dst), [c for c, _ in rest], [v for _, v in rest], own=own)
         else:
             out = self._target(dst)
-            c0, v0, _ = terms[0]
-            np.multiply(v0, c0, out=out)
-            rest = [(c, v) for c, v, _ in terms[1:]]
-        if out.size:
-            for c, v in rest:
-                if c != 0.0:
-                    blas.daxpy(v, out, a=c)
+            _kernels.lincomb(out, [c for c, _, _ in terms], [v for _, v, _ in terms])
 
     def _op_mul(self, x: str, y: str, dst: str) -> None:
         np.multiply(self.vector(x), self.vector(y), out=self._target(dst))
@@ -764,13 +756,15 @@ def _add_exactly(binned: np.ndarray, values: np.ndarray, keys: np.ndarray | None
     """Add a pushed gradient slice (one term) or binned sum (an :mod:`storage._exactsum` state) exactly;
     with ``keys``, ``values`` are the entries at those local offsets only.
 
-    States are elementwise, so adding at the keys (gather, add, scatter back) gives the bits of adding
-    the dense vector that is zero elsewhere, in O(keys) time and memory.
+    States are elementwise, so adding at the keys gives the sums of adding the dense vector that is zero
+    elsewhere, in O(keys) time and memory (compiled loops, one pass: :func:`storage._exactsum.deposit_at`).
     """
-    target = binned if keys is None else binned[:, keys]
-    if values.ndim == 1:
-        _exactsum.deposit(target, values)
+    if keys is None:
+        if values.ndim == 1:
+            _exactsum.deposit(binned, values)
+        else:
+            _exactsum.merge(binned, values)
+    elif values.ndim == 1:
+        _exactsum.deposit_at(binned, keys, values)
     else:
-        _exactsum.merge(target, values)
-    if keys is not None:
-        binned[:, keys] = target
+        _exactsum.merge_at(binned, keys, values)

@@ -19,7 +19,12 @@ FloatArray = NDArray[np.float64]
 
 
 def _fit(model: Any, X: FloatArray, y: Any, *, l2: float, w0: FloatArray | None = None) -> FloatArray:
-    """Minimize models.objective with scipy's L-BFGS-B to a tight tolerance."""
+    """Minimize models.objective with scipy's L-BFGS-B to a tight tolerance.
+
+    What the oracle comparisons need is a stationary point, so that is what is checked where ``success``
+    is not: at these tolerances L-BFGS-B's line search ends ``ABNORMAL`` once it cannot decrease ``F`` within
+    rounding, at the same point, on some BLAS kernels (OPENBLAS_CORETYPE=Haswell) and not on others.
+    """
     start = model.init_params(seed=0) if w0 is None else w0
     result = scipy.optimize.minimize(
         lambda w: objective(model, w, X, y, l2=l2),
@@ -28,7 +33,8 @@ def _fit(model: Any, X: FloatArray, y: Any, *, l2: float, w0: FloatArray | None 
         method="L-BFGS-B",
         options={"maxiter": 5000, "gtol": 1e-10, "ftol": 1e-15},
     )
-    assert result.success, result.message
+    if not result.success:  # only an ABNORMAL line search at a stationary point is taken
+        assert result.status == 2 and np.max(np.abs(result.jac)) < 1e-7, result.message
     return np.asarray(result.x)
 
 

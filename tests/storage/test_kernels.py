@@ -1,0 +1,100 @@
+"""storage._kernels against numpy's elementwise ufuncs, bit for bit, whatever the cut of a vector.
+
+numpy's ``y + a * x`` rounds the product and the sum of each element alone, on every CPU: it is the oracle.
+OpenBLAS's ``daxpy`` differs from it on this project's machines (FMA in the vector's body), which is what
+these tests would catch if a kernel went back to BLAS.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distbelief.storage import _kernels
+
+#: Sizes on both sides of the compiled path's threshold and of lincomb's block, with odd tails.
+SIZES = [1, 7, _kernels.COMPILED_FROM - 1, _kernels.COMPILED_FROM + 13, 2 * _kernels.BLOCK + 5]
+
+
+def _vectors(n: int, k: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=n) * 10.0 ** rng.integers(-3, 4) for _ in range(k)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_axpy_and_scale_round_as_numpy_elementwise(n: int) -> None:
+    x, y = _vectors(n, 2)
+    got = y.copy()
+    _kernels.axpy(0.37, x, got)
+    np.testing.assert_array_equal(got, y + 0.37 * x)
+    _kernels.scale(-1.3, got)
+    np.testing.assert_array_equal(got, (y + 0.37 * x) * -1.3)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_lincomb_rounds_as_the_unfused_loop(n: int) -> None:
+    vs = _vectors(n, 4, seed=1)
+    coeffs = [0.5, -2.25, 0.0, 1e-3]
+    out = np.empty(n)
+    _kernels.lincomb(out, coeffs, vs)
+    want = 0.5 * vs[0]
+    for c, v in zip(coeffs[1:], vs[1:], strict=True):
+        if c:
+            want = want + c * v
+    np.testing.assert_array_equal(out, want)
+    # The destination as a term: scaled first, then the others in order.
+    dst = vs[0].copy()
+    _kernels.lincomb(dst, coeffs[1:], vs[1:], own=0.5)
+    np.testing.assert_array_equal(dst, want)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_adagrad_step_rounds_as_numpy_elementwise(n: int) -> None:
+    w, g, acc0 = _vectors(n, 3, seed=2)
+    acc0 = np.abs(acc0)
+    w_got, acc_got = w.copy(), acc0.copy()
+    _kernels.adagrad_step(w_got, g, acc_got, lr=0.1, eps=1e-8)
+    acc_want = acc0 + g * g
+    np.testing.assert_array_equal(acc_got, acc_want)
+    np.testing.assert_array_equal(w_got, w + -0.1 * (g / (np.sqrt(acc_want) + 1e-8)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(0, 3 * _kernels.COMPILED_FROM), max_size=4), a=st.floats(-4, 4))
+def test_an_element_gets_the_same_bits_whatever_the_cut(cuts: list[int], a: float) -> None:
+    """Chunks (a spilled vector), subsets (a key-value push) and the whole vector agree bit for bit."""
+    n = 3 * _kernels.COMPILED_FROM
+    x, y = _vectors(n, 2, seed=3)
+    whole = y.copy()
+    _kernels.axpy(a, x, whole)
+    chunked = y.copy()
+    bounds = [0, *sorted(set(cuts)), n]
+    for lo, hi in itertools.pairwise(bounds):
+        _kernels.axpy(a, x[lo:hi], chunked[lo:hi])
+    np.testing.assert_array_equal(chunked, whole)
+    keys = np.flatnonzero(np.random.default_rng(len(cuts)).random(n) < 0.5)
+    subset = y[keys]
+    _kernels.axpy(a, x[keys], subset)
+    np.testing.assert_array_equal(subset, whole[keys])
+
+
+def test_memmaps_and_read_only_operands_are_taken(tmp_path: object) -> None:
+    n = _kernels.COMPILED_FROM + 3
+    x, y = _vectors(n, 2, seed=4)
+    x.setflags(write=False)  # as a slice deserialized from a message
+    path = f"{tmp_path}/y.f8"
+    y.tofile(path)
+    mapped = np.memmap(path, dtype=np.float64, mode="r+", shape=(n,))
+    _kernels.axpy(2.0, x, mapped)
+    np.testing.assert_array_equal(np.asarray(mapped), y + 2.0 * x)
+
+
+def test_lincomb_refuses_mismatched_terms() -> None:
+    with pytest.raises(ValueError, match="as many"):
+        _kernels.lincomb(np.zeros(2), [1.0], [])
+    with pytest.raises(ValueError, match="at least one"):
+        _kernels.lincomb(np.zeros(2), [], [])
