@@ -59,6 +59,12 @@ SHARD_MIN_PARAMS = 1 << 17
 #: portions took 0.78x the CPU per evaluation of 12 (83 against 106 ms) and 1.70x the kernel floor
 #: against 2.02x.
 PORTION_WORK = 25_000_000
+#: Row-parameter products one stored nonzero of a CSR row counts for, per coefficient of its column: the
+#: compiled sparse pass touches each nonzero twice (``X @ w`` and ``X.T @ r``) through an index, ~4 ns a
+#: nonzero against ~0.36 ns a dense product (issue 29). A wide sparse model's work is its nonzeros, not
+#: ``rows x parameters``: sized by the latter, a 2^20-wide set of 500k rows took 65 portions of 7,700 rows,
+#: each paying a key lookup, an exact-sum deposit over its keys and a share of a push.
+SPARSE_NONZERO_WORK = 10
 #: Whether a dense model on one shard has that shard hand out the work calls with the parameters
 #: (:meth:`storage.ShardActor.hand_out`) rather than every replica fetching and pushing by itself; off
 #: only to measure the difference (benchmarks) and to test the other path.
@@ -432,7 +438,12 @@ def open_session(
         # (PORTION_WORK row-parameter products), but give every replica a few, for balance and backups.
         # A batch smaller than one replica's worth of work goes to one replica as one portion: splitting
         # it would only add messages.
-        by_work = math.ceil(dataset.n_rows * n / PORTION_WORK)
+        if getattr(dataset, "layout", "dense") == "csr" and dataset.n_rows:
+            nonzeros = int(getattr(dataset, "nnz", dataset.n_rows * dataset.n_features))
+            per_row = nonzeros / dataset.n_rows * (n / max(1, dataset.n_features)) * SPARSE_NONZERO_WORK
+        else:
+            per_row = n
+        by_work = math.ceil(dataset.n_rows * per_row / PORTION_WORK)
         if by_work >= n_replicas:
             # A multiple of the replica count, so every replica starts with an equal share.
             by_work = max(2 * n_replicas, math.ceil(by_work / n_replicas) * n_replicas)

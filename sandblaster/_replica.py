@@ -56,6 +56,9 @@ __all__ = ["INLINE_WORK", "Replica"]
 #: 0.2 ms of work, less than the hop to the compute thread and back costs here.
 INLINE_WORK = 250_000
 
+#: Pulled keys above which the pulled values are assembled on the compute thread instead of the loop.
+INLINE_KEYS = 1 << 16
+
 Portion = tuple[np.ndarray, np.ndarray]
 
 
@@ -70,10 +73,6 @@ class _KV:
     def size(self) -> int:
         """Number of parameters held (the width a gradient costs)."""
         return int(self.keys.size)
-
-    def at(self, keys: np.ndarray) -> np.ndarray:
-        """The values at ``keys`` (a subset of :attr:`keys`)."""
-        return self.values[np.searchsorted(self.keys, keys)]
 
     def merged(self, other: _KV) -> _KV:
         """Both key sets' values (``other`` adds keys this one lacks)."""
@@ -127,6 +126,10 @@ class Replica:
         self.sparse = communication == "sparse"
         #: Key-value mode: the union of the held portions' keys, and which portions it covers.
         self._kv_held: tuple[np.ndarray, frozenset[int]] = (np.zeros(0, dtype=np.int64), frozenset())
+        #: Key-value mode: per portion, the pulled keys array and where the portion's keys sit in it.
+        self._kv_positions: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        #: Key-value mode: the last keys array cut at the shard bounds (:meth:`_split`).
+        self._kv_split: tuple[np.ndarray, list[np.ndarray]] | None = None
         #: Bytes of parameters and keys pulled, and of gradients and keys pushed (counted as sent).
         self.bytes_pulled = 0
         #: Seconds of gradient work (reading rows included) and of waiting for fetches and pushes, summed
@@ -188,7 +191,7 @@ class Replica:
         read_s = 0.0
         reads: list[int] = []
         results = []
-        parts: list[tuple[np.ndarray, np.ndarray]] = []
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         for p in assign:
             if p not in self.cache:
                 start = time.perf_counter()
@@ -198,54 +201,99 @@ class Replica:
                 read_s += time.perf_counter() - start
             start = time.perf_counter()
             part = self._kv_portion(p)
-            loss, grad = part.model.loss_and_grad(w.at(part.keys), part.X, part.y)
+            at = self._positions(p, part.keys, w.keys)
+            loss, grad = part.model.loss_and_grad(w.values[at], part.X, part.y)
             if self.slowdown > 1.0:
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
             results.append((int(p), float(loss), int(part.X.shape[0])))
-            parts.append((part.keys, np.asarray(grad, dtype=np.float64)))
+            parts.append((part.keys, np.asarray(grad, dtype=np.float64), at))
         if solo:
-            solos = [([int(p)], kv) for p, kv in zip(assign, parts, strict=True)]
+            solos = [([int(p)], self._payloads((k, g))) for p, (k, g, _) in zip(assign, parts, strict=True)]
             return results, solos, *self._timing(t0, read_s, reads)
         if len(parts) == 1:  # a group of one is pushed as it is: 12 bytes a key, not 36
-            return results, [([int(p) for p in assign], parts[0])], *self._timing(t0, read_s, reads)
-        keys = union_keys([k for k, _ in parts], self.model.n_params)
-        # Summed exactly (binned, as the dense path): the shards' sum is the same whichever portions share a
-        # push, so sparse runs are as reproducible as dense ones.
+            keys, grad, _ = parts[0]
+            pushed = [([int(p) for p in assign], self._payloads((keys, grad)))]
+            return results, pushed, *self._timing(t0, read_s, reads)
+        # The group's keys: the union of its portions', found among the pulled ones by their positions
+        # there (a mask over the pulled keys, not over every parameter). Summed exactly (binned, as the
+        # dense path), portion by portion at its own keys: the shards' sum is the same whichever portions
+        # share a push, so sparse runs are as reproducible as dense ones.
+        covered = np.zeros(w.keys.size, dtype=bool)
+        for _, _, at in parts:
+            covered[at] = True
+        if covered.all():  # the usual group: every portion held, and no other
+            keys, remap = w.keys, None
+        else:
+            keys = w.keys[covered]
+            remap = np.cumsum(covered) - 1
         total = _exactsum.zeros(keys.size)
-        for k, g in parts:
-            dense = np.zeros(keys.size)
-            dense[np.searchsorted(keys, k)] = g
-            _exactsum.deposit(total, dense)
-        grads: list[tuple[list[int], Any]] = [([int(p) for p in assign], (keys, total))] if parts else []
+        for _, g, at in parts:
+            _exactsum.deposit_at(total, at if remap is None else remap[at], g)
+        grads: list[tuple[list[int], Any]] = (
+            [([int(p) for p in assign], self._payloads((keys, total)))] if parts else []
+        )
         return results, grads, *self._timing(t0, read_s, reads)
+
+    def _positions(self, p: int, keys: np.ndarray, pulled: np.ndarray) -> np.ndarray:
+        """Where portion ``p``'s ``keys`` sit among the ``pulled`` ones, kept while ``pulled`` is the same
+        array (the held portions' union, from one evaluation to the next): one search per portion per
+        change of the held set instead of one per evaluation."""
+        cached = self._kv_positions.get(p)
+        if cached is not None and cached[0] is pulled:
+            return cached[1]
+        at = np.searchsorted(pulled, keys)
+        self._kv_positions[p] = (pulled, at)
+        return at
 
     @staticmethod
     def _timing(t0: float, read_s: float, reads: list[int]) -> tuple[float, float, list[int]]:
         return time.perf_counter() - t0, read_s, reads
 
-    def _push_kv(
-        self,
-        acc_name: str,
-        portions: list[int],
-        grad: tuple[np.ndarray, np.ndarray],
-        eval_id: int,
-        solo: bool,
-    ) -> list[tuple[int, asyncio.Future[Any]]]:
-        """One key-value push per shard (every shard, keys or not: each counts every portion once); to a
-        shard whose slice the keys cover densely enough, the whole slice instead, zeros elsewhere, which is
-        fewer bytes (:func:`storage._keys.whole_slice_is_smaller`) and adds the same floats."""
+    def _split(self, keys: np.ndarray) -> list[np.ndarray]:
+        """``keys`` cut into each shard's local offsets, kept for the last keys array (the held portions'
+        union is the same array from one evaluation to the next, and is pulled and pushed each time)."""
+        cached = self._kv_split
+        if cached is not None and cached[0] is keys:
+            return cached[1]
+        local = split_keys(self.shards.layout.bounds, keys)
+        self._kv_split = (keys, local)
+        return local
+
+    def _payloads(self, grad: tuple[np.ndarray, np.ndarray]) -> list[tuple[np.ndarray | None, np.ndarray]]:
+        """Per shard, what a key-value push of ``grad`` sends: ``(local keys, values)``, or ``(None, the
+        whole slice)`` with zeros elsewhere where that is fewer bytes
+        (:func:`storage._keys.whole_slice_is_smaller`; it adds the same floats). Built on the compute
+        thread, so the event loop only sends."""
         keys, values = grad
         bounds = self.shards.layout.bounds
         cuts = np.searchsorted(keys, bounds)
-        out: list[tuple[int, asyncio.Future[Any]]] = []
-        for shard, local in enumerate(split_keys(bounds, keys)):
+        out: list[tuple[np.ndarray | None, np.ndarray]] = []
+        for shard, local in enumerate(self._split(keys)):
             part = values[..., cuts[shard] : cuts[shard + 1]]  # a binned group sum cuts like a vector
             size = int(bounds[shard + 1] - bounds[shard])
             if whole_slice_is_smaller(local, size, 1 if part.ndim == 1 else part.shape[0]):
                 whole = np.zeros((*part.shape[:-1], size))
                 whole[..., local] = part
-                self.bytes_pushed += kv_bytes(whole)
-                ask = self.shards.ask(shard, "accumulate", acc_name, whole, portions, eval_id, solo)
+                out.append((None, whole))
+            else:
+                out.append((local, part))
+        return out
+
+    def _push_kv(
+        self,
+        acc_name: str,
+        portions: list[int],
+        payloads: list[tuple[np.ndarray | None, np.ndarray]],
+        eval_id: int,
+        solo: bool,
+    ) -> list[tuple[int, asyncio.Future[Any]]]:
+        """One push per shard of :meth:`_payloads` (every shard, keys or not: each counts every portion
+        once)."""
+        out: list[tuple[int, asyncio.Future[Any]]] = []
+        for shard, (local, part) in enumerate(payloads):
+            if local is None:
+                self.bytes_pushed += kv_bytes(part)
+                ask = self.shards.ask(shard, "accumulate", acc_name, part, portions, eval_id, solo)
             else:
                 self.bytes_pushed += kv_bytes(local, part)
                 ask = self.shards.ask(shard, "accumulate_at", acc_name, local, part, portions, eval_id, solo)
@@ -303,7 +351,7 @@ class Replica:
         self, eval_id: int, prep: Sequence[Sequence[Any]], x_name: str, keys: np.ndarray
     ) -> tuple[_KV, list[Any]]:
         bounds = self.shards.layout.bounds
-        local = split_keys(bounds, keys)
+        local = self._split(keys)
         # Per shard, the keys or (None) the whole slice, whichever moves fewer bytes.
         asked = [
             None if whole_slice_is_smaller(k, int(bounds[i + 1] - bounds[i])) else k
@@ -311,8 +359,18 @@ class Replica:
         ]
         values, prep_results = await self.shards.prepare_and_gather(eval_id, prep, x_name, asked)
         self.bytes_pulled += sum(kv_bytes(a, v) for a, v in zip(asked, values, strict=True))
-        picked = [v if a is not None else v[k] for k, a, v in zip(local, asked, values, strict=True)]
-        return _KV(keys, np.concatenate(picked) if picked else np.zeros(0)), prep_results
+
+        def pick() -> np.ndarray:
+            picked = [v if a is not None else v[k] for k, a, v in zip(local, asked, values, strict=True)]
+            return np.concatenate(picked) if picked else np.zeros(0)
+
+        # Picking ~1e6 values out of whole slices takes milliseconds: on the compute thread (idle while the
+        # parameters are on their way), not on the loop that answers the shards' messages.
+        if keys.size > INLINE_KEYS:
+            return _KV(
+                keys, await asyncio.get_running_loop().run_in_executor(self._compute, pick)
+            ), prep_results
+        return _KV(keys, pick()), prep_results
 
     def _compute_portions(
         self, w: np.ndarray, assign: Sequence[int], solo: bool, eval_id: int | None = None
@@ -507,8 +565,8 @@ class Replica:
                 read_s += group_read_s
                 # Sent now, awaited at the end: the push travels while the next group is computed.
                 if self.sparse:
-                    for portions, grad in grads:
-                        pushes += self._push_kv(acc_name, portions, grad, eval_id, solo)
+                    for portions, payloads in grads:
+                        pushes += self._push_kv(acc_name, portions, payloads, eval_id, solo)
                     continue
                 self.bytes_pushed += 8 * sum(grad.size for _, grad in grads)
                 if given is not None and k == len(groups) - 1:
@@ -580,6 +638,7 @@ class Replica:
         workers); returns :meth:`stats`, so a new replica reports the portions it holds in the same call."""
         self._shards = shard_map
         self._fetch = None
+        self._kv_split = None  # the new shards may cut the keys elsewhere
         return await self.stats()
 
     async def set_slowdown(self, slowdown: float) -> None:

@@ -77,3 +77,76 @@ def test_tiny_terms_keep_their_bits_when_other_terms_are_zero() -> None:
 
 def test_a_state_costs_four_vectors() -> None:
     assert xs.state_bytes(10) == 4 * 8 * 10 == xs.zeros(10).nbytes
+
+
+# -- the compiled loops against the numpy passes (the reference) -------------------------------------------
+any_floats = st.floats(allow_nan=True, allow_infinity=True, width=64)
+
+
+def _magnitudes(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Terms over the whole range: zeros, subnormals, huge, infinities and NaNs among ordinary ones."""
+    v = rng.normal(size=n) * 2.0 ** rng.integers(-1070, 1000, size=n).astype(float)
+    pick = rng.random(n)
+    v[pick < 0.05] = 0.0
+    v[(pick >= 0.05) & (pick < 0.07)] = np.inf
+    v[(pick >= 0.07) & (pick < 0.08)] = -np.inf
+    v[(pick >= 0.08) & (pick < 0.085)] = np.nan
+    v[(pick >= 0.085) & (pick < 0.1)] = 5e-324
+    return v
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(any_floats, min_size=N, max_size=N), min_size=1, max_size=8))
+def test_compiled_deposit_and_merge_leave_the_numpy_states(raw) -> None:  # type: ignore[no-untyped-def]
+    numpy_state, compiled_state, merged = xs.zeros(N), xs.zeros(N), xs.zeros(N)
+    for t in raw:
+        v = np.array(t)
+        xs._deposit_numpy(numpy_state, v)
+        xs.deposit_at(compiled_state, np.arange(N), v)  # always compiled (when numba is there)
+        xs.merge_at(merged, np.arange(N), xs._deposit_numpy(xs.zeros(N), v))
+    np.testing.assert_array_equal(compiled_state, numpy_state)
+    np.testing.assert_array_equal(merged, numpy_state)
+
+
+def test_compiled_loops_on_wide_vectors_and_at_positions() -> None:
+    rng = np.random.default_rng(7)
+    n = 3 * xs.COMPILED_FROM + 5
+    terms = [_magnitudes(rng, n) for _ in range(4)] + [rng.normal(size=n) for _ in range(4)]
+    reference, wide = xs.zeros(n), xs.zeros(n)
+    for v in terms:
+        xs._deposit_numpy(reference, v)
+        xs.deposit(wide, v)
+    np.testing.assert_array_equal(wide, reference)
+    # At positions: the state of a dense deposit with zeros elsewhere; a merge at positions likewise.
+    keys = np.flatnonzero(rng.random(n) < 0.3)
+    at, dense, merged = xs.zeros(n), xs.zeros(n), xs.zeros(n)
+    for v in terms:
+        xs.deposit_at(at, keys, v[keys])
+        full = np.zeros(n)
+        full[keys] = v[keys]
+        xs._deposit_numpy(dense, full)
+        xs.merge_at(merged, keys, xs.deposit(xs.zeros(keys.size), v[keys]))
+    # The same columns at the keys and the same sums everywhere (a dense zero term only sets an empty
+    # column's unit to the lowest one, which changes no sum).
+    for state in (at, merged):
+        np.testing.assert_array_equal(state[:, keys], dense[:, keys])
+        np.testing.assert_array_equal(xs.value(state), xs.value(dense))
+        assert not np.delete(state, keys, axis=1).any()
+    halves = xs.zeros(n)
+    xs.merge(halves, xs.deposit(xs.deposit(xs.zeros(n), terms[0]), terms[1]))
+    xs.merge(halves, xs.deposit(xs.deposit(xs.zeros(n), terms[2]), terms[3]))
+    first4 = xs.zeros(n)
+    for v in terms[:4]:
+        xs._deposit_numpy(first4, v)
+    np.testing.assert_array_equal(halves, first4)
+
+
+def test_positions_are_checked() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match=r"in \[0, 3\)"):
+        xs.deposit_at(xs.zeros(3), np.array([3]), np.array([1.0]))
+    with pytest.raises(ValueError, match="as many positions"):
+        xs.deposit_at(xs.zeros(3), np.array([0, 1]), np.array([1.0]))
+    with pytest.raises(ValueError, match="one position per element"):
+        xs.merge_at(xs.zeros(3), np.array([0]), xs.zeros(2))
