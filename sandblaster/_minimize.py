@@ -251,7 +251,7 @@ def minimize(
     ftol: float = LBFGSB_FTOL,
     maxiter: int = 15000,
     maxfev: int = 15000,
-    client: Client | None = None,
+    client: Client | str | None = None,
     store: str | os.PathLike[str] | None = None,
     callback: Callable[[IterationRecord], None] | None = None,
     portions: int | None = None,
@@ -295,8 +295,10 @@ def minimize(
     gtol, ftol, maxiter, maxfev : float, float, int, int
         Stop when ``max|g_i| <= gtol``, when the relative decrease of F is ``<= ftol`` (as SciPy's
         L-BFGS-B), or after ``maxiter`` iterations / ``maxfev`` evaluations.
-    client : distributed.Client, optional
-        The cluster; ``None`` starts an embedded ``LocalCluster`` for this call.
+    client : distributed.Client or str, optional
+        The cluster: a ``Client`` (the default one or not), or a scheduler address such as
+        ``'tcp://10.0.0.1:8786'``. ``None``: the default Dask client if one runs, else this process's one
+        embedded ``LocalCluster`` (started on first use, kept until exit).
     store : str or path, optional
         Directory or URL for the parameter server's checkpoints (default: a temporary directory).
     callback : callable, optional

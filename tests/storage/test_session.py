@@ -20,7 +20,7 @@ from distbelief.storage import (
     start_vector,
     worker_addresses,
 )
-from distbelief.storage._session import _on_loopback, run_store
+from distbelief.storage._session import _direct_when_local, _on_loopback, run_store
 
 
 def test_a_callers_loopback_client_talks_to_workers_directly_only_inside_the_block(client: Client) -> None:
@@ -43,8 +43,8 @@ def test_a_remote_cluster_keeps_the_callers_setting() -> None:
         ),
         sync=lambda func, **kwargs: func(**kwargs),
     )
-    with embedded_client(remote) as c:
-        assert c.direct_to_workers is False
+    with _direct_when_local(remote):
+        assert remote.direct_to_workers is False
 
 
 @pytest.mark.parametrize(
