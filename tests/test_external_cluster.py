@@ -103,7 +103,7 @@ def embedded() -> Iterator[Client]:
     """The embedded cluster's client, and a *default* client of that same cluster: an actor proxy of a run
     on the external cluster that bound to the default client would call the wrong cluster."""
     shared = _cluster.shared_embedded_client()
-    with Client(shared.scheduler.address, set_as_default=True):
+    with Client(shared.scheduler_info()["address"], set_as_default=True):
         yield shared
 
 
