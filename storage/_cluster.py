@@ -31,6 +31,7 @@ from distbelief.errors import ClusterError, InvalidOptionError
 __all__ = [
     "as_client",
     "bound_to",
+    "can_start_processes",
     "check_workers",
     "resolve_client",
     "shared_embedded_client",
@@ -150,15 +151,15 @@ def shared_embedded_client() -> Client:
 
     One worker per core (at most 4), one thread each, on 127.0.0.1, with direct connections from the
     client to the workers (~1.1 ms per actor call instead of ~1.7 ms through the scheduler). Worker
-    processes, except in a daemonic process (a ``multiprocessing`` pool's worker may not have children):
-    there, worker threads of this process. Starting one costs ~1-3 s; every later call reuses it.
+    processes, except where this process cannot start them (:func:`can_start_processes`): there, worker
+    threads of this process. Starting one costs ~1-3 s; every later call reuses it.
     """
     global _embedded
     with _lock:
         if _embedded is not None and _embedded[1].status not in ("closed", "closing"):
             return _embedded[1]
         n_workers = max(1, min(os.cpu_count() or 1, 4))
-        processes = not multiprocessing.current_process().daemon
+        processes = can_start_processes()
         options: dict[str, Any] = {"host": "127.0.0.1"} if processes else {}  # threads: inproc:// comms
         cluster = LocalCluster(
             n_workers=n_workers,
@@ -171,6 +172,24 @@ def shared_embedded_client() -> Client:
         _embedded = (cluster, client)
         _checked.add(_scheduler_id(client))  # its workers run this very installation
         return client
+
+
+def can_start_processes() -> bool:
+    """Whether this process can start the embedded cluster's worker processes (Dask's nannies spawn them).
+
+    Not in a daemonic process (``multiprocessing`` forbids it children), nor in one whose start method is
+    not a standard one: a joblib/loky worker (``GridSearchCV(n_jobs=k)``) reports ``'loky'``, which a spawned
+    child then fails to set up ("cannot find context for 'loky'": every fit failed with "Nanny failed to
+    start"). Such a process is one of a pool already: its embedded cluster runs worker threads.
+
+    Examples
+    --------
+    >>> can_start_processes()
+    True
+    """
+    method = multiprocessing.get_start_method(allow_none=True)
+    daemon = multiprocessing.current_process().daemon
+    return not daemon and method in (None, "fork", "spawn", "forkserver")
 
 
 def close_embedded() -> None:
