@@ -231,3 +231,12 @@ def test_a_worker_with_another_distbelief_is_named(external: Any, other: Client,
         ClusterError, match=r"another version of distbelief.*has 0\.0\.1.*install distbelief=="
     ):
         sandblaster.minimize(models.Logistic(12), (X, Y), client=address, maxiter=2)
+
+
+def test_the_embedded_clusters_dashboard_answers(embedded: Client) -> None:
+    import urllib.request
+
+    link = embedded.dashboard_link
+    assert link.startswith("http://127.0.0.1:")
+    with urllib.request.urlopen(link, timeout=30) as page:
+        assert page.status == 200
