@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -43,6 +42,7 @@ from distbelief.storage import (
 )
 from distbelief.storage._calls import ShardRecovery
 from distbelief.storage._keys import COMMUNICATION, Communication, use_sparse
+from distbelief.storage._session import run_store
 
 __all__ = ["OptimizeResult", "SandblasterOptions", "minimize", "open_session"]
 
@@ -384,19 +384,10 @@ def minimize(
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
     x_start = start_vector(model, x0, seed)
-    tmp = None
-    if store is None:
-        tmp = tempfile.TemporaryDirectory(prefix="sandblaster-")
-        store = tmp.name
-    store = str(store)
-    try:
-        with embedded_client(client) as c:
-            result = _run(model, as_dataset(data, store), x_start, c, store, opts, callback)
-            result.model = model
-            return result
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    with run_store(store, "sandblaster-") as root, embedded_client(client) as c:
+        result = _run(model, as_dataset(data, root), x_start, c, root, opts, callback)
+        result.model = model
+        return result
 
 
 @contextlib.contextmanager

@@ -4,10 +4,13 @@ rows as a :class:`Dataset`."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ipaddress
 import os
+import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +30,7 @@ __all__ = [
     "run_store",
     "scheduler_identity",
     "start_vector",
+    "wait_for_removals",
     "worker_addresses",
 ]
 
@@ -129,7 +133,9 @@ def run_store(store: str | os.PathLike[str] | None, prefix: str) -> Iterator[str
     """``store`` as a string, or a temporary directory (named ``prefix...``) deleted after the ``with`` block.
 
     A front door's ``store=None`` means "keep nothing": the run's vectors, checkpoints and rows go to the
-    temporary directory.
+    temporary directory. It is deleted by a background thread (:func:`wait_for_removals`), not by the
+    call: removing a small fit's zarr trees cost ~18 ms here (~1.3 ms per directory on this filesystem),
+    as much as the fit's shards and replicas together.
 
     Examples
     --------
@@ -137,14 +143,38 @@ def run_store(store: str | os.PathLike[str] | None, prefix: str) -> Iterator[str
     >>> with run_store(None, "doc-") as root:
     ...     os.path.basename(root).startswith("doc-"), os.path.isdir(root)
     (True, True)
-    >>> os.path.isdir(root)
+    >>> wait_for_removals(); os.path.isdir(root)
     False
     """
     if store is not None:
         yield str(store)
         return
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    try:
         yield tmp
+    finally:
+        _removals.append(_remover().submit(shutil.rmtree, tmp, True))
+
+
+_removals: list[concurrent.futures.Future[None]] = []
+_remover_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_remover_lock = threading.Lock()
+
+
+def _remover() -> concurrent.futures.ThreadPoolExecutor:
+    """One thread deleting the temporary stores (joined at exit: no store is left half deleted)."""
+    global _remover_pool
+    with _remover_lock:
+        if _remover_pool is None:
+            _remover_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="distbelief-rmtree")
+        del _removals[: sum(1 for f in _removals if f.done())]  # done ones first: it is a FIFO
+        return _remover_pool
+
+
+def wait_for_removals() -> None:
+    """Wait until the temporary stores of finished calls are deleted."""
+    for f in list(_removals):
+        f.result()
 
 
 def is_loopback(host: str) -> bool:
