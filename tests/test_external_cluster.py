@@ -203,9 +203,14 @@ def test_a_worker_killed_mid_run(external: Any, other: Client, embedded: Client)
     killed: list[int] = []
 
     def kill_replica_1(record: sandblaster.IterationRecord) -> None:
-        if record.iteration == 3 and not killed:
+        if record.iteration == 2 and not killed:
             killed.append(pid)
             os.kill(pid, signal.SIGKILL)  # the worker process; its nanny starts another one
+            # The run goes on once the scheduler has seen the loss: the next evaluation then meets it
+            # (without the wait, a small run could end before any call reached the dead worker).
+            deadline = time.monotonic() + START_TIMEOUT
+            while w1 in worker_addresses(other) and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     kw: dict[str, Any] = {"l2": 1e-2, "maxiter": 50, "portions": 8}
     ref = sandblaster.minimize(models.Logistic(12), (X, Y), client=embedded, **kw)
