@@ -374,7 +374,7 @@ def train_partitioned(
     x0: np.ndarray | None = None,
     shuffle: bool = True,
     shards_per_partition: int = 1,
-    client: Client | None = None,
+    client: Client | str | None = None,
     store: str | os.PathLike[str] | None = None,
     workers: Sequence[str] | None = None,
     call_timeout: float = 60.0,

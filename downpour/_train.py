@@ -248,7 +248,7 @@ def train(
     eval_data: Dataset | tuple[np.ndarray, np.ndarray] | None = None,
     eval_every: float = 1.0,
     l2: float = 0.0,
-    client: Client | None = None,
+    client: Client | str | None = None,
     store: str | os.PathLike[str] | None = None,
     callback: Callable[[Progress], None] | None = None,
     staleness_scale: bool | None = None,
@@ -317,8 +317,10 @@ def train(
         entry).
     l2 : float
         L2 regularization (added to every mini-batch gradient).
-    client : distributed.Client, optional
-        The cluster; ``None`` starts an embedded ``LocalCluster`` for this call.
+    client : distributed.Client or str, optional
+        The cluster: a ``Client`` (the default one or not), or a scheduler address such as
+        ``'tcp://10.0.0.1:8786'``. ``None``: the default Dask client if one runs, else this process's one
+        embedded ``LocalCluster`` (started on first use, kept until exit).
     store : str or path, optional
         Directory or URL for the data (when given as arrays) and the shards' checkpoints (default: a
         temporary directory, deleted at the end).

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -43,6 +42,7 @@ from distbelief.storage import (
 )
 from distbelief.storage._calls import ShardRecovery
 from distbelief.storage._keys import COMMUNICATION, Communication, use_sparse
+from distbelief.storage._session import run_store
 
 __all__ = ["OptimizeResult", "SandblasterOptions", "minimize", "open_session"]
 
@@ -257,7 +257,7 @@ def minimize(
     ftol: float = LBFGSB_FTOL,
     maxiter: int = 15000,
     maxfev: int = 15000,
-    client: Client | None = None,
+    client: Client | str | None = None,
     store: str | os.PathLike[str] | None = None,
     callback: Callable[[IterationRecord], None] | None = None,
     portions: int | None = None,
@@ -301,8 +301,10 @@ def minimize(
     gtol, ftol, maxiter, maxfev : float, float, int, int
         Stop when ``max|g_i| <= gtol``, when the relative decrease of F is ``<= ftol`` (as SciPy's
         L-BFGS-B), or after ``maxiter`` iterations / ``maxfev`` evaluations.
-    client : distributed.Client, optional
-        The cluster; ``None`` starts an embedded ``LocalCluster`` for this call.
+    client : distributed.Client or str, optional
+        The cluster: a ``Client`` (the default one or not), or a scheduler address such as
+        ``'tcp://10.0.0.1:8786'``. ``None``: the default Dask client if one runs, else this process's one
+        embedded ``LocalCluster`` (started on first use, kept until exit).
     store : str or path, optional
         Directory or URL for the parameter server's checkpoints (default: a temporary directory).
     callback : callable, optional
@@ -388,19 +390,10 @@ def minimize(
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
     x_start = start_vector(model, x0, seed)
-    tmp = None
-    if store is None:
-        tmp = tempfile.TemporaryDirectory(prefix="sandblaster-")
-        store = tmp.name
-    store = str(store)
-    try:
-        with embedded_client(client) as c:
-            result = _run(model, as_dataset(data, store), x_start, c, store, opts, callback)
-            result.model = model
-            return result
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    with run_store(store, "sandblaster-") as root, embedded_client(client) as c:
+        result = _run(model, as_dataset(data, root), x_start, c, root, opts, callback)
+        result.model = model
+        return result
 
 
 @contextlib.contextmanager

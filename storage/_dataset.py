@@ -574,8 +574,9 @@ class Dataset:
         ----------
         X : dask.array.Array, shape (n_rows, n_features)
         y : dask.array.Array, shape (n_rows,)
-        client : distributed.Client, optional
-            Where to compute (default: Dask's default scheduler, i.e. the current ``Client`` if any).
+        client : distributed.Client or str, optional
+            Where to compute: a ``Client`` or a scheduler address such as ``'tcp://10.0.0.1:8786'``
+            (default: Dask's default scheduler, i.e. the current ``Client`` if any).
 
         Examples
         --------

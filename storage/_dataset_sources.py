@@ -105,6 +105,10 @@ def dataset_from_dask(
         raise DatasetError(f"X must have at least one row and one column, got shape {X.shape}")
     if int(y.shape[0]) != n:
         raise DatasetError(f"X has {n} rows but y has {y.shape[0]} labels; give exactly one label per row")
+    if client is not None:
+        from distbelief.storage._cluster import as_client
+
+        client = as_client(client)  # a scheduler address too
     loc = _location(path, storage_options)
     _precheck(loc, overwrite)
     c, p = _layout(n, d, portion_rows, chunk_rows)

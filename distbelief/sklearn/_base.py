@@ -10,11 +10,9 @@ Downpour mini-batch, that cancels the shards' ``(l2/2) ||w_free||^2`` term for a
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import numbers
 import os
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -126,62 +124,22 @@ class FreeParams:
 
 # ------------------------------------------------------------------------------------------- clusters
 
-_lock = threading.Lock()
-_embedded: contextlib.ExitStack | None = None
-_embedded_client: Any = None
-_by_address: dict[str, Any] = {}
-
-
-def _shared_embedded() -> Any:
-    """One embedded ``LocalCluster`` (``storage.embedded_client``) for every fit of this process, closed at
-    exit: starting one per fit would cost seconds, and ``GridSearchCV`` fits hundreds of times."""
-    global _embedded, _embedded_client
-    from distbelief.storage import embedded_client
-
-    with _lock:
-        if _embedded_client is None or _embedded_client.status in ("closed", "closing"):
-            stack = contextlib.ExitStack()
-            _embedded_client = stack.enter_context(embedded_client(None))
-            _embedded = stack
-            atexit.register(stack.close)
-        return _embedded_client
-
 
 def resolve_client(client: Any) -> Any:
-    """The Dask client a fit runs on.
+    """The Dask client a fit runs on (:func:`storage._cluster.resolve_client`).
 
-    ``None``: the current default client (``distributed.default_client()``: the last ``Client`` made in
-    this process) if there is one, else an embedded ``LocalCluster`` shared by all fits of this process.
-    A ``str``: a client of the scheduler at that address (made once, then reused). A ``Client``: itself.
+    ``None``: the current default client (``distributed.default_client()``) if one runs, else the
+    embedded ``LocalCluster`` shared by every call of this process. A ``str``: a client of the scheduler at
+    that address (made once, then reused). A ``Client``: itself.
 
     Raises
     ------
     InvalidOptionError
-        For anything else.
+        For anything else, or a malformed address.
     """
-    from distributed import Client, default_client
+    from distbelief.storage._cluster import resolve_client as resolve
 
-    if client is None:
-        try:
-            found = default_client()
-        except ValueError:
-            return _shared_embedded()
-        if found.status in ("running", "connecting"):
-            return found
-        return _shared_embedded()
-    if isinstance(client, str):
-        with _lock:
-            known = _by_address.get(client)
-            if known is None or known.status in ("closed", "closing"):
-                known = Client(client, set_as_default=False)
-                _by_address[client] = known
-            return known
-    if isinstance(client, Client):
-        return client
-    raise InvalidOptionError(
-        f"client must be None (the default Dask client, or an embedded cluster), a scheduler address "
-        f"such as 'tcp://10.0.0.1:8786', or a distributed.Client; got {type(client).__name__}"
-    )
+    return resolve(client)
 
 
 def clone_keeping_client(estimator: Any) -> Any:
@@ -196,11 +154,17 @@ def clone_keeping_client(estimator: Any) -> Any:
 
 
 def picklable_state(state: dict[str, Any]) -> dict[str, Any]:
-    """The ``__dict__`` of an estimator with a ``distributed.Client`` replaced by its scheduler address."""
+    """The ``__dict__`` of an estimator without a live ``distributed.Client``: it becomes ``None``.
+
+    A client is a connection to a cluster that may be gone when the estimator is loaded (a refit would
+    wait for its scheduler, then fail): the loaded estimator predicts as before, and a refit runs on the
+    default client or the embedded cluster, or where ``set_params(client=...)`` says. A scheduler address
+    the user gave (a ``str``) is kept: it is their setting.
+    """
     client = state.get("client")
     if client is not None and not isinstance(client, str):
         state = dict(state)
-        state["client"] = str(client.scheduler.address)
+        state["client"] = None
     return state
 
 

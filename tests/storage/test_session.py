@@ -20,7 +20,7 @@ from distbelief.storage import (
     start_vector,
     worker_addresses,
 )
-from distbelief.storage._session import _on_loopback, run_store
+from distbelief.storage._session import _direct_when_local, _on_loopback, run_store, wait_for_removals
 
 
 def test_a_callers_loopback_client_talks_to_workers_directly_only_inside_the_block(client: Client) -> None:
@@ -43,8 +43,8 @@ def test_a_remote_cluster_keeps_the_callers_setting() -> None:
         ),
         sync=lambda func, **kwargs: func(**kwargs),
     )
-    with embedded_client(remote) as c:
-        assert c.direct_to_workers is False
+    with _direct_when_local(remote):
+        assert remote.direct_to_workers is False
 
 
 @pytest.mark.parametrize(
@@ -124,4 +124,5 @@ def test_run_store_keeps_a_given_store_and_deletes_only_its_own_temporary_one(tm
     with run_store(None, "mine-") as root:
         assert Path(root).name.startswith("mine-") and Path(root).is_dir()
         (Path(root) / "x").write_text("kept until the block ends")
+    wait_for_removals()  # deleted in the background
     assert not Path(root).exists()
