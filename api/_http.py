@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from distbelief.api._uploads import UploadTooLargeError
 from distbelief.api.runner import JobNotFoundError, JobStateError, QueueFullError
 from distbelief.errors import (
     ClusterError,
@@ -47,7 +48,8 @@ _WHY: dict[int, str] = {
     404: "No such job or dataset.",
     409: "It clashes with the current state: a name that is taken or being uploaded, a dataset a queued or "
     "running job uses, a job that is not finished (or finished already).",
-    413: "The body is larger than DISTBELIEF_MAX_BODY_BYTES (DISTBELIEF_MAX_UPLOAD_BYTES for uploads).",
+    413: "The body is larger than DISTBELIEF_MAX_BODY_BYTES (DISTBELIEF_MAX_UPLOAD_BYTES for uploads), or "
+    "an uploaded archive's arrays would be, once decompressed (DISTBELIEF_MAX_UPLOAD_BYTES).",
     415: "The content type is neither multipart/form-data nor application/json.",
     422: "The request is well formed but invalid: a field out of range, an unknown option, a bad dataset "
     "name, a model that does not fit the dataset, or a job too big for the cluster and the settings.",
@@ -76,6 +78,7 @@ _STATUS: list[tuple[type[DistbeliefError], int]] = [
     (JobStateError, status.HTTP_409_CONFLICT),
     (ConflictError, status.HTTP_409_CONFLICT),
     (QueueFullError, status.HTTP_503_SERVICE_UNAVAILABLE),
+    (UploadTooLargeError, status.HTTP_413_CONTENT_TOO_LARGE),
     (ModelSpecError, status.HTTP_422_UNPROCESSABLE_CONTENT),
     (DatasetError, status.HTTP_422_UNPROCESSABLE_CONTENT),
     (InvalidOptionError, status.HTTP_422_UNPROCESSABLE_CONTENT),

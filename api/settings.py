@@ -36,7 +36,9 @@ class Settings(BaseSettings):
     host, port : str, int
         Where ``distbelief serve`` listens.
     max_upload_bytes : int
-        Largest dataset upload accepted (a larger body gets 413 before it is stored).
+        Largest dataset upload accepted (a larger body gets 413 before it is stored); also the most bytes
+        the arrays of an uploaded ``.npz`` may hold once decompressed (checked from the archive's headers
+        before anything is decompressed).
     max_body_bytes : int
         Largest body of any other request.
     max_concurrent_jobs : int

@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from distbelief.api._http import error_responses
+from distbelief.api._uploads import check_npz_size
 from distbelief.api.deps import RunnerDep, SettingsDep
 from distbelief.api.runner import JobRunner, UnknownDatasetError
 from distbelief.api.schemas import NAME_DOC, NAME_SCHEMA, DatasetPublic, DatasetRegister, DatasetsPublic
@@ -106,7 +107,7 @@ def _flag(value: Any, field: str) -> bool:
     return text in ("true", "1", "yes")
 
 
-def _build(file: IO[bytes], filename: str, path: str, label_column: str | None) -> Dataset:
+def _build(file: IO[bytes], filename: str, path: str, label_column: str | None, array_limit: int) -> Dataset:
     head = file.read(len(_NPY_MAGIC))
     file.seek(0)
     if head.startswith(_NPY_MAGIC):
@@ -114,6 +115,8 @@ def _build(file: IO[bytes], filename: str, path: str, label_column: str | None) 
     if filename.lower().endswith(".npz") or head.startswith(b"PK"):
         if label_column is not None:
             raise DatasetError("label_column applies to CSV files only; an .npz file holds X and y by name")
+        # From the archive's headers, before anything is decompressed (a zip bomb gets 413 here).
+        check_npz_size(file, array_limit, repr(filename or "the file"))
         return Dataset.from_npz(file, path=path)
     column: int | str = -1
     if label_column is not None:
@@ -137,7 +140,7 @@ def _upload(
         store.reserve_name(name)
     staged = store.staging_url(name)
     try:
-        _build(file, filename, staged, label_column)
+        _build(file, filename, staged, label_column, runner.settings.max_upload_bytes)
         with store.datasets_lock.exclusive():
             store.release_name(name)
             _check_free(runner, name, overwrite)

@@ -1,0 +1,85 @@
+"""Hostile clients and broken stores (issue 27): each gets a clear 4xx or is shut out, never a 500, and the
+stored state and running jobs are left alone."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from distributed import Client as DaskClient
+
+from tests.api.conftest import npz_bytes, running_app, settings_for, tiny_xy
+
+pytestmark = pytest.mark.anyio
+
+LIMIT = 256 * 1024
+
+
+@pytest.fixture
+async def small(tmp_path: Path, client: DaskClient) -> AsyncIterator[httpx.AsyncClient]:
+    """An app whose uploads may hold at most ``LIMIT`` bytes, with the dataset ``tiny``."""
+    async with running_app(settings_for(tmp_path / "store", max_upload_bytes=LIMIT), client) as (_, http):
+        r = await http.post(
+            "/api/datasets", data={"name": "tiny"}, files={"file": ("t.npz", npz_bytes(*tiny_xy()))}
+        )
+        assert r.status_code == 201, r.text
+        yield http
+
+
+def _npz_with_header(shape: tuple[int, ...]) -> bytes:
+    """An .npz whose ``X`` header claims ``shape`` (float64) but holds no data."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": shape})
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive:
+        archive.writestr("X.npy", header.getvalue())
+        archive.writestr("y.npy", _npy(np.zeros(10)))
+    return buf.getvalue()
+
+
+def _npy(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+async def _names(http: httpx.AsyncClient) -> list[str]:
+    return [d["name"] for d in (await http.get("/api/datasets")).json()["data"]]
+
+
+async def test_a_zip_bomb_is_refused_by_its_decompressed_size(small: httpx.AsyncClient) -> None:
+    # 8 MB of zeros deflate to ~8 kB: under the body limit, 32 times over the limit once decompressed.
+    buf = io.BytesIO()
+    np.savez_compressed(buf, X=np.zeros((1000, 1000)), y=np.zeros(1000))
+    assert len(buf.getvalue()) < LIMIT // 4
+    r = await small.post("/api/datasets", data={"name": "bomb"}, files={"file": ("b.npz", buf.getvalue())})
+    assert r.status_code == 413, r.text
+    assert str(LIMIT) in r.json()["detail"] and "DISTBELIEF_MAX_UPLOAD_BYTES" in r.json()["detail"]
+    assert await _names(small) == ["tiny"]
+
+
+@pytest.mark.parametrize("shape", [(10**12, 10), (2**62, 2**62), (1000, 1000)])
+async def test_an_npz_header_that_claims_a_huge_shape_is_a_413(
+    small: httpx.AsyncClient, shape: tuple[int, ...]
+) -> None:
+    r = await small.post(
+        "/api/datasets", data={"name": "huge"}, files={"file": ("h.npz", _npz_with_header(shape))}
+    )
+    assert r.status_code == 413, r.text
+    assert str(LIMIT) in r.json()["detail"]
+    assert await _names(small) == ["tiny"]
+
+
+async def test_an_npz_just_under_the_limit_is_accepted(small: httpx.AsyncClient) -> None:
+    X = np.zeros((LIMIT // 88 - 10, 10))  # X and y: 11 float64 a row
+    X[:, 0] = np.arange(len(X))
+    y = (np.arange(len(X)) % 2).astype(float)
+    buf = io.BytesIO()
+    np.savez_compressed(buf, X=X, y=y)
+    r = await small.post("/api/datasets", data={"name": "fits"}, files={"file": ("f.npz", buf.getvalue())})
+    assert r.status_code == 201, r.text
