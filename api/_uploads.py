@@ -69,7 +69,7 @@ def check_npz_size(file: IO[bytes], limit: int, name: str = "the file") -> None:
     >>> try:
     ...     check_npz_size(buf, limit=2**20)
     ... except UploadTooLargeError as exc:
-    ...     print(str(exc)[:71])
+    ...     print(str(exc)[:74])
     the file: array 'X' (shape (1000, 1000), float64) would take 8000000 bytes
     """
     try:
