@@ -41,6 +41,12 @@ class Settings(BaseSettings):
         before anything is decompressed).
     max_body_bytes : int
         Largest body of any other request.
+    header_timeout_seconds : float
+        A connection whose request headers are not complete this long after it opened (or after the first
+        byte of a further request on it) is closed (408): slow clients cannot hold connections open.
+    max_connections : int
+        Connections served at once; one more is refused at once (503). Lowered to half the process's
+        file-descriptor limit if that is smaller, so the cluster's comms and the store keep the other half.
     max_concurrent_jobs : int
         Jobs that run at once; the others wait in the queue.
     max_queued_jobs : int
@@ -84,6 +90,8 @@ class Settings(BaseSettings):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     max_upload_bytes: Annotated[int, Field(ge=1024)] = 256 * 2**20
     max_body_bytes: Annotated[int, Field(ge=1024)] = 2**20
+    header_timeout_seconds: Annotated[float, Field(gt=0, le=300)] = 5.0
+    max_connections: Annotated[int, Field(ge=1)] = 1000
     max_concurrent_jobs: Annotated[int, Field(ge=1, le=64)] = 2
     max_queued_jobs: Annotated[int, Field(ge=1)] = 1000
     checkpoint_every: Annotated[int, Field(ge=0)] = 20
