@@ -58,6 +58,10 @@ class Settings(BaseSettings):
         A running job writes its metrics to the store at most this often (and once at the end).
     dask_dashboard_url : str or None
         Link to the Dask dashboard shown by the web dashboard (default: found from the scheduler).
+    dask_dashboard_address : str or None
+        Where the embedded cluster's Dask dashboard listens (``host:port``), or ``off``. Default: a free
+        port on ``host`` when that is a loopback address, else off (the Dask dashboard has no
+        authentication: it must not be where the token guards the API).
     max_params : int
         Largest model (parameters) a job may train; a bigger one is refused at submit with 422.
     max_layers : int
@@ -97,6 +101,7 @@ class Settings(BaseSettings):
     checkpoint_every: Annotated[int, Field(ge=0)] = 20
     metrics_flush_seconds: Annotated[float, Field(gt=0)] = 1.0
     dask_dashboard_url: str | None = None
+    dask_dashboard_address: str | None = None
     max_params: Annotated[int, Field(ge=1)] = 100_000_000
     max_layers: Annotated[int, Field(ge=2)] = 100
     max_layer_width: Annotated[int, Field(ge=2)] = 1_000_000
@@ -124,7 +129,7 @@ class Settings(BaseSettings):
             )
         return value
 
-    @field_validator("scheduler", "dask_dashboard_url", mode="before")
+    @field_validator("scheduler", "dask_dashboard_url", "dask_dashboard_address", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
