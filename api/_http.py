@@ -13,7 +13,7 @@ from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from distbelief.api._uploads import UploadTooLargeError
-from distbelief.api.runner import JobNotFoundError, JobStateError, QueueFullError
+from distbelief.api.runner import DanglingDatasetError, JobNotFoundError, JobStateError, QueueFullError
 from distbelief.errors import (
     ClusterError,
     ConflictError,
@@ -77,6 +77,7 @@ _STATUS: list[tuple[type[DistbeliefError], int]] = [
     (JobNotFoundError, status.HTTP_404_NOT_FOUND),
     (JobStateError, status.HTTP_409_CONFLICT),
     (ConflictError, status.HTTP_409_CONFLICT),
+    (DanglingDatasetError, status.HTTP_409_CONFLICT),
     (QueueFullError, status.HTTP_503_SERVICE_UNAVAILABLE),
     (UploadTooLargeError, status.HTTP_413_CONTENT_TOO_LARGE),
     (ModelSpecError, status.HTTP_422_UNPROCESSABLE_CONTENT),

@@ -183,6 +183,24 @@ class JobStore:
         target = os.path.realpath(os.path.join(self.root, text))
         return os.path.commonpath([real_root, target]) == real_root and target != real_root
 
+    def shown(self, url: str) -> str:
+        """``url`` as a response may show it: a local path inside the store relative to the store's root
+        (which registration takes back as it is), so that no response holds an absolute path of the
+        server; a URL as it is.
+
+        Examples
+        --------
+        >>> store = JobStore("/tmp/db-store")
+        >>> store.shown("/tmp/db-store/imports/d"), store.shown("s3://bucket/d")
+        ('imports/d', 's3://bucket/d')
+        """
+        text = url[len("file://") :] if url.startswith("file://") else url
+        if not self.local or "://" in text:
+            return url
+        if self.contains(text):
+            return os.path.relpath(os.path.realpath(text), os.path.realpath(self.root))
+        return "(a path outside the store)"
+
     # -- small files --------------------------------------------------------------------------------
     def _write_atomic(self, path: str, data: bytes) -> None:
         # Write aside, then rename: a reader (or a crash) never sees half a record.

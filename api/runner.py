@@ -18,6 +18,7 @@ import datetime as _dt
 import gc
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -81,6 +82,26 @@ class QueueFullError(DistbeliefError):
 
 class UnknownDatasetError(DatasetError):
     """No dataset of that name (a 422 where a job names it, a 404 at ``GET /api/datasets/{name}``)."""
+
+
+class DanglingDatasetError(UnknownDatasetError):
+    """A registered name whose URL holds no dataset any more (a 409 where a job names it, a 404 at
+    ``GET /api/datasets/{name}``)."""
+
+
+def same_location(url: str) -> str:
+    """``url`` in one spelling per place: a local path absolute with its links resolved, a URL without a
+    trailing slash, so that two names of one dataset compare equal.
+
+    Examples
+    --------
+    >>> same_location("file:///tmp/../tmp/d/") == same_location("/tmp/d")
+    True
+    """
+    text = url[len("file://") :] if url.startswith("file://") else url
+    if "://" in text:
+        return text.rstrip("/")
+    return os.path.realpath(os.path.expanduser(text))
 
 
 def _now() -> str:
@@ -592,10 +613,15 @@ class JobRunner:
         version = self.store.datasets_version  # read first: a change during the open makes the entry stale
         with self._datasets_lock:
             hit = self._datasets.get(name)
-            if hit is not None and hit[0] == version:
-                return hit[1]
+        if hit is not None and hit[0] == version:
+            return hit[1]
         link = self.store.links().get(name)
         if link is not None:
+            if not Dataset.exists(link):
+                raise DanglingDatasetError(
+                    f"dataset {name!r} is registered at {self.store.shown(link)}, which holds no dataset any "
+                    f"more (deleted or moved?); register it again, or forget it (DELETE /api/datasets/{name})"
+                )
             data = Dataset.open(link)
         else:
             path = resolve_name(self.store.datasets_root, name)
@@ -618,12 +644,25 @@ class JobRunner:
 
         return sorted(set(list_datasets(self.store.datasets_root)) | set(self.store.links()))
 
+    def dataset_location(self, name: str, links: Mapping[str, str] | None = None) -> str:
+        """Where the dataset ``name`` lives (see :func:`same_location`): its registered URL, or its folder
+        in the store; whether or not anything is there."""
+        links = self.store.links() if links is None else links
+        url = links.get(name)
+        return same_location(url if url is not None else resolve_name(self.store.datasets_root, name))
+
     def jobs_using(self, name: str) -> list[str]:
-        """Ids of queued or running jobs that read the dataset ``name``."""
+        """Ids of queued or running jobs that read the dataset ``name``, under that name or any other that
+        names the same location (a dataset registered by URL as an alias of an uploaded one)."""
+        links = self.store.links()
+        where = self.dataset_location(name, links)
         out = []
         for job in list(self._jobs.values()):
             rec = job.record
-            if rec["status"] in ("queued", "running") and name in (rec["dataset"], rec.get("eval_dataset")):
+            if rec["status"] not in ("queued", "running"):
+                continue
+            names = {n for n in (rec["dataset"], rec.get("eval_dataset")) if n is not None}
+            if name in names or any(self.dataset_location(n, links) == where for n in names):
                 out.append(rec["id"])
         return out
 

@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from distbelief.api._http import error_responses
+from distbelief.api._jobstore import JobStore
 from distbelief.api._uploads import check_npz_size
 from distbelief.api.deps import RunnerDep, SettingsDep
 from distbelief.api.runner import JobRunner, UnknownDatasetError
@@ -47,11 +48,11 @@ _MAX_FORM_PARTS = 16
 _NPY_MAGIC = b"\x93NUMPY"
 
 
-def _public(name: str, ds: Dataset, url: str | None) -> DatasetPublic:
+def _public(name: str, ds: Dataset, url: str | None, store: JobStore) -> DatasetPublic:
     return DatasetPublic(
         name=name,
         source="registered" if url is not None else "upload",
-        url=url,
+        url=None if url is None else store.shown(url),
         n_rows=ds.n_rows,
         n_features=ds.n_features,
         label_kind=ds.label_kind,
@@ -67,13 +68,18 @@ def _describe(runner: JobRunner, name: str) -> DatasetPublic:
     for attempt in range(3):
         url = runner.store.links().get(name)
         try:
-            return _public(name, runner.open_dataset(name), url)
-        except UnknownDatasetError as exc:
+            return _public(name, runner.open_dataset(name), url, runner.store)
+        except UnknownDatasetError as exc:  # a dangling registration too
             raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-        except StoreError:
+        except StoreError as exc:
+            if url is not None:
+                raise ConflictError(
+                    f"dataset {name!r} is registered at {runner.store.shown(url)}, which cannot be read "
+                    f"({exc}); register it again, or forget it (DELETE /api/datasets/{name})"
+                ) from exc
             # Replaced or deleted while it was being read (both rename the folder first, so it is whole
             # again a moment later, or gone): look again rather than report it damaged.
-            if attempt == 2 or url is not None:
+            if attempt == 2:
                 raise
     raise AssertionError("unreachable")
 
@@ -152,7 +158,7 @@ def _upload(
         raise
     finally:
         store.release_name(name)
-    return _public(name, Dataset.open(resolve_name(store.datasets_root, name)), None)
+    return _public(name, Dataset.open(resolve_name(store.datasets_root, name)), None, store)
 
 
 @router.post(
@@ -257,7 +263,7 @@ def _register(runner: JobRunner, schemes: list[str], body: DatasetRegister) -> D
     with runner.store.datasets_lock.exclusive():
         _check_free(runner, body.name, overwrite=False)  # again: another request may have taken the name
         runner.store.save_link(body.name, ds.url)
-    return _public(body.name, ds, ds.url)
+    return _public(body.name, ds, ds.url, runner.store)
 
 
 @router.get("", response_model=DatasetsPublic)
@@ -271,7 +277,7 @@ def list_datasets(runner: RunnerDep) -> DatasetsPublic:
     return DatasetsPublic(data=data, count=len(data))
 
 
-@router.get("/{name}", response_model=DatasetPublic, responses=error_responses(404, 422))
+@router.get("/{name}", response_model=DatasetPublic, responses=error_responses(404, 409, 422))
 def get_dataset(name: _Name, runner: RunnerDep) -> DatasetPublic:
     """One dataset's shape, labels and portions."""
     return _describe(runner, name)
@@ -283,7 +289,9 @@ def delete_dataset(name: _Name, runner: RunnerDep) -> Response:
 
     409 while a queued or running job uses it, or while an upload under its name is in progress."""
     with runner.store.datasets_lock.exclusive():
-        _describe(runner, name)
+        if name not in runner.store.links():
+            _describe(runner, name)  # 404 if there is no such dataset
+        # (a registration is forgotten whatever its URL holds now: one that dangles can be deleted too)
         users = runner.jobs_using(name)
         if users:
             raise ConflictError(

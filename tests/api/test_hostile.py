@@ -4,6 +4,7 @@ stored state and running jobs are left alone."""
 from __future__ import annotations
 
 import io
+import shutil
 import zipfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,22 +14,41 @@ import numpy as np
 import pytest
 from distributed import Client as DaskClient
 
-from tests.api.conftest import npz_bytes, running_app, settings_for, tiny_xy
+from distbelief.storage import Dataset
+from tests.api.conftest import (
+    LOGISTIC,
+    npz_bytes,
+    running_app,
+    settings_for,
+    tiny_xy,
+    upload_digits,
+    wait_final,
+    wait_iterations,
+)
 
 pytestmark = pytest.mark.anyio
 
-LIMIT = 256 * 1024
+LIMIT = 2 * 2**20  # the digits fit (0.9 MB)
 
 
 @pytest.fixture
 async def small(tmp_path: Path, client: DaskClient) -> AsyncIterator[httpx.AsyncClient]:
-    """An app whose uploads may hold at most ``LIMIT`` bytes, with the dataset ``tiny``."""
+    """An app whose uploads may hold at most ``LIMIT`` bytes, with the dataset ``tiny``; its store is
+    ``tmp_path / "store"`` (see :func:`_store_of`)."""
     async with running_app(settings_for(tmp_path / "store", max_upload_bytes=LIMIT), client) as (_, http):
+        _STORES[id(http)] = tmp_path / "store"
         r = await http.post(
             "/api/datasets", data={"name": "tiny"}, files={"file": ("t.npz", npz_bytes(*tiny_xy()))}
         )
         assert r.status_code == 201, r.text
         yield http
+
+
+_STORES: dict[int, Path] = {}
+
+
+def _store_of(http: httpx.AsyncClient) -> Path:
+    return _STORES[id(http)]
 
 
 def _npz_with_header(shape: tuple[int, ...]) -> bytes:
@@ -53,7 +73,7 @@ async def _names(http: httpx.AsyncClient) -> list[str]:
 
 
 async def test_a_zip_bomb_is_refused_by_its_decompressed_size(small: httpx.AsyncClient) -> None:
-    # 8 MB of zeros deflate to ~8 kB: under the body limit, 32 times over the limit once decompressed.
+    # 8 MB of zeros deflate to ~8 kB: under the body limit, 4 times over the limit once decompressed.
     buf = io.BytesIO()
     np.savez_compressed(buf, X=np.zeros((1000, 1000)), y=np.zeros(1000))
     assert len(buf.getvalue()) < LIMIT // 4
@@ -83,3 +103,52 @@ async def test_an_npz_just_under_the_limit_is_accepted(small: httpx.AsyncClient)
     np.savez_compressed(buf, X=X, y=y)
     r = await small.post("/api/datasets", data={"name": "fits"}, files={"file": ("f.npz", buf.getvalue())})
     assert r.status_code == 201, r.text
+
+
+SOFTMAX = {"kind": "softmax", "n_features": 64, "n_classes": 10}
+# Runs until it is cancelled: no convergence test can end it.
+ENDLESS = {"gtol": 0.0, "ftol": 0.0, "maxiter": 100_000, "l2": 1e-3}
+
+
+async def test_an_alias_does_not_free_its_dataset_while_a_job_reads_it(small: httpx.AsyncClient) -> None:
+    await upload_digits(small)
+    digits = _store_of(small) / "datasets" / "digits"
+    r = await small.post("/api/datasets", json={"name": "alias", "url": str(digits)})
+    assert r.status_code == 201, r.text
+    body = {"algorithm": "sandblaster-lbfgs", "dataset": "alias", "model": SOFTMAX, "options": ENDLESS}
+    job = (await small.post("/api/jobs", json=body)).json()
+    try:
+        await wait_iterations(small, job["id"], 1)
+        r = await small.delete("/api/datasets/digits")
+        assert r.status_code == 409 and job["id"] in r.json()["detail"], r.text
+        r = await small.post(
+            "/api/datasets",
+            data={"name": "digits", "overwrite": "true"},
+            files={"file": ("d.npz", npz_bytes(*tiny_xy()))},
+        )
+        assert r.status_code == 409 and job["id"] in r.json()["detail"], r.text
+        assert (await small.get("/api/datasets/digits")).json()["n_rows"] == 1797
+    finally:
+        await small.post(f"/api/jobs/{job['id']}/cancel")
+        assert (await wait_final(small, job["id"]))["status"] == "cancelled"
+    assert (await small.delete("/api/datasets/digits")).status_code == 204
+
+
+async def test_a_dangling_alias_answers_404_and_409_and_can_be_forgotten(small: httpx.AsyncClient) -> None:
+    target = _store_of(small) / "imports" / "gone"
+    Dataset.from_arrays(*tiny_xy(), path=target)
+    r = await small.post("/api/datasets", json={"name": "dangling", "url": str(target)})
+    assert r.status_code == 201, r.text
+    assert r.json()["url"] == "imports/gone"  # no absolute path of the server
+    shutil.rmtree(target)
+    r = await small.get("/api/datasets/dangling")
+    assert r.status_code == 404 and "holds no dataset any more" in r.json()["detail"], r.text
+    assert str(target) not in r.text
+    r = await small.post(
+        "/api/jobs", json={"algorithm": "sandblaster-lbfgs", "dataset": "dangling", "model": LOGISTIC}
+    )
+    assert r.status_code == 409 and "DELETE /api/datasets/dangling" in r.json()["detail"], r.text
+    assert (await small.get("/api/jobs")).json()["count"] == 0
+    assert await _names(small) == ["tiny"]
+    assert (await small.delete("/api/datasets/dangling")).status_code == 204
+    assert (await small.get("/api/datasets/dangling")).status_code == 404
