@@ -613,7 +613,9 @@ class JobRunner:
         version = self.store.datasets_version  # read first: a change during the open makes the entry stale
         with self._datasets_lock:
             hit = self._datasets.get(name)
-        if hit is not None and hit[0] == version:
+        # A hit is used while its data is still there: a folder removed behind the service's back (or a
+        # registered URL emptied) must not be taken for a dataset (one quick read of its metadata).
+        if hit is not None and hit[0] == version and Dataset.exists(hit[1].url):
             return hit[1]
         link = self.store.links().get(name)
         if link is not None:

@@ -152,3 +152,15 @@ async def test_a_dangling_alias_answers_404_and_409_and_can_be_forgotten(small: 
     assert await _names(small) == ["tiny"]
     assert (await small.delete("/api/datasets/dangling")).status_code == 204
     assert (await small.get("/api/datasets/dangling")).status_code == 404
+
+
+async def test_a_dataset_removed_behind_the_service_is_gone(small: httpx.AsyncClient) -> None:
+    body = {"algorithm": "sandblaster-lbfgs", "dataset": "tiny", "model": LOGISTIC, "options": {"maxiter": 2}}
+    assert (await small.get("/api/datasets/tiny")).status_code == 200  # opened (and kept) once
+    shutil.rmtree(_store_of(small) / "datasets" / "tiny")
+    r = await small.get("/api/datasets/tiny")
+    assert r.status_code == 404, r.text
+    r = await small.post("/api/jobs", json=body)
+    assert r.status_code in (404, 422) and "no dataset named 'tiny'" in r.json()["detail"], r.text
+    assert (await small.get("/api/jobs")).json()["count"] == 0
+    assert await _names(small) == []
