@@ -550,17 +550,34 @@ class JobRunner:
         return stored
 
     def params(self, job_id: str) -> bytes:
-        """The ``.npy`` bytes of the parameters a finished job ended with."""
+        """The ``.npy`` bytes of the parameters a finished job ended with (see :meth:`params_of`)."""
+        return self.params_of(job_id)[0]
+
+    def params_of(self, job_id: str) -> tuple[bytes, str]:
+        """The ``.npy`` bytes of the parameters a finished job saved, and the job's status.
+
+        A job that failed after its run (its evaluation, or a diverged Downpour run) saved parameters too:
+        they are served like those of a job that succeeded; the status says which it was.
+
+        Raises
+        ------
+        JobStateError
+            The job is queued or running, or it ended without saving parameters.
+        """
         record = self.get(job_id)
-        if record["status"] not in ("succeeded", "cancelled"):
+        status = record["status"]
+        if status not in FINAL_STATUSES:
             raise JobStateError(
-                f"job {job_id} is {record['status']}: parameters are available once it has succeeded "
-                "(or was cancelled after its first iteration)"
+                f"job {job_id} is {status}: parameters are available once it has finished (wait for it, "
+                f"or cancel it: POST /api/jobs/{job_id}/cancel)"
             )
         data = self.store.load_params_bytes(job_id)
         if data is None:
-            raise JobStateError(f"job {job_id} is {record['status']} but saved no parameters")
-        return data
+            raise JobStateError(
+                f"job {job_id} is {status} and saved no parameters"
+                + (f" ({record['message']})" if record.get("message") else "")
+            )
+        return data, status
 
     def snapshot(self, job_id: str, cursor: int, generation: int) -> Snapshot:
         """The record and the metrics rows after ``cursor`` (all rows if ``generation`` is stale)."""
