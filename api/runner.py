@@ -883,11 +883,13 @@ class JobRunner:
         try:
             self._run(job)
         finally:
-            with self._jobs_lock:
-                self._running.discard(job_id)
             with job.lock:
                 final = job.record["status"] in FINAL_STATUSES
             self._flush(job, force=True)
+            # Only once the record is written: stop() waits for the running jobs, and a job that ended just
+            # before a shutdown must not be taken up as "running" (and run again) on the next start.
+            with self._jobs_lock:
+                self._running.discard(job_id)
             if final:
                 with job.lock:
                     job.rows = None  # the store has them; keep memory bounded
