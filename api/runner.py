@@ -31,10 +31,11 @@ import dask
 import numpy as np
 import xarray as xr
 from distributed import Client
+from pydantic import ValidationError
 
 from distbelief import models
 from distbelief.api._jobstore import JobStore, json_safe
-from distbelief.api.schemas import FINAL_STATUSES, JobCreate
+from distbelief.api.schemas import FINAL_STATUSES, JobCreate, JobPublic
 from distbelief.api.settings import Settings
 from distbelief.errors import DatasetError, DistbeliefError, InvalidOptionError, StoreError
 from distbelief.storage import Dataset, resolve_name
@@ -320,6 +321,18 @@ def _history_rows(history: xr.Dataset, index: str) -> tuple[str, list[str], list
 # ----------------------------------------------------------------------------------------- the runner
 
 
+def _record_fault(record: dict[str, Any]) -> str | None:
+    """Why a stored job record cannot be served (it does not fit ``JobPublic``), or None."""
+    try:
+        JobPublic.model_validate(record)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)[:5]
+        )
+        return f"its job.json does not hold a job record ({problems})"
+    return None
+
+
 @dataclass(eq=False)
 class Subscription:
     """A waiter on a job's changes, woken from the job's thread on the subscriber's event loop."""
@@ -406,11 +419,14 @@ class JobRunner:
         # round trips through zarr's IO thread, which under load is most of a submission's latency.
         self._datasets: dict[str, tuple[int, Dataset]] = {}
         self._datasets_lock = threading.Lock()
+        #: Jobs whose records were unusable, set aside at start: id -> (folder, reason).
+        self._aside: dict[str, tuple[str, str]] = {}
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Load every job from the store; queue again what was queued, resume what was running."""
-        records = sorted(self.store.load_records(), key=lambda r: str(r.get("created_at", "")))
+        records = sorted(self.store.load_records(check=_record_fault), key=lambda r: str(r["created_at"]))
+        self._aside = self.store.set_aside_jobs()
         for record in records:
             job = _Job.of(record)
             if record.get("status") == "running":
@@ -494,6 +510,12 @@ class JobRunner:
     def _job(self, job_id: str) -> _Job:
         job = self._jobs.get(job_id)
         if job is None:
+            aside = self._aside.get(job_id)
+            if aside is not None:
+                raise JobNotFoundError(
+                    f"job {job_id}'s record was unusable ({aside[1]}), so it was set aside when the service "
+                    f"started; DELETE /api/jobs/{job_id} removes what it stored"
+                )
             raise JobNotFoundError(f"no job with id {job_id!r}; list the jobs with GET /api/jobs")
         return job
 
@@ -782,7 +804,11 @@ class JobRunner:
         return self.get(job_id)
 
     def delete(self, job_id: str) -> None:
-        """Forget a finished job and everything it stored."""
+        """Forget a finished job (or one set aside for its unusable record) and everything it stored."""
+        aside = self._aside.pop(job_id, None)
+        if aside is not None and job_id not in self._jobs:
+            self.store.delete_set_aside(aside[0])
+            return
         job = self._job(job_id)
         with job.lock:
             status = job.record["status"]

@@ -4,6 +4,7 @@ stored state and running jobs are left alone."""
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import zipfile
 from collections.abc import AsyncIterator
@@ -164,3 +165,43 @@ async def test_a_dataset_removed_behind_the_service_is_gone(small: httpx.AsyncCl
     assert r.status_code in (404, 422) and "no dataset named 'tiny'" in r.json()["detail"], r.text
     assert (await small.get("/api/jobs")).json()["count"] == 0
     assert await _names(small) == []
+
+
+async def test_corrupt_job_records_are_set_aside_and_the_service_starts(
+    tmp_path: Path, client: DaskClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = settings_for(tmp_path / "store")
+    body = {"algorithm": "sandblaster-lbfgs", "dataset": "tiny", "model": LOGISTIC, "options": {"maxiter": 2}}
+    async with running_app(settings, client) as (_, http):
+        await http.post(
+            "/api/datasets", data={"name": "tiny"}, files={"file": ("t.npz", npz_bytes(*tiny_xy()))}
+        )
+        good = (await http.post("/api/jobs", json=body)).json()
+        await wait_final(http, good["id"])
+    jobs = tmp_path / "store" / "jobs"
+    record = json.loads((jobs / good["id"] / "job.json").read_text())
+    broken = {
+        "0000000000000001": json.dumps(
+            {k: v for k, v in {**record, "id": "0000000000000001"}.items() if k != "algorithm"}
+        ),
+        "0000000000000002": json.dumps(
+            {k: v for k, v in {**record, "id": "0000000000000002"}.items() if k != "created_at"}
+        ),
+        "0000000000000003": json.dumps({**record, "id": "0000000000000003"})[:50],  # torn
+    }
+    for job_id, text in broken.items():
+        (jobs / job_id).mkdir()
+        (jobs / job_id / "job.json").write_text(text)
+    with caplog.at_level("WARNING", logger="distbelief.api"):
+        async with running_app(settings, client) as (_, http):
+            listed = await http.get("/api/jobs")
+            assert listed.status_code == 200 and [j["id"] for j in listed.json()["data"]] == [good["id"]]
+            for job_id in broken:
+                assert f"job {job_id} was set aside" in caplog.text
+                r = await http.get(f"/api/jobs/{job_id}")
+                assert r.status_code == 404 and "set aside" in r.json()["detail"], r.text
+                assert (await http.delete(f"/api/jobs/{job_id}")).status_code == 204
+                assert "set aside" not in (await http.get(f"/api/jobs/{job_id}")).json()["detail"]
+            assert sorted(p.name for p in jobs.iterdir()) == [good["id"]]
+            r = await http.get(f"/api/jobs/{good['id']}/params")
+            assert r.status_code == 200, r.text
