@@ -17,7 +17,7 @@ from distributed import Client as DaskClient
 from distbelief import models, sandblaster
 from distbelief.downpour._resume import checkpoint_vector, resume_point
 from distbelief.storage import Dataset, load_digits
-from tests.api.conftest import npz_bytes, running_app, settings_for, wait_final, wait_iterations
+from tests.api.conftest import LOGISTIC, npz_bytes, running_app, settings_for, wait_final, wait_iterations
 
 pytestmark = pytest.mark.anyio
 
@@ -206,8 +206,8 @@ def test_a_downpour_job_taken_up_again_keeps_its_metrics_rows_up_to_the_checkpoi
     store = JobStore(str(tmp_path))
     record = {
         "id": "bbbbbbbbbbbbbbbb", "algorithm": "downpour-sgd", "status": "running", "restarts": 0,
-        "created_at": "2026-01-01T00:00:00+00:00",
-    }  # fmt: skip
+        "created_at": "2026-01-01T00:00:00+00:00", "model": LOGISTIC, "dataset": "tiny", "options": {},
+    }  # fmt: skip  (what a record needs to be served: one without is set aside at start)
     store.save_record(record)
     rows = [[float(step), step / 40.0, 1.0 / (1 + step)] for step in (0, 50, 100, 150, 200)]
     store.save_metrics(record["id"], "step", ["step", "time", "objective"], rows)
