@@ -9,9 +9,11 @@ or a location inside the store, never another local path.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import re
 from typing import IO, Annotated, Any
 
+import fsspec
 from fastapi import APIRouter, HTTPException, Path, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
@@ -244,6 +246,26 @@ async def create_dataset(request: Request, runner: RunnerDep, settings: Settings
         )
 
 
+# The fsspec backend of each remote scheme registration allows by default.
+_BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs", "az": "adlfs"}
+
+
+def _check_backend(scheme: str, url: str) -> None:
+    """Refuse (422) a URL whose fsspec backend is not installed, naming the package to install."""
+    package = _BACKENDS.get(scheme)
+    try:
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ImportError(package)
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError) as exc:
+        what = package or f"the fsspec backend of {scheme}://"
+        raise DatasetError(
+            f"cannot register {url!r}: the service cannot read {scheme}:// URLs, {what} is not installed; "
+            f"install it on the server and its workers (pip install {package or '...'}), or upload the data "
+            f"instead (multipart POST /api/datasets)" + ("" if package else f" ({exc})")
+        ) from exc
+
+
 def _register(runner: JobRunner, schemes: list[str], body: DatasetRegister) -> DatasetPublic:
     url = body.url.strip()
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
@@ -254,6 +276,8 @@ def _register(runner: JobRunner, schemes: list[str], body: DatasetRegister) -> D
             f"cannot register {url!r}: the service only reads datasets inside its store or in remote object "
             f"stores ({allowed}); upload the data instead (multipart POST /api/datasets)"
         )
+    if not inside:
+        _check_backend(scheme, url)
     with runner.store.datasets_lock.exclusive():
         _check_free(runner, body.name, overwrite=False)
     try:
