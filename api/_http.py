@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+import re
+from typing import Any, cast
 
 from fastapi import FastAPI, HTTPException, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.routing import Match, Route
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from distbelief.api._uploads import UploadTooLargeError
@@ -227,13 +228,41 @@ class UnexpectedErrorMiddleware:
             await _internal_error(exc)(scope, receive, send)
 
 
+def _path_methods(app: FastAPI) -> list[tuple[re.Pattern[str], frozenset[str]]]:
+    """Every path template of the app and its methods: the documented ones from the OpenAPI schema (FastAPI
+    nests the routes of included routers, which ``app.routes`` does not list), the others from the app's
+    own routes. Built once per app."""
+    cached = getattr(app.state, "path_methods", None)
+    if cached is not None:
+        return cast(list[tuple[re.Pattern[str], frozenset[str]]], cached)
+    table: dict[str, set[str]] = {}
+    for path, operations in (app.openapi().get("paths") or {}).items():
+        table.setdefault(path, set()).update(m.upper() for m in operations if m.upper() in _METHODS)
+    for route in app.routes:
+        if isinstance(route, Route) and route.methods:
+            table.setdefault(route.path, set()).update(route.methods)
+    out = []
+    for path, methods in table.items():
+        if "GET" in methods:
+            methods.add("HEAD")
+        pattern = re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(path))
+        out.append((re.compile(pattern), frozenset(methods)))
+    app.state.path_methods = out
+    return out
+
+
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
 async def _method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
     # Starlette answers 405 with the methods of the first route whose path matched; list every route's
     # (GET and DELETE of /api/jobs/{job_id} are two routes), so Allow says what the resource supports.
     allowed: set[str] = set()
-    for route in request.app.routes:
-        if isinstance(route, Route) and route.methods and route.matches(request.scope)[0] != Match.NONE:
-            allowed |= route.methods
+    for pattern, supported in _path_methods(request.app):
+        if pattern.fullmatch(request.url.path):
+            allowed |= supported
+    if not allowed and isinstance(exc, HTTPException) and exc.headers:
+        allowed = {m.strip() for m in exc.headers.get("Allow", "").split(",") if m.strip()}
     methods = ", ".join(sorted(allowed))
     return JSONResponse(
         {"detail": f"{request.method} is not allowed on {request.url.path}; it supports {methods}"},

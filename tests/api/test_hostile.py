@@ -205,3 +205,56 @@ async def test_corrupt_job_records_are_set_aside_and_the_service_starts(
             assert sorted(p.name for p in jobs.iterdir()) == [good["id"]]
             r = await http.get(f"/api/jobs/{good['id']}/params")
             assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs", "gcs", "abfs", "az"])
+async def test_a_url_scheme_without_its_backend_is_a_422_naming_the_package(
+    small: httpx.AsyncClient, scheme: str
+) -> None:
+    import importlib.util
+
+    package = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs", "az": "adlfs"}[scheme]
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    r = await small.post("/api/datasets", json={"name": "remote", "url": f"{scheme}://bucket/data"})
+    assert r.status_code == 422 and package in r.json()["detail"], r.text
+    assert await _names(small) == ["tiny"]
+
+
+async def test_a_huge_integer_is_a_422(small: httpx.AsyncClient) -> None:
+    for model in (
+        {"kind": "logistic", "n_features": int("9" * 400)},
+        {"kind": "mlp", "layer_sizes": [4, int("9" * 400), 2]},
+    ):
+        body = {"algorithm": "sandblaster-lbfgs", "dataset": "tiny", "model": model}
+        r = await small.post("/api/jobs", json=body)
+        assert r.status_code == 422, r.text
+    body = {
+        "algorithm": "sandblaster-lbfgs",
+        "dataset": "tiny",
+        "model": LOGISTIC,
+        "options": {"maxiter": int("9" * 400)},
+    }
+    r = await small.post("/api/jobs", json=body)
+    assert r.status_code == 422, r.text
+    assert (await small.get("/api/jobs")).json()["count"] == 0
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("PUT", "/api/jobs", {"GET", "POST"}),
+        ("PATCH", "/api/jobs/abc", {"GET", "DELETE"}),
+        ("DELETE", "/api/datasets", {"GET", "POST"}),
+        ("POST", "/api/datasets/tiny", {"GET", "DELETE"}),
+        ("GET", "/api/jobs/abc/cancel", {"POST"}),
+        ("POST", "/api/health", {"GET"}),
+    ],
+)
+async def test_every_405_says_what_is_allowed(
+    small: httpx.AsyncClient, method: str, path: str, allowed: set[str]
+) -> None:
+    r = await small.request(method, path)
+    assert r.status_code == 405, r.text
+    given = {m.strip() for m in r.headers["Allow"].split(",")} - {"HEAD"}
+    assert given == allowed, r.headers
