@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from typing import Any, cast
 
 from fastapi import FastAPI, HTTPException, Request, status
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -170,12 +173,54 @@ def _bounded(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 20] + " ... (cut short)"
 
 
+# An absolute local path: a slash that starts no URL's "//" and no API path ("/api/..."), then at least two
+# components. "text/csv", "s3://bucket/key" and "POST /api/jobs/{id}/cancel" are left alone.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w/.:~>-])/(?!api/)[^\s'\",;:()\[\]/]+/[^\s'\",;:()\[\]]*")
+
+
+def redact(text: str, roots: tuple[str, ...] = ()) -> str:
+    """``text`` without absolute paths of the server: each of ``roots`` (the store) becomes ``<store>``,
+    any other absolute local path ``<server path>``.
+
+    Examples
+    --------
+    >>> redact("cannot read /srv/db/jobs/1/metrics.zarr: bad", ("/srv/db",))
+    'cannot read <store>/jobs/1/metrics.zarr: bad'
+    >>> redact("no file '/usr/lib/x.so'; see POST /api/jobs/{id}/cancel or s3://b/k")
+    "no file '<server path>'; see POST /api/jobs/{id}/cancel or s3://b/k"
+    """
+    for root in sorted({r.rstrip("/") for r in roots if r and r.rstrip("/")}, key=len, reverse=True):
+        text = text.replace(root, "<store>")
+    return _ABSOLUTE_PATH.sub("<server path>", text)
+
+
+def _store_roots(request: Request) -> tuple[str, ...]:
+    settings = getattr(request.app.state, "settings", None)
+    store = getattr(settings, "store", None)
+    if not isinstance(store, str) or "://" in store:
+        return ()
+    expanded = os.path.expanduser(store)
+    return (store, expanded, os.path.abspath(expanded), os.path.realpath(expanded))
+
+
+def _detail(request: Request, text: str) -> str:
+    return _bounded(redact(text, _store_roots(request)), MAX_DETAIL_CHARS)
+
+
 async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, DistbeliefError)
     code = status_of(exc)
     if code >= 500:
         log.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
-    return JSONResponse({"detail": _bounded(str(exc), MAX_DETAIL_CHARS)}, status_code=code)
+    return JSONResponse({"detail": _detail(request, str(exc))}, status_code=code)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    # Starlette's own handler, with the message of the detail redacted like a domain error's.
+    assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc.detail, str):
+        exc = StarletteHTTPException(exc.status_code, _detail(request, exc.detail), exc.headers)
+    return await http_exception_handler(request, exc)
 
 
 def _internal_error(exc: BaseException) -> JSONResponse:
@@ -279,6 +324,7 @@ def install_error_handlers(app: FastAPI) -> None:
     >>> app = FastAPI(); install_error_handlers(app)
     """
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(status.HTTP_405_METHOD_NOT_ALLOWED, _method_not_allowed)
     app.add_exception_handler(DistbeliefError, _domain_error)
     app.add_exception_handler(Exception, _unexpected)

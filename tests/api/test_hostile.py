@@ -258,3 +258,33 @@ async def test_every_405_says_what_is_allowed(
     assert r.status_code == 405, r.text
     given = {m.strip() for m in r.headers["Allow"].split(",")} - {"HEAD"}
     assert given == allowed, r.headers
+
+
+async def test_no_response_shows_an_absolute_path_of_the_server(tmp_path: Path, client: DaskClient) -> None:
+    store = tmp_path / "store"
+    body = {"algorithm": "sandblaster-lbfgs", "dataset": "tiny", "model": LOGISTIC, "options": {"maxiter": 2}}
+    async with running_app(settings_for(store), client) as (_, http):
+        await http.post(
+            "/api/datasets", data={"name": "tiny"}, files={"file": ("t.npz", npz_bytes(*tiny_xy()))}
+        )
+        job = (await http.post("/api/jobs", json=body)).json()
+        await wait_final(http, job["id"])
+        # Metrics that cannot be read: a 500 whose message names the file, relative to the store.
+        metrics = store / "jobs" / job["id"] / "metrics.zarr"
+        shutil.rmtree(metrics)
+        metrics.mkdir()
+        (metrics / "zarr.json").write_text("{torn")
+        r = await http.get(f"/api/jobs/{job['id']}/metrics")
+        assert r.status_code == 500, r.text
+        assert str(tmp_path) not in r.text and "<store>" in r.json()["detail"], r.text
+        # Registered inside the store: shown relative to it; refused outside it: no resolved path either.
+        inside = store / "imports" / "copy"
+        Dataset.from_arrays(*tiny_xy(), path=inside)
+        r = await http.post("/api/datasets", json={"name": "copy", "url": str(inside)})
+        assert r.status_code == 201 and r.json()["url"] == "imports/copy", r.text
+        for response in (await http.get("/api/datasets"), await http.get("/api/datasets/copy")):
+            assert str(tmp_path) not in response.text, response.text
+        r = await http.post("/api/datasets", json={"name": "empty", "url": str(store / "imports")})
+        assert r.status_code == 422 and str(tmp_path) not in r.text.replace(str(store / "imports"), ""), (
+            r.text
+        )
