@@ -247,7 +247,7 @@ class JobStore:
             try:
                 record = json.loads(self.fs.cat_file(self._path("jobs", job_id, "job.json")))
             except FileNotFoundError:
-                reason = "it has no job.json"
+                continue  # no record yet (a server killed before its first write): nothing to serve
             except (ValueError, OSError) as exc:
                 reason = f"its job.json is not valid JSON ({type(exc).__name__}: {exc})"
             else:
