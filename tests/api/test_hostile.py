@@ -10,6 +10,7 @@ import zipfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import httpx
 import numpy as np
 import pytest
@@ -271,6 +272,10 @@ async def test_no_response_shows_an_absolute_path_of_the_server(tmp_path: Path, 
         await wait_final(http, job["id"])
         # Metrics that cannot be read: a 500 whose message names the file, relative to the store.
         metrics = store / "jobs" / job["id"] / "metrics.zarr"
+        for _ in range(200):  # written just after the job's status says it has ended
+            if metrics.exists():
+                break
+            await anyio.sleep(0.05)
         shutil.rmtree(metrics)
         metrics.mkdir()
         (metrics / "zarr.json").write_text("{torn")
