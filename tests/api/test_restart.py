@@ -204,10 +204,11 @@ def test_a_downpour_job_taken_up_again_keeps_its_metrics_rows_up_to_the_checkpoi
     point = _resume.ResumePoint(step=100, time=2.5, replicas=[], checkpoint_id=3, final=False)
     monkeypatch.setattr(_resume, "resume_point", lambda store: point)
     store = JobStore(str(tmp_path))
+    # What a record needs to be served (one without is set aside at start).
     record = {
         "id": "bbbbbbbbbbbbbbbb", "algorithm": "downpour-sgd", "status": "running", "restarts": 0,
         "created_at": "2026-01-01T00:00:00+00:00", "model": LOGISTIC, "dataset": "tiny", "options": {},
-    }  # fmt: skip  (what a record needs to be served: one without is set aside at start)
+    }  # fmt: skip
     store.save_record(record)
     rows = [[float(step), step / 40.0, 1.0 / (1 + step)] for step in (0, 50, 100, 150, 200)]
     store.save_metrics(record["id"], "step", ["step", "time", "objective"], rows)
