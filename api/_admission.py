@@ -75,11 +75,28 @@ class JobCost:
         return (
             f"{self.n_params:,} parameters, {_size(self.bytes_per_shard)} per shard ({self.shards} shard(s) "
             f"x {self.vectors_per_shard} vectors), {per_replica} ({self.replicas} replica(s)), "
-            f"~{self.flops_per_pass:.2g} floating-point operations per pass over the data"
+            f"~{_g(self.flops_per_pass)} floating-point operations per pass over the data"
         )
 
 
+def _g(x: float) -> str:
+    """``x`` in two significant digits, an integer too large for a float included (``1e+400``).
+
+    Examples
+    --------
+    >>> _g(12345), _g(10**400)
+    ('1.2e+04', '1e+400')
+    """
+    try:
+        return f"{x:.2g}"
+    except OverflowError:
+        digits = str(int(x))
+        return f"{digits[0]}e+{len(digits) - 1}"
+
+
 def _size(n: float) -> str:
+    if n >= 1024**6:
+        return f"{_g(n)} bytes"  # (beyond a float's range, n / 1024 would overflow)
     for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if n < 1024 or unit == "PiB":
             return f"{n:,.0f} bytes" if unit == "bytes" else f"{n:,.1f} {unit}"
@@ -156,12 +173,13 @@ def estimate_cost(
         rows = int(options.get("batch_size", 32))
     else:
         portions = options.get("portions")
-        rows = math.ceil(n_rows / int(portions)) if portions else portion_rows
+        rows = -(-n_rows // int(portions)) if portions else portion_rows  # integer ceil: never a float
     rows = max(1, min(rows, n_rows))
     # The rows of X, and the activations and deltas of those rows through every layer.
     activations = rows * (sizes[0] + 2 * sum(sizes[1:]))
     partition_bytes: int | None = None
-    shard_params = math.ceil(n / shards)
+    # Integers throughout: a width of 400 digits must reach the limits' checks, not overflow a float.
+    shard_params = -(-n // shards)
     if partitions > 1:
         # Partition k and its shard share a worker (Figure 2): the worker holds the shard's vectors of the
         # partition's slice (the plan's, by arithmetic), the partition's fetched copy and gradient, its share
@@ -268,7 +286,7 @@ def admit(
         )
     if cost.flops_per_pass > settings.max_pass_flops:
         problems.append(
-            f"one pass over the data would take ~{cost.flops_per_pass:.2g} floating-point operations, more "
+            f"one pass over the data would take ~{_g(cost.flops_per_pass)} floating-point operations, more "
             f"than DISTBELIEF_MAX_PASS_FLOPS={settings.max_pass_flops:.2g}"
         )
     if limit is not None:

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+import os
+import re
+from typing import Any, cast
 
 from fastapi import FastAPI, HTTPException, Request, status
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.routing import Match, Route
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from distbelief.api.runner import JobNotFoundError, JobStateError, QueueFullError
+from distbelief.api._uploads import UploadTooLargeError
+from distbelief.api.runner import DanglingDatasetError, JobNotFoundError, JobStateError, QueueFullError
 from distbelief.errors import (
     ClusterError,
     ConflictError,
@@ -47,7 +52,8 @@ _WHY: dict[int, str] = {
     404: "No such job or dataset.",
     409: "It clashes with the current state: a name that is taken or being uploaded, a dataset a queued or "
     "running job uses, a job that is not finished (or finished already).",
-    413: "The body is larger than DISTBELIEF_MAX_BODY_BYTES (DISTBELIEF_MAX_UPLOAD_BYTES for uploads).",
+    413: "The body is larger than DISTBELIEF_MAX_BODY_BYTES (DISTBELIEF_MAX_UPLOAD_BYTES for uploads), or "
+    "an uploaded archive's arrays would be, once decompressed (DISTBELIEF_MAX_UPLOAD_BYTES).",
     415: "The content type is neither multipart/form-data nor application/json.",
     422: "The request is well formed but invalid: a field out of range, an unknown option, a bad dataset "
     "name, a model that does not fit the dataset, or a job too big for the cluster and the settings.",
@@ -75,7 +81,9 @@ _STATUS: list[tuple[type[DistbeliefError], int]] = [
     (JobNotFoundError, status.HTTP_404_NOT_FOUND),
     (JobStateError, status.HTTP_409_CONFLICT),
     (ConflictError, status.HTTP_409_CONFLICT),
+    (DanglingDatasetError, status.HTTP_409_CONFLICT),
     (QueueFullError, status.HTTP_503_SERVICE_UNAVAILABLE),
+    (UploadTooLargeError, status.HTTP_413_CONTENT_TOO_LARGE),
     (ModelSpecError, status.HTTP_422_UNPROCESSABLE_CONTENT),
     (DatasetError, status.HTTP_422_UNPROCESSABLE_CONTENT),
     (InvalidOptionError, status.HTTP_422_UNPROCESSABLE_CONTENT),
@@ -165,12 +173,54 @@ def _bounded(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 20] + " ... (cut short)"
 
 
+# An absolute local path: a slash that starts no URL's "//" and no API path ("/api/..."), then at least two
+# components. "text/csv", "s3://bucket/key" and "POST /api/jobs/{id}/cancel" are left alone.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w/.:~>-])/(?!api/)[^\s'\",;:()\[\]/]+/[^\s'\",;:()\[\]]*")
+
+
+def redact(text: str, roots: tuple[str, ...] = ()) -> str:
+    """``text`` without absolute paths of the server: each of ``roots`` (the store) becomes ``<store>``,
+    any other absolute local path ``<server path>``.
+
+    Examples
+    --------
+    >>> redact("cannot read /srv/db/jobs/1/metrics.zarr: bad", ("/srv/db",))
+    'cannot read <store>/jobs/1/metrics.zarr: bad'
+    >>> redact("no file '/usr/lib/x.so'; see POST /api/jobs/{id}/cancel or s3://b/k")
+    "no file '<server path>'; see POST /api/jobs/{id}/cancel or s3://b/k"
+    """
+    for root in sorted({r.rstrip("/") for r in roots if r and r.rstrip("/")}, key=len, reverse=True):
+        text = text.replace(root, "<store>")
+    return _ABSOLUTE_PATH.sub("<server path>", text)
+
+
+def _store_roots(request: Request) -> tuple[str, ...]:
+    settings = getattr(request.app.state, "settings", None)
+    store = getattr(settings, "store", None)
+    if not isinstance(store, str) or "://" in store:
+        return ()
+    expanded = os.path.expanduser(store)
+    return (store, expanded, os.path.abspath(expanded), os.path.realpath(expanded))
+
+
+def _detail(request: Request, text: str) -> str:
+    return _bounded(redact(text, _store_roots(request)), MAX_DETAIL_CHARS)
+
+
 async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, DistbeliefError)
     code = status_of(exc)
     if code >= 500:
         log.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
-    return JSONResponse({"detail": _bounded(str(exc), MAX_DETAIL_CHARS)}, status_code=code)
+    return JSONResponse({"detail": _detail(request, str(exc))}, status_code=code)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    # Starlette's own handler, with the message of the detail redacted like a domain error's.
+    assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc.detail, str):
+        exc = StarletteHTTPException(exc.status_code, _detail(request, exc.detail), exc.headers)
+    return await http_exception_handler(request, exc)
 
 
 def _internal_error(exc: BaseException) -> JSONResponse:
@@ -223,13 +273,41 @@ class UnexpectedErrorMiddleware:
             await _internal_error(exc)(scope, receive, send)
 
 
+def _path_methods(app: FastAPI) -> list[tuple[re.Pattern[str], frozenset[str]]]:
+    """Every path template of the app and its methods: the documented ones from the OpenAPI schema (FastAPI
+    nests the routes of included routers, which ``app.routes`` does not list), the others from the app's
+    own routes. Built once per app."""
+    cached = getattr(app.state, "path_methods", None)
+    if cached is not None:
+        return cast(list[tuple[re.Pattern[str], frozenset[str]]], cached)
+    table: dict[str, set[str]] = {}
+    for path, operations in (app.openapi().get("paths") or {}).items():
+        table.setdefault(path, set()).update(m.upper() for m in operations if m.upper() in _METHODS)
+    for route in app.routes:
+        if isinstance(route, Route) and route.methods:
+            table.setdefault(route.path, set()).update(route.methods)
+    out = []
+    for path, methods in table.items():
+        if "GET" in methods:
+            methods.add("HEAD")
+        pattern = re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(path))
+        out.append((re.compile(pattern), frozenset(methods)))
+    app.state.path_methods = out
+    return out
+
+
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
 async def _method_not_allowed(request: Request, exc: Exception) -> JSONResponse:
     # Starlette answers 405 with the methods of the first route whose path matched; list every route's
     # (GET and DELETE of /api/jobs/{job_id} are two routes), so Allow says what the resource supports.
     allowed: set[str] = set()
-    for route in request.app.routes:
-        if isinstance(route, Route) and route.methods and route.matches(request.scope)[0] != Match.NONE:
-            allowed |= route.methods
+    for pattern, supported in _path_methods(request.app):
+        if pattern.fullmatch(request.url.path):
+            allowed |= supported
+    if not allowed and isinstance(exc, HTTPException) and exc.headers:
+        allowed = {m.strip() for m in exc.headers.get("Allow", "").split(",") if m.strip()}
     methods = ", ".join(sorted(allowed))
     return JSONResponse(
         {"detail": f"{request.method} is not allowed on {request.url.path}; it supports {methods}"},
@@ -246,6 +324,7 @@ def install_error_handlers(app: FastAPI) -> None:
     >>> app = FastAPI(); install_error_handlers(app)
     """
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(status.HTTP_405_METHOD_NOT_ALLOWED, _method_not_allowed)
     app.add_exception_handler(DistbeliefError, _domain_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import math
 import os
 import posixpath
@@ -26,7 +27,7 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import fsspec
@@ -39,6 +40,8 @@ from distbelief.storage import resolve_name
 
 __all__ = ["JobStore", "json_safe", "metrics_to_dataset"]
 
+_log = logging.getLogger("distbelief.api")
+
 METRICS_FORMAT = "distbelief.metrics"
 
 # Markers in the hidden names of interrupted writes (see JobStore.clean_leftovers): ``.NAME.tmp-*`` is a copy
@@ -46,6 +49,8 @@ METRICS_FORMAT = "distbelief.metrics"
 _STAGED = ".tmp-"
 _REPLACED = ".old-"
 _DELETED = ".del-"
+_SET_ASIDE = ".aside-"
+_ASIDE = re.compile(r"\.(?P<id>.+)\.aside-[0-9a-f]+")
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]+")
 
 
@@ -156,6 +161,9 @@ class JobStore:
     def _path(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts) if not self.local else os.path.join(self.root, *parts)
 
+    def _join(self, base: str, name: str) -> str:
+        return os.path.join(base, name) if self.local else posixpath.join(base, name)
+
     def url(self, *parts: str) -> str:
         """A location under the root, as a plain path (local) or a URL with its protocol."""
         path = self._path(*parts)
@@ -183,6 +191,24 @@ class JobStore:
         target = os.path.realpath(os.path.join(self.root, text))
         return os.path.commonpath([real_root, target]) == real_root and target != real_root
 
+    def shown(self, url: str) -> str:
+        """``url`` as a response may show it: a local path inside the store relative to the store's root
+        (which registration takes back as it is), so that no response holds an absolute path of the
+        server; a URL as it is.
+
+        Examples
+        --------
+        >>> store = JobStore("/tmp/db-store")
+        >>> store.shown("/tmp/db-store/imports/d"), store.shown("s3://bucket/d")
+        ('imports/d', 's3://bucket/d')
+        """
+        text = url[len("file://") :] if url.startswith("file://") else url
+        if not self.local or "://" in text:
+            return url
+        if self.contains(text):
+            return os.path.relpath(os.path.realpath(text), os.path.realpath(self.root))
+        return "(a path outside the store)"
+
     # -- small files --------------------------------------------------------------------------------
     def _write_atomic(self, path: str, data: bytes) -> None:
         # Write aside, then rename: a reader (or a crash) never sees half a record.
@@ -208,14 +234,64 @@ class JobStore:
         """Write a job record (``record["id"]`` names it)."""
         self._write_atomic(self._path("jobs", record["id"], "job.json"), _dumps(record))
 
-    def load_records(self) -> list[dict[str, Any]]:
-        """Every readable job record in the store."""
+    def load_records(
+        self, check: Callable[[dict[str, Any]], str | None] | None = None
+    ) -> list[dict[str, Any]]:
+        """Every job record in the store; one that cannot be read, or that ``check`` finds fault with (it
+        returns why), is set aside (see :meth:`set_aside`) rather than stop the service."""
         out = []
-        for job_id in self._children("jobs"):
-            record = self._read_json(self._path("jobs", job_id, "job.json"))
-            if record is not None and record.get("id") == job_id:
+        for job_id in list(self._children("jobs")):
+            if job_id.startswith("."):
+                continue  # set aside, or a leftover (clean_leftovers)
+            reason = None
+            try:
+                record = json.loads(self.fs.cat_file(self._path("jobs", job_id, "job.json")))
+            except FileNotFoundError:
+                continue  # no record yet (a server killed before its first write): nothing to serve
+            except (ValueError, OSError) as exc:
+                reason = f"its job.json is not valid JSON ({type(exc).__name__}: {exc})"
+            else:
+                if not isinstance(record, dict):
+                    reason = "its job.json holds no JSON object"
+                elif record.get("id") != job_id:
+                    reason = f"its job.json names another id ({str(record.get('id'))[:40]!r})"
+                elif check is not None:
+                    reason = check(record)
+            if reason is None:
                 out.append(record)
+            else:
+                self.set_aside(job_id, reason)
         return out
+
+    def set_aside(self, job_id: str, reason: str) -> str:
+        """Move a job whose record is unusable out of the way, to a hidden folder beside the jobs that holds
+        ``SET_ASIDE.txt`` (the reason); log it. Returns the folder's new path (see :meth:`set_aside_jobs`)."""
+        path = self._path("jobs", job_id)
+        aside = self._path("jobs", f".{job_id}{_SET_ASIDE}{uuid.uuid4().hex[:8]}")
+        self._rename(path, aside)
+        with contextlib.suppress(OSError):
+            self.fs.pipe_file(self._join(aside, "SET_ASIDE.txt"), f"{reason}\n".encode())
+        _log.warning("job %s was set aside as %s: %s", job_id, aside, reason)
+        return aside
+
+    def set_aside_jobs(self) -> dict[str, tuple[str, str]]:
+        """Jobs set aside by :meth:`load_records`: id -> (folder, reason)."""
+        out = {}
+        for entry in self._children("jobs"):
+            match = _ASIDE.fullmatch(entry)
+            if match is None:
+                continue
+            path = self._path("jobs", entry)
+            try:
+                reason = bytes(self.fs.cat_file(self._join(path, "SET_ASIDE.txt"))).decode("utf-8", "replace")
+            except OSError:
+                reason = "its record was unusable"
+            out[match["id"]] = (path, reason.strip())
+        return out
+
+    def delete_set_aside(self, path: str) -> None:
+        """Remove a folder of :meth:`set_aside_jobs`."""
+        self._remove(path)
 
     def delete_job(self, job_id: str) -> None:
         """Remove everything the store holds for a job, all at once: the folder is first renamed to a hidden

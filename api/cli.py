@@ -43,6 +43,7 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from distbelief.api._server import service_config
     from distbelief.api.main import create_app
 
     settings = _settings(args)
@@ -51,7 +52,8 @@ def _serve(args: argparse.Namespace) -> int:
     print(
         f"distbelief: serving on http://{settings.host}:{settings.port}/ (store {settings.store})", flush=True
     )
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    config = service_config(app, settings, host=settings.host, port=settings.port, log_level=args.log_level)
+    uvicorn.Server(config).run()
     return 0
 
 

@@ -30,10 +30,10 @@ from distbelief.api.deps import require_token
 from distbelief.api.routes import cluster, datasets, health, jobs
 from distbelief.api.routes import models as models_route
 from distbelief.api.runner import JobRunner
-from distbelief.api.settings import Settings, check_exposure, version
+from distbelief.api.settings import Settings, check_exposure, is_loopback, version
 from distbelief.storage import scheduler_identity
 
-__all__ = ["Backend", "create_app"]
+__all__ = ["Backend", "create_app", "dask_dashboard_address"]
 
 log = logging.getLogger("distbelief.api")
 
@@ -81,7 +81,9 @@ class Backend:
                     close()
             raise
         # Without bokeh an embedded scheduler's dashboard page only says to install bokeh: link nothing.
-        has_dashboard = not embedded or importlib.util.find_spec("bokeh") is not None
+        has_dashboard = not embedded or (
+            importlib.util.find_spec("bokeh") is not None and dask_dashboard_address(settings) is not None
+        )
         dashboard = _dashboard_url(settings, client) if has_dashboard else settings.dask_dashboard_url
         return cls(client, store, runner, embedded, dashboard, closers)
 
@@ -98,15 +100,44 @@ class Backend:
 def _connect(settings: Settings, closers: list[Callable[[], Any]]) -> Client:
     if settings.scheduler is not None:
         return Client(settings.scheduler, direct_to_workers=True, timeout="30s")
+    dashboard = dask_dashboard_address(settings)
     cluster = LocalCluster(
         n_workers=settings.n_workers,
         threads_per_worker=1,
         processes=True,
         host="127.0.0.1",
-        dashboard_address=":0",  # a free port: never take 8787 from another cluster on the machine
+        dashboard_address=dashboard,
+        # Off, the scheduler still serves its HTTP routes (health, metrics, logs): on loopback, a free port.
+        scheduler_kwargs=None if dashboard else {"dashboard": False, "dashboard_address": "127.0.0.1:0"},
     )
     closers.append(cluster.close)
     return Client(cluster, direct_to_workers=True)
+
+
+def dask_dashboard_address(settings: Settings) -> str | None:
+    """Where the embedded cluster's Dask dashboard listens, or None for no dashboard.
+
+    ``settings.dask_dashboard_address`` if set (``off`` for none); else a free port on the API's host when
+    that is a loopback address, and none otherwise: the Dask dashboard has no authentication (its pages show
+    the workers' logs and profiles), so it is never put on an address that the token guards.
+
+    Examples
+    --------
+    >>> dask_dashboard_address(Settings(host="127.0.0.1"))
+    '127.0.0.1:0'
+    >>> dask_dashboard_address(Settings(host="0.0.0.0", api_token="t" * 16)) is None
+    True
+    >>> dask_dashboard_address(Settings(host="0.0.0.0", api_token="t" * 16, dask_dashboard_address="off"))
+    """
+    configured = settings.dask_dashboard_address
+    if configured is not None:
+        return None if configured.strip().lower() in ("off", "none", "false", "0") else configured.strip()
+    if not is_loopback(settings.host):
+        return None
+    host = settings.host.strip("[]")
+    if host == "localhost":
+        host = "127.0.0.1"
+    return f"[{host}]:0" if ":" in host else f"{host}:0"  # port 0: never take 8787 from another cluster
 
 
 def _dashboard_url(settings: Settings, client: Client) -> str | None:

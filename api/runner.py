@@ -18,6 +18,7 @@ import datetime as _dt
 import gc
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -30,10 +31,11 @@ import dask
 import numpy as np
 import xarray as xr
 from distributed import Client
+from pydantic import ValidationError
 
 from distbelief import models
 from distbelief.api._jobstore import JobStore, json_safe
-from distbelief.api.schemas import FINAL_STATUSES, JobCreate
+from distbelief.api.schemas import FINAL_STATUSES, JobCreate, JobPublic
 from distbelief.api.settings import Settings
 from distbelief.errors import DatasetError, DistbeliefError, InvalidOptionError, StoreError
 from distbelief.storage import Dataset, resolve_name
@@ -81,6 +83,26 @@ class QueueFullError(DistbeliefError):
 
 class UnknownDatasetError(DatasetError):
     """No dataset of that name (a 422 where a job names it, a 404 at ``GET /api/datasets/{name}``)."""
+
+
+class DanglingDatasetError(UnknownDatasetError):
+    """A registered name whose URL holds no dataset any more (a 409 where a job names it, a 404 at
+    ``GET /api/datasets/{name}``)."""
+
+
+def same_location(url: str) -> str:
+    """``url`` in one spelling per place: a local path absolute with its links resolved, a URL without a
+    trailing slash, so that two names of one dataset compare equal.
+
+    Examples
+    --------
+    >>> same_location("file:///tmp/../tmp/d/") == same_location("/tmp/d")
+    True
+    """
+    text = url[len("file://") :] if url.startswith("file://") else url
+    if "://" in text:
+        return text.rstrip("/")
+    return os.path.realpath(os.path.expanduser(text))
 
 
 def _now() -> str:
@@ -299,6 +321,18 @@ def _history_rows(history: xr.Dataset, index: str) -> tuple[str, list[str], list
 # ----------------------------------------------------------------------------------------- the runner
 
 
+def _record_fault(record: dict[str, Any]) -> str | None:
+    """Why a stored job record cannot be served (it does not fit ``JobPublic``), or None."""
+    try:
+        JobPublic.model_validate(record)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)[:5]
+        )
+        return f"its job.json does not hold a job record ({problems})"
+    return None
+
+
 @dataclass(eq=False)
 class Subscription:
     """A waiter on a job's changes, woken from the job's thread on the subscriber's event loop."""
@@ -385,11 +419,14 @@ class JobRunner:
         # round trips through zarr's IO thread, which under load is most of a submission's latency.
         self._datasets: dict[str, tuple[int, Dataset]] = {}
         self._datasets_lock = threading.Lock()
+        #: Jobs whose records were unusable, set aside at start: id -> (folder, reason).
+        self._aside: dict[str, tuple[str, str]] = {}
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Load every job from the store; queue again what was queued, resume what was running."""
-        records = sorted(self.store.load_records(), key=lambda r: str(r.get("created_at", "")))
+        records = sorted(self.store.load_records(check=_record_fault), key=lambda r: str(r["created_at"]))
+        self._aside = self.store.set_aside_jobs()
         for record in records:
             job = _Job.of(record)
             if record.get("status") == "running":
@@ -473,6 +510,12 @@ class JobRunner:
     def _job(self, job_id: str) -> _Job:
         job = self._jobs.get(job_id)
         if job is None:
+            aside = self._aside.get(job_id)
+            if aside is not None:
+                raise JobNotFoundError(
+                    f"job {job_id}'s record was unusable ({aside[1]}), so it was set aside when the service "
+                    f"started; DELETE /api/jobs/{job_id} removes what it stored"
+                )
             raise JobNotFoundError(f"no job with id {job_id!r}; list the jobs with GET /api/jobs")
         return job
 
@@ -529,17 +572,34 @@ class JobRunner:
         return stored
 
     def params(self, job_id: str) -> bytes:
-        """The ``.npy`` bytes of the parameters a finished job ended with."""
+        """The ``.npy`` bytes of the parameters a finished job ended with (see :meth:`params_of`)."""
+        return self.params_of(job_id)[0]
+
+    def params_of(self, job_id: str) -> tuple[bytes, str]:
+        """The ``.npy`` bytes of the parameters a finished job saved, and the job's status.
+
+        A job that failed after its run (its evaluation, or a diverged Downpour run) saved parameters too:
+        they are served like those of a job that succeeded; the status says which it was.
+
+        Raises
+        ------
+        JobStateError
+            The job is queued or running, or it ended without saving parameters.
+        """
         record = self.get(job_id)
-        if record["status"] not in ("succeeded", "cancelled"):
+        status = record["status"]
+        if status not in FINAL_STATUSES:
             raise JobStateError(
-                f"job {job_id} is {record['status']}: parameters are available once it has succeeded "
-                "(or was cancelled after its first iteration)"
+                f"job {job_id} is {status}: parameters are available once it has finished (wait for it, "
+                f"or cancel it: POST /api/jobs/{job_id}/cancel)"
             )
         data = self.store.load_params_bytes(job_id)
         if data is None:
-            raise JobStateError(f"job {job_id} is {record['status']} but saved no parameters")
-        return data
+            raise JobStateError(
+                f"job {job_id} is {status} and saved no parameters"
+                + (f" ({record['message']})" if record.get("message") else "")
+            )
+        return data, status
 
     def snapshot(self, job_id: str, cursor: int, generation: int) -> Snapshot:
         """The record and the metrics rows after ``cursor`` (all rows if ``generation`` is stale)."""
@@ -592,10 +652,17 @@ class JobRunner:
         version = self.store.datasets_version  # read first: a change during the open makes the entry stale
         with self._datasets_lock:
             hit = self._datasets.get(name)
-            if hit is not None and hit[0] == version:
-                return hit[1]
+        # A hit is used while its data is still there: a folder removed behind the service's back (or a
+        # registered URL emptied) must not be taken for a dataset (one quick read of its metadata).
+        if hit is not None and hit[0] == version and Dataset.exists(hit[1].url):
+            return hit[1]
         link = self.store.links().get(name)
         if link is not None:
+            if not Dataset.exists(link):
+                raise DanglingDatasetError(
+                    f"dataset {name!r} is registered at {self.store.shown(link)}, which holds no dataset any "
+                    f"more (deleted or moved?); register it again, or forget it (DELETE /api/datasets/{name})"
+                )
             data = Dataset.open(link)
         else:
             path = resolve_name(self.store.datasets_root, name)
@@ -618,12 +685,25 @@ class JobRunner:
 
         return sorted(set(list_datasets(self.store.datasets_root)) | set(self.store.links()))
 
+    def dataset_location(self, name: str, links: Mapping[str, str] | None = None) -> str:
+        """Where the dataset ``name`` lives (see :func:`same_location`): its registered URL, or its folder
+        in the store; whether or not anything is there."""
+        links = self.store.links() if links is None else links
+        url = links.get(name)
+        return same_location(url if url is not None else resolve_name(self.store.datasets_root, name))
+
     def jobs_using(self, name: str) -> list[str]:
-        """Ids of queued or running jobs that read the dataset ``name``."""
+        """Ids of queued or running jobs that read the dataset ``name``, under that name or any other that
+        names the same location (a dataset registered by URL as an alias of an uploaded one)."""
+        links = self.store.links()
+        where = self.dataset_location(name, links)
         out = []
         for job in list(self._jobs.values()):
             rec = job.record
-            if rec["status"] in ("queued", "running") and name in (rec["dataset"], rec.get("eval_dataset")):
+            if rec["status"] not in ("queued", "running"):
+                continue
+            names = {n for n in (rec["dataset"], rec.get("eval_dataset")) if n is not None}
+            if name in names or any(self.dataset_location(n, links) == where for n in names):
                 out.append(rec["id"])
         return out
 
@@ -724,7 +804,11 @@ class JobRunner:
         return self.get(job_id)
 
     def delete(self, job_id: str) -> None:
-        """Forget a finished job and everything it stored."""
+        """Forget a finished job (or one set aside for its unusable record) and everything it stored."""
+        aside = self._aside.pop(job_id, None)
+        if aside is not None and job_id not in self._jobs:
+            self.store.delete_set_aside(aside[0])
+            return
         job = self._job(job_id)
         with job.lock:
             status = job.record["status"]
@@ -825,11 +909,13 @@ class JobRunner:
         try:
             self._run(job)
         finally:
-            with self._jobs_lock:
-                self._running.discard(job_id)
             with job.lock:
                 final = job.record["status"] in FINAL_STATUSES
             self._flush(job, force=True)
+            # Only once the record is written: stop() waits for the running jobs, and a job that ended just
+            # before a shutdown must not be taken up as "running" (and run again) on the next start.
+            with self._jobs_lock:
+                self._running.discard(job_id)
             if final:
                 with job.lock:
                     job.rows = None  # the store has them; keep memory bounded

@@ -36,9 +36,17 @@ class Settings(BaseSettings):
     host, port : str, int
         Where ``distbelief serve`` listens.
     max_upload_bytes : int
-        Largest dataset upload accepted (a larger body gets 413 before it is stored).
+        Largest dataset upload accepted (a larger body gets 413 before it is stored); also the most bytes
+        the arrays of an uploaded ``.npz`` may hold once decompressed (checked from the archive's headers
+        before anything is decompressed).
     max_body_bytes : int
         Largest body of any other request.
+    header_timeout_seconds : float
+        A connection whose request headers are not complete this long after it opened (or after the first
+        byte of a further request on it) is closed (408): slow clients cannot hold connections open.
+    max_connections : int
+        Connections served at once; one more is refused at once (503). Lowered to half the process's
+        file-descriptor limit if that is smaller, so the cluster's comms and the store keep the other half.
     max_concurrent_jobs : int
         Jobs that run at once; the others wait in the queue.
     max_queued_jobs : int
@@ -50,6 +58,10 @@ class Settings(BaseSettings):
         A running job writes its metrics to the store at most this often (and once at the end).
     dask_dashboard_url : str or None
         Link to the Dask dashboard shown by the web dashboard (default: found from the scheduler).
+    dask_dashboard_address : str or None
+        Where the embedded cluster's Dask dashboard listens (``host:port``), or ``off``. Default: a free
+        port on ``host`` when that is a loopback address, else off (the Dask dashboard has no
+        authentication: it must not be where the token guards the API).
     max_params : int
         Largest model (parameters) a job may train; a bigger one is refused at submit with 422.
     max_layers : int
@@ -82,11 +94,14 @@ class Settings(BaseSettings):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     max_upload_bytes: Annotated[int, Field(ge=1024)] = 256 * 2**20
     max_body_bytes: Annotated[int, Field(ge=1024)] = 2**20
+    header_timeout_seconds: Annotated[float, Field(gt=0, le=300)] = 5.0
+    max_connections: Annotated[int, Field(ge=1)] = 1000
     max_concurrent_jobs: Annotated[int, Field(ge=1, le=64)] = 2
     max_queued_jobs: Annotated[int, Field(ge=1)] = 1000
     checkpoint_every: Annotated[int, Field(ge=0)] = 20
     metrics_flush_seconds: Annotated[float, Field(gt=0)] = 1.0
     dask_dashboard_url: str | None = None
+    dask_dashboard_address: str | None = None
     max_params: Annotated[int, Field(ge=1)] = 100_000_000
     max_layers: Annotated[int, Field(ge=2)] = 100
     max_layer_width: Annotated[int, Field(ge=2)] = 1_000_000
@@ -114,7 +129,7 @@ class Settings(BaseSettings):
             )
         return value
 
-    @field_validator("scheduler", "dask_dashboard_url", mode="before")
+    @field_validator("scheduler", "dask_dashboard_url", "dask_dashboard_address", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value

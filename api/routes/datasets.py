@@ -9,9 +9,11 @@ or a location inside the store, never another local path.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import re
 from typing import IO, Annotated, Any
 
+import fsspec
 from fastapi import APIRouter, HTTPException, Path, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
@@ -19,6 +21,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from distbelief.api._http import error_responses
+from distbelief.api._jobstore import JobStore
+from distbelief.api._uploads import check_npz_size
 from distbelief.api.deps import RunnerDep, SettingsDep
 from distbelief.api.runner import JobRunner, UnknownDatasetError
 from distbelief.api.schemas import NAME_DOC, NAME_SCHEMA, DatasetPublic, DatasetRegister, DatasetsPublic
@@ -46,11 +50,11 @@ _MAX_FORM_PARTS = 16
 _NPY_MAGIC = b"\x93NUMPY"
 
 
-def _public(name: str, ds: Dataset, url: str | None) -> DatasetPublic:
+def _public(name: str, ds: Dataset, url: str | None, store: JobStore) -> DatasetPublic:
     return DatasetPublic(
         name=name,
         source="registered" if url is not None else "upload",
-        url=url,
+        url=None if url is None else store.shown(url),
         n_rows=ds.n_rows,
         n_features=ds.n_features,
         label_kind=ds.label_kind,
@@ -66,13 +70,18 @@ def _describe(runner: JobRunner, name: str) -> DatasetPublic:
     for attempt in range(3):
         url = runner.store.links().get(name)
         try:
-            return _public(name, runner.open_dataset(name), url)
-        except UnknownDatasetError as exc:
+            return _public(name, runner.open_dataset(name), url, runner.store)
+        except UnknownDatasetError as exc:  # a dangling registration too
             raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-        except StoreError:
+        except StoreError as exc:
+            if url is not None:
+                raise ConflictError(
+                    f"dataset {name!r} is registered at {runner.store.shown(url)}, which cannot be read "
+                    f"({exc}); register it again, or forget it (DELETE /api/datasets/{name})"
+                ) from exc
             # Replaced or deleted while it was being read (both rename the folder first, so it is whole
             # again a moment later, or gone): look again rather than report it damaged.
-            if attempt == 2 or url is not None:
+            if attempt == 2:
                 raise
     raise AssertionError("unreachable")
 
@@ -106,7 +115,7 @@ def _flag(value: Any, field: str) -> bool:
     return text in ("true", "1", "yes")
 
 
-def _build(file: IO[bytes], filename: str, path: str, label_column: str | None) -> Dataset:
+def _build(file: IO[bytes], filename: str, path: str, label_column: str | None, array_limit: int) -> Dataset:
     head = file.read(len(_NPY_MAGIC))
     file.seek(0)
     if head.startswith(_NPY_MAGIC):
@@ -114,6 +123,8 @@ def _build(file: IO[bytes], filename: str, path: str, label_column: str | None) 
     if filename.lower().endswith(".npz") or head.startswith(b"PK"):
         if label_column is not None:
             raise DatasetError("label_column applies to CSV files only; an .npz file holds X and y by name")
+        # From the archive's headers, before anything is decompressed (a zip bomb gets 413 here).
+        check_npz_size(file, array_limit, repr(filename or "the file"))
         return Dataset.from_npz(file, path=path)
     column: int | str = -1
     if label_column is not None:
@@ -137,7 +148,7 @@ def _upload(
         store.reserve_name(name)
     staged = store.staging_url(name)
     try:
-        _build(file, filename, staged, label_column)
+        _build(file, filename, staged, label_column, runner.settings.max_upload_bytes)
         with store.datasets_lock.exclusive():
             store.release_name(name)
             _check_free(runner, name, overwrite)
@@ -149,7 +160,7 @@ def _upload(
         raise
     finally:
         store.release_name(name)
-    return _public(name, Dataset.open(resolve_name(store.datasets_root, name)), None)
+    return _public(name, Dataset.open(resolve_name(store.datasets_root, name)), None, store)
 
 
 @router.post(
@@ -235,6 +246,26 @@ async def create_dataset(request: Request, runner: RunnerDep, settings: Settings
         )
 
 
+# The fsspec backend of each remote scheme registration allows by default.
+_BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs", "az": "adlfs"}
+
+
+def _check_backend(scheme: str, url: str) -> None:
+    """Refuse (422) a URL whose fsspec backend is not installed, naming the package to install."""
+    package = _BACKENDS.get(scheme)
+    try:
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ImportError(package)
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError) as exc:
+        what = package or f"the fsspec backend of {scheme}://"
+        raise DatasetError(
+            f"cannot register {url!r}: the service cannot read {scheme}:// URLs, {what} is not installed; "
+            f"install it on the server and its workers (pip install {package or '...'}), or upload the data "
+            f"instead (multipart POST /api/datasets)" + ("" if package else f" ({exc})")
+        ) from exc
+
+
 def _register(runner: JobRunner, schemes: list[str], body: DatasetRegister) -> DatasetPublic:
     url = body.url.strip()
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
@@ -245,6 +276,8 @@ def _register(runner: JobRunner, schemes: list[str], body: DatasetRegister) -> D
             f"cannot register {url!r}: the service only reads datasets inside its store or in remote object "
             f"stores ({allowed}); upload the data instead (multipart POST /api/datasets)"
         )
+    if not inside:
+        _check_backend(scheme, url)
     with runner.store.datasets_lock.exclusive():
         _check_free(runner, body.name, overwrite=False)
     try:
@@ -254,7 +287,7 @@ def _register(runner: JobRunner, schemes: list[str], body: DatasetRegister) -> D
     with runner.store.datasets_lock.exclusive():
         _check_free(runner, body.name, overwrite=False)  # again: another request may have taken the name
         runner.store.save_link(body.name, ds.url)
-    return _public(body.name, ds, ds.url)
+    return _public(body.name, ds, ds.url, runner.store)
 
 
 @router.get("", response_model=DatasetsPublic)
@@ -268,7 +301,7 @@ def list_datasets(runner: RunnerDep) -> DatasetsPublic:
     return DatasetsPublic(data=data, count=len(data))
 
 
-@router.get("/{name}", response_model=DatasetPublic, responses=error_responses(404, 422))
+@router.get("/{name}", response_model=DatasetPublic, responses=error_responses(404, 409, 422))
 def get_dataset(name: _Name, runner: RunnerDep) -> DatasetPublic:
     """One dataset's shape, labels and portions."""
     return _describe(runner, name)
@@ -280,7 +313,9 @@ def delete_dataset(name: _Name, runner: RunnerDep) -> Response:
 
     409 while a queued or running job uses it, or while an upload under its name is in progress."""
     with runner.store.datasets_lock.exclusive():
-        _describe(runner, name)
+        if name not in runner.store.links():
+            _describe(runner, name)  # 404 if there is no such dataset
+        # (a registration is forgotten whatever its URL holds now: one that dangles can be deleted too)
         users = runner.jobs_using(name)
         if users:
             raise ConflictError(

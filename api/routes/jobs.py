@@ -190,16 +190,33 @@ def cancel_job(job_id: str, runner: RunnerDep) -> dict[str, Any]:
     "/{job_id}/params",
     response_class=Response,
     responses={
-        200: {"content": {"application/octet-stream": {}}, "description": "a .npy file"},
+        200: {
+            "content": {"application/octet-stream": {}},
+            "description": "a .npy file",
+            "headers": {
+                "X-Job-Status": {
+                    "description": "The job's status: failed jobs that saved parameters serve them too.",
+                    "schema": {"type": "string", "enum": sorted(FINAL_STATUSES)},
+                }
+            },
+        },
         **error_responses(404, 409),
     },
 )
 def get_params(job_id: str, runner: RunnerDep) -> Response:
-    """The parameters the job ended with, as a ``.npy`` file (``numpy.load`` reads it)."""
+    """The parameters the job ended with, as a ``.npy`` file (``numpy.load`` reads it).
+
+    Served for every finished job that saved them: one that failed after its run (a diverged run, an
+    evaluation that failed) too; the ``X-Job-Status`` header says how the job ended. 409 while it is queued
+    or running, or if it saved none."""
+    data, job_status = runner.params_of(job_id)
     return Response(
-        runner.params(job_id),
+        data,
         media_type="application/octet-stream",
-        headers={"Content-Disposition": f'attachment; filename="{job_id}-params.npy"'},
+        headers={
+            "Content-Disposition": f'attachment; filename="{job_id}-params.npy"',
+            "X-Job-Status": job_status,
+        },
     )
 
 

@@ -17,7 +17,7 @@ from distributed import Client as DaskClient
 from distbelief import models, sandblaster
 from distbelief.downpour._resume import checkpoint_vector, resume_point
 from distbelief.storage import Dataset, load_digits
-from tests.api.conftest import npz_bytes, running_app, settings_for, wait_final, wait_iterations
+from tests.api.conftest import LOGISTIC, npz_bytes, running_app, settings_for, wait_final, wait_iterations
 
 pytestmark = pytest.mark.anyio
 
@@ -204,9 +204,10 @@ def test_a_downpour_job_taken_up_again_keeps_its_metrics_rows_up_to_the_checkpoi
     point = _resume.ResumePoint(step=100, time=2.5, replicas=[], checkpoint_id=3, final=False)
     monkeypatch.setattr(_resume, "resume_point", lambda store: point)
     store = JobStore(str(tmp_path))
+    # What a record needs to be served (one without is set aside at start).
     record = {
         "id": "bbbbbbbbbbbbbbbb", "algorithm": "downpour-sgd", "status": "running", "restarts": 0,
-        "created_at": "2026-01-01T00:00:00+00:00",
+        "created_at": "2026-01-01T00:00:00+00:00", "model": LOGISTIC, "dataset": "tiny", "options": {},
     }  # fmt: skip
     store.save_record(record)
     rows = [[float(step), step / 40.0, 1.0 / (1 + step)] for step in (0, 50, 100, 150, 200)]

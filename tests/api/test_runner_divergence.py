@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 from distributed import Client as DaskClient
 
@@ -30,10 +32,16 @@ async def test_a_diverging_downpour_job_fails_with_the_runs_message(
         r = await http.post("/api/jobs", json=body)
         assert r.status_code == 201, r.text
         record = await wait_final(http, r.json()["id"])
+        params = await http.get(f"/api/jobs/{record['id']}/params")
     if lr > 1:
         # lr 1000 on a logistic model: the held-out loss climbs far past its starting value.
         assert record["status"] == "failed", record
         assert record["message"].startswith("diverged: ") and "lower lr" in record["message"]
         assert record["result"]["stop_reason"] == "diverged"
+        # Its parameters are saved, and served, with the job's status alongside.
+        assert params.status_code == 200, params.text
+        assert params.headers["X-Job-Status"] == "failed"
+        assert np.load(io.BytesIO(params.content)).shape == (LOGISTIC["n_features"] + 1,)
     else:
         assert record["status"] == "succeeded", record["message"]
+        assert params.status_code == 200 and params.headers["X-Job-Status"] == "succeeded"
