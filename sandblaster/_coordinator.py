@@ -67,7 +67,11 @@ class Coordinator:
         l2: float,
         checkpoint_every: int = 0,
         method: str = "lbfgs",
+        ordered_sums: bool = False,
     ) -> None:
+        #: Whether the shards sum the gradient portion by portion in portion order (the replicas push each
+        #: portion's own gradient), else exactly over summed pushes (partitioned replicas).
+        self.ordered_sums = ordered_sums
         self.ps = ps
         self.checkpoint_every = checkpoint_every
         self.method = method
@@ -133,7 +137,7 @@ class Coordinator:
         # The setup ops ride on the replicas' parameter fetch (the first fetch runs them on each shard);
         # the final ops run on each shard when its last portion arrives, and their results ride back on
         # that push. The coordinator itself talks to no shard during an evaluation.
-        ops += [("dot", out_x, out_x), ("reset_acc", ACC, epoch, n_portions, final)]
+        ops += [("dot", out_x, out_x), ("reset_acc", ACC, epoch, n_portions, final, self.ordered_sums)]
         t = time.perf_counter()
         stats = self.scheduler.evaluate(epoch, out_x, ACC, prep=ops)
         self._t_grad += time.perf_counter() - t

@@ -522,6 +522,9 @@ def open_session(
             l2=opts.l2,
             checkpoint_every=opts.checkpoint_every,
             method=opts.method,
+            # The replicas push every portion's own gradient; the shards add them in portion order: the
+            # same bits whichever replica computed which portion, at an add per element (issue 29).
+            ordered_sums=True,
         )
     finally:
         for actor, _ in replicas:

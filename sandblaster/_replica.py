@@ -7,11 +7,12 @@ already being computed (a synchronous actor method would hold the worker's one a
 push). Work too small to be worth a thread hop (~0.2 ms) runs inline on the loop.
 
 It fetches the parameters once per evaluation (every call of the evaluation awaits the same fetch), computes
-the loss and gradient of the portions it is given, and pushes their summed gradient to the shards before it
-reports (summed exactly, binned: :mod:`storage._exactsum`, so the shards' sum has the same bits whatever
-the grouping), so what it reports is already safe on the shards: a replica that dies costs only the
-portions it had not pushed. Backup copies and recomputed portions are pushed *solo* (one portion per
-push); the shards count every portion exactly once whichever copies arrive (``Shard.accumulate``).
+the loss and gradient of the portions it is given, and pushes them to the shards before it reports (each
+portion's own gradient, several in one message; the shards add them in portion order, so the sum has the
+same bits whatever replica computed which), so what it reports is already safe on the shards: a replica
+that dies costs only the portions it had not pushed. Backup copies and recomputed portions are pushed
+*solo* (one portion per push); the shards count every portion exactly once whichever copies arrive
+(``Shard.accumulate``).
 
 Data affinity: portions read once stay in memory (in the worker's :class:`storage.RowCache`, which outlives
 the replica, so the next run on the worker skips the read), and the scheduler gives a replica the same
@@ -35,7 +36,6 @@ from distbelief.sandblaster._messages import PortionResult, WorkCall, WorkReport
 from distbelief.storage import (
     Dataset,
     ShardMap,
-    _exactsum,
     default_row_cache,
     keep_loop_responsive,
     reduce_results,
@@ -64,18 +64,30 @@ Portion = tuple[np.ndarray, np.ndarray]
 
 @dataclass(frozen=True)
 class _KV:
-    """Parameters pulled by key: ``values[i]`` is parameter ``keys[i]`` (sorted global indices)."""
+    """Parameters pulled by key: ``values[i]`` is parameter ``keys[i]`` (sorted global indices); or, when
+    every shard sent its whole slice (the keys cover most of them), the whole vector ``full``, which holds
+    every key (``values`` is then not formed: one copy of the slices instead of a gather of the keys)."""
 
     keys: np.ndarray
-    values: np.ndarray
+    values: np.ndarray | None
+    full: np.ndarray | None = None
 
     @property
     def size(self) -> int:
         """Number of parameters held (the width a gradient costs)."""
         return int(self.keys.size)
 
+    def missing(self, keys: np.ndarray) -> np.ndarray:
+        """Those of ``keys`` (sorted, unique) not held."""
+        if self.full is not None:
+            return keys[:0]
+        return np.setdiff1d(keys, self.keys, assume_unique=True)
+
     def merged(self, other: _KV) -> _KV:
         """Both key sets' values (``other`` adds keys this one lacks)."""
+        if self.full is not None:
+            return self
+        assert self.values is not None and other.values is not None
         keys = union_keys([self.keys, other.keys])  # rare (a backup's missing keys): no mask
         values = np.empty(keys.size)
         values[np.searchsorted(keys, self.keys)] = self.values
@@ -128,8 +140,8 @@ class Replica:
         self._kv_held: tuple[np.ndarray, frozenset[int]] = (np.zeros(0, dtype=np.int64), frozenset())
         #: Key-value mode: per portion, the pulled keys array and where the portion's keys sit in it.
         self._kv_positions: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        #: Key-value mode: the last keys array cut at the shard bounds (:meth:`_split`).
-        self._kv_split: tuple[np.ndarray, list[np.ndarray]] | None = None
+        #: Key-value mode: key arrays cut at the shard bounds, per portion (-1: the pulled keys).
+        self._kv_splits: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
         #: Bytes of parameters and keys pulled, and of gradients and keys pushed (counted as sent).
         self.bytes_pulled = 0
         #: Seconds of gradient work (reading rows included) and of waiting for fetches and pushes, summed
@@ -183,8 +195,9 @@ class Replica:
         self, w: _KV, assign: Sequence[int], solo: bool, eval_id: int | None = None
     ) -> tuple[list[PortionResult], list[tuple[list[int], Any]], float, float, list[int]]:
         """:meth:`_compute_portions` on key-value parameters: each portion's compact model at ``w``'s values
-        of its keys; the gradients to push are ``(keys, values)`` pairs. Summing a group on the union of its
-        keys adds the same floats in the same order as the dense sum (the other entries are zeros)."""
+        of its keys. Each portion's gradient is pushed as its own, cut per shard into ``(local keys,
+        values)`` or a whole slice (:meth:`_payloads`): a shard adding it at the keys adds the same floats as
+        the dense path adds with zeros elsewhere."""
         if eval_id is not None and self._fetch is not None and self._fetch[0] > eval_id:
             return [], [], 0.0, 0.0, []
         t0 = time.perf_counter()
@@ -201,37 +214,27 @@ class Replica:
                 read_s += time.perf_counter() - start
             start = time.perf_counter()
             part = self._kv_portion(p)
-            at = self._positions(p, part.keys, w.keys)
-            loss, grad = part.model.loss_and_grad(w.values[at], part.X, part.y)
+            if w.full is not None:
+                at = part.keys
+                params = w.full[at]
+            else:
+                assert w.values is not None
+                at = self._positions(p, part.keys, w.keys)
+                params = w.values[at]
+            loss, grad = part.model.loss_and_grad(params, part.X, part.y)
             if self.slowdown > 1.0:
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
             results.append((int(p), float(loss), int(part.X.shape[0])))
-            parts.append((part.keys, np.asarray(grad, dtype=np.float64), at))
-        if solo:
-            solos = [([int(p)], self._payloads((k, g))) for p, (k, g, _) in zip(assign, parts, strict=True)]
-            return results, solos, *self._timing(t0, read_s, reads)
-        if len(parts) == 1:  # a group of one is pushed as it is: 12 bytes a key, not 36
-            keys, grad, _ = parts[0]
-            pushed = [([int(p) for p in assign], self._payloads((keys, grad)))]
-            return results, pushed, *self._timing(t0, read_s, reads)
-        # The group's keys: the union of its portions', found among the pulled ones by their positions
-        # there (a mask over the pulled keys, not over every parameter). Summed exactly (binned, as the
-        # dense path), portion by portion at its own keys: the shards' sum is the same whichever portions
-        # share a push, so sparse runs are as reproducible as dense ones.
-        covered = np.zeros(w.keys.size, dtype=bool)
-        for _, _, at in parts:
-            covered[at] = True
-        if covered.all():  # the usual group: every portion held, and no other
-            keys, remap = w.keys, None
-        else:
-            keys = w.keys[covered]
-            remap = np.cumsum(covered) - 1
-        total = _exactsum.zeros(keys.size)
-        for _, g, at in parts:
-            _exactsum.deposit_at(total, at if remap is None else remap[at], g)
-        grads: list[tuple[list[int], Any]] = (
-            [([int(p) for p in assign], self._payloads((keys, total)))] if parts else []
-        )
+            # A copy: the next portion's loss_and_grad may reuse the array it returned, and the pushes
+            # send views of this one.
+            parts.append((part.keys, np.array(grad, dtype=np.float64), at))
+        # Each portion's own gradient, cut per shard (the shards add the portions in order: the same bits
+        # whichever replica computed which). Solo calls push one portion a message, others their group.
+        payloads = [self._payloads(int(p), k, g) for p, (k, g, _) in zip(assign, parts, strict=True)]
+        groups = [[i] for i in range(len(parts))] if solo else [list(range(len(parts)))] if parts else []
+        grads: list[tuple[list[int], Any]] = [
+            ([int(assign[i]) for i in group], [payloads[i] for i in group]) for group in groups
+        ]
         return results, grads, *self._timing(t0, read_s, reads)
 
     def _positions(self, p: int, keys: np.ndarray, pulled: np.ndarray) -> np.ndarray:
@@ -249,54 +252,52 @@ class Replica:
     def _timing(t0: float, read_s: float, reads: list[int]) -> tuple[float, float, list[int]]:
         return time.perf_counter() - t0, read_s, reads
 
-    def _split(self, keys: np.ndarray) -> list[np.ndarray]:
-        """``keys`` cut into each shard's local offsets, kept for the last keys array (the held portions'
-        union is the same array from one evaluation to the next, and is pulled and pushed each time)."""
-        cached = self._kv_split
+    def _split(self, keys: np.ndarray, slot: int = -1) -> list[np.ndarray]:
+        """``keys`` cut into each shard's local offsets, kept per ``slot`` (a portion, or -1 for the pulled
+        keys) while the keys are the same array: a portion's keys, and the held portions' union, are the
+        same arrays from one evaluation to the next."""
+        cached = self._kv_splits.get(slot)
         if cached is not None and cached[0] is keys:
             return cached[1]
         local = split_keys(self.shards.layout.bounds, keys)
-        self._kv_split = (keys, local)
+        self._kv_splits[slot] = (keys, local)
         return local
 
-    def _payloads(self, grad: tuple[np.ndarray, np.ndarray]) -> list[tuple[np.ndarray | None, np.ndarray]]:
-        """Per shard, what a key-value push of ``grad`` sends: ``(local keys, values)``, or ``(None, the
-        whole slice)`` with zeros elsewhere where that is fewer bytes
+    def _payloads(
+        self, p: int, keys: np.ndarray, values: np.ndarray
+    ) -> list[tuple[np.ndarray | None, np.ndarray]]:
+        """Per shard, what portion ``p``'s gradient (``values`` at ``keys``) sends: ``(local keys, values)``,
+        or ``(None, the whole slice)`` with zeros elsewhere where that is fewer bytes
         (:func:`storage._keys.whole_slice_is_smaller`; it adds the same floats). Built on the compute
         thread, so the event loop only sends."""
-        keys, values = grad
         bounds = self.shards.layout.bounds
         cuts = np.searchsorted(keys, bounds)
         out: list[tuple[np.ndarray | None, np.ndarray]] = []
-        for shard, local in enumerate(self._split(keys)):
-            part = values[..., cuts[shard] : cuts[shard + 1]]  # a binned group sum cuts like a vector
+        for shard, local in enumerate(self._split(keys, p)):
+            part = values[cuts[shard] : cuts[shard + 1]]
             size = int(bounds[shard + 1] - bounds[shard])
-            if whole_slice_is_smaller(local, size, 1 if part.ndim == 1 else part.shape[0]):
-                whole = np.zeros((*part.shape[:-1], size))
-                whole[..., local] = part
+            if whole_slice_is_smaller(local, size):
+                whole = np.zeros(size)
+                whole[local] = part
                 out.append((None, whole))
             else:
                 out.append((local, part))
         return out
 
-    def _push_kv(
+    def _push_parts(
         self,
         acc_name: str,
         portions: list[int],
-        payloads: list[tuple[np.ndarray | None, np.ndarray]],
+        payloads: list[list[tuple[np.ndarray | None, np.ndarray]]],
         eval_id: int,
-        solo: bool,
     ) -> list[tuple[int, asyncio.Future[Any]]]:
-        """One push per shard of :meth:`_payloads` (every shard, keys or not: each counts every portion
-        once)."""
+        """One message per shard with every portion's part of it (every shard, keys or not: each counts
+        every portion once). ``payloads[i][shard]`` is portion ``portions[i]``'s part for ``shard``."""
         out: list[tuple[int, asyncio.Future[Any]]] = []
-        for shard, (local, part) in enumerate(payloads):
-            if local is None:
-                self.bytes_pushed += kv_bytes(part)
-                ask = self.shards.ask(shard, "accumulate", acc_name, part, portions, eval_id, solo)
-            else:
-                self.bytes_pushed += kv_bytes(local, part)
-                ask = self.shards.ask(shard, "accumulate_at", acc_name, local, part, portions, eval_id, solo)
+        for shard in range(self.shards.layout.shards):
+            parts = [per_shard[shard] for per_shard in payloads]
+            self.bytes_pushed += sum(kv_bytes(local, part) for local, part in parts)
+            ask = self.shards.ask(shard, "accumulate_parts", acc_name, parts, portions, eval_id)
             out.append((shard, asyncio.ensure_future(ask)))
         return out
 
@@ -339,7 +340,7 @@ class Replica:
             if others:
                 loop = asyncio.get_running_loop()
                 keys, _ = await loop.run_in_executor(self._compute, self._keys_for, others)
-                missing = np.setdiff1d(keys, w.keys, assume_unique=True)
+                missing = w.missing(keys)
                 if missing.size:
                     extra, _ = await self._pull(eval_id, (), x_name, missing)
                     w = w.merged(extra)
@@ -375,7 +376,8 @@ class Replica:
     def _compute_portions(
         self, w: np.ndarray, assign: Sequence[int], solo: bool, eval_id: int | None = None
     ) -> tuple[list[PortionResult], list[tuple[list[int], np.ndarray]], float, float, list[int]]:
-        """Loss of every portion, the gradients to push (one per portion if ``solo``, else their sum), the
+        """Loss of every portion, the gradients to push (each portion's own, one push per portion if
+        ``solo``, else one for the group, as ``(portions, [(None, gradient), ...])``), the
         seconds it took (without the time queued behind other calls), the part of it spent reading
         portions that were not in memory yet, and those portions. Nothing at all once a later evaluation
         than ``eval_id`` has begun: the shards would refuse the gradient, and the thread is wanted there."""
@@ -385,9 +387,8 @@ class Replica:
         read_s = 0.0
         reads: list[int] = []
         results = []
-        grads: list[tuple[list[int], np.ndarray]] = []
-        total: np.ndarray | None = None  # the group's binned sum, once it has two portions
-        first: np.ndarray | None = None
+        grads: list[tuple[list[int], Any]] = []
+        own: list[np.ndarray] = []
         for p in assign:
             if p not in self.cache and not self._rows.holds(self.dataset, *self.dataset.portion_bounds(p)):
                 start = time.perf_counter()
@@ -398,24 +399,21 @@ class Replica:
             X, y = self._portion(p)
             loss, returned = self.model.loss_and_grad(w, X, y)
             grad = np.asarray(returned, dtype=np.float64)
-            if grad is returned and len(assign) > 1 and (solo or first is None):
+            if grad is returned and len(assign) > 1:
                 # Kept past the next portion's loss_and_grad, which may reuse the array it returned (a
-                # model writing into one buffer of its own): its own copy, or the push sums g2 + g2.
+                # model writing into one buffer of its own): its own copy.
                 grad = grad.copy()
             if self.slowdown > 1.0:
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - start))
             results.append((int(p), float(loss), int(X.shape[0])))
-            if solo:
-                grads.append(([int(p)], grad))
-            elif first is None:
-                first = grad  # a group of one is pushed as it is: 8 bytes a parameter, not 32
-            else:
-                if total is None:
-                    total = _exactsum.deposit(_exactsum.zeros(grad.size), first)
-                # Summed exactly (binned): the shards' sum is the same whichever portions share a push.
-                _exactsum.deposit(total, grad)
-        if not solo and first is not None:
-            grads.append(([int(p) for p in assign], first if total is None else total))
+            own.append(grad)
+        # Each portion's own gradient (the shards add the portions in order: the same bits whichever
+        # replica computed which): one push per portion if ``solo``, else one for the group, whose every
+        # message carries each portion's slice.
+        if solo:
+            grads = [([int(p)], [(None, g)]) for p, g in zip(assign, own, strict=True)]
+        elif own:
+            grads = [([int(p) for p in assign], [(None, g) for g in own])]
         return results, grads, time.perf_counter() - t0, read_s, reads
 
     async def _params(
@@ -518,7 +516,7 @@ class Replica:
         prep: Sequence[Sequence[Any]],
         push_every: int | None,
         given: Any = None,
-    ) -> tuple[WorkReport, list[tuple[list[int], np.ndarray]]]:
+    ) -> tuple[WorkReport, list[tuple[list[int], Any]]]:
         """:meth:`compute`; with ``given`` (the parameters and prep results, handed out by the shard) the
         last group's gradients are not pushed but returned, for the shard to accumulate."""
         t0 = time.perf_counter()
@@ -538,7 +536,7 @@ class Replica:
         reads: list[int] = []
         busy = read_s = 0.0
         pushes: list[tuple[int, asyncio.Future[Any]]] = []
-        held: list[tuple[list[int], np.ndarray]] = []
+        held: list[tuple[list[int], Any]] = []
         loop = asyncio.get_running_loop()
         # Never inline with an injected slowdown: its sleep would stall the loop and the shards on it.
         inline = [
@@ -566,22 +564,30 @@ class Replica:
                 # Sent now, awaited at the end: the push travels while the next group is computed.
                 if self.sparse:
                     for portions, payloads in grads:
-                        pushes += self._push_kv(acc_name, portions, payloads, eval_id, solo)
+                        pushes += self._push_parts(acc_name, portions, payloads, eval_id)
                     continue
-                self.bytes_pushed += 8 * sum(grad.size for _, grad in grads)
+                self.bytes_pushed += 8 * sum(g.size for _, parts in grads for _, g in parts)
                 if given is not None and k == len(groups) - 1:
                     held = grads  # carried back with the answer: the shard that handed out accumulates it
                     continue
-                pushes += [
-                    (
-                        shard,
-                        asyncio.ensure_future(
-                            self.shards.ask(shard, "accumulate", acc_name, part, portions, eval_id, solo)
-                        ),
-                    )
-                    for portions, grad in grads
-                    for shard, part in enumerate(self.shards.slices(grad))
-                ]
+                for portions, parts in grads:
+                    by_shard = [self.shards.slices(g) for _, g in parts]
+                    pushes += [
+                        (
+                            shard,
+                            asyncio.ensure_future(
+                                self.shards.ask(
+                                    shard,
+                                    "accumulate_parts",
+                                    acc_name,
+                                    [(None, slices[shard]) for slices in by_shard],
+                                    portions,
+                                    eval_id,
+                                )
+                            ),
+                        )
+                        for shard in range(self.shards.layout.shards)
+                    ]
         except BaseException:
             # Nothing of this call will be reported: its queued groups and sent pushes are abandoned.
             for pending in [*queued.values(), *(push for _, push in pushes)]:
@@ -638,7 +644,7 @@ class Replica:
         workers); returns :meth:`stats`, so a new replica reports the portions it holds in the same call."""
         self._shards = shard_map
         self._fetch = None
-        self._kv_split = None  # the new shards may cut the keys elsewhere
+        self._kv_splits = {}  # the new shards may cut the keys elsewhere
         return await self.stats()
 
     async def set_slowdown(self, slowdown: float) -> None:

@@ -184,7 +184,10 @@ class ShardActor:
         answer, pushes = pickle.loads(await call_from_worker(get_worker(), address, key, method, frame))
         finalized = None
         for name, values, portions, push_epoch, solo in pushes:
-            _, done = await self.accumulate(name, values, portions, push_epoch, solo)
+            if isinstance(values, list):  # each portion's own gradient: (keys or None, values) pairs
+                _, done = await self.accumulate_parts(name, values, portions, push_epoch)
+            else:
+                _, done = await self.accumulate(name, values, portions, push_epoch, solo)
             if done is not None:
                 finalized = done
         return pickle.dumps((answer, finalized), protocol=pickle.HIGHEST_PROTOCOL)
@@ -289,6 +292,16 @@ class ShardActor:
     ) -> tuple[bool, list[Any] | None]:
         """Forward to :meth:`Shard.push_portions`."""
         return await self._do(self.core.push_portions, name, values, portions, epoch=epoch, solo=solo)
+
+    async def accumulate_parts(
+        self,
+        name: str,
+        parts: Sequence[tuple[np.ndarray | None, np.ndarray]],
+        portions: Sequence[int],
+        epoch: int,
+    ) -> tuple[bool, list[Any] | None]:
+        """Forward to :meth:`Shard.push_parts` (several portions, each its own gradient, one message)."""
+        return await self._do(self.core.push_parts, name, parts, portions, epoch=epoch)
 
     async def final_results(self, name: str, epoch: int) -> list[Any] | None:
         """Forward to :meth:`Shard.final_results`."""

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BLOCK", "COMPILED_FROM", "adagrad_step", "axpy", "compiled", "lincomb", "scale"]
+__all__ = ["BLOCK", "COMPILED_FROM", "adagrad_step", "add_at", "axpy", "compiled", "lincomb", "scale"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,11 @@ def _scale_loop(a: float, x: np.ndarray) -> None:  # pragma: no cover - compiled
 def _scaled_into_loop(out: np.ndarray, a: float, x: np.ndarray) -> None:  # pragma: no cover - compiled
     for i in range(out.size):
         out[i] = a * x[i]
+
+
+def _add_at_loop(out: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:  # pragma: no cover
+    for i in range(keys.size):
+        out[keys[i]] = out[keys[i]] + values[i]
 
 
 def _adagrad_loop(
@@ -206,6 +211,23 @@ def lincomb(
         for c, v in zip(coeffs[start:], vectors[start:], strict=True):
             if c != 0.0:
                 axpy(float(c), v[a:b], block)
+
+
+def add_at(out: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
+    """``out[keys] += values`` in place (``keys`` unique): one pass, no gathered temporaries.
+
+    Examples
+    --------
+    >>> out = np.ones(4); add_at(out, np.array([0, 3]), np.array([0.5, -1.0])); out
+    array([1.5, 1. , 1. , 0. ])
+    """
+    if not keys.size:
+        return
+    loop = compiled(_add_at_loop) if keys.size >= COMPILED_FROM else None
+    if loop is not None and values.flags.c_contiguous:
+        loop(np.asarray(out), np.asarray(keys), np.asarray(values, dtype=np.float64))
+    else:
+        out[keys] += values
 
 
 def adagrad_step(w: np.ndarray, g: np.ndarray, acc: np.ndarray, *, lr: float, eps: float) -> None:

@@ -35,13 +35,23 @@ __all__ = ["OPS", "Shard"]
 class _Accumulator:
     """A gradient accumulator of one evaluation (``epoch``): its vector and which portions it holds.
 
-    ``binned`` is the exact, order-independent sum of what was taken (:mod:`storage._exactsum`); ``values``
-    (the named vector) receives its rounded value when the accumulator settles.
+    Two ways to make the sum's bits independent of which replica computed which portion and of the order
+    in which pushes arrive:
+
+    * *ordered* (``ordered=True``): every portion arrives with its own gradient, and ``values`` adds them in
+      portion order, ``((g_0 + g_1) + g_2) + ...``, each as soon as the ones before it are in (a portion that
+      arrives early waits in ``solos``). An add per element and portion, no wider state;
+    * *binned* (otherwise): summed pushes of several portions are allowed; ``binned`` is the exact,
+      order-independent sum of what was taken (:mod:`storage._exactsum`, 4 floats an element), and
+      ``values`` receives its rounded value when the accumulator settles.
     """
 
     epoch: int
     values: np.ndarray
-    binned: np.ndarray
+    binned: np.ndarray | None
+    ordered: bool = False
+    #: Ordered: the next portion to add (every one before it is in ``values``).
+    next_portion: int = 0
     covered: set[int] = field(default_factory=set)
     #: Solo pushes held aside: portion -> (local keys or None for the whole slice, values).
     solos: dict[int, tuple[np.ndarray | None, np.ndarray]] = field(default_factory=dict)
@@ -260,9 +270,14 @@ class Shard:
         self.accumulators.pop(name, None)
 
     def _op_reset_acc(
-        self, name: str, epoch: int, expected: int | None = None, finalize: Sequence[Sequence[Any]] = ()
+        self,
+        name: str,
+        epoch: int,
+        expected: int | None = None,
+        finalize: Sequence[Sequence[Any]] = (),
+        ordered: bool = False,
     ) -> None:
-        self.reset_accumulator(name, epoch, expected, finalize)
+        self.reset_accumulator(name, epoch, expected, finalize, ordered=ordered)
 
     def _op_settle(self, name: str) -> int:
         return len(self.settle(name))
@@ -522,6 +537,53 @@ class Shard:
         taken = self.accumulate(name, values, portions, epoch=epoch, solo=solo, keys=keys)
         return self._maybe_finalize(name, taken)
 
+    def push_parts(
+        self,
+        name: str,
+        parts: Sequence[tuple[np.ndarray | None, np.ndarray]],
+        portions: Sequence[int],
+        *,
+        epoch: int,
+    ) -> tuple[bool, list[Any] | None]:
+        """Several portions in one message, each with its own gradient: ``parts[i]`` is portion
+        ``portions[i]``'s ``(local keys or None for the whole slice, values)``. Each is taken as a solo push
+        (:meth:`accumulate`), and the finalize ops run if they completed the evaluation.
+
+        Examples
+        --------
+        >>> s = Shard(0, 0, 3)
+        >>> s.reset_accumulator("g", 1, expected=2, finalize=[("settle", "g"), ("sum", "g")], ordered=True)
+        >>> s.push_parts("g", [(np.array([0]), np.array([1.0])), (None, np.ones(3))], [1, 0], epoch=1)
+        (True, [2, 4.0])
+        >>> s.get("g").tolist()
+        [2.0, 1.0, 1.0]
+        """
+        if len(parts) != len(portions) or len(set(portions)) != len(portions):
+            raise InvalidOptionError(
+                f"shard {self.index}: {len(parts)} gradients for portions {list(portions)[:8]}: one each"
+            )
+        checked: list[tuple[np.ndarray | None, np.ndarray]] = []
+        for (keys, values), p in zip(parts, portions, strict=True):  # all checked before any is taken
+            values = np.asarray(values, dtype=np.float64)
+            if keys is not None:
+                keys = np.asarray(keys)
+                if values.ndim != 1 or keys.shape != values.shape:
+                    raise InvalidOptionError(
+                        f"shard {self.index}: portion {p} has {keys.size} keys but values of shape "
+                        f"{values.shape}"
+                    )
+                _check_keys(self.index, keys, self.size)
+            elif values.shape != (self.size,):
+                raise InvalidOptionError(
+                    f"shard {self.index}: portion {p}'s slice has shape {values.shape}, "
+                    f"expected ({self.size},)"
+                )
+            checked.append((keys, values))
+        taken = False
+        for (keys, values), p in zip(checked, portions, strict=True):
+            taken = self.accumulate(name, values, [p], epoch=epoch, solo=True, keys=keys) or taken
+        return self._maybe_finalize(name, taken)
+
     def counters(self) -> dict[str, Any]:
         """The shard's Downpour counters: ``version``, ``applied`` (pushes applied), ``applied_weight`` and
         ``applied_steps_sq`` (see :meth:`push`). A shard restored from a checkpoint has the checkpoint's
@@ -591,26 +653,40 @@ class Shard:
         if epoch != acc.epoch:
             return False
         values = np.asarray(values, dtype=np.float64)
+        bins = _exactsum.BINS + 1
         if keys is not None:
-            expect = (keys.size,), (acc.binned.shape[0], keys.size)
+            expect = (keys.size,), (bins, keys.size)
             if values.shape not in expect:
                 raise InvalidOptionError(
                     f"shard {self.index}: pushed values have shape {values.shape}, expected one of {expect}"
                 )
-        elif values.shape not in (acc.values.shape, acc.binned.shape):
+        elif values.shape not in (acc.values.shape, (bins, *acc.values.shape)):
             raise InvalidOptionError(
                 f"shard {self.index}: pushed slice has shape {values.shape}, expected {acc.values.shape} "
-                f"(a gradient) or {acc.binned.shape} (a binned sum)"
+                f"(a gradient) or {(bins, *acc.values.shape)} (a binned sum)"
             )
         new = set(portions)
+        if acc.ordered and len(new) == 1 and values.ndim == 1:
+            solo = True  # one portion's own gradient: the same term, summed or not
         if solo:
             if len(new) != 1:
                 raise ProtocolError(f"shard {self.index}: a solo push carries one portion, got {sorted(new)}")
             (p,) = new
             if p in acc.covered or p in acc.solos:
                 return False
-            acc.solos[p] = (None if keys is None else keys.copy(), values.copy())
+            if acc.ordered and p == acc.next_portion:
+                _add_portion(acc, p, keys, values)  # its turn: added now, never held
+            else:
+                acc.solos[p] = (None if keys is None else keys.copy(), values.copy())
+            if acc.ordered:
+                _add_in_order(acc)
             return True
+        if acc.ordered:
+            raise ProtocolError(
+                f"shard {self.index}: {name!r} sums portions in order and takes every portion's own gradient "
+                f"(push_parts); got a sum over portions {sorted(new)[:5]}"
+            )
+        assert acc.binned is not None
         if new <= acc.covered:
             return False  # a retried push
         if new & acc.covered:
@@ -657,6 +733,12 @@ class Shard:
     def settle(self, name: str) -> list[int]:
         """Add the solo portions no summed push covered; return every portion the accumulator now holds."""
         acc = self._accumulator(name)
+        if acc.ordered:
+            # Portions that never came (a lost replica's, not recomputed) leave gaps: the rest in order.
+            for p in sorted(acc.solos):
+                _add_portion(acc, p, *acc.solos.pop(p))
+            return sorted(acc.covered)
+        assert acc.binned is not None
         for keys, values in acc.solos.values():
             _add_exactly(acc.binned, values, keys)
         acc.covered |= acc.solos.keys()
@@ -666,12 +748,20 @@ class Shard:
         return sorted(acc.covered)
 
     def reset_accumulator(
-        self, name: str, epoch: int, expected: int | None = None, finalize: Sequence[Sequence[Any]] = ()
+        self,
+        name: str,
+        epoch: int,
+        expected: int | None = None,
+        finalize: Sequence[Sequence[Any]] = (),
+        *,
+        ordered: bool = False,
     ) -> None:
         """Zero accumulator ``name`` and open ``epoch`` (one evaluation): older pushes are refused.
 
         With ``expected`` (the number of portions), the push that completes the set runs ``finalize``
         (ops as in :meth:`run`; the first is normally ``("settle", name)``) and returns their results.
+        ``ordered``: the sum of the portions ``0, 1, 2, ...`` in that order, each pushed with its own
+        gradient (see :class:`_Accumulator`); else summed pushes are taken too, and summed exactly.
         """
         if expected is not None and expected > _exactsum.MAX_TERMS:
             raise InvalidOptionError(
@@ -680,12 +770,19 @@ class Shard:
         vec = self._target(name)
         vec.fill(0.0)
         old = self.accumulators.get(name)
-        if old is not None and old.binned.shape[1:] == vec.shape:
-            binned = _exactsum.clear(old.binned)  # reused: a wide shard's binned sum is 4 vectors
-        else:
-            binned = _exactsum.zeros(vec.size)
+        binned: np.ndarray | None = None
+        if not ordered:
+            if old is not None and old.binned is not None and old.binned.shape[1:] == vec.shape:
+                binned = _exactsum.clear(old.binned)  # reused: a wide shard's binned sum is 4 vectors
+            else:
+                binned = _exactsum.zeros(vec.size)
         self.accumulators[name] = _Accumulator(
-            epoch=epoch, values=vec, binned=binned, expected=expected, finalize=[tuple(op) for op in finalize]
+            epoch=epoch,
+            values=vec,
+            binned=binned,
+            ordered=ordered,
+            expected=expected,
+            finalize=[tuple(op) for op in finalize],
         )
 
     def _accumulator(self, name: str) -> _Accumulator:
@@ -750,6 +847,23 @@ def _signed_values(
         raise InvalidOptionError(f"shard {index}: a compressed push needs a finite tau > 0, got {tau!r}")
     keys, negative = decode_signs(codes)
     return np.where(negative, -tau, tau), keys
+
+
+def _add_in_order(acc: _Accumulator) -> None:
+    """Add the held portions that are next in order into an ordered accumulator's values."""
+    while acc.next_portion in acc.solos:
+        _add_portion(acc, acc.next_portion, *acc.solos.pop(acc.next_portion))
+
+
+def _add_portion(acc: _Accumulator, p: int, keys: np.ndarray | None, values: np.ndarray) -> None:
+    """``values`` of portion ``p`` into the accumulator, element by element (``a + g``: the bits do not
+    depend on how the vector is cut, and a key-value add equals a dense add of zeros elsewhere)."""
+    if keys is None:
+        np.add(acc.values, values, out=acc.values)
+    else:
+        _kernels.add_at(acc.values, keys, values)
+    acc.covered.add(p)
+    acc.next_portion = max(acc.next_portion, p + 1)
 
 
 def _add_exactly(binned: np.ndarray, values: np.ndarray, keys: np.ndarray | None = None) -> None:

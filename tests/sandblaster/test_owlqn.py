@@ -107,12 +107,16 @@ def test_the_server_knows_the_l1_ops_and_how_to_reduce_them(client: Client, tmp_
 
 # -- against scikit-learn ---------------------------------------------------------------------------------
 def _sklearn(X: np.ndarray, y: np.ndarray, C: float, solver: str, l1_ratio: float = 1.0) -> np.ndarray:
-    """sklearn's ``min ||w||_1 + C sum_i loss_i`` (or its elastic net), solved to a tiny tolerance."""
+    """sklearn's ``min ||w||_1 + C sum_i loss_i`` (or its elastic net), solved to a tiny tolerance.
+
+    ``random_state`` pinned: liblinear and saga visit the coordinates in a random order, and at this
+    tolerance some orders took minutes instead of a second (a test that hung one run in several).
+    """
     penalty = {"penalty": "l1"} if l1_ratio == 1.0 else {"penalty": "elasticnet", "l1_ratio": l1_ratio}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # FutureWarning on `penalty` in recent releases
         est = LogisticRegression(
-            C=C, solver=solver, fit_intercept=False, tol=1e-14, max_iter=100_000, **penalty
+            C=C, solver=solver, fit_intercept=False, tol=1e-14, max_iter=100_000, random_state=0, **penalty
         )
         return np.asarray(est.fit(X, y).coef_).ravel()
 

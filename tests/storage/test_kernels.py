@@ -98,3 +98,15 @@ def test_lincomb_refuses_mismatched_terms() -> None:
         _kernels.lincomb(np.zeros(2), [1.0], [])
     with pytest.raises(ValueError, match="at least one"):
         _kernels.lincomb(np.zeros(2), [], [])
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_add_at_rounds_as_numpy_fancy_add(n: int) -> None:
+    rng = np.random.default_rng(5)
+    out = rng.normal(size=n)
+    keys = np.flatnonzero(rng.random(n) < 0.6)
+    values = rng.normal(size=keys.size) * 1e-7
+    want = out.copy()
+    want[keys] = want[keys] + values
+    _kernels.add_at(out, keys, values)
+    np.testing.assert_array_equal(out, want)

@@ -6,6 +6,7 @@ the very same floats (assert_array_equal, not allclose), since the runs compare 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distbelief import models
-from distbelief.errors import InvalidOptionError
+from distbelief.errors import InvalidOptionError, ProtocolError
 from distbelief.storage import Layout, Shard, _exactsum
 from distbelief.storage._keys import (
     compact_portion,
@@ -224,3 +225,63 @@ def test_a_whole_slice_pull_is_a_copy_of_the_slice() -> None:
     got = s.gather("x", None)
     got[0] = 99.0
     assert s.get("x").tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@given(case=slices_and_keys(), n_portions=st.integers(1, 6), data=st.data())
+def test_ordered_accumulation_adds_the_portions_in_their_order(
+    case: tuple[int, int, np.ndarray, np.random.Generator], n_portions: int, data: Any
+) -> None:
+    """Parts in any arrival order and any grouping into messages, backup copies among them: the sum is
+    ``((g_0 + g_1) + g_2) + ...`` (numpy's elementwise adds, the oracle), and each portion counts once."""
+    lo, size, keys, rng = case
+    grads = []
+    for _ in range(n_portions):
+        k = keys[rng.random(keys.size) < 0.6]
+        grads.append((k, rng.normal(size=k.size) * 10.0 ** rng.integers(-8, 9, size=k.size)))
+    want = np.zeros(size)
+    for k, g in grads:
+        full = np.zeros(size)
+        full[k] = g
+        want = want + full
+    shard = Shard(0, lo, lo + size)
+    shard.reset_accumulator("acc", 5, expected=n_portions, finalize=[("settle", "acc")], ordered=True)
+    order = data.draw(st.permutations(range(n_portions)))
+    copies = data.draw(st.lists(st.sampled_from(range(n_portions)), max_size=3))  # backups, retried pushes
+    arrivals = [*order[:1], *copies, *order[1:]]
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(arrivals)), max_size=3)))
+    finals = []
+    for a, b in itertools.pairwise([0, *cuts, len(arrivals)]):
+        batch = list(dict.fromkeys(arrivals[a:b]))  # one message holds a portion once
+        if batch:
+            # A whole slice (None) where the keys cover it densely, as the replicas send it.
+            parts = [
+                (None, _dense(size, *grads[p])) if grads[p][0].size * 3 > size * 2 else grads[p]
+                for p in batch
+            ]
+            finals.append(shard.push_parts("acc", parts, batch, epoch=5)[1])
+    assert [f for f in finals if f is not None] == [[n_portions]]  # finalized once, by the last new portion
+    np.testing.assert_array_equal(shard.get("acc"), want)
+    assert shard.accumulators["acc"].binned is None  # no 4-float-an-element state
+
+
+def _dense(size: int, k: np.ndarray, g: np.ndarray) -> np.ndarray:
+    full = np.zeros(size)
+    full[k] = g
+    return full
+
+
+def test_ordered_accumulation_refuses_sums_and_mismatched_parts() -> None:
+    shard = Shard(0, 0, 4)
+    shard.reset_accumulator("acc", 1, expected=2, ordered=True)
+    with pytest.raises(ProtocolError, match="in order"):
+        shard.accumulate("acc", np.ones(4), [0, 1], epoch=1)
+    with pytest.raises(InvalidOptionError, match="one each"):
+        shard.push_parts("acc", [(None, np.ones(4))], [0, 1], epoch=1)
+    with pytest.raises(InvalidOptionError, match="3 keys"):
+        shard.push_parts("acc", [(np.array([0, 1, 2]), np.ones(2))], [0], epoch=1)
+    with pytest.raises(InvalidOptionError, match="sorted, unique"):
+        shard.push_parts("acc", [(np.array([2, 1]), np.ones(2))], [0], epoch=1)
+    assert not shard.accumulators["acc"].covered and not shard.accumulators["acc"].solos  # nothing taken
+    # A stale evaluation's parts change nothing.
+    assert shard.push_parts("acc", [(None, np.ones(4))], [0], epoch=0) == (False, None)
+    np.testing.assert_array_equal(shard.get("acc"), np.zeros(4))
