@@ -339,8 +339,9 @@ class Replica:
             others = [p for p in assign if p not in covered]
             if others:
                 loop = asyncio.get_running_loop()
-                keys, _ = await loop.run_in_executor(self._compute, self._keys_for, others)
-                missing = w.missing(keys)
+                missing = await loop.run_in_executor(
+                    self._compute, lambda: w.missing(self._keys_for(others)[0])
+                )
                 if missing.size:
                     extra, _ = await self._pull(eval_id, (), x_name, missing)
                     w = w.merged(extra)

@@ -148,8 +148,7 @@ def compact_portion(model: Any, X: Any, y: np.ndarray) -> SparsePortion:
         raise InvalidOptionError(f"{type(model).__name__} has no sparse parameter layout")
     d, k, _ = layout
     X = sp.csr_array(X)
-    cols = sorted_unique(X.indices)
-    inverse = np.searchsorted(cols, X.indices)
+    cols, inverse = _distinct_columns(X.indices, X.shape[1])
     keys = _expand(cols, layout)
     # Renumbering with a monotone map keeps every row's columns sorted and in the same order, so the
     # compact kernels add the same products in the same order as the full ones.
@@ -167,6 +166,29 @@ def compact_portion(model: Any, X: Any, y: np.ndarray) -> SparsePortion:
         keys = keys[keys >= d * k]
         compact = _DropFirst(compact, k)
     return SparsePortion(keys=keys, X=Xc, y=y, model=compact)
+
+
+def _distinct_columns(indices: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted distinct ``indices`` and each index's position among them.
+
+    By a mark and a renumbering table over the ``width`` columns when that is at most 16 times the indices
+    (two passes, ~10 ms for 2.5 M indices of 2^20 columns), else by a sort and a search (~250 ms there).
+
+    Examples
+    --------
+    >>> cols, at = _distinct_columns(np.array([7, 2, 7, 5]), 8)
+    >>> cols.tolist(), at.tolist()
+    ([2, 5, 7], [2, 0, 2, 1])
+    """
+    if width <= 16 * max(1, indices.size):
+        mark = np.zeros(width, dtype=bool)
+        mark[indices] = True
+        cols = np.flatnonzero(mark)
+        table = np.empty(width, dtype=np.int64)
+        table[cols] = np.arange(cols.size)
+        return cols, table[indices]
+    cols = sorted_unique(indices)
+    return cols, np.searchsorted(cols, indices)
 
 
 class _DropFirst:

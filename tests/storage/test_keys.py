@@ -285,3 +285,14 @@ def test_ordered_accumulation_refuses_sums_and_mismatched_parts() -> None:
     # A stale evaluation's parts change nothing.
     assert shard.push_parts("acc", [(None, np.ones(4))], [0], epoch=0) == (False, None)
     np.testing.assert_array_equal(shard.get("acc"), np.zeros(4))
+
+
+@given(st.lists(st.integers(0, 300), max_size=60), st.integers(301, 20_000))
+def test_distinct_columns_by_mark_or_sort_equal_numpys_unique(indices: list[int], width: int) -> None:
+    from distbelief.storage._keys import _distinct_columns
+
+    a = np.array(indices, dtype=np.int32)
+    cols, at = _distinct_columns(a, width)  # a wide table: the sort; a narrow one (width ~ 16 x): the mark
+    want, inverse = np.unique(a, return_inverse=True)
+    np.testing.assert_array_equal(cols, want)
+    np.testing.assert_array_equal(at, inverse.ravel())
