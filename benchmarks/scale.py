@@ -73,6 +73,10 @@ OUT = HERE / "results"
 NNZ_PER_ROW = 40
 HISTORY = 10
 L2 = 1e-6
+#: The L1 weight of the OWL-QN rows (``--owlqn``): an elastic net beside the same L2.
+L1 = 1e-5
+#: Issue 29: OWL-QN at most this multiple of our L-BFGS's seconds per iteration, at the same size.
+OWLQN_RATIO_TARGET = 1.3
 COMMUNICATION_MODES: tuple[str, ...] = ("sparse", "dense")
 DENSE_SKIPPED = (
     "every dense push of a group carries a binned gradient sum of 32 bytes a parameter and the shard's exact "
@@ -210,14 +214,16 @@ def run_distbelief(
     push_every: int = 4,
     mode: str = "sparse",
     worker_memory: str | None = None,
+    l1: float = 0.0,
 ) -> dict[str, Any]:
+    """Sandblaster L-BFGS (or OWL-QN with ``l1 > 0``) on ``dataset`` on a fresh two-worker cluster."""
     from distributed import Client, LocalCluster
 
     from distbelief import sandblaster
     from distbelief.models import Logistic
 
     model = Logistic(n_features)
-    out: dict[str, Any] = {"method": "distbelief", "communication": mode}
+    out: dict[str, Any] = {"method": "distbelief OWL-QN" if l1 else "distbelief", "communication": mode}
     coordinator = PeakSampler()
     t0 = time.perf_counter()
     limit: dict[str, Any] = {} if worker_memory is None else {"memory_limit": worker_memory}
@@ -239,6 +245,7 @@ def run_distbelief(
                 dataset,
                 x0=np.zeros(model.n_params),
                 l2=L2,
+                **({"method": "owlqn", "l1": l1} if l1 else {}),
                 history=HISTORY,
                 maxiter=maxiter,
                 gtol=0.0,
@@ -580,6 +587,31 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     our time went per iteration, and whether each target is met (``None`` where none is set)."""
     out = []
     for r in rows:
+        if r.get("method") == "distbelief OWL-QN" and r.get("status") == "ok":
+            ours = next(
+                (
+                    q
+                    for q in rows
+                    if q["log2"] == r["log2"] and q.get("method") == "distbelief"
+                    and q.get("communication") == "sparse" and q.get("status") == "ok"
+                ),
+                None,
+            )  # fmt: skip
+            if ours is not None:
+                ratio = r["s_per_iter"] / ours["s_per_iter"]
+                out.append(
+                    {
+                        "log2": r["log2"],
+                        "communication": "owlqn",
+                        "s_per_iter": r["s_per_iter"],
+                        "owlqn_over_lbfgs": ratio,
+                        "owlqn_target_met": ratio <= OWLQN_RATIO_TARGET
+                        if r["log2"] in TARGET_SIZES
+                        else None,
+                        "where_per_iter_s": _where(r),
+                    }
+                )
+            continue
         if r.get("method") != "distbelief" or r.get("status") != "ok":
             continue
         ref = next((q for q in rows if q["log2"] == r["log2"] and q.get("method") == "scipy L-BFGS-B"), None)
@@ -589,13 +621,7 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "communication": r["communication"],
             "s_per_iter": r["s_per_iter"],
         }
-        row["where_per_iter_s"] = {
-            "replica_compute": r.get("replica_compute_s", 0.0) / nit,
-            "replica_fetch_wait": r.get("replica_fetch_s", 0.0) / nit,
-            "replica_push_wait": r.get("replica_push_s", 0.0) / nit,
-            "shard_ops": sum(r.get("shard_op_seconds", {}).values()) / nit,
-            "spill_io": r.get("spill_seconds", 0.0) / nit,
-        }
+        row["where_per_iter_s"] = _where(r)
         targeted = r["log2"] in TARGET_SIZES
         if ref is not None and ref.get("status") == "ok":
             row["scipy_s_per_iter"] = ref["s_per_iter"]
@@ -610,6 +636,18 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row["floor_target_met"] = row["ours_over_floor"] <= FLOOR_RATIO_TARGET if targeted else None
         out.append(row)
     return out
+
+
+def _where(r: dict[str, Any]) -> dict[str, float]:
+    """Where a run's time went, per iteration (summed over processes; the first iteration included)."""
+    nit = max(1, int(r["nit"]))
+    return {
+        "replica_compute": r.get("replica_compute_s", 0.0) / nit,
+        "replica_fetch_wait": r.get("replica_fetch_s", 0.0) / nit,
+        "replica_push_wait": r.get("replica_push_s", 0.0) / nit,
+        "shard_ops": sum(r.get("shard_op_seconds", {}).values()) / nit,
+        "spill_io": r.get("spill_seconds", 0.0) / nit,
+    }
 
 
 def _verdict(met: bool | None) -> str:
@@ -649,6 +687,11 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f"{c.get('ours_over_scipy', math.nan):7.2f} {_verdict(c.get('scipy_target_met')):>6} "
                 f"{c.get('ours_over_floor', math.nan):7.2f} {_verdict(c.get('floor_target_met')):>6}  "
                 + ", ".join(f"{w[k]:.3f}" for k in w)
+                + (
+                    f"  OWL-QN / L-BFGS {c['owlqn_over_lbfgs']:.2f} {_verdict(c.get('owlqn_target_met'))}"
+                    if "owlqn_over_lbfgs" in c
+                    else ""
+                )
             )
     return "\n".join(lines)
 
@@ -695,6 +738,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--merge-into", help="also merge this run's rows into that results file (see merge_runs)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds per size (medians reported)")
+    ap.add_argument("--owlqn", action="store_true", help=f"also OWL-QN (l1={L1}) on sparse communication")
     ap.add_argument("--scipy-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
@@ -776,6 +820,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         )
                     rounds.setdefault(mode, []).append(row)
                     print(table([row]).splitlines()[1], flush=True)
+                if args.owlqn:
+                    row = {"log2": k, "n_params": n_params, "nnz": nnz, "generate_s": gen_s}
+                    try:
+                        row.update(
+                            run_distbelief(
+                                ds,
+                                1 << k,
+                                args.maxiter,
+                                shard_memory,
+                                args.workers,
+                                args.push_every,
+                                "sparse",
+                                args.worker_memory,
+                                l1=L1,
+                            )
+                        )
+                    except Exception as e:
+                        row.update(method="distbelief OWL-QN", communication="sparse", status=f"{e!r}"[:300])
+                    rounds.setdefault("owlqn", []).append(row)
+                    print(table([row]).splitlines()[1], flush=True)
                 if not args.no_scipy:
                     row = {"log2": k, "n_params": n_params, "nnz": nnz}
                     row.update(run_scipy_saved(tmp, args.maxiter, args.scipy_memory_gb, args.scipy_timeout))
@@ -793,6 +857,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     continue
                 done[mode] = median_round(rounds[mode])
                 rows.append(done[mode])
+            if "owlqn" in rounds:
+                rows.append(median_round(rounds["owlqn"]))
             if "scipy" in rounds:
                 rows.append(median_round(rounds["scipy"]))
             json_path.write_text(json.dumps(result, indent=1, default=str))
