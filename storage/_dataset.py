@@ -682,7 +682,9 @@ class Dataset:
             Hash the string/categorical columns into this many columns (e.g. ``2**20``) of a *sparse*
             dataset: the numeric and bool columns come first, then the hashed ones. The value ``v`` of
             column ``c`` is the token ``"c=v"``, hashed as by scikit-learn's
-            ``FeatureHasher(n_features=hash_features, input_type="string")`` (signed: +1 or -1).
+            ``FeatureHasher(n_features=hash_features, input_type="string")`` (signed: +1 or -1). The
+            workers encode the rows; this process appends their sparse blocks to the dataset one part at a
+            time as they arrive (it holds about two parts, never the table).
         storage_options, path_storage_options : dict, optional
             fsspec options of ``url`` and of ``path``.
         **options

@@ -49,6 +49,10 @@ __all__ = ["Encoding", "dataset_from_frame", "dataset_from_parquet"]
 
 Categorical = Literal["error", "onehot"]
 
+#: The options of dataset_from_dask that a table passes on (besides path and client).
+_WRITE_OPTIONS = frozenset(
+    {"portion_rows", "chunk_rows", "label_kind", "n_classes", "overwrite", "storage_options"}
+)
 #: Parquet parts aim at about this many uncompressed bytes (whole row groups; a bigger group is one part).
 _PART_BYTES = 64 << 20
 
@@ -156,9 +160,13 @@ def _values(df: Any, col: str) -> Any:
     return s
 
 
-def _scan(df: Any, cats: tuple[str, ...]) -> tuple[int, dict[str, list[Any]]]:
-    """Rows and distinct values of the categorical columns of one part (runs on a worker)."""
-    return len(df), {c: list(_values(df, c).astype(object).unique()) for c in cats}
+def _scan(df: Any, cats: tuple[str, ...], limit: int) -> tuple[int, dict[str, list[Any]]]:
+    """Rows and distinct values of the categorical columns of one part (runs on a worker).
+
+    At most ``limit + 1`` values a column come back: one more than allowed is enough to refuse the column,
+    and a column of ids (a million distinct values) does not travel to the client.
+    """
+    return len(df), {c: list(_values(df, c).astype(object).unique()[: limit + 1]) for c in cats}
 
 
 def _sort_key(v: Any) -> tuple[str, str]:
@@ -387,10 +395,19 @@ def _build(
             return list(client.compute(values, sync=True))
         return list(dask.compute(*values))
 
+    unknown = sorted(set(kw) - _WRITE_OPTIONS)
+    if unknown:
+        raise InvalidOptionError(
+            f"unexpected options {unknown}; the options are those of Dataset.from_dask: "
+            f"{sorted(_WRITE_OPTIONS)}"
+        )
     enc = _kinds(dtypes, features, label, categorical, hash_features, max_categories)
     if lengths is None or (enc.categorical and enc.hash_features is None):
         scans = compute(
-            [dask.delayed(_scan)(p, enc.categorical if enc.hash_features is None else ()) for p in parts]
+            [
+                dask.delayed(_scan)(p, enc.categorical if enc.hash_features is None else (), max_categories)
+                for p in parts
+            ]
         )
         lengths = [n for n, _ in scans]
         cats: dict[str, tuple[Any, ...]] = {}
@@ -398,8 +415,8 @@ def _build(
             seen = {v for _, found in scans for v in found[col]}
             if len(seen) > max_categories:
                 raise DatasetError(
-                    f"column {col!r} has {len(seen)} distinct values, more than max_categories="
-                    f"{max_categories}; pass hash_features=2**20 to hash it, or a larger max_categories"
+                    f"column {col!r} has more than max_categories={max_categories} distinct values; pass "
+                    "hash_features=2**20 to hash it, or a larger max_categories"
                 )
             cats[col] = tuple(sorted(seen, key=_sort_key))
         enc = Encoding(enc.numeric, enc.bools, enc.categorical, label, cats, enc.hash_features)

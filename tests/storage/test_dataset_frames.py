@@ -186,7 +186,7 @@ def test_errors_name_the_column(tmp_path: Path) -> None:
             )
         with pytest.raises(DatasetError, match="column 'color' has a missing value"):
             Dataset.from_parquet(url, features=["color"], label="t", path=tmp_path / "a", hash_features=8)
-        with pytest.raises(DatasetError, match=r"column 'size' has 3 distinct values, more than max_categ"):
+        with pytest.raises(DatasetError, match=r"column 'size' has more than max_categories=2 distinct"):
             Dataset.from_parquet(
                 url, features=["size"], label="t", path=tmp_path / "a", categorical="onehot", max_categories=2
             )
@@ -194,6 +194,8 @@ def test_errors_name_the_column(tmp_path: Path) -> None:
             Dataset.from_parquet(url, features=["x"], label="color", path=tmp_path / "a")
         with pytest.raises(InvalidOptionError, match="hash_features must be a positive int"):
             Dataset.from_parquet(url, features=["k"], label="t", path=tmp_path / "a", hash_features=0)
+        with pytest.raises(InvalidOptionError, match=r"unexpected options \['portion'\]"):
+            Dataset.from_parquet(url, features=["k"], label="t", path=tmp_path / "a", portion=4)
         with pytest.raises(InvalidOptionError, match="categorical must be"):
             Dataset.from_parquet(url, features=["k"], label="t", path=tmp_path / "a", categorical="ordinal")
         assert not (tmp_path / "a").exists()
