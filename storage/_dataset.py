@@ -661,6 +661,8 @@ class Dataset:
         starting with ``_`` such as ``_metadata``) or a glob, as a local path or an fsspec URL. Rows are
         counted from the files' footers (no data is read on the client); each task reads whole row groups of
         one file, encodes them and writes them as by :meth:`from_dask`. Files are taken in sorted order.
+        Every file must have the same columns. Hive-style partition folders (``year=2024/``) are read as
+        plain folders: their values do not become columns.
 
         Parameters
         ----------

@@ -304,8 +304,8 @@ def _parquet_files(url: str, storage_options: dict[str, Any] | None) -> tuple[An
                 # Hive-style metadata files (_metadata, _SUCCESS) and hidden files are not data.
                 if not any(s.startswith(("_", ".")) for s in parts):
                     files.append(f)
-        elif fs.isfile(p):
-            files.append(p)
+        elif fs.isfile(p) and (p == where or not posixpath.basename(p).startswith(("_", "."))):
+            files.append(p)  # a glob such as rows/* skips _SUCCESS as a directory does; a named file is read
     if not files:
         raise DatasetError(f"cannot read {url!r} as Parquet: no files there; check the path or glob")
     return fs, sorted(files)

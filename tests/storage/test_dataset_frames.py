@@ -72,9 +72,10 @@ def test_multi_file_directory_and_glob_local(tmp_path: Path) -> None:
     root = _write_dir(tmp_path / "rows", frames)
     whole = pd.concat(frames, ignore_index=True)
     with dask.config.set(scheduler="sync"):
-        for i, url in enumerate([str(root), str(root / "*.parquet"), str(root / "part-0[0-2].parquet")]):
+        globs = [str(root / "*.parquet"), str(root / "*"), str(root / "part-0[0-2].parquet")]
+        for i, url in enumerate([str(root), *globs]):
             ds = Dataset.from_parquet(url, features=["x", "k"], label="t", path=tmp_path / f"ds{i}")
-            expect = whole if i < 2 else pd.concat(frames[:3], ignore_index=True)
+            expect = whole if i < 3 else pd.concat(frames[:3], ignore_index=True)
             X, y = ds.read_all()
             np.testing.assert_array_equal(X, expect[["x", "k"]].to_numpy(float))
             np.testing.assert_array_equal(y, expect["t"].to_numpy(float))
@@ -230,6 +231,13 @@ def test_dask_dataframe_source(tmp_path: Path) -> None:
         np.testing.assert_array_equal(ds3.read_all()[0][:, 0], whole["k"].to_numpy(float))
         with pytest.raises(DatasetError, match="column 'color' holds"):
             Dataset.from_dask(df, "t", path=tmp_path / "d")
+        # Hashed, from a DataFrame: the same columns as from the Parquet files.
+        hashed = Dataset.from_dask(df, "t", path=tmp_path / "h", features=["x", "color"], hash_features=64)
+        from_files = Dataset.from_parquet(
+            str(root), features=["x", "color"], label="t", path=tmp_path / "hf", hash_features=64
+        )
+        np.testing.assert_array_equal(hashed.read_all()[0].toarray(), from_files.read_all()[0].toarray())
+        assert hashed.feature_names == from_files.feature_names
         with pytest.raises(InvalidOptionError, match="Dask DataFrame X only"):
             Dataset.from_dask(da.ones((3, 2)), da.zeros(3), path=tmp_path / "d", categorical="onehot")
 
