@@ -42,8 +42,8 @@ from typing import Any, Literal
 import numpy as np
 
 from distbelief.errors import DatasetError, InvalidOptionError
-from distbelief.storage._dataset import Dataset
-from distbelief.storage._dataset_location import PathLike
+from distbelief.storage._dataset import Dataset, _precheck
+from distbelief.storage._dataset_location import PathLike, _location
 
 __all__ = ["Encoding", "dataset_from_frame", "dataset_from_parquet"]
 
@@ -402,6 +402,8 @@ def _build(
             f"{sorted(_WRITE_OPTIONS)}"
         )
     enc = _kinds(dtypes, features, label, categorical, hash_features, max_categories)
+    # Refuse an existing target before any pass over the data.
+    _precheck(_location(path, kw.get("storage_options")), kw.get("overwrite", False))
     if lengths is None or (enc.categorical and enc.hash_features is None):
         scans = compute(
             [

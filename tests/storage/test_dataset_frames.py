@@ -238,6 +238,10 @@ def test_dask_dataframe_source(tmp_path: Path) -> None:
         )
         np.testing.assert_array_equal(hashed.read_all()[0].toarray(), from_files.read_all()[0].toarray())
         assert hashed.feature_names == from_files.feature_names
+        with pytest.raises(DatasetError, match="already exists; pass overwrite=True"):
+            Dataset.from_dask(df, "t", path=tmp_path / "a", categorical="onehot")
+        again = Dataset.from_dask(df, "t", path=tmp_path / "a", features=["x"], overwrite=True)
+        assert again.feature_names == ["x"]
         with pytest.raises(InvalidOptionError, match="Dask DataFrame X only"):
             Dataset.from_dask(da.ones((3, 2)), da.zeros(3), path=tmp_path / "d", categorical="onehot")
 
