@@ -563,8 +563,10 @@ class Dataset:
         overwrite: bool = False,
         storage_options: dict[str, Any] | None = None,
         client: Any = None,
+        **encoding: Any,
     ) -> Dataset:
-        """Write Dask arrays as a dataset, on the workers: the rows never pass through this process.
+        """Write Dask arrays or a Dask DataFrame as a dataset, on the workers: the rows never pass through
+        this process.
 
         Each worker writes the zarr chunks of the blocks it computes; the checks (no NaN/inf, the kind of
         labels) run on the workers too. ``path`` must be reachable by the workers (a shared directory or an
@@ -572,8 +574,12 @@ class Dataset:
 
         Parameters
         ----------
-        X : dask.array.Array, shape (n_rows, n_features)
-        y : dask.array.Array, shape (n_rows,)
+        X : dask.array.Array, shape (n_rows, n_features), or dask.dataframe.DataFrame
+            A DataFrame's columns are encoded on the workers as by :meth:`from_parquet` (its ``features``,
+            ``categorical``, ``max_categories`` and ``hash_features`` are accepted as keywords), and their
+            encoded names kept as :attr:`feature_names`. The partitions' lengths are computed on the workers.
+        y : dask.array.Array, shape (n_rows,); with a DataFrame ``X``, the name of its label column or a
+            dask.dataframe.Series (aligned with ``X``)
         client : distributed.Client or str, optional
             Where to compute: a ``Client`` or a scheduler address such as ``'tcp://10.0.0.1:8786'``
             (default: Dask's default scheduler, i.e. the current ``Client`` if any).
@@ -585,13 +591,33 @@ class Dataset:
         >>> ds = Dataset.from_dask(X, y, path=os.path.join(tempfile.mkdtemp(), "big"))
         >>> ds.n_rows, ds.label_kind
         (10000, 'binary')
+
+        A DataFrame, with a string column one-hot encoded:
+
+        >>> import dask.dataframe as dd, pandas as pd
+        >>> df = dd.from_pandas(pd.DataFrame({"x": [0.5, 1.0, 2.0, 3.0], "city": ["b", "a", "b", "c"],
+        ...                                   "t": [0, 1, 0, 1]}), npartitions=2)
+        >>> ds = Dataset.from_dask(df, "t", path=os.path.join(tempfile.mkdtemp(), "df"),
+        ...                        categorical="onehot")
+        >>> ds.feature_names, ds.read_all()[0][:2].tolist()
+        (['x', 'city=a', 'city=b', 'city=c'], [[0.5, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
         """
+        common: dict[str, Any] = {
+            "path": path, "portion_rows": portion_rows, "chunk_rows": chunk_rows, "label_kind": label_kind,
+            "n_classes": n_classes, "overwrite": overwrite, "storage_options": storage_options,
+            "client": client,
+        }  # fmt: skip
+        if type(X).__module__.startswith("dask.dataframe"):
+            from distbelief.storage._dataset_frames import dataset_from_frame
+
+            return dataset_from_frame(X, y, **common, **encoding)
+        if encoding:
+            raise InvalidOptionError(
+                f"from_dask got unexpected options {sorted(encoding)}: they apply to a Dask DataFrame X only"
+            )
         from distbelief.storage._dataset_sources import dataset_from_dask
 
-        return dataset_from_dask(
-            X, y, path=path, portion_rows=portion_rows, chunk_rows=chunk_rows, label_kind=label_kind,
-            n_classes=n_classes, overwrite=overwrite, storage_options=storage_options, client=client,
-        )  # fmt: skip
+        return dataset_from_dask(X, y, **common)
 
     @classmethod
     def from_xarray(
@@ -622,26 +648,76 @@ class Dataset:
         label: str,
         path: PathLike,
         features: list[str] | None = None,
+        categorical: Literal["error", "onehot"] = "error",
+        max_categories: int = 100,
+        hash_features: int | None = None,
         storage_options: dict[str, Any] | None = None,
         path_storage_options: dict[str, Any] | None = None,
         **options: Any,
     ) -> Dataset:
-        """Build a dataset from Parquet file(s) at a local path or fsspec URL (needs pyarrow).
+        """Build a dataset from Parquet files, read and encoded by the Dask workers (needs pyarrow).
 
-        The files are read by the Dask workers (``dask.dataframe.read_parquet``), then written as by
-        :meth:`from_dask`. ``features`` default to every column but ``label``; ``storage_options`` are the
-        fsspec options of ``url``, ``path_storage_options`` those of ``path``; ``options`` those of
-        :meth:`from_dask`.
+        ``url`` is a file, a directory (every file under it, recursively, except hidden ones and those
+        starting with ``_`` such as ``_metadata``) or a glob, as a local path or an fsspec URL. Rows are
+        counted from the files' footers (no data is read on the client); each task reads whole row groups of
+        one file, encodes them and writes them as by :meth:`from_dask`. Files are taken in sorted order.
+        Every file must have the same columns. Hive-style partition folders (``year=2024/``) are read as
+        plain folders: their values do not become columns.
+
+        Parameters
+        ----------
+        url : str
+            Where the Parquet files are (``"data/rows"``, ``"data/rows/*.parquet"``, ``"s3://b/rows"``).
+        label : str
+            The label column (numbers; classes as 0..K-1).
+        path : str or os.PathLike
+            Target directory or fsspec URL.
+        features : list of str, optional
+            The feature columns, in order. Default: every column but ``label``.
+        categorical : {"error", "onehot"}, default "error"
+            What to do with string, categorical and object columns: refuse them (the error names the
+            column), or one-hot encode them: one 0/1 column per distinct value, named ``"column=value"``,
+            values sorted (found in one pass on the workers).
+        max_categories : int, default 100
+            With ``"onehot"``, refuse a column with more distinct values (use ``hash_features`` then).
+        hash_features : int, optional
+            Hash the string/categorical columns into this many columns (e.g. ``2**20``) of a *sparse*
+            dataset: the numeric and bool columns come first, then the hashed ones. The value ``v`` of
+            column ``c`` is the token ``"c=v"``, hashed as by scikit-learn's
+            ``FeatureHasher(n_features=hash_features, input_type="string")`` (signed: +1 or -1). The
+            workers encode the rows; this process appends their sparse blocks to the dataset one part at a
+            time as they arrive (it holds about two parts, never the table).
+        storage_options, path_storage_options : dict, optional
+            fsspec options of ``url`` and of ``path``.
+        **options
+            Those of :meth:`from_dask` (``portion_rows``, ``label_kind``, ``overwrite``, ``client`` ...).
+
+        Bool columns become 0/1. Numeric columns must be finite; the errors name the column.
+        :attr:`feature_names` holds the encoded columns' names.
 
         Examples
         --------
-        >>> ds = Dataset.from_parquet("s3://bucket/rows/*.parquet", label="clicked",
-        ...                           path="s3://bucket/datasets/rows")   # doctest: +SKIP
+        >>> import os, tempfile, pandas as pd
+        >>> d = tempfile.mkdtemp(); os.mkdir(os.path.join(d, "rows"))
+        >>> for i in range(3):
+        ...     pd.DataFrame({"x": [1.0 * i, 2.0], "ok": [True, False], "color": ["red", "blue"],
+        ...                   "t": [i % 2, 1]}).to_parquet(os.path.join(d, "rows", f"part{i}.parquet"))
+        >>> ds = Dataset.from_parquet(os.path.join(d, "rows"), label="t", path=os.path.join(d, "ds"),
+        ...                           categorical="onehot")
+        >>> ds.n_rows, ds.feature_names
+        (6, ['x', 'ok', 'color=blue', 'color=red'])
+        >>> ds.read_rows(0, 2)[0].tolist()
+        [[0.0, 1.0, 0.0, 1.0], [2.0, 0.0, 1.0, 0.0]]
+        >>> hashed = Dataset.from_parquet(os.path.join(d, "rows", "*.parquet"), label="t",
+        ...                               path=os.path.join(d, "hashed"), hash_features=2**10)
+        >>> hashed.layout, hashed.n_features
+        ('csr', 1026)
         """
-        from distbelief.storage._dataset_sources import dataset_from_parquet
+        from distbelief.storage._dataset_frames import dataset_from_parquet
 
         return dataset_from_parquet(
-            url, features=features, label=label, path=path, storage_options=storage_options,
+            url, features=features, label=label, path=path, categorical=categorical,
+            max_categories=max_categories, hash_features=hash_features, storage_options=storage_options,
             target_storage_options=path_storage_options, **options,
         )  # fmt: skip
 
@@ -775,6 +851,24 @@ class Dataset:
     def n_features(self) -> int:
         """Number of columns of ``X``."""
         return self._meta.n_features
+
+    @property
+    def feature_names(self) -> list[str] | None:
+        """Names of the columns of ``X`` for a dataset built from a table (Parquet, a Dask DataFrame), else
+        None. One-hot columns are named ``"column=value"``, hashed ones ``"hash[i]"``.
+
+        Examples
+        --------
+        >>> import numpy as np, tempfile, os
+        >>> ds = Dataset.from_arrays(np.ones((2, 1)), [0, 1], path=os.path.join(tempfile.mkdtemp(), "d"))
+        >>> ds.feature_names is None
+        True
+        """
+        names = self._meta.feature_names
+        if names is None:
+            return None
+        hashed = (self._meta.encoding or {}).get("hash_features")
+        return [*names, *(f"hash[{i}]" for i in range(int(hashed)))] if hashed else list(names)
 
     @property
     def portion_rows(self) -> int:

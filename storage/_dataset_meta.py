@@ -43,6 +43,11 @@ class _Meta:
     created_at: str
     format_version: int = FORMAT_VERSION
     layout: str = "dense"  # or "csr" (storage/_sparse.py)
+    #: Names of the columns of X when the dataset was built from a table (storage/_dataset_frames.py); for
+    #: hashed features only the leading (numeric) ones: see ``encoding["hash_features"]``.
+    feature_names: tuple[str, ...] | None = None
+    #: How a table's columns were encoded (storage/_dataset_frames.py), or None.
+    encoding: dict[str, Any] | None = None
 
     @classmethod
     def fresh(
@@ -61,7 +66,11 @@ class _Meta:
         )
 
     def to_attrs(self) -> dict[str, Any]:
-        return {"format": FORMAT_NAME, **asdict(self)}
+        attrs = {"format": FORMAT_NAME, **asdict(self)}
+        for optional in ("feature_names", "encoding"):  # not written when unset: older readers see no change
+            if attrs[optional] is None:
+                del attrs[optional]
+        return attrs
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any], where: str) -> _Meta:
@@ -89,6 +98,8 @@ class _Meta:
                 created_at=str(attrs["created_at"]),
                 format_version=version,
                 layout=attrs.get("layout", "dense"),
+                feature_names=_names(attrs.get("feature_names")),
+                encoding=attrs.get("encoding"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StoreError(f"{where}: dataset metadata is damaged ({exc!r}); rebuild the dataset") from exc
@@ -99,3 +110,11 @@ class _Meta:
         ):
             raise StoreError(f"{where}: dataset metadata is damaged ({meta}); rebuild the dataset")
         return meta
+
+
+def _names(value: object) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"feature_names must be a list of strings, got {value!r}")
+    return tuple(value)

@@ -1,6 +1,7 @@
-"""Datasets built from data where it lives: Dask arrays (written by the workers), xarray, Parquet.
+"""Datasets built from data where it lives: Dask arrays (written by the workers), xarray.
 
-Behind :meth:`Dataset.from_dask`, :meth:`Dataset.from_xarray` and :meth:`Dataset.from_parquet`.
+Behind :meth:`Dataset.from_dask` and :meth:`Dataset.from_xarray` (tables: Parquet and Dask DataFrames are in
+:mod:`storage._dataset_frames`).
 
 :func:`dataset_from_dask` never brings the rows to the client: the client creates the (empty) zarr arrays
 and the metadata, and every worker writes the chunks of the blocks it computes (``dask.array.store`` into
@@ -12,6 +13,7 @@ scalars (and, for integer labels, the classes that occur) come back.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +25,7 @@ from distbelief.storage._dataset_location import PathLike, _location
 from distbelief.storage._dataset_meta import _LABEL_KINDS, LabelKind, _Meta
 from distbelief.storage._dataset_validation import _detect_labels, _layout
 
-__all__ = ["dataset_from_dask", "dataset_from_parquet", "dataset_from_xarray"]
+__all__ = ["dataset_from_dask", "dataset_from_xarray"]
 
 
 def _finite_block(
@@ -81,10 +83,11 @@ def dataset_from_dask(
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
     client: Any = None,
+    _extra: dict[str, Any] | None = None,
 ) -> Dataset:
     """Write the Dask arrays ``X`` and ``y`` as a dataset at ``path``, each worker writing its own chunks.
 
-    See :meth:`Dataset.from_dask`.
+    See :meth:`Dataset.from_dask`. ``_extra``: more metadata fields (feature names, encoding) to record.
     """
     import dask
     import dask.array as da
@@ -121,6 +124,8 @@ def dataset_from_dask(
     yc = y.rechunk(c).map_blocks(_finite_block, dtype=np.float64)
     kind, k = _label_kind(yc, label_kind, n_classes, compute)
     meta = _Meta.fresh(n, d, c, p, kind, k)
+    if _extra:
+        meta = dataclasses.replace(meta, **_extra)
 
     def write(group: Any) -> None:
         targets: list[Any] = list(_create_arrays(group, meta))
@@ -184,36 +189,3 @@ def dataset_from_xarray(
         return dataset_from_dask(da.asarray(X), da.asarray(y), path=path, **kw)
     kw.pop("client", None)
     return Dataset.from_arrays(X, y, path=path, **kw)
-
-
-def dataset_from_parquet(
-    url: str,
-    *,
-    features: Sequence[str] | None = None,
-    label: str,
-    path: PathLike,
-    storage_options: dict[str, Any] | None = None,
-    target_storage_options: dict[str, Any] | None = None,
-    **kw: Any,
-) -> Dataset:
-    """See :meth:`Dataset.from_parquet`."""
-    try:
-        import dask.dataframe as dd
-        import pyarrow  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise InvalidOptionError(
-            f"from_parquet needs pyarrow and dask[dataframe]: pip install 'distbelief[parquet]' ({exc})"
-        ) from exc
-    try:
-        frame = dd.read_parquet(url, storage_options=storage_options)
-    except (OSError, ValueError) as exc:
-        raise DatasetError(f"cannot read {url!r} as Parquet: {exc}") from exc
-    columns = [str(col) for col in frame.columns]
-    wanted = [c for c in columns if c != label] if features is None else list(features)
-    _check_features(wanted, label)
-    missing = [c for c in [*wanted, label] if c not in columns]
-    if missing:
-        raise DatasetError(f"{url!r} has no column {missing[0]!r} (it has {columns}); pass its column names")
-    X = frame[wanted].to_dask_array(lengths=True)
-    y = frame[label].to_dask_array(lengths=True)
-    return dataset_from_dask(X, y, path=path, storage_options=target_storage_options, **kw)
