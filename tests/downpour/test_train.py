@@ -182,11 +182,15 @@ def test_concurrent_pushes_of_known_gradients_sum_exactly(
 def test_digits_reach_093_held_out_accuracy_with_two_replicas(
     client: Client, digits: Dataset, model: models.Model, lr: float
 ) -> None:
+    # Staleness bounded: at load ~10 the MLP run once stopped as diverged at step 669 of 40 epochs (a loss
+    # back above its starting value). On a loaded box one replica can be starved of CPU while the other
+    # runs hundreds of steps ahead, so its pushes come from parameters that old: the likeliest cause, and
+    # what max_staleness bounds, whatever the load.
     res = downpour.train(
         model, digits, replicas=2, rule="adagrad", lr=lr, epochs=40, eval_data=(X_TE, Y_TE), eval_every=0.05,
-        warmstart_steps=50, client=client,
+        warmstart_steps=50, max_staleness=32, client=client,
     )  # fmt: skip
-    assert res.success and res.stop_reason == "epochs"
+    assert res.success and res.stop_reason == "epochs", res.message
     assert res.history.test_accuracy.values[-1] >= 0.93
     assert model.accuracy(res.x, X_TE, Y_TE) == res.history.test_accuracy.values[-1]  # type: ignore[attr-defined]
 
