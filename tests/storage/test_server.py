@@ -269,3 +269,28 @@ def test_a_lost_shard_is_named_and_rebuilt_from_the_checkpoint(
         np.testing.assert_array_equal(ps.gather("x"), x)
     finally:
         ps.close()
+
+
+def test_rollback_gives_every_shard_its_own_scalar_state(client: Client, tmp_path: Path) -> None:
+    """Each shard's clock, counters and sources' sequence numbers come back as that shard checkpointed
+    them, not shard 0's (a rollback that handed every shard the first state passed the tests before)."""
+    ps = ParameterServer.create(client, 8, shards=2, store=str(tmp_path / "ps"), target_chunk=4)
+    try:
+        ps.scatter("x", np.zeros(8))
+        lo, hi = ps.layout.ranges()[1]
+        for seq in range(3):  # shard 1 alone takes three pushes: the shards' states differ
+            ps._call([1], "push", [(np.ones(hi - lo),)], source="r", seq=seq, rule="sgd", lr=0.5)
+        ps._call([0], "push", [(np.ones(lo),)], source="q", seq=9, rule="sgd", lr=0.5)
+        before = ps.counters()
+        assert before[0] != before[1]
+        ps.checkpoint()
+        ps._call([0, 1], "push", [(np.ones(lo),), (np.ones(hi - lo),)], source="s", seq=0, rule="sgd", lr=0.5)
+        assert ps.counters() != before
+        ps.rollback()
+        assert ps.counters() == before
+        # The sequence numbers too: a retried push each shard had taken is refused again, a new one taken.
+        (retried,) = ps._call([1], "push", [(np.ones(hi - lo),)], source="r", seq=2, rule="sgd", lr=0.5)
+        (fresh,) = ps._call([0], "push", [(np.ones(lo),)], source="r", seq=0, rule="sgd", lr=0.5)
+        assert not retried[0] and fresh[0]
+    finally:
+        ps.close()
