@@ -103,9 +103,44 @@ class FreeParams:
             grad[a:b] -= n * self.l2 * part
         return float(loss), grad
 
+    def compact(self, n_features: int, keys: NDArray[np.int64]) -> FreeParams:
+        """This wrapper around the wrapped model narrowed to the parameters ``keys`` (the sparse path).
+
+        A portion of sparse rows is computed by a model of the width of the columns it touches, whose
+        parameters are ``w[keys]`` (``storage._keys.compact_model``); the free ranges move to where their
+        keys sit in that vector. Every free parameter must be among ``keys`` (the intercepts always are),
+        else the penalty of an untouched one would not be given back.
+
+        Examples
+        --------
+        >>> from distbelief.models import Logistic
+        >>> m = FreeParams(Logistic(1000), 0.5, [(1000, 1001)]).compact(2, np.array([3, 7, 1000]))
+        >>> m.n_params, m.free
+        (3, ((2, 3),))
+        """
+        from distbelief.storage._keys import compact_model
+
+        inner = compact_model(self.model, n_features, keys)
+        keys = np.asarray(keys, dtype=np.int64)
+        # Parameters of the narrowed model before those of keys[0] have no key (a placeholder column).
+        offset = int(inner.n_params) - keys.size
+        free = []
+        for a, b in self.free:
+            lo, hi = (int(i) for i in np.searchsorted(keys, [a, b]))
+            if hi - lo != b - a:
+                raise InvalidOptionError(
+                    f"FreeParams: the unpenalized parameters [{a}, {b}) are not all among a portion's keys"
+                )
+            free.append((lo + offset, hi + offset))
+        return FreeParams(inner, self.l2, free)
+
     @property
     def spec(self) -> dict[str, Any] | None:
-        """That of the wrapped model (so a result saved with ``to_zarr`` rebuilds it)."""
+        """That of the wrapped model (so a result saved with ``to_zarr`` rebuilds it).
+
+        It also makes the sparse path take this wrapper for the linear model it wraps
+        (``storage._keys.sparse_layout_of``), which narrows it through :meth:`compact`.
+        """
         spec = getattr(self.model, "spec", None)
         return spec if isinstance(spec, dict) else None
 

@@ -7,6 +7,7 @@ import numbers
 from typing import Any
 
 import numpy as np
+import scipy.sparse as sp
 from numpy.typing import NDArray
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.multiclass import check_classification_targets
@@ -38,6 +39,9 @@ class _Distbelief(BaseEstimator):
     """Fitting machinery shared by the estimators (private)."""
 
     _classifier = False
+    #: Whether ``fit`` and ``predict`` take ``scipy.sparse`` rows (the linear models: their data term has a
+    #: sparse kernel and their parameters follow the columns, so Sandblaster pulls and pushes by keys).
+    _accept_sparse = False
     # set by subclasses' __init__ (declared for mypy)
     solver: str
     max_iter: int
@@ -51,6 +55,11 @@ class _Distbelief(BaseEstimator):
 
     def __getstate__(self) -> dict[str, Any]:
         return picklable_state(super().__getstate__())
+
+    def __sklearn_tags__(self) -> Any:
+        tags = super().__sklearn_tags__()
+        tags.input_tags.sparse = self._accept_sparse
+        return tags
 
     # ------------------------------------------------------------------------------------------ data
 
@@ -79,12 +88,20 @@ class _Distbelief(BaseEstimator):
                 f"{name} requires y to be passed, but the target y is None; pass the labels, or a "
                 "storage.Dataset as X"
             )
-        X_arr, y_arr = validate_data(self, X, y, dtype=np.float64, y_numeric=not self._classifier)
+        X_arr, y_arr = validate_data(
+            self,
+            X,
+            y,
+            dtype=np.float64,
+            y_numeric=not self._classifier,
+            accept_sparse="csr" if self._accept_sparse else False,
+        )
         if self._classifier:
             check_classification_targets(y_arr)
             self.classes_, y_enc = np.unique(y_arr, return_inverse=True)
             y_arr = y_enc.astype(np.float64)
-        return (np.ascontiguousarray(X_arr), np.asarray(y_arr, dtype=np.float64)), X_arr.shape[0]
+        rows = _csr(X_arr) if sp.issparse(X_arr) else np.ascontiguousarray(X_arr)
+        return (rows, np.asarray(y_arr, dtype=np.float64)), X_arr.shape[0]
 
     def _data(self, X: Any, y: Any, store: str) -> tuple[Dataset | tuple[FloatArray, FloatArray], int]:
         """The training rows as a Dataset or checked arrays (labels encoded 0..K-1), and N; a classifier's
@@ -120,10 +137,13 @@ class _Distbelief(BaseEstimator):
         ds = dataset_from_dask(X, y, path=f"{store}/data", overwrite=True, client=client)
         return ds, ds.n_rows
 
-    def _rows(self, X: Any) -> FloatArray:
+    def _rows(self, X: Any) -> Any:
+        """``X`` checked against the fitted features: float64 rows, CSR for sparse input."""
         check_is_fitted(self)
-        out: FloatArray = validate_data(self, X, dtype=np.float64, reset=False)
-        return out
+        out = validate_data(
+            self, X, dtype=np.float64, reset=False, accept_sparse="csr" if self._accept_sparse else False
+        )
+        return _csr(out) if sp.issparse(out) else out
 
     def _fit_with(
         self,
@@ -159,6 +179,18 @@ class _Distbelief(BaseEstimator):
         return w
 
 
+def _csr(X: Any) -> sp.csr_array:
+    """Checked sparse rows as a ``csr_array`` in canonical form (sorted indices, no duplicates).
+
+    Duplicates are summed and indices sorted in a copy, never in the caller's matrix.
+    """
+    out = sp.csr_array(X)
+    if not out.has_canonical_format:
+        out = out.copy()
+        out.sum_duplicates()
+    return out
+
+
 def _free_linear(model: Any) -> list[tuple[int, int]]:
     """The intercept range of a built-in linear model (empty without an intercept)."""
     if not model.fit_intercept:
@@ -172,6 +204,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
 
     _classifier = True
     _always_softmax = False
+    _accept_sparse = True
     C: float
     fit_intercept: bool
     downpour_options: dict[str, Any] | None
@@ -242,8 +275,8 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
             self.coef_ = w[: d * k].reshape(d, k).T.copy()
             self.intercept_ = w[d * k :].copy() if model.fit_intercept else np.zeros(k)
 
-    def _scores(self, X: FloatArray) -> FloatArray:
-        out: FloatArray = X @ self.coef_.T + self.intercept_
+    def _scores(self, X: Any) -> FloatArray:
+        out: FloatArray = np.asarray(X @ self.coef_.T) + self.intercept_
         return out[:, 0] if out.shape[1] == 1 else out
 
     def decision_function(self, X: Any) -> Any:
@@ -370,6 +403,8 @@ class LinearRegression(RegressorMixin, _Distbelief):
     array([ 5., 11.])
     """
 
+    _accept_sparse = True
+
     def __init__(
         self,
         *,
@@ -419,7 +454,7 @@ class LinearRegression(RegressorMixin, _Distbelief):
         if is_dask_array(X):
             check_is_fitted(self)
             return map_rows(X, self.predict, None, np.float64)
-        out: FloatArray = self._rows(X) @ self.coef_ + self.intercept_
+        out: FloatArray = np.asarray(self._rows(X) @ self.coef_) + self.intercept_
         return out
 
 
