@@ -156,11 +156,13 @@ class _Distbelief(BaseEstimator):
         x0: FloatArray | None = None,
         seed: int = 0,
         downpour_options: dict[str, Any] | None = None,
+        l1: float = 0.0,
     ) -> FloatArray:
         w, nit, result = fit_model(
             model,
             data,
             l2=l2,
+            l1=l1,
             free=free,
             solver=self.solver,
             max_iter=int(self.max_iter),
@@ -214,6 +216,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
         penalty: str | None = "l2",
         *,
         C: float = 1.0,
+        l1_ratio: float | None = None,
         fit_intercept: bool = True,
         solver: str = "lbfgs",
         max_iter: int = 100,
@@ -224,6 +227,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
     ) -> None:
         self.penalty = penalty
         self.C = C
+        self.l1_ratio = l1_ratio
         self.fit_intercept = fit_intercept
         self.solver = solver
         self.max_iter = max_iter
@@ -245,6 +249,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
             raise InvalidOptionError(
                 f"{name}: C must be a number > 0 (inverse regularization), got {self.C!r}"
             )
+        ratio = self._l1_ratio()
         with fit_store(self.store) as store:
             data, n = self._data(X, y, store)
             k = len(self.classes_)
@@ -255,15 +260,38 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
                 model = models.Logistic(d, fit_intercept=fit_intercept)
             else:
                 model = models.Softmax(d, k, fit_intercept=fit_intercept)
-            # scikit-learn: C * sum loss + 0.5 ||coef||^2, i.e. (1/N) sum loss + (1 / (2 C N)) ||coef||^2.
-            l2 = 0.0 if self.penalty is None else 1.0 / (float(self.C) * n)
+            # scikit-learn: C * sum loss + r ||coef||_1 + ((1 - r) / 2) ||coef||^2 (r = 0 for "l2", 1 for
+            # "l1", l1_ratio for "elasticnet"), i.e. divided by C N: (1/N) sum loss + (r / (C N)) ||coef||_1
+            # + ((1 - r) / (2 C N)) ||coef||^2. The intercept is in neither term.
+            scale = 0.0 if self.penalty is None else 1.0 / (float(self.C) * n)
             w = self._fit_with(
-                model, data, l2=l2, free=_free_linear(model), store=store,
-                downpour_options=self.downpour_options,
+                model, data, l2=(1.0 - ratio) * scale, l1=ratio * scale, free=_free_linear(model),
+                store=store, downpour_options=self.downpour_options,
             )  # fmt: skip
         self._set_coef(model, w)
         self.n_iter_ = np.array([self._nit], dtype=np.int32)
         return self
+
+    def _l1_ratio(self) -> float:
+        """The share ``r`` of the penalty that is L1: 0 for "l2" and None, 1 for "l1", ``l1_ratio`` for
+        "elasticnet" (a number in [0, 1], required there, as in scikit-learn)."""
+        r = self.l1_ratio
+        if self.penalty == "l1":
+            return 1.0
+        if self.penalty != "elasticnet":
+            if r is not None and not (isinstance(r, numbers.Real) and float(r) == 0.0):
+                # scikit-learn >= 1.8 reads l1_ratio without penalty; ignoring it would fit another model.
+                raise InvalidOptionError(
+                    f"{type(self).__name__}: l1_ratio={r!r} is used with penalty='elasticnet' (or "
+                    f"penalty='l1' for l1_ratio=1), not with penalty={self.penalty!r}"
+                )
+            return 0.0
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0.0 <= float(r) <= 1.0:
+            raise InvalidOptionError(
+                f"{type(self).__name__}: penalty='elasticnet' needs l1_ratio, a number in [0, 1] (0: L2, "
+                f"1: L1), got {r!r}"
+            )
+        return float(r)
 
     def _set_coef(self, model: Any, w: FloatArray) -> None:
         d = model.n_features
@@ -319,16 +347,21 @@ class LogisticRegression(_LinearClassifier):
     """Logistic regression (binary, or multinomial for more classes) fitted on a Dask cluster.
 
     scikit-learn's meaning of every shared option: it minimizes
-    ``C * sum_i loss_i + 0.5 * ||coef||^2`` (intercept not penalized), which distbelief solves as
-    ``F(w) = (1/N) sum_i loss_i + (l2/2) ||w||^2`` with ``l2 = 1 / (C N)`` and the intercept left out of the
-    penalty. Two classes use :class:`models.Logistic`, more use :class:`models.Softmax`.
+    ``C * sum_i loss_i + r ||coef||_1 + ((1 - r) / 2) ||coef||^2`` (intercept not penalized; ``r`` is 0
+    for ``penalty="l2"``, 1 for ``"l1"``, ``l1_ratio`` for ``"elasticnet"``), which distbelief solves as
+    ``F(w) = (1/N) sum_i loss_i + l1 ||w||_1 + (l2/2) ||w||^2`` with ``l1 = r / (C N)``,
+    ``l2 = (1 - r) / (C N)`` and the intercept left out of both terms; an L1 term is minimized by OWL-QN.
+    Two classes use :class:`models.Logistic`, more use :class:`models.Softmax`. ``X`` may be
+    ``scipy.sparse`` (any format; fitted through the sparse pull/push path).
 
     Parameters
     ----------
-    penalty : {"l2", None}
-        ``"l1"`` and ``"elasticnet"`` raise: they need OWL-QN, which is not there yet.
+    penalty : {"l2", "l1", "elasticnet", None}
+        The penalty on ``coef_``; ``"l1"`` and ``"elasticnet"`` run OWL-QN (``solver="lbfgs"`` only).
     C : float
         Inverse regularization strength (> 0).
+    l1_ratio : float, optional
+        The elastic net's L1 share in [0, 1] (``penalty="elasticnet"`` only, as scikit-learn's).
     fit_intercept : bool
         Learn an (unpenalized) intercept.
     solver : {"lbfgs", "cg", "gd", "downpour"}
@@ -360,6 +393,13 @@ class LogisticRegression(_LinearClassifier):
     >>> X, y = load_breast_cancer(return_X_y=True)
     >>> clf = LogisticRegression(C=1.0).fit(X, y)      # doctest: +SKIP
     >>> clf.score(X, y) > 0.9                           # doctest: +SKIP
+    True
+
+    Sparse rows, and an L1 penalty (a sparse ``coef_``):
+
+    >>> import scipy.sparse as sp
+    >>> lasso = LogisticRegression(penalty="l1", C=0.1).fit(sp.csr_array(X), y)   # doctest: +SKIP
+    >>> int((lasso.coef_ != 0).sum()) < 30                                         # doctest: +SKIP
     True
     """
 
