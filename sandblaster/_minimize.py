@@ -108,10 +108,7 @@ class SandblasterOptions:
         _check(self.l2 >= 0 and math.isfinite(self.l2), "l2", self.l2, "a finite number >= 0")
         _check(self.l1 >= 0 and math.isfinite(self.l1), "l1", self.l1, "a finite number >= 0")
         _check(
-            all(
-                isinstance(a, int | np.integer) and isinstance(b, int | np.integer) and 0 <= a < b
-                for a, b in self.l1_exclude
-            ),
+            _are_ranges(self.l1_exclude),
             "l1_exclude",
             self.l1_exclude,
             "ranges (start, stop) of parameters with 0 <= start < stop",
@@ -181,6 +178,20 @@ class SandblasterOptions:
             self.shard_memory,
             "bytes per shard (an int >= 0), 'auto' or None",
         )
+
+
+def _are_ranges(ranges: object) -> bool:
+    """Whether ``ranges`` is a sequence of pairs of ints ``(start, stop)`` with ``0 <= start < stop``."""
+    try:
+        pairs = [tuple(r) for r in ranges]  # type: ignore[attr-defined]
+    except TypeError:
+        return False
+    return all(
+        len(p) == 2
+        and all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in p)
+        and 0 <= p[0] < p[1]
+        for p in pairs
+    )
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
@@ -374,11 +385,13 @@ def minimize(
     >>> res.success                                                           # doctest: +SKIP
     True
     """
+    # Pairs as tuples; anything else goes to the options' check, which says what is expected.
+    exclude: Any = tuple(tuple(r) for r in l1_exclude) if _are_ranges(l1_exclude) else l1_exclude
     opts = SandblasterOptions(
         method=method,
         l2=l2,
         l1=l1,
-        l1_exclude=tuple(tuple(r) for r in l1_exclude),  # type: ignore[misc]
+        l1_exclude=exclude,
         shards=shards,
         replicas=replicas,
         history=history,

@@ -274,6 +274,11 @@ def test_an_owlqn_run_resumes_from_its_checkpoint_exactly(elastic_digits: Proble
         ({"method": "lbfgs", "l1": 0.1}, 'use method="owlqn"'),
         ({"method": "cg", "l1": 1e-9}, 'use method="owlqn"'),
         ({"method": "owlqn", "l1": 0.1, "l2": math.nan}, r"l2=nan is invalid"),
+        (
+            {"method": "owlqn", "l1": 0.1, "l1_exclude": [(3, 2)]},
+            r"l1_exclude=.* is invalid: expected ranges",
+        ),
+        ({"method": "owlqn", "l1": 0.1, "l1_exclude": 5}, r"l1_exclude=5 is invalid"),
     ],
 )
 def test_bad_l1_options_are_refused_with_a_message(options: dict[str, Any], match: str) -> None:

@@ -10,7 +10,7 @@ import pytest
 import scipy.sparse as sp
 import sklearn.linear_model as sk
 
-from distbelief.sklearn import LinearRegression, LogisticRegression, SoftmaxRegression
+from distbelief.sklearn import LinearRegression, LogisticRegression, MLPClassifier, SoftmaxRegression
 from distbelief.storage import Dataset
 
 
@@ -80,3 +80,10 @@ def test_bad_sparse_input_is_refused_clearly() -> None:
         est.predict(sp.csr_array((2, X.shape[1] + 1)))
     with pytest.raises(ValueError, match="NaN"):
         est.predict_proba(bad)
+
+
+def test_the_mlp_says_it_takes_dense_rows() -> None:
+    # No sparse kernel in models.MLP: refused before anything runs, as scikit-learn refuses it.
+    X, y = _problem(n=20, d=5, seed=5)
+    with pytest.raises(TypeError, match="dense data is required"):
+        MLPClassifier(hidden_layer_sizes=(3,)).fit(X, y)
