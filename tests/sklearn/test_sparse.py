@@ -87,3 +87,23 @@ def test_the_mlp_says_it_takes_dense_rows() -> None:
     X, y = _problem(n=20, d=5, seed=5)
     with pytest.raises(TypeError, match="dense data is required"):
         MLPClassifier(hidden_layer_sizes=(3,)).fit(X, y)
+
+
+def test_fits_of_other_layouts_and_penalties_on_one_sparse_dataset(tmp_path: Path) -> None:
+    # The workers' row cache outlives a fit: what it keeps of a portion must not carry one fit's layout
+    # (an intercept, before: "index out of bounds" in the next fit without one) or one fit's penalty
+    # (the narrowed model's l2) into the next.
+    X, y = _problem(seed=6)
+    ds = Dataset.from_arrays(X, y.astype(float), path=tmp_path / "d", label_kind="binary", portion_rows=64)
+    for params in (
+        {"C": 0.1},
+        {"C": 0.1, "fit_intercept": False},
+        {"C": 10.0},
+        {"C": 1.0, "penalty": "l1"},
+    ):
+        est = LogisticRegression(tol=1e-10, max_iter=1000, **params)  # type: ignore[arg-type]
+        on_ds = est.fit(ds)
+        assert on_ds.result_.stats["communication"] == "sparse"
+        dense = LogisticRegression(**est.get_params()).fit(X.toarray(), y)
+        np.testing.assert_allclose(on_ds.coef_, dense.coef_, rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(on_ds.intercept_, dense.intercept_, rtol=1e-6, atol=1e-8)
