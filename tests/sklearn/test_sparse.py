@@ -101,7 +101,7 @@ def test_fits_of_other_layouts_and_penalties_on_one_sparse_dataset(tmp_path: Pat
         {"C": 10.0},
         {"C": 1.0, "penalty": "l1"},
     ):
-        est = LogisticRegression(tol=1e-10, max_iter=1000, **params)  # type: ignore[arg-type]
+        est = LogisticRegression(tol=1e-10, max_iter=1000, **params)
         on_ds = est.fit(ds)
         assert on_ds.result_.stats["communication"] == "sparse"
         dense = LogisticRegression(**est.get_params()).fit(X.toarray(), y)
