@@ -237,7 +237,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
         self.downpour_options = downpour_options
 
     def fit(self, X: Any, y: Any = None) -> Any:
-        """Fit the model on ``X`` (numpy, Dask array or ``storage.Dataset``) and labels ``y``.
+        """Fit on ``X`` (numpy, ``scipy.sparse``, Dask array or ``storage.Dataset``) and labels ``y``.
 
         Returns
         -------
@@ -427,6 +427,7 @@ class LinearRegression(RegressorMixin, _Distbelief):
     ``alpha`` has scikit-learn's ``Ridge`` meaning: minimize ``||y - X coef - b||^2 + alpha ||coef||^2``,
     solved as ``F(w) = (1/N) sum_i 0.5 r_i^2 + (l2/2)||w||^2`` with ``l2 = alpha / N`` and the intercept
     unpenalized. ``alpha=0`` (default) is ordinary least squares, as scikit-learn's ``LinearRegression``.
+    ``X`` may be ``scipy.sparse`` (any format; fitted through the sparse pull/push path).
 
     Parameters
     ----------
@@ -467,7 +468,7 @@ class LinearRegression(RegressorMixin, _Distbelief):
         self.downpour_options = downpour_options
 
     def fit(self, X: Any, y: Any = None) -> LinearRegression:
-        """Fit on ``X`` (numpy, Dask array or ``storage.Dataset``) and targets ``y``.
+        """Fit on ``X`` (numpy, ``scipy.sparse``, Dask array or ``storage.Dataset``) and targets ``y``.
 
         Returns
         -------

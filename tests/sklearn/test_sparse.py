@@ -107,3 +107,27 @@ def test_fits_of_other_layouts_and_penalties_on_one_sparse_dataset(tmp_path: Pat
         dense = LogisticRegression(**est.get_params()).fit(X.toarray(), y)
         np.testing.assert_allclose(on_ds.coef_, dense.coef_, rtol=1e-6, atol=1e-8)
         np.testing.assert_allclose(on_ds.intercept_, dense.intercept_, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_free_params_narrowed_to_a_portion_gives_the_full_gradient_at_its_keys(empty: bool) -> None:
+    # The sparse path computes a portion with the wrapper narrowed to the portion's keys; its loss and
+    # gradient must be the full wrapper's at those keys (the free ranges moved with them), also for a
+    # portion without a nonzero (one placeholder column whose coefficients are not among the keys).
+    from distbelief import models
+    from distbelief.sklearn._base import FreeParams
+    from distbelief.storage._keys import compact_portion
+
+    rng = np.random.default_rng(7)
+    d, k = 30, 3
+    X = sp.csr_array((4, d)) if empty else sp.random_array((4, d), density=0.1, format="csr", rng=rng)
+    y = np.array([0.0, 1.0, 2.0, 1.0])
+    full = FreeParams(models.Softmax(d, k), 0.3, [(d * k, d * k + k)])
+    w = rng.normal(size=full.n_params)
+    part = compact_portion(full, X, y)
+    loss, grad = part.model.loss_and_grad(w[part.keys], part.X, part.y)
+    loss_full, grad_full = full.loss_and_grad(w, X, y)
+    assert loss == pytest.approx(loss_full, rel=1e-12)
+    np.testing.assert_allclose(grad, grad_full[part.keys], rtol=1e-12, atol=1e-14)
+    untouched = np.setdiff1d(np.arange(full.n_params), part.keys)
+    assert np.all(grad_full[untouched] == 0.0)
