@@ -78,6 +78,7 @@ class SandblasterOptions:
     method: Method = "lbfgs"
     l2: float = 0.0
     l1: float = 0.0
+    l1_exclude: tuple[tuple[int, int], ...] = ()
     shards: int | None = None
     replicas: int | None = None
     history: int = 10
@@ -106,6 +107,12 @@ class SandblasterOptions:
             raise InvalidOptionError(f"method must be 'lbfgs', 'cg', 'gd' or 'owlqn', got {self.method!r}")
         _check(self.l2 >= 0 and math.isfinite(self.l2), "l2", self.l2, "a finite number >= 0")
         _check(self.l1 >= 0 and math.isfinite(self.l1), "l1", self.l1, "a finite number >= 0")
+        _check(
+            _are_ranges(self.l1_exclude),
+            "l1_exclude",
+            self.l1_exclude,
+            "ranges (start, stop) of parameters with 0 <= start < stop",
+        )
         if self.l1 > 0 and self.method != "owlqn":
             raise InvalidOptionError(
                 f"l1={self.l1!r} makes F nonsmooth, which method={self.method!r} cannot minimize; "
@@ -171,6 +178,20 @@ class SandblasterOptions:
             self.shard_memory,
             "bytes per shard (an int >= 0), 'auto' or None",
         )
+
+
+def _are_ranges(ranges: object) -> bool:
+    """Whether ``ranges`` is a sequence of pairs of ints ``(start, stop)`` with ``0 <= start < stop``."""
+    try:
+        pairs = [tuple(r) for r in ranges]  # type: ignore[attr-defined]
+    except TypeError:
+        return False
+    return all(
+        len(p) == 2
+        and all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in p)
+        and 0 <= p[0] < p[1]
+        for p in pairs
+    )
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
@@ -250,6 +271,7 @@ def minimize(
     x0: np.ndarray | None = None,
     l2: float = 0.0,
     l1: float = 0.0,
+    l1_exclude: Sequence[tuple[int, int]] = (),
     shards: int | None = None,
     replicas: int | None = None,
     history: int = 10,
@@ -294,6 +316,9 @@ def minimize(
     l1 : float
         L1 regularization (``method="owlqn"``; with ``l2`` the elastic net). The history then has a column
         ``nnz``, the nonzero count of each iterate, and ``grad_norm`` is the pseudo-gradient's inf-norm.
+    l1_exclude : sequence of (start, stop)
+        Ranges of ``w`` the L1 term leaves out (e.g. intercepts, which scikit-learn does not penalize):
+        ``F`` then has ``l1 * sum |w_i|`` over the other parameters only.
     shards, replicas : int, optional
         Number of parameter-server shards and model replicas (default: one of each per worker).
     history : int
@@ -360,10 +385,13 @@ def minimize(
     >>> res.success                                                           # doctest: +SKIP
     True
     """
+    # Pairs as tuples; anything else goes to the options' check, which says what is expected.
+    exclude: Any = tuple(tuple(r) for r in l1_exclude) if _are_ranges(l1_exclude) else l1_exclude
     opts = SandblasterOptions(
         method=method,
         l2=l2,
         l1=l1,
+        l1_exclude=exclude,
         shards=shards,
         replicas=replicas,
         history=history,
@@ -389,6 +417,11 @@ def minimize(
         check_partitioned(model, data, partitions)
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
+    for a, b in opts.l1_exclude:
+        if b > model.n_params:
+            raise InvalidOptionError(
+                f"l1_exclude range ({a}, {b}) ends past the model's {model.n_params} parameters"
+            )
     x_start = start_vector(model, x0, seed)
     with run_store(store, "sandblaster-") as root, embedded_client(client) as c:
         result = _run(model, as_dataset(data, root), x_start, c, root, opts, callback)
@@ -689,7 +722,7 @@ def _run_method(
     if opts.method == "owlqn":
         return _minimize_owlqn(
             coord, l1=opts.l1, m=opts.history, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev,
-            maxls=opts.maxls, callback=callback, resume=resume,
+            maxls=opts.maxls, callback=callback, resume=resume, l1_exclude=opts.l1_exclude,
         )  # fmt: skip
     if opts.method == "cg":
         return _minimize_cg(

@@ -26,7 +26,7 @@ coordinator no round trip of its own. :func:`minimize_owlqn_reference` runs it i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -102,6 +102,7 @@ def _backtrack(
     step: float,
     maxls: int,
     maxfev: int,
+    free: tuple[Any, ...] = (),
 ) -> _Trial:
     """Andrew & Gao's backtracking search along the projected path, every op riding on the evaluations."""
     st = space.state
@@ -121,15 +122,15 @@ def _backtrack(
         prefix: list[Op] = [
             *setup,
             ("lincomb", x_t, [1.0, t], [x, "d"]),
-            ("project_orthant", x_t, "xi"),
+            ("project_orthant", x_t, "xi", *free),
             ("lincomb", s_name, [1.0, -1.0], [x_t, x]),
             ("dot", v, s_name),
-            ("norm1", x_t),
+            ("norm1", x_t, *free),
             ("nnz", x_t),
         ]
         suffix: list[Op] = [
             ("lincomb", y_name, [1.0, -1.0], [g_t, g]),
-            ("pseudo_grad", _pseudo(x_t), g_t, x_t, l1),
+            ("pseudo_grad", _pseudo(x_t), g_t, x_t, l1, *free),
             ("norm_inf", _pseudo(x_t)),
             ("dots", spec.dot_requests(_pseudo(x_t))),
         ]
@@ -164,6 +165,7 @@ def _minimize_owlqn(
     maxls: int = 20,
     callback: Callable[[IterationRecord], None] | None = None,
     resume: Mapping[str, Any] | None = None,
+    l1_exclude: Sequence[tuple[int, int]] = (),
 ) -> tuple[bool, str]:
     """Vector-free OWL-QN in ``space``: minimize ``F(x) = f(x) + l1 ||x||_1`` (Andrew & Gao 2007).
 
@@ -191,6 +193,9 @@ def _minimize_owlqn(
         Called with each iteration's record.
     resume : mapping, optional
         The metadata of a checkpoint of this method to continue from.
+    l1_exclude : sequence of (start, stop)
+        Ranges of ``x`` the L1 term leaves out (intercepts): there the pseudo-gradient is the gradient and
+        the step is not projected (``storage._l1``'s ``free``).
 
     Returns
     -------
@@ -209,6 +214,8 @@ def _minimize_owlqn(
     (array([2., 2.]), 10.0)
     """
     l1 = check_l1(l1)
+    # The ops carry the ranges only when there are some: the messages of a plain run stay as they were.
+    free: tuple[Any, ...] = (tuple((int(a), int(b)) for a, b in l1_exclude),) if l1_exclude else ()
     if l1 == 0.0:
         return _minimize_lbfgs(
             space, m=m, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls,
@@ -220,7 +227,8 @@ def _minimize_owlqn(
     if resume is None:
         v = _pseudo(st.x)
         _, v_inf, x1, count, values = space.run(
-            [("pseudo_grad", v, st.g, st.x, l1), ("norm_inf", v), ("norm1", st.x), ("nnz", st.x),
+            [("pseudo_grad", v, st.g, st.x, l1, *free), ("norm_inf", v), ("norm1", st.x, *free),
+             ("nnz", st.x),
              ("dots", hist.dot_requests(v))]
         )  # fmt: skip
         st.f, st.g_inf = st.f + l1 * float(x1), float(v_inf)
@@ -242,7 +250,7 @@ def _minimize_owlqn(
         # Without pairs d = -v (the alignment keeps all of it): scale the first trial to move x by one unit.
         vv = hist.dot_matrix()[-1, -1]
         step = 1.0 / math.sqrt(vv) if hist.n_pairs == 0 and vv > 0.0 else 1.0
-        found = _backtrack(space, hist, l1=l1, step=step, maxls=maxls, maxfev=maxfev)
+        found = _backtrack(space, hist, l1=l1, step=step, maxls=maxls, maxfev=maxfev, free=free)
         if found.over_budget:
             return False, found.message
         if not found.ok:
@@ -275,6 +283,7 @@ def minimize_owlqn_reference(
     maxiter: int = 15000,
     maxfev: int = 15000,
     maxls: int = 20,
+    l1_exclude: Sequence[tuple[int, int]] = (),
 ) -> ReferenceResult:
     """:func:`_minimize_owlqn` in an :class:`InProcessSpace`: minimize ``f(x) + l1 ||x||_1``.
 
@@ -286,7 +295,7 @@ def minimize_owlqn_reference(
         Starting point (copied, float64).
     l1 : float
         L1 strength (``>= 0``).
-    m, gtol, ftol, maxiter, maxfev, maxls : int or float
+    m, gtol, ftol, maxiter, maxfev, maxls, l1_exclude : int, float or ranges
         As :func:`_minimize_owlqn`'s.
 
     Returns
@@ -306,6 +315,7 @@ def minimize_owlqn_reference(
     space = InProcessSpace(fun_and_grad, x0)
     space.start()
     success, message = _minimize_owlqn(
-        space, l1=l1, m=m, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls
-    )
+        space, l1=l1, m=m, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls,
+        l1_exclude=l1_exclude,
+    )  # fmt: skip
     return reference_result(space, success, message)

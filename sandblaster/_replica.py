@@ -43,8 +43,9 @@ from distbelief.storage import (
 from distbelief.storage._direct import install as install_direct_calls
 from distbelief.storage._keys import (
     SparsePortion,
-    compact_portion,
+    compact_rows,
     kv_bytes,
+    sparse_layout_of,
     split_keys,
     union_keys,
     whole_slice_is_smaller,
@@ -154,6 +155,8 @@ class Replica:
         self._shards = shard_map
         self.slowdown = float(slowdown)
         self.cache: dict[int, Portion] = {}
+        #: Portions renumbered to their keys, with this run's model narrowed to them (:meth:`_kv_portion`).
+        self._kv_parts: dict[int, SparsePortion] = {}
         self._rows = default_row_cache()
         # One thread: the portions of overlapping calls are computed one after the other, as fast as the
         # core allows, while the loop moves parameters and gradients.
@@ -183,13 +186,27 @@ class Replica:
         return data
 
     def _kv_portion(self, p: int) -> SparsePortion:
-        """Portion ``p`` renumbered to the parameters it touches, computed once with its rows (RowCache)."""
-        return self._rows.derived(
-            self.dataset,
-            *self.dataset.portion_bounds(p),
-            "kv",
-            lambda X, y: compact_portion(self.model, X, y),
-        )
+        """Portion ``p`` renumbered to the parameters it touches, with this run's model narrowed to them.
+
+        The keys and renumbered rows are computed once with the rows and kept in the worker's row cache,
+        which outlives the run: they depend on the model's sparse layout (``n_features``, outputs,
+        intercept), so the layout is part of their cache key, and a later run with another layout on the
+        same dataset computes its own. The narrowed model is this run's (a wrapper's ``l2`` may differ
+        between runs of the same layout), kept by this replica only.
+        """
+        part = self._kv_parts.get(p)
+        if part is None:
+            layout = sparse_layout_of(self.model)
+            if layout is None:
+                raise ClusterError(f"replica {self.index}: {type(self.model).__name__} has no sparse layout")
+            rows = self._rows.derived(
+                self.dataset,
+                *self.dataset.portion_bounds(p),
+                f"kv{layout}",
+                lambda X, y: compact_rows(layout, X, y),
+            )
+            part = self._kv_parts.setdefault(p, rows.for_model(self.model))
+        return part
 
     def _compute_portions_kv(
         self, w: _KV, assign: Sequence[int], solo: bool, eval_id: int | None = None

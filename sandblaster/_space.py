@@ -428,21 +428,21 @@ class InProcessSpace:
         )
 
     def _l1_op(self, kind: str, *args: Any) -> Any:
-        # OWL-QN's ops, with the shards' kernels (storage._l1).
+        # OWL-QN's ops, with the shards' kernels (storage._l1); ranges without an L1 term come last.
         if kind == "pseudo_grad":
-            dst, g, x, l1 = args
-            self.vectors[dst] = _l1.pseudo_gradient(self.vector(g), self.vector(x), float(l1))
+            dst, g, x, l1, *free = args
+            self.vectors[dst] = _l1.pseudo_gradient(self.vector(g), self.vector(x), float(l1), *free)
         elif kind == "sign_align":
             _l1.sign_align(self.vector(args[0]), self.vector(args[1]))
         elif kind == "orthant":
             dst, x, v = args
             self.vectors[dst] = _l1.orthant(self.vector(x), self.vector(v))
         elif kind == "project_orthant":
-            _l1.project_orthant(self.vector(args[0]), self.vector(args[1]))
+            _l1.project_orthant(self.vector(args[0]), self.vector(args[1]), *args[2:])
         elif kind == "nnz":
             return _l1.nnz(self.vector(args[0]))
         else:
-            return _l1.norm1(self.vector(args[0]))
+            return _l1.norm1(self.vector(args[0]), *args[1:])
         return None
 
     def _dot(self, a: str, b: str) -> float:

@@ -41,7 +41,7 @@ Examples
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -54,7 +54,9 @@ __all__ = [
     "COMMUNICATION",
     "Communication",
     "SparsePortion",
+    "compact_model",
     "compact_portion",
+    "compact_rows",
     "decode_signs",
     "encode_signs",
     "kv_bytes",
@@ -78,19 +80,39 @@ class SparsePortion:
     """A portion's rows renumbered to the parameters they touch.
 
     ``keys`` (int64, sorted, unique) are the global parameter indices; ``model`` is a model of the same kind
-    whose parameter vector is ``w[keys]``; ``X`` has as many columns as that model's features.
+    whose parameter vector is ``w[keys]`` (``None`` in what :func:`compact_rows` returns: the rows and keys
+    depend only on the layout, the model is the run's, see :meth:`for_model`); ``X`` has
+    ``max(1, n_columns)`` columns, ``n_columns`` being the distinct columns the rows touch.
     """
 
     keys: IntArray
     X: Any
     y: np.ndarray
     model: Any
+    layout: tuple[int, int, bool] = (0, 1, False)
+    n_columns: int = 0
 
     @property
     def nbytes(self) -> int:
         """Bytes held (keys and the renumbered rows), for cache accounting."""
         X = self.X
         return int(self.keys.nbytes + X.data.nbytes + X.indices.nbytes + X.indptr.nbytes + self.y.nbytes)
+
+    def for_model(self, model: Any) -> SparsePortion:
+        """These rows and keys with ``model`` narrowed to them (:func:`compact_model`).
+
+        Raises if ``model``'s layout is not the one the keys were computed for.
+        """
+        if sparse_layout_of(model) != self.layout:
+            raise InvalidOptionError(
+                f"the portion's keys were computed for the layout {self.layout} (n_features, n_outputs, "
+                f"fit_intercept), not for {type(model).__name__}'s {sparse_layout_of(model)}"
+            )
+        compact = compact_model(model, max(1, self.n_columns), self.keys)
+        if self.n_columns == 0:
+            # No nonzero at all: the one placeholder column has no entry; its key is never pulled or pushed.
+            compact = _DropFirst(compact, self.layout[1])
+        return replace(self, model=compact)
 
 
 def sparse_layout_of(model: Any) -> tuple[int, int, bool] | None:
@@ -141,11 +163,29 @@ def use_sparse(mode: str, model: Any, sparse_data: bool) -> bool:
 def compact_portion(model: Any, X: Any, y: np.ndarray) -> SparsePortion:
     """The keys of CSR rows ``X`` and the rows renumbered to them (see the module docstring).
 
-    Raises if the model's parameters do not follow its columns (:func:`sparse_layout_of`).
+    ``compact_rows(sparse_layout_of(model), X, y).for_model(model)``. Raises if the model's parameters do not
+    follow its columns (:func:`sparse_layout_of`).
     """
     layout = sparse_layout_of(model)
     if layout is None:
         raise InvalidOptionError(f"{type(model).__name__} has no sparse parameter layout")
+    return compact_rows(layout, X, y).for_model(model)
+
+
+def compact_rows(layout: tuple[int, int, bool], X: Any, y: np.ndarray) -> SparsePortion:
+    """The keys of CSR rows ``X`` under ``layout`` and the rows renumbered to them, without a model.
+
+    What this returns depends on the rows and the layout only (``(n_features, n_outputs, fit_intercept)``,
+    :func:`sparse_layout_of`), so it may be cached under both (a replica's row cache); a run then narrows its
+    own model to it with :meth:`SparsePortion.for_model`.
+
+    Examples
+    --------
+    >>> X = sp.csr_array(np.array([[0.0, 2.0, 0.0, 1.0]]))
+    >>> part = compact_rows((4, 1, False), X, np.array([1.0]))
+    >>> part.keys.tolist(), part.X.shape, part.model is None
+    ([1, 3], (1, 2), True)
+    """
     d, k, _ = layout
     X = sp.csr_array(X)
     cols, inverse = _distinct_columns(X.indices, X.shape[1])
@@ -157,15 +197,43 @@ def compact_portion(model: Any, X: Any, y: np.ndarray) -> SparsePortion:
         (X.data, inverse.astype(idx_dtype).reshape(-1), X.indptr.astype(idx_dtype, copy=False)),
         shape=(X.shape[0], max(1, cols.size)),
     )
-    # The same class at the compact width (storage imports nothing from models: DESIGN.md "Layout").
-    fields = {name: v for name, v in model.spec.items() if name != "kind"}
-    fields["n_features"] = max(1, int(cols.size))
-    compact = type(model)(**fields)
     if cols.size == 0:
-        # No nonzero at all: the one placeholder column has no entry; its key is never pulled or pushed.
         keys = keys[keys >= d * k]
-        compact = _DropFirst(compact, k)
-    return SparsePortion(keys=keys, X=Xc, y=y, model=compact)
+    return SparsePortion(keys=keys, X=Xc, y=y, model=None, layout=layout, n_columns=int(cols.size))
+
+
+def compact_model(model: Any, n_features: int, keys: IntArray) -> Any:
+    """``model`` narrowed to ``n_features`` columns, its parameters being ``w[keys]`` of the full model.
+
+    A model that wraps another (``sklearn._base.FreeParams``) narrows itself by its ``compact(n_features,
+    keys)`` method; a built-in linear model is rebuilt as its own class from its ``spec`` at the new width
+    (storage imports nothing from models: DESIGN.md "Layout").
+
+    Raises
+    ------
+    InvalidOptionError
+        If the model has no ``compact`` method and its class does not take its spec's fields.
+
+    Examples
+    --------
+    >>> from distbelief.models import Logistic
+    >>> compact_model(Logistic(1000), 3, np.array([5, 9, 11, 1000])).n_params
+    4
+    """
+    compact = getattr(model, "compact", None)
+    if callable(compact):
+        return compact(int(n_features), keys)
+    fields = {name: v for name, v in model.spec.items() if name != "kind"}
+    fields["n_features"] = int(n_features)
+    try:
+        narrowed = type(model)(**fields)
+    except TypeError as exc:
+        raise InvalidOptionError(
+            f"{type(model).__name__} has the spec of a {model.spec['kind']!r} model but is not rebuilt from "
+            f"it ({exc}); give it a compact(n_features, keys) method for the sparse path, or use "
+            'communication="dense"'
+        ) from exc
+    return narrowed
 
 
 def _distinct_columns(indices: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:

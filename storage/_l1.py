@@ -12,29 +12,51 @@ With ``F(x) = f(x) + l1 ||x||_1`` (``f`` smooth, gradient ``g``), OWL-QN needs:
 * the direction ``d`` projected onto the signs of ``-v`` (``p = pi(d; -v)``);
 * the orthant ``xi = sign(x)``, or ``sign(-v)`` where ``x = 0``;
 * the trial point projected onto that orthant (``pi(x + t p; xi)``).
+
+Parameters the L1 term leaves out (intercepts, as scikit-learn's) are given as ``free``: ranges
+``(start, stop)`` of the slice's own offsets. There the pseudo-gradient is the gradient, the projection
+leaves the coordinate alone and ``norm1`` does not count it: OWL-QN with a per-coordinate weight that is
+0 there (Andrew & Gao, section 3.2, note that the regularizer may weight coordinates differently).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-__all__ = ["nnz", "norm1", "orthant", "project_orthant", "pseudo_gradient", "sign_align"]
+Ranges = Sequence[tuple[int, int]]
+
+__all__ = [
+    "local_ranges",
+    "nnz",
+    "norm1",
+    "orthant",
+    "project_orthant",
+    "pseudo_gradient",
+    "sign_align",
+]
 
 
-def pseudo_gradient(g: np.ndarray, x: np.ndarray, l1: float) -> np.ndarray:
+def pseudo_gradient(g: np.ndarray, x: np.ndarray, l1: float, free: Ranges = ()) -> np.ndarray:
     """The pseudo-gradient of ``f(x) + l1 ||x||_1`` from the gradient ``g`` of ``f`` (a new array).
 
     ``g_i + l1 sign(x_i)`` where ``x_i != 0``; where ``x_i = 0``, ``g_i + l1`` if that is negative,
-    ``g_i - l1`` if that is positive, else 0 (``g_i - clip(g_i, -l1, l1)``). With ``l1 = 0`` it is ``g``.
+    ``g_i - l1`` if that is positive, else 0 (``g_i - clip(g_i, -l1, l1)``). With ``l1 = 0`` it is ``g``,
+    and so it is in the ``free`` ranges.
 
     Examples
     --------
     >>> pseudo_gradient(np.array([0.5, 0.5, 2.0, -2.0]), np.array([1.0, 0.0, 0.0, 0.0]), 1.0)
     array([ 1.5,  0. ,  1. , -1. ])
+    >>> pseudo_gradient(np.array([0.5, 0.5]), np.array([1.0, 0.0]), 1.0, free=[(1, 2)])
+    array([1.5, 0.5])
     """
     out = np.subtract(g, np.clip(g, -l1, l1))
     moved = x != 0.0
     out[moved] = g[moved] + l1 * np.sign(x[moved])
+    for a, b in free:
+        out[a:b] = g[a:b]
     return out
 
 
@@ -63,15 +85,21 @@ def orthant(x: np.ndarray, v: np.ndarray) -> np.ndarray:
     return np.sign(np.where(x != 0.0, x, -v)) + 0.0  # + 0.0: no -0.0 entries
 
 
-def project_orthant(x: np.ndarray, xi: np.ndarray) -> None:
-    """Zero, in place, every ``x_i`` whose sign is not ``xi_i`` (the coordinates that left the orthant).
+def project_orthant(x: np.ndarray, xi: np.ndarray, free: Ranges = ()) -> None:
+    """Zero, in place, every ``x_i`` whose sign is not ``xi_i`` (the coordinates that left the orthant),
+    except in the ``free`` ranges (no L1 term there: no orthant to stay in).
 
     Examples
     --------
     >>> x = np.array([0.5, -0.5, 0.0, 3.0]); project_orthant(x, np.array([1.0, 1.0, -1.0, 0.0])); x
     array([0.5, 0. , 0. , 0. ])
+    >>> x = np.array([-0.5, -0.5]); project_orthant(x, np.array([1.0, 1.0]), free=[(1, 2)]); x
+    array([ 0. , -0.5])
     """
-    x[np.sign(x) != xi] = 0.0
+    left = np.sign(x) != xi
+    for a, b in free:
+        left[a:b] = False
+    x[left] = 0.0
 
 
 def nnz(x: np.ndarray) -> int:
@@ -85,12 +113,34 @@ def nnz(x: np.ndarray) -> int:
     return int(np.count_nonzero(x))
 
 
-def norm1(x: np.ndarray) -> float:
-    """``||x||_1``, summed as ``numpy.sum`` does (pairwise).
+def norm1(x: np.ndarray, free: Ranges = ()) -> float:
+    """``||x||_1`` outside the ``free`` ranges, summed as ``numpy.sum`` does (pairwise).
 
     Examples
     --------
     >>> norm1(np.array([1.0, -2.0, 0.5]))
     3.5
+    >>> norm1(np.array([1.0, -2.0, 0.5]), free=[(1, 2)])
+    1.5
     """
-    return float(np.abs(x).sum())
+    a = np.abs(x)  # a new array: zeroing the free ranges leaves x alone
+    if free:
+        for lo, hi in free:
+            a[lo:hi] = 0.0
+    return float(a.sum())
+
+
+def local_ranges(free: Ranges, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Global ranges ``free`` as offsets into the slice ``[lo, hi)`` (the parts inside it).
+
+    Examples
+    --------
+    >>> local_ranges([(3, 6), (9, 10)], 5, 9)
+    [(0, 1)]
+    """
+    out = []
+    for a, b in free:
+        a, b = max(int(a), lo), min(int(b), hi)
+        if a < b:
+            out.append((a - lo, b - lo))
+    return out

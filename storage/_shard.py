@@ -303,9 +303,13 @@ class Shard:
         return float(self.vector(name).sum())
 
     # -- OWL-QN (Andrew & Gao 2007; the kernels are storage._l1's) --------------------------------------
-    def _op_pseudo_grad(self, dst: str, g: str, x: str, l1: float) -> None:
-        """``dst`` = the pseudo-gradient of ``f + l1 ||x||_1`` from ``f``'s gradient ``g`` at ``x``."""
-        np.copyto(self._target(dst), _l1.pseudo_gradient(self.vector(g), self.vector(x), float(l1)))
+    def _op_pseudo_grad(
+        self, dst: str, g: str, x: str, l1: float, free: Sequence[tuple[int, int]] = ()
+    ) -> None:
+        """``dst`` = the pseudo-gradient of ``f + l1 ||x||_1`` from ``f``'s gradient ``g`` at ``x``; the
+        global ranges ``free`` have no L1 term (storage._l1)."""
+        local = _l1.local_ranges(free, self.lo, self.hi)
+        np.copyto(self._target(dst), _l1.pseudo_gradient(self.vector(g), self.vector(x), float(l1), local))
 
     def _op_sign_align(self, d: str, v: str) -> None:
         """Zero the entries of ``d`` whose sign is not that of ``-v``."""
@@ -315,15 +319,15 @@ class Shard:
         """``dst = sign(x)``, or ``sign(-v)`` where ``x`` is 0."""
         np.copyto(self._target(dst), _l1.orthant(self.vector(x), self.vector(v)))
 
-    def _op_project_orthant(self, x: str, xi: str) -> None:
+    def _op_project_orthant(self, x: str, xi: str, free: Sequence[tuple[int, int]] = ()) -> None:
         """Zero the entries of ``x`` whose sign is not ``xi``'s."""
-        _l1.project_orthant(self.vector(x), self.vector(xi))
+        _l1.project_orthant(self.vector(x), self.vector(xi), _l1.local_ranges(free, self.lo, self.hi))
 
     def _op_nnz(self, name: str) -> int:
         return _l1.nnz(self.vector(name))
 
-    def _op_norm1(self, name: str) -> float:
-        return _l1.norm1(self.vector(name))
+    def _op_norm1(self, name: str, free: Sequence[tuple[int, int]] = ()) -> float:
+        return _l1.norm1(self.vector(name), _l1.local_ranges(free, self.lo, self.hi))
 
     def prepare(self, epoch: int, ops: Sequence[Sequence[Any]]) -> list[Any]:
         """Run ``ops`` once for ``epoch``: the first caller runs them, later callers get the same results.

@@ -4,7 +4,9 @@
 :class:`MLPClassifier` follow scikit-learn's conventions (``fit``/``predict``/``predict_proba``/``score``,
 ``coef_``, ``intercept_``, ``n_iter_``, ``get_params``/``set_params``, ``C``/``alpha`` with scikit-learn's
 meaning, unpenalized intercepts), so they work in a ``Pipeline`` and ``GridSearchCV``; ``fit`` accepts numpy
-arrays, Dask arrays (written to zarr by the workers) and a ``storage.Dataset``.
+arrays, Dask arrays (written to zarr by the workers) and a ``storage.Dataset``. The linear estimators also
+take ``scipy.sparse`` rows (any format, e.g. a ``HashingVectorizer``'s output) and Datasets of sparse rows,
+fitted through Sandblaster's sparse pull/push path, and ``penalty="l1"`` / ``"elasticnet"`` (OWL-QN).
 
 This is a package inside ``distbelief/`` rather than a top-level folder symlinked in like the others: a
 top-level ``sklearn/`` folder would shadow scikit-learn itself whenever the repository root is on

@@ -26,9 +26,10 @@ from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.storage import Dataset
 from distbelief.storage._session import run_store
 
-__all__ = ["SOLVERS", "FreeParams", "fit_model", "resolve_client"]
+__all__ = ["PENALTIES", "SOLVERS", "FreeParams", "fit_model", "resolve_client"]
 
 SOLVERS = ("lbfgs", "cg", "gd", "downpour")
+PENALTIES = ("l2", "l1", "elasticnet", None)
 
 FloatArray = NDArray[np.float64]
 
@@ -103,9 +104,44 @@ class FreeParams:
             grad[a:b] -= n * self.l2 * part
         return float(loss), grad
 
+    def compact(self, n_features: int, keys: NDArray[np.int64]) -> FreeParams:
+        """This wrapper around the wrapped model narrowed to the parameters ``keys`` (the sparse path).
+
+        A portion of sparse rows is computed by a model of the width of the columns it touches, whose
+        parameters are ``w[keys]`` (``storage._keys.compact_model``); the free ranges move to where their
+        keys sit in that vector. Every free parameter must be among ``keys`` (the intercepts always are),
+        else the penalty of an untouched one would not be given back.
+
+        Examples
+        --------
+        >>> from distbelief.models import Logistic
+        >>> m = FreeParams(Logistic(1000), 0.5, [(1000, 1001)]).compact(2, np.array([3, 7, 1000]))
+        >>> m.n_params, m.free
+        (3, ((2, 3),))
+        """
+        from distbelief.storage._keys import compact_model
+
+        inner = compact_model(self.model, n_features, keys)
+        keys = np.asarray(keys, dtype=np.int64)
+        # Parameters of the narrowed model before those of keys[0] have no key (a placeholder column).
+        offset = int(inner.n_params) - keys.size
+        free = []
+        for a, b in self.free:
+            lo, hi = (int(i) for i in np.searchsorted(keys, [a, b]))
+            if hi - lo != b - a:
+                raise InvalidOptionError(
+                    f"FreeParams: the unpenalized parameters [{a}, {b}) are not all among a portion's keys"
+                )
+            free.append((lo + offset, hi + offset))
+        return FreeParams(inner, self.l2, free)
+
     @property
     def spec(self) -> dict[str, Any] | None:
-        """That of the wrapped model (so a result saved with ``to_zarr`` rebuilds it)."""
+        """That of the wrapped model (so a result saved with ``to_zarr`` rebuilds it).
+
+        It also makes the sparse path take this wrapper for the linear model it wraps
+        (``storage._keys.sparse_layout_of``), which narrows it through :meth:`compact`.
+        """
         spec = getattr(self.model, "spec", None)
         return spec if isinstance(spec, dict) else None
 
@@ -180,15 +216,15 @@ def fit_store(store: str | os.PathLike[str] | None) -> Iterator[str]:
 
 def check_common(solver: object, penalty: object, max_iter: object, tol: object, name: str) -> None:
     """Check the options every estimator has; raise :class:`InvalidOptionError` saying what to pass."""
-    if penalty in ("l1", "elasticnet"):
-        raise InvalidOptionError(
-            f"{name}: penalty={penalty!r} needs OWL-QN, which distbelief does not have yet; use "
-            "penalty='l2' (or None)"
-        )
-    if penalty not in ("l2", None):
-        raise InvalidOptionError(f"{name}: penalty must be 'l2' or None, got {penalty!r}")
+    if penalty not in PENALTIES:
+        raise InvalidOptionError(f"{name}: penalty must be one of {PENALTIES}, got {penalty!r}")
     if solver not in SOLVERS:
         raise InvalidOptionError(f"{name}: solver must be one of {SOLVERS}, got {solver!r}")
+    if penalty in ("l1", "elasticnet") and solver != "lbfgs":
+        raise InvalidOptionError(
+            f"{name}: penalty={penalty!r} is minimized by OWL-QN (L-BFGS for an L1 term): use "
+            f"solver='lbfgs', got solver={solver!r}"
+        )
     # numbers.Integral / numbers.Real take numpy's scalars too (np.int32(5), np.float32(1e-4)), as
     # scikit-learn's parameter checks do; a bool is an Integral, but never a count or a tolerance.
     if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 1:
@@ -210,6 +246,7 @@ def fit_model(
     l2: float,
     free: Sequence[tuple[int, int]],
     solver: str,
+    l1: float = 0.0,
     max_iter: int,
     tol: float,
     client: Any,
@@ -221,11 +258,16 @@ def fit_model(
 ) -> tuple[FloatArray, int, Any]:
     """Minimize ``F`` with the chosen solver; return the parameters, the iterations and the run's result.
 
+    ``F(w) = (1/N) sum_i loss_i(w) + l1 ||w||_1 + (l2/2) ||w||^2`` with neither term on the ``free``
+    ranges: the L2 term is given back by :class:`FreeParams`, the L1 term leaves them out on the shards
+    (``minimize(l1_exclude=...)``). ``l1 > 0`` runs OWL-QN (``solver`` must be ``"lbfgs"``).
     Iterations are Sandblaster's ``nit``, or Downpour's epochs run (``max_iter`` epochs per replica).
     A run that stops at ``max_iter`` warns with scikit-learn's ``ConvergenceWarning``.
     """
     run_model = FreeParams(model, l2, free) if (l2 > 0 and free) else model
     c = resolve_client(client)
+    if l1 > 0 and solver != "lbfgs":
+        raise InvalidOptionError(f"{name}: an L1 term needs solver='lbfgs' (OWL-QN), got {solver!r}")
     if solver == "downpour":
         from distbelief.downpour import train
 
@@ -249,9 +291,11 @@ def fit_model(
     res = minimize(
         run_model,
         data,
-        method=solver,  # type: ignore[arg-type]
+        method="owlqn" if l1 > 0 else solver,  # type: ignore[arg-type]
         x0=x0,
         l2=l2,
+        l1=l1,
+        l1_exclude=free if l1 > 0 else (),
         gtol=tol,
         ftol=64 * np.finfo(float).eps,  # scikit-learn's lbfgs setting
         maxiter=max_iter,

@@ -7,6 +7,7 @@ import numbers
 from typing import Any
 
 import numpy as np
+import scipy.sparse as sp
 from numpy.typing import NDArray
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.multiclass import check_classification_targets
@@ -38,6 +39,9 @@ class _Distbelief(BaseEstimator):
     """Fitting machinery shared by the estimators (private)."""
 
     _classifier = False
+    #: Whether ``fit`` and ``predict`` take ``scipy.sparse`` rows (the linear models: their data term has a
+    #: sparse kernel and their parameters follow the columns, so Sandblaster pulls and pushes by keys).
+    _accept_sparse = False
     # set by subclasses' __init__ (declared for mypy)
     solver: str
     max_iter: int
@@ -51,6 +55,11 @@ class _Distbelief(BaseEstimator):
 
     def __getstate__(self) -> dict[str, Any]:
         return picklable_state(super().__getstate__())
+
+    def __sklearn_tags__(self) -> Any:
+        tags = super().__sklearn_tags__()
+        tags.input_tags.sparse = self._accept_sparse
+        return tags
 
     # ------------------------------------------------------------------------------------------ data
 
@@ -79,12 +88,20 @@ class _Distbelief(BaseEstimator):
                 f"{name} requires y to be passed, but the target y is None; pass the labels, or a "
                 "storage.Dataset as X"
             )
-        X_arr, y_arr = validate_data(self, X, y, dtype=np.float64, y_numeric=not self._classifier)
+        X_arr, y_arr = validate_data(
+            self,
+            X,
+            y,
+            dtype=np.float64,
+            y_numeric=not self._classifier,
+            accept_sparse="csr" if self._accept_sparse else False,
+        )
         if self._classifier:
             check_classification_targets(y_arr)
             self.classes_, y_enc = np.unique(y_arr, return_inverse=True)
             y_arr = y_enc.astype(np.float64)
-        return (np.ascontiguousarray(X_arr), np.asarray(y_arr, dtype=np.float64)), X_arr.shape[0]
+        rows = _csr(X_arr) if sp.issparse(X_arr) else np.ascontiguousarray(X_arr)
+        return (rows, np.asarray(y_arr, dtype=np.float64)), X_arr.shape[0]
 
     def _data(self, X: Any, y: Any, store: str) -> tuple[Dataset | tuple[FloatArray, FloatArray], int]:
         """The training rows as a Dataset or checked arrays (labels encoded 0..K-1), and N; a classifier's
@@ -120,10 +137,13 @@ class _Distbelief(BaseEstimator):
         ds = dataset_from_dask(X, y, path=f"{store}/data", overwrite=True, client=client)
         return ds, ds.n_rows
 
-    def _rows(self, X: Any) -> FloatArray:
+    def _rows(self, X: Any) -> Any:
+        """``X`` checked against the fitted features: float64 rows, CSR for sparse input."""
         check_is_fitted(self)
-        out: FloatArray = validate_data(self, X, dtype=np.float64, reset=False)
-        return out
+        out = validate_data(
+            self, X, dtype=np.float64, reset=False, accept_sparse="csr" if self._accept_sparse else False
+        )
+        return _csr(out) if sp.issparse(out) else out
 
     def _fit_with(
         self,
@@ -136,11 +156,13 @@ class _Distbelief(BaseEstimator):
         x0: FloatArray | None = None,
         seed: int = 0,
         downpour_options: dict[str, Any] | None = None,
+        l1: float = 0.0,
     ) -> FloatArray:
         w, nit, result = fit_model(
             model,
             data,
             l2=l2,
+            l1=l1,
             free=free,
             solver=self.solver,
             max_iter=int(self.max_iter),
@@ -159,6 +181,18 @@ class _Distbelief(BaseEstimator):
         return w
 
 
+def _csr(X: Any) -> sp.csr_array:
+    """Checked sparse rows as a ``csr_array`` in canonical form (sorted indices, no duplicates).
+
+    Duplicates are summed and indices sorted in a copy, never in the caller's matrix.
+    """
+    out = sp.csr_array(X)
+    if not out.has_canonical_format:
+        out = out.copy()
+        out.sum_duplicates()
+    return out
+
+
 def _free_linear(model: Any) -> list[tuple[int, int]]:
     """The intercept range of a built-in linear model (empty without an intercept)."""
     if not model.fit_intercept:
@@ -172,6 +206,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
 
     _classifier = True
     _always_softmax = False
+    _accept_sparse = True
     C: float
     fit_intercept: bool
     downpour_options: dict[str, Any] | None
@@ -181,6 +216,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
         penalty: str | None = "l2",
         *,
         C: float = 1.0,
+        l1_ratio: float | None = None,
         fit_intercept: bool = True,
         solver: str = "lbfgs",
         max_iter: int = 100,
@@ -191,6 +227,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
     ) -> None:
         self.penalty = penalty
         self.C = C
+        self.l1_ratio = l1_ratio
         self.fit_intercept = fit_intercept
         self.solver = solver
         self.max_iter = max_iter
@@ -200,7 +237,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
         self.downpour_options = downpour_options
 
     def fit(self, X: Any, y: Any = None) -> Any:
-        """Fit the model on ``X`` (numpy, Dask array or ``storage.Dataset``) and labels ``y``.
+        """Fit on ``X`` (numpy, ``scipy.sparse``, Dask array or ``storage.Dataset``) and labels ``y``.
 
         Returns
         -------
@@ -212,6 +249,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
             raise InvalidOptionError(
                 f"{name}: C must be a number > 0 (inverse regularization), got {self.C!r}"
             )
+        ratio = self._l1_ratio()
         with fit_store(self.store) as store:
             data, n = self._data(X, y, store)
             k = len(self.classes_)
@@ -222,15 +260,38 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
                 model = models.Logistic(d, fit_intercept=fit_intercept)
             else:
                 model = models.Softmax(d, k, fit_intercept=fit_intercept)
-            # scikit-learn: C * sum loss + 0.5 ||coef||^2, i.e. (1/N) sum loss + (1 / (2 C N)) ||coef||^2.
-            l2 = 0.0 if self.penalty is None else 1.0 / (float(self.C) * n)
+            # scikit-learn: C * sum loss + r ||coef||_1 + ((1 - r) / 2) ||coef||^2 (r = 0 for "l2", 1 for
+            # "l1", l1_ratio for "elasticnet"), i.e. divided by C N: (1/N) sum loss + (r / (C N)) ||coef||_1
+            # + ((1 - r) / (2 C N)) ||coef||^2. The intercept is in neither term.
+            scale = 0.0 if self.penalty is None else 1.0 / (float(self.C) * n)
             w = self._fit_with(
-                model, data, l2=l2, free=_free_linear(model), store=store,
-                downpour_options=self.downpour_options,
+                model, data, l2=(1.0 - ratio) * scale, l1=ratio * scale, free=_free_linear(model),
+                store=store, downpour_options=self.downpour_options,
             )  # fmt: skip
         self._set_coef(model, w)
         self.n_iter_ = np.array([self._nit], dtype=np.int32)
         return self
+
+    def _l1_ratio(self) -> float:
+        """The share ``r`` of the penalty that is L1: 0 for "l2" and None, 1 for "l1", ``l1_ratio`` for
+        "elasticnet" (a number in [0, 1], required there, as in scikit-learn)."""
+        r = self.l1_ratio
+        if self.penalty == "l1":
+            return 1.0
+        if self.penalty != "elasticnet":
+            if r is not None and not (isinstance(r, numbers.Real) and float(r) == 0.0):
+                # scikit-learn >= 1.8 reads l1_ratio without penalty; ignoring it would fit another model.
+                raise InvalidOptionError(
+                    f"{type(self).__name__}: l1_ratio={r!r} is used with penalty='elasticnet' (or "
+                    f"penalty='l1' for l1_ratio=1), not with penalty={self.penalty!r}"
+                )
+            return 0.0
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0.0 <= float(r) <= 1.0:
+            raise InvalidOptionError(
+                f"{type(self).__name__}: penalty='elasticnet' needs l1_ratio, a number in [0, 1] (0: L2, "
+                f"1: L1), got {r!r}"
+            )
+        return float(r)
 
     def _set_coef(self, model: Any, w: FloatArray) -> None:
         d = model.n_features
@@ -242,8 +303,8 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
             self.coef_ = w[: d * k].reshape(d, k).T.copy()
             self.intercept_ = w[d * k :].copy() if model.fit_intercept else np.zeros(k)
 
-    def _scores(self, X: FloatArray) -> FloatArray:
-        out: FloatArray = X @ self.coef_.T + self.intercept_
+    def _scores(self, X: Any) -> FloatArray:
+        out: FloatArray = np.asarray(X @ self.coef_.T) + self.intercept_
         return out[:, 0] if out.shape[1] == 1 else out
 
     def decision_function(self, X: Any) -> Any:
@@ -286,16 +347,21 @@ class LogisticRegression(_LinearClassifier):
     """Logistic regression (binary, or multinomial for more classes) fitted on a Dask cluster.
 
     scikit-learn's meaning of every shared option: it minimizes
-    ``C * sum_i loss_i + 0.5 * ||coef||^2`` (intercept not penalized), which distbelief solves as
-    ``F(w) = (1/N) sum_i loss_i + (l2/2) ||w||^2`` with ``l2 = 1 / (C N)`` and the intercept left out of the
-    penalty. Two classes use :class:`models.Logistic`, more use :class:`models.Softmax`.
+    ``C * sum_i loss_i + r ||coef||_1 + ((1 - r) / 2) ||coef||^2`` (intercept not penalized; ``r`` is 0
+    for ``penalty="l2"``, 1 for ``"l1"``, ``l1_ratio`` for ``"elasticnet"``), which distbelief solves as
+    ``F(w) = (1/N) sum_i loss_i + l1 ||w||_1 + (l2/2) ||w||^2`` with ``l1 = r / (C N)``,
+    ``l2 = (1 - r) / (C N)`` and the intercept left out of both terms; an L1 term is minimized by OWL-QN.
+    Two classes use :class:`models.Logistic`, more use :class:`models.Softmax`. ``X`` may be
+    ``scipy.sparse`` (any format; fitted through the sparse pull/push path).
 
     Parameters
     ----------
-    penalty : {"l2", None}
-        ``"l1"`` and ``"elasticnet"`` raise: they need OWL-QN, which is not there yet.
+    penalty : {"l2", "l1", "elasticnet", None}
+        The penalty on ``coef_``; ``"l1"`` and ``"elasticnet"`` run OWL-QN (``solver="lbfgs"`` only).
     C : float
         Inverse regularization strength (> 0).
+    l1_ratio : float, optional
+        The elastic net's L1 share in [0, 1] (``penalty="elasticnet"`` only, as scikit-learn's).
     fit_intercept : bool
         Learn an (unpenalized) intercept.
     solver : {"lbfgs", "cg", "gd", "downpour"}
@@ -328,6 +394,13 @@ class LogisticRegression(_LinearClassifier):
     >>> clf = LogisticRegression(C=1.0).fit(X, y)      # doctest: +SKIP
     >>> clf.score(X, y) > 0.9                           # doctest: +SKIP
     True
+
+    Sparse rows, and an L1 penalty (a sparse ``coef_``):
+
+    >>> import scipy.sparse as sp
+    >>> lasso = LogisticRegression(penalty="l1", C=0.1).fit(sp.csr_array(X), y)   # doctest: +SKIP
+    >>> int((lasso.coef_ != 0).sum()) < 30                                         # doctest: +SKIP
+    True
     """
 
 
@@ -354,6 +427,7 @@ class LinearRegression(RegressorMixin, _Distbelief):
     ``alpha`` has scikit-learn's ``Ridge`` meaning: minimize ``||y - X coef - b||^2 + alpha ||coef||^2``,
     solved as ``F(w) = (1/N) sum_i 0.5 r_i^2 + (l2/2)||w||^2`` with ``l2 = alpha / N`` and the intercept
     unpenalized. ``alpha=0`` (default) is ordinary least squares, as scikit-learn's ``LinearRegression``.
+    ``X`` may be ``scipy.sparse`` (any format; fitted through the sparse pull/push path).
 
     Parameters
     ----------
@@ -369,6 +443,8 @@ class LinearRegression(RegressorMixin, _Distbelief):
     >>> LinearRegression().fit(X, y).predict(X[:2])   # doctest: +SKIP
     array([ 5., 11.])
     """
+
+    _accept_sparse = True
 
     def __init__(
         self,
@@ -392,7 +468,7 @@ class LinearRegression(RegressorMixin, _Distbelief):
         self.downpour_options = downpour_options
 
     def fit(self, X: Any, y: Any = None) -> LinearRegression:
-        """Fit on ``X`` (numpy, Dask array or ``storage.Dataset``) and targets ``y``.
+        """Fit on ``X`` (numpy, ``scipy.sparse``, Dask array or ``storage.Dataset``) and targets ``y``.
 
         Returns
         -------
@@ -419,7 +495,7 @@ class LinearRegression(RegressorMixin, _Distbelief):
         if is_dask_array(X):
             check_is_fitted(self)
             return map_rows(X, self.predict, None, np.float64)
-        out: FloatArray = self._rows(X) @ self.coef_ + self.intercept_
+        out: FloatArray = np.asarray(self._rows(X) @ self.coef_) + self.intercept_
         return out
 
 

@@ -278,6 +278,11 @@ def test_an_owlqn_run_resumes_from_its_checkpoint_exactly(elastic_digits: Proble
         ({"method": "lbfgs", "l1": 0.1}, 'use method="owlqn"'),
         ({"method": "cg", "l1": 1e-9}, 'use method="owlqn"'),
         ({"method": "owlqn", "l1": 0.1, "l2": math.nan}, r"l2=nan is invalid"),
+        (
+            {"method": "owlqn", "l1": 0.1, "l1_exclude": [(3, 2)]},
+            r"l1_exclude=.* is invalid: expected ranges",
+        ),
+        ({"method": "owlqn", "l1": 0.1, "l1_exclude": 5}, r"l1_exclude=5 is invalid"),
     ],
 )
 def test_bad_l1_options_are_refused_with_a_message(options: dict[str, Any], match: str) -> None:
@@ -307,3 +312,49 @@ def test_a_large_l1_stops_at_zero_at_once() -> None:
     res = minimize_owlqn_reference(fg, np.zeros(2), l1=1.5, gtol=1e-12)
     np.testing.assert_allclose(res.x, [0.0, -0.5], atol=1e-12)
     assert res.x[0] == 0.0
+
+
+# -- parameters without an L1 term (intercepts) ---------------------------------------------------------
+def test_l1_exclude_leaves_those_parameters_out_of_the_l1_term() -> None:
+    # f = 0.5 ||x - c||^2: the argmin soft-thresholds c by l1, except where the L1 term is left out.
+    c = np.array([3.0, -0.5, 2.0, -3.0])
+    fg = lambda x: (0.5 * float((x - c) @ (x - c)), x - c)  # noqa: E731
+    r = minimize_owlqn_reference(fg, np.zeros(4), l1=1.0, gtol=1e-12, l1_exclude=[(1, 3)])
+    assert r.success, r.message
+    np.testing.assert_allclose(r.x, [2.0, -0.5, 2.0, -2.0], atol=1e-12)
+    assert r.fun == pytest.approx(0.5 * 2 + 1.0 * 4)  # the excluded ones fit c exactly, and cost no L1
+    g, x = np.array([0.5, -0.5, 0.25]), np.zeros(3)
+    # Split into shards, a shard's ops on its slice give the slice of the whole vector's.
+    whole = Shard(0, 0, 3)
+    whole.vectors.update({"g": g.copy(), "x": x.copy()})
+    whole.run([("pseudo_grad", "v", "g", "x", 1.0, ((1, 3),))])
+    halves = [Shard(0, 0, 2), Shard(1, 2, 3)]
+    for h in halves:
+        h.vectors.update({"g": g[h.lo : h.hi].copy(), "x": x[h.lo : h.hi].copy()})
+        h.run([("pseudo_grad", "v", "g", "x", 1.0, ((1, 3),))])
+    np.testing.assert_array_equal(whole.vector("v"), [0.0, -0.5, 0.25])
+    np.testing.assert_array_equal(np.concatenate([h.vector("v") for h in halves]), whole.vector("v"))
+    n1 = [h.run([("norm1", "g", ((1, 3),))])[0] for h in halves]
+    assert sum(n1) == 0.5
+
+
+def test_minimize_with_l1_exclude_on_shards_matches_the_in_process_run(
+    client: Client, tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    X, y = _digits_binary(digits)
+    l1 = 1.0 / len(y)
+    model = models.Logistic(64)
+    ds = Dataset.from_arrays(X, y, path=str(tmp_path / "data"), portion_rows=512, overwrite=True)
+    # Two shards, the intercept (parameter 64) in the second: its range is cut to that shard's slice.
+    res = sandblaster.minimize(
+        model, ds, method="owlqn", l1=l1, l1_exclude=[(64, 65)], shards=2, client=client, **TIGHT
+    )
+    ref = minimize_owlqn_reference(
+        lambda w: models.objective(model, w, X, y), np.zeros(65), l1=l1, l1_exclude=[(64, 65)], **TIGHT
+    )
+    assert res.success and ref.success, (res.message, ref.message)
+    assert res.fun == pytest.approx(ref.fun, rel=1e-9)
+    np.testing.assert_array_equal(res.x == 0.0, ref.x == 0.0)
+    assert res.x[64] != 0.0  # the intercept of an unbalanced problem, not shrunk to zero
+    with pytest.raises(InvalidOptionError, match="l1_exclude"):
+        sandblaster.minimize(model, ds, method="owlqn", l1=l1, l1_exclude=[(64, 66)], client=client)

@@ -49,3 +49,30 @@ def test_a_tuple_with_sparse_rows_becomes_a_sparse_dataset(client: Client, tmp_p
         models.Logistic(2), (X.toarray(), y), l2=0.1, client=client, store=tmp_path / "r2"
     )
     np.testing.assert_allclose(res.x, ref.x, rtol=1e-10, atol=1e-12)
+
+
+def test_runs_of_models_with_other_layouts_on_one_sparse_dataset_do_not_share_portion_keys(
+    client: Client, tmp_path: Path
+) -> None:
+    # The replicas' row cache outlives a run; what it derives from a portion (its parameter keys) depends
+    # on the model's layout. A run with an intercept (keys up to d) followed by one without (n_params = d)
+    # used the first run's keys and failed with an index out of bounds.
+    rng = np.random.default_rng(3)
+    n, d = 200, 40
+    X = sp.random_array((n, d), density=0.1, format="csr", rng=rng)
+    y = (rng.random(n) < 0.5).astype(float)
+    ds = Dataset.from_arrays(X, y, path=tmp_path / "data", portion_rows=50)
+    for i, (intercept, k) in enumerate(((True, 1), (False, 1), (False, 3), (True, 3))):
+        model: models.Model = (
+            models.Logistic(d, fit_intercept=intercept)
+            if k == 1
+            else models.Softmax(d, k, fit_intercept=intercept)
+        )
+        yy = y if k == 1 else (np.arange(n) % k).astype(float)
+        data = ds if k == 1 else Dataset.from_arrays(X, yy, path=tmp_path / f"data{i}", portion_rows=50)
+        res = sandblaster.minimize(model, data, l2=0.1, client=client, store=tmp_path / f"run{i}")
+        ref = sandblaster.minimize(
+            model, (X.toarray(), yy), l2=0.1, client=client, store=tmp_path / f"ref{i}"
+        )
+        assert res.success, res.message
+        np.testing.assert_allclose(res.x, ref.x, rtol=1e-8, atol=1e-10)
