@@ -409,10 +409,9 @@ class InProcessSpace:
         if kind == "dot":
             return self._dot(*args)
         if kind == "dots":
-            return [self._dot(a, b) for a, b in args[0]]
+            return _kernels.dots([(self.vector(a), self.vector(b)) for a, b in args[0]])
         if kind == "norm_inf":
-            vec = self.vector(args[0])
-            return float(np.max(np.abs(vec))) if vec.size else 0.0
+            return _kernels.norm_inf(self.vector(args[0]))
         if kind == "copy":
             src, dst = args
             self.vectors[dst] = self.vector(src).copy()
@@ -446,7 +445,7 @@ class InProcessSpace:
         return None
 
     def _dot(self, a: str, b: str) -> float:
-        return float(np.dot(self.vector(a), self.vector(b)))
+        return _kernels.dots([(self.vector(a), self.vector(b))])[0]
 
     def _lincomb(self, dst: str, coeffs: Sequence[float], names: Sequence[str]) -> None:
         # The shard's kernel (storage/_shard.py), so both spaces round alike.

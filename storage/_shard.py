@@ -283,21 +283,20 @@ class Shard:
         return len(self.settle(name))
 
     def _op_dot(self, a: str, b: str) -> float:
-        va, vb = self.vector(a), self.vector(b)
-        # np.dot runs the same OpenBLAS ddot but releases the GIL; scipy.linalg.blas's f2py wrappers hold it
-        # for the whole call, which blocks the worker's event loop (benchmarks/shard_ops.py, ping_during_op).
-        return float(np.dot(va, vb)) if va.size else 0.0
+        return self._op_dots([(a, b)])[0]
 
     def _op_dots(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
-        return [self._op_dot(a, b) for a, b in pairs]
+        # Blocks of np.dot: the same OpenBLAS ddot, which releases the GIL (scipy.linalg.blas's f2py wrappers
+        # hold it for the whole call and block the worker's event loop: benchmarks/shard_ops.py), one pass
+        # over the distinct vectors (storage._kernels.dots).
+        return _kernels.dots([(self.vector(a), self.vector(b)) for a, b in pairs])
 
     def _op_norm2(self, name: str) -> float:
         # The partial *squared* norm: the caller sums over shards and takes one square root.
         return self._op_dot(name, name)
 
     def _op_norm_inf(self, name: str) -> float:
-        vec = self.vector(name)
-        return float(np.max(np.abs(vec))) if vec.size else 0.0
+        return _kernels.norm_inf(self.vector(name))
 
     def _op_sum(self, name: str) -> float:
         return float(self.vector(name).sum())

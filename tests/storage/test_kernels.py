@@ -110,3 +110,26 @@ def test_add_at_rounds_as_numpy_fancy_add(n: int) -> None:
     want[keys] = want[keys] + values
     _kernels.add_at(out, keys, values)
     np.testing.assert_array_equal(out, want)
+
+
+def test_dots_are_the_block_sums_of_np_dot_and_match_to_rounding() -> None:
+    rng = np.random.default_rng(6)
+    n = 2 * _kernels.DOT_BLOCK + 17
+    hot = [rng.normal(size=n) for _ in range(3)]
+    cold = [rng.normal(size=n) for _ in range(5)]
+    pairs = [(h, c) for h in hot for c in cold] + [(h, h) for h in hot]
+    got = _kernels.dots(pairs)
+    for (a, b), value in zip(pairs, got, strict=True):
+        blocks = [float(np.dot(a[i : i + _kernels.DOT_BLOCK], b[i : i + _kernels.DOT_BLOCK])) for i in
+                  range(0, n, _kernels.DOT_BLOCK)]  # fmt: skip
+        assert value == sum(blocks)  # the block sums, added in block order
+        assert value == pytest.approx(float(np.dot(a, b)), rel=1e-12, abs=1e-9)
+    assert _kernels.dots(pairs) == got  # the same bits again
+    assert _kernels.dots([]) == []
+
+
+def test_norm_inf_without_a_temporary() -> None:
+    x = np.array([1.0, -7.5, 3.0])
+    assert _kernels.norm_inf(x) == 7.5
+    assert _kernels.norm_inf(np.zeros(0)) == 0.0
+    assert np.isnan(_kernels.norm_inf(np.array([1.0, np.nan, -2.0])))
