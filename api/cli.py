@@ -5,6 +5,9 @@ Every command that talks to a service reports a server that is down, a bad URL, 
 an unknown job or dataset in one line that says what to do (in the CLI's own commands and flags, not the REST
 API's), and exits with a non-zero code; ``--debug`` shows the traceback instead.
 
+The module imports only the standard library: each command imports what it needs (httpx, numpy, uvicorn,
+Dask) when it runs, so ``distbelief status`` starts without loading pandas, xarray or Dask.
+
 ``distbelief demo`` starts the embedded service (a local Dask cluster, a temporary zarr store, the REST API
 on 127.0.0.1), uploads the handwritten digits through the API, runs a Sandblaster L-BFGS job and a Downpour
 Adagrad job through it with progress bars, and prints a comparison table (with SciPy's L-BFGS-B in one
@@ -673,8 +676,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     1
     """
     args = _parser().parse_args(argv)
-    from pydantic import ValidationError
-
     from distbelief.errors import DistbeliefError
 
     def fail(message: str, code: int = 1) -> int:
@@ -696,14 +697,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         explained = explain(exc, url, getattr(args, "timeout", DEFAULT_TIMEOUT)) if url else None
         if explained is not None:
             return fail(explained)
-        if isinstance(exc, ValidationError):
+        if _is_validation_error(exc):
             problems = "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                for e in exc.errors(include_url=False)  # type: ignore[attr-defined]
             )
             return fail(f"bad settings: {problems}", 2)
         if isinstance(exc, DistbeliefError | OSError | TimeoutError):
             return fail(str(exc) or type(exc).__name__)
         return fail(f"unexpected {type(exc).__name__}: {exc}; run again with --debug for the traceback", 3)
+
+
+def _is_validation_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is pydantic's ``ValidationError`` (bad settings), without importing pydantic for
+    commands that never load it."""
+    pydantic = sys.modules.get("pydantic")
+    return pydantic is not None and isinstance(exc, pydantic.ValidationError)
 
 
 if __name__ == "__main__":

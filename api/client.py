@@ -20,16 +20,17 @@ import dataclasses
 import io
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
 import numpy as np
 import numpy.typing as npt
-import xarray as xr
 
-from distbelief.api._metrics import metrics_to_dataset
 from distbelief.errors import DistbeliefError, InvalidOptionError
+
+if TYPE_CHECKING:  # xarray (and pandas under it) load in Client.metrics only: `distbelief status` stays quick
+    import xarray as xr
 
 __all__ = ["ApiError", "Client"]
 
@@ -261,6 +262,8 @@ class Client:
         >>> c.metrics(job_id).objective.values[-1]   # doctest: +SKIP
         0.2639
         """
+        from distbelief.api._metrics import metrics_to_dataset
+
         body = self.metrics_columns(job_id)
         columns: dict[str, list[float | None]] = body["columns"]
         names = list(columns)

@@ -420,3 +420,52 @@ def test_metrics_table_of_no_rows_and_missing_values() -> None:
     table = metrics_table("step", {"step": [0, 10], "loss": [0.5, None]}).splitlines()
     assert table[0].split() == ["step", "loss"] and table[2].split() == ["10", "-"]
     assert metrics_table("step", {}) == ""
+
+
+# ------------------------------------------------------------------ a quick start
+
+
+HEAVY = (
+    "pandas",
+    "xarray",
+    "dask",
+    "dask.dataframe",
+    "distributed",
+    "fastapi",
+    "uvicorn",
+    "pydantic",
+    "zarr",
+)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status"],
+        ["status", UNKNOWN],
+        ["cancel", UNKNOWN],
+        ["delete", UNKNOWN],
+        ["metrics", UNKNOWN],
+        ["params", UNKNOWN, "-o", "{tmp}/p.npy"],
+        ["datasets", "list"],
+        ["datasets", "delete", "tiny"],
+    ],
+)
+def test_commands_that_talk_to_a_service_import_nothing_heavy(argv: list[str], tmp_path: Path) -> None:
+    # `distbelief status` spent ~4 s of a busy box importing pandas through xarray (the client's metrics):
+    # the CLI module and these commands must not load pandas, xarray, Dask, FastAPI or pydantic at all.
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens: the command fails in one line, quickly
+    code = (
+        "import sys\n"
+        "import distbelief.api.cli as cli\n"
+        f"loaded = sorted(m for m in {HEAVY!r} if m in sys.modules)\n"
+        f"cli.main({[*(a.format(tmp=tmp_path) for a in argv), '--url', url]!r})\n"
+        f"print(loaded, sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTBELIEF_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[] []", f"{argv} imported {proc.stdout.strip()}"
+    assert "cannot reach the service" in proc.stderr
