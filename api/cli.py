@@ -47,11 +47,44 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
     return Settings(**overrides)
 
 
+def _quiet_ctrl_c(settings: Any) -> contextlib.AbstractContextManager[Any]:
+    """While the CLI runs its embedded service: let Ctrl-C stop it in one line. Its Dask worker processes
+    (in the terminal's process group, so they get the SIGINT too) ignore the signal and are closed by the
+    service instead of each printing tracebacks (see ``api/_worker_preload.py``). Nothing to do with
+    ``--scheduler``: no worker is ours then."""
+    if settings.scheduler is not None:
+        return contextlib.nullcontext()
+    import dask
+
+    preload = list(dask.config.get("distributed.worker.preload", None) or [])
+    if _WORKER_PRELOAD in preload:
+        return contextlib.nullcontext()
+    return dask.config.set({"distributed.worker.preload": [*preload, _WORKER_PRELOAD]})
+
+
+_WORKER_PRELOAD = "distbelief.api._worker_preload"
+# Loggers that report a shutdown step by step: quiet once Ctrl-C has asked for one.
+_SHUTDOWN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "distributed", "distbelief")
+
+
+def _silence_shutdown() -> None:
+    """Keep the steps of a shutdown the user asked for off the terminal (errors still show)."""
+    import logging
+
+    for name in _SHUTDOWN_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from distbelief.api._server import service_config
     from distbelief.api.main import create_app
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            _silence_shutdown()  # the one line is main()'s "interrupted"
+            super().handle_exit(sig, frame)
 
     settings = _settings(args)
     app = create_app(settings)  # refuses a non-loopback host without a token
@@ -60,7 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
         f"distbelief: serving on http://{settings.host}:{settings.port}/ (store {settings.store})", flush=True
     )
     config = service_config(app, settings, host=settings.host, port=settings.port, log_level=args.log_level)
-    uvicorn.Server(config).run()
+    with _quiet_ctrl_c(settings):
+        Server(config).run()
     return 0
 
 
@@ -422,65 +456,70 @@ def _demo(args: argparse.Namespace) -> int:
             else "an embedded Dask cluster"
         )
         print(f"starting the service on {where} ...", flush=True)
-        server = BackgroundServer(create_app(settings))
-        url = server.start()
-        try:
-            with Client(url) as client:
-                print(f"dashboard: {url}/  (REST API {url}/api, OpenAPI {url}/docs)", flush=True)
-                client.upload_dataset("digits-train", X_tr, y_tr, overwrite=True)
-                client.upload_dataset("digits-test", X_te, y_te, overwrite=True)
-                # A first job pays for imports and first actors on fresh workers: keep it out of the table.
-                warm = {"algorithm": "sandblaster-lbfgs", "dataset": "digits-train", "model": spec}
-                warm_job = client.submit({**warm, "options": {"maxiter": 2}, "name": "demo: warm-up"})
-                client.wait(warm_job["id"], progress=False)
-                adagrad = {
-                    "rule": "adagrad",
-                    "lr": args.lr,
-                    "replicas": 2,
-                    "epochs": args.epochs,
-                    "l2": l2,
-                }
-                runs: list[tuple[str, dict[str, Any]]] = [
-                    ("Sandblaster L-BFGS", {"algorithm": "sandblaster-lbfgs", "options": {"l2": l2}}),
-                    ("Downpour Adagrad", {"algorithm": "downpour-sgd", "options": adagrad}),
-                ]
-                rows = []
-                for label, job in runs:
-                    body = {
-                        "model": spec,
-                        "dataset": "digits-train",
-                        "eval_dataset": "digits-test",
-                        "name": f"demo: {label}",
-                        **job,
+        with _quiet_ctrl_c(settings):  # (the workers ignore Ctrl-C: the service stops them)
+            server = BackgroundServer(create_app(settings))
+            url = server.start()
+            try:
+                with Client(url) as client:
+                    print(f"dashboard: {url}/  (REST API {url}/api, OpenAPI {url}/docs)", flush=True)
+                    client.upload_dataset("digits-train", X_tr, y_tr, overwrite=True)
+                    client.upload_dataset("digits-test", X_te, y_te, overwrite=True)
+                    # A first job pays for imports and first actors on fresh workers: not in the table.
+                    warm = {"algorithm": "sandblaster-lbfgs", "dataset": "digits-train", "model": spec}
+                    warm_job = client.submit({**warm, "options": {"maxiter": 2}, "name": "demo: warm-up"})
+                    client.wait(warm_job["id"], progress=False)
+                    adagrad = {
+                        "rule": "adagrad",
+                        "lr": args.lr,
+                        "replicas": 2,
+                        "epochs": args.epochs,
+                        "l2": l2,
                     }
-                    record = client.wait(client.submit(body)["id"])
-                    wall = _seconds(record.get("started_at"), record.get("finished_at"))
-                    w = client.params(record["id"]) if record["status"] == "succeeded" else None
-                    rows.append((label, record, wall, w))
-            with threadpool_limits(1, user_api="blas"):
-                start = time.perf_counter()
-                ref = scipy.optimize.minimize(
-                    lambda w: models.objective(model, w, X_tr, y_tr, l2=l2),
-                    np.zeros(model.n_params),
-                    jac=True,
-                    method="L-BFGS-B",
-                    options={"maxcor": 10},
+                    runs: list[tuple[str, dict[str, Any]]] = [
+                        ("Sandblaster L-BFGS", {"algorithm": "sandblaster-lbfgs", "options": {"l2": l2}}),
+                        ("Downpour Adagrad", {"algorithm": "downpour-sgd", "options": adagrad}),
+                    ]
+                    rows = []
+                    for label, job in runs:
+                        body = {
+                            "model": spec,
+                            "dataset": "digits-train",
+                            "eval_dataset": "digits-test",
+                            "name": f"demo: {label}",
+                            **job,
+                        }
+                        record = client.wait(client.submit(body)["id"])
+                        wall = _seconds(record.get("started_at"), record.get("finished_at"))
+                        w = client.params(record["id"]) if record["status"] == "succeeded" else None
+                        rows.append((label, record, wall, w))
+                with threadpool_limits(1, user_api="blas"):
+                    start = time.perf_counter()
+                    ref = scipy.optimize.minimize(
+                        lambda w: models.objective(model, w, X_tr, y_tr, l2=l2),
+                        np.zeros(model.n_params),
+                        jac=True,
+                        method="L-BFGS-B",
+                        options={"maxcor": 10},
+                    )
+                    scipy_wall = time.perf_counter() - start
+                rows.append(
+                    (
+                        "SciPy L-BFGS-B, 1 process",
+                        {"status": "succeeded", "iterations": ref.nit},
+                        scipy_wall,
+                        ref.x,
+                    )
                 )
-                scipy_wall = time.perf_counter() - start
-            rows.append(
-                (
-                    "SciPy L-BFGS-B, 1 process",
-                    {"status": "succeeded", "iterations": ref.nit},
-                    scipy_wall,
-                    ref.x,
-                )
-            )
-            _print_table(rows, model, X_tr, y_tr, X_te, y_te, l2)
-            print(f"\ndashboard: {url}/", flush=True)
-            if args.keep:
-                serve_until_interrupted(url)
-        finally:
-            server.stop()
+                _print_table(rows, model, X_tr, y_tr, X_te, y_te, l2)
+                print(f"\ndashboard: {url}/", flush=True)
+                if args.keep:
+                    serve_until_interrupted(url)  # returns on Ctrl-C
+                    _silence_shutdown()  # the line it printed is the last one
+            except KeyboardInterrupt:  # Ctrl-C before: main() says "interrupted", nothing else does
+                _silence_shutdown()
+                raise
+            finally:
+                server.stop()
     failed = [
         label
         for label, record, _, _ in rows

@@ -469,3 +469,79 @@ def test_commands_that_talk_to_a_service_import_nothing_heavy(argv: list[str], t
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[] []", f"{argv} imported {proc.stdout.strip()}"
     assert "cannot reach the service" in proc.stderr
+
+
+# ------------------------------------------------------------------ Ctrl-C
+
+
+def _ctrl_c(argv: list[str], ready: str, tmp_path: Path) -> tuple[float, list[str], int]:
+    """Start ``distbelief ARGV`` in its own process group, wait until it prints ``ready``, then press Ctrl-C
+    as a terminal does (SIGINT to the whole group: the CLI and the Dask workers it started). Returns the
+    seconds it took to exit, the lines it printed after the signal, and its exit code."""
+    import queue
+    import signal
+    import threading
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTBELIEF_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distbelief.api.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        before: list[str] = []
+        deadline = time.monotonic() + 240
+        while not any(ready in line for line in before):
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            assert line is not None, "\n".join(before)
+            before.append(line)
+        time.sleep(1.0)  # what it prints as it settles is not "after the signal"
+        while not lines.empty():
+            line = lines.get()
+            assert line is not None, "\n".join(before)
+            before.append(line)
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=60)
+        elapsed = time.monotonic() - start
+        after: list[str] = []
+        while (line := lines.get(timeout=10)) is not None:
+            after.append(line)
+        return elapsed, after, code
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_on_serve_exits_quickly_in_one_line(tmp_path: Path) -> None:
+    # It printed 62 lines: each Dask worker process's KeyboardInterrupt tracebacks and uvicorn's shutdown log.
+    argv = ["serve", "--port", str(_free_port()), "--store", str(tmp_path / "store")]
+    elapsed, after, code = _ctrl_c(argv, "Uvicorn running on", tmp_path)
+    assert after == ["distbelief: interrupted"], "\n".join(after)
+    assert code == 130
+    assert elapsed <= 5.0, f"{elapsed:.1f} s"
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_on_demo_exits_quickly_in_one_line(tmp_path: Path) -> None:
+    elapsed, after, code = _ctrl_c(["demo", "--epochs", "1"], "until Ctrl-C", tmp_path)
+    assert after == ["stopping the service ..."], "\n".join(after)
+    assert code == 0
+    assert elapsed <= 5.0, f"{elapsed:.1f} s"
