@@ -282,9 +282,10 @@ def _cancel(args: argparse.Namespace) -> int:
             print(f"cancelled job {job['id']}")
             return 0
         if not args.wait:
+            jid = job["id"]
             print(
-                f"job {job['id']} is {job['status']}: it stops after its current iteration "
-                f"(`distbelief status {job['id']}` shows when; `distbelief cancel --wait` waits for it)"
+                f"job {jid} is {job['status']}: it stops after its current iteration "
+                f"(`distbelief status {jid}` shows when; `distbelief cancel --wait {jid}` waits for it)"
             )
             return 0
         job = client.wait(job["id"], progress=False)
@@ -349,7 +350,7 @@ def _params(args: argparse.Namespace) -> int:
     with _client(args) as client:
         content, status = client.params_file(args.id)
     _write_file(args.output, content)
-    how = "" if status in (None, "succeeded") else f" (the job {status}: these are where it stopped)"
+    how = "" if status in (None, "succeeded") else f" (the job ended {status}: these are where it stopped)"
     print(f"wrote job {args.id}'s parameters to {args.output}{how}; numpy.load reads them")
     return 0
 
@@ -365,6 +366,9 @@ def _write_file(path: str, content: bytes) -> None:
             f"cannot write {path}: {exc.strerror or exc}; pick a writable folder (-o/--csv)"
         ) from exc
     try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)  # as open() would have made it, not mkstemp's 0600
         with os.fdopen(fd, "wb") as fh:
             fh.write(content)
         os.replace(tmp, target)

@@ -282,6 +282,12 @@ def test_metrics_params_delete_of_a_job(
     np.testing.assert_array_equal(np.load(tmp_path / "w.npy"), want_params)
     assert "numpy.load" in out and "w.npy" in out
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".part")]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "w.npy").stat().st_mode & 0o777 == 0o666 & ~mask
+    code, _, err = run(["params", job["id"], "-o", str(tmp_path / "no" / "w.npy"), "--url", server], capsys)
+    assert code == 2
+    assert_one_line(code, err, "cannot write", "No such file or directory", "-o")
 
     # a finished job has nothing to cancel: one line, non-zero, and it is still there
     code, _, err = run(["cancel", job["id"], "--url", server], capsys)
