@@ -1,7 +1,7 @@
 """The distbelief service: a FastAPI app (REST API, job runner, web dashboard), its Python client and CLI.
 
-The names below load on first use (PEP 562): ``from distbelief.api.client import Client`` needs only httpx,
-numpy and xarray, and never imports FastAPI, uvicorn or Dask.
+The names below load on first use (PEP 562): ``from distbelief.api.client import Client`` needs only httpx
+and numpy (xarray once ``Client.metrics`` is called), and never imports FastAPI, uvicorn or Dask.
 
 Examples
 --------

@@ -1,7 +1,12 @@
-"""The ``distbelief`` command line: ``serve``, ``submit``, ``status``, ``datasets`` and ``demo``.
+"""The ``distbelief`` command line: ``serve``, ``submit``, ``status``, ``cancel``, ``delete``, ``metrics``,
+``params``, ``datasets`` and ``demo``.
 
-Every command that talks to a service reports a server that is down, a bad URL, a wrong token or a timeout
-in one line that says what to do, and exits with a non-zero code; ``--debug`` shows the traceback instead.
+Every command that talks to a service reports a server that is down, a bad URL, a wrong token, a timeout or
+an unknown job or dataset in one line that says what to do (in the CLI's own commands and flags, not the REST
+API's), and exits with a non-zero code; ``--debug`` shows the traceback instead.
+
+The module imports only the standard library: each command imports what it needs (httpx, numpy, uvicorn,
+Dask) when it runs, so ``distbelief status`` starts without loading pandas, xarray or Dask.
 
 ``distbelief demo`` starts the embedded service (a local Dask cluster, a temporary zarr store, the REST API
 on 127.0.0.1), uploads the handwritten digits through the API, runs a Sandblaster L-BFGS job and a Downpour
@@ -12,8 +17,10 @@ process as the reference) and the dashboard URL.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -40,11 +47,44 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
     return Settings(**overrides)
 
 
+def _quiet_ctrl_c(settings: Any) -> contextlib.AbstractContextManager[Any]:
+    """While the CLI runs its embedded service: let Ctrl-C stop it in one line. Its Dask worker processes
+    (in the terminal's process group, so they get the SIGINT too) ignore the signal and are closed by the
+    service instead of each printing tracebacks (see ``api/_worker_preload.py``). Nothing to do with
+    ``--scheduler``: no worker is ours then."""
+    if settings.scheduler is not None:
+        return contextlib.nullcontext()
+    import dask
+
+    preload = list(dask.config.get("distributed.worker.preload", None) or [])
+    if _WORKER_PRELOAD in preload:
+        return contextlib.nullcontext()
+    return dask.config.set({"distributed.worker.preload": [*preload, _WORKER_PRELOAD]})
+
+
+_WORKER_PRELOAD = "distbelief.api._worker_preload"
+# Loggers that report a shutdown step by step: quiet once Ctrl-C has asked for one.
+_SHUTDOWN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "distributed", "distbelief")
+
+
+def _silence_shutdown() -> None:
+    """Keep the steps of a shutdown the user asked for off the terminal (errors still show)."""
+    import logging
+
+    for name in _SHUTDOWN_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from distbelief.api._server import service_config
     from distbelief.api.main import create_app
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            _silence_shutdown()  # the one line is main()'s "interrupted"
+            super().handle_exit(sig, frame)
 
     settings = _settings(args)
     app = create_app(settings)  # refuses a non-loopback host without a token
@@ -53,7 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
         f"distbelief: serving on http://{settings.host}:{settings.port}/ (store {settings.store})", flush=True
     )
     config = service_config(app, settings, host=settings.host, port=settings.port, log_level=args.log_level)
-    uvicorn.Server(config).run()
+    with _quiet_ctrl_c(settings):
+        Server(config).run()
     return 0
 
 
@@ -114,7 +155,7 @@ def explain(exc: BaseException, url: str, timeout: float) -> str | None:
             "the token the server was started with"
         )
     if isinstance(exc, ApiError):
-        return f"the service at {url} refused the request: {exc}"
+        return f"the service at {url} refused the request: HTTP {exc.status_code}: {cli_terms(exc.detail)}"
     if isinstance(exc, httpx.TimeoutException):
         return (
             f"the service at {url} did not answer within {timeout:g} s; it may be busy or stuck: try again, "
@@ -133,6 +174,49 @@ def explain(exc: BaseException, url: str, timeout: float) -> str | None:
             f"talking to the service at {url} failed ({type(exc).__name__}: {exc}); try again or use --debug"
         )
     return None
+
+
+_ID = r"(?:\{\{?[a-z_]+\}?\}|[^\s)/,;'\"`]+)"  # a job id or dataset name, or a placeholder: {id}, {{id}}
+# What the service's messages tell an HTTP client to do, and the CLI's way of doing it (most specific first).
+_CLI_TERMS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), replacement)
+    for pattern, replacement in (
+        (r"\bsend overwrite=true\b|\boverwrite=true\b", "pass --overwrite"),
+        (rf"\bGET /api/jobs/({_ID})/params\b", r"distbelief params \1 -o FILE.npy"),
+        (rf"\bPOST /api/jobs/({_ID})/cancel\b", r"distbelief cancel \1"),
+        (rf"\bGET /api/jobs/({_ID})/metrics\b", r"distbelief metrics \1"),
+        (rf"\bDELETE /api/jobs/({_ID})", r"distbelief delete \1"),
+        (rf"\bGET /api/jobs/({_ID})", r"distbelief status \1"),
+        (r"\bGET /api/jobs\b", "distbelief status"),
+        (r"\bPOST /api/jobs\b", "distbelief submit JOB.json"),
+        (rf"\bDELETE /api/datasets/({_ID})", r"distbelief datasets delete \1"),
+        (rf"\bGET /api/datasets/({_ID})", r"distbelief datasets show \1"),
+        (r"\bGET /api/datasets\b", "distbelief datasets list"),
+        (r"\b(?:multipart )?POST /api/datasets\b", "distbelief datasets upload FILE"),
+        (r"\{\{?(?:id|job_id)\}?\}", "ID"),
+        (r"\{\{?name\}?\}", "NAME"),
+    )
+)
+
+
+def cli_terms(message: str) -> str:
+    """A message of the service with what it tells an HTTP client to do (``send overwrite=true``,
+    ``GET /api/jobs``) said as the CLI's command or flag.
+
+    Examples
+    --------
+    >>> cli_terms("a dataset named 'd' exists already; choose another name, or send overwrite=true")
+    "a dataset named 'd' exists already; choose another name, or pass --overwrite"
+    >>> cli_terms("no job with id 'x'; list the jobs with GET /api/jobs")
+    "no job with id 'x'; list the jobs with distbelief status"
+    >>> cli_terms("job 1f is running; cancel it first (POST /api/jobs/1f/cancel)")
+    'job 1f is running; cancel it first (distbelief cancel 1f)'
+    >>> cli_terms("cancel them first (POST /api/jobs/{{id}}/cancel)")
+    'cancel them first (distbelief cancel ID)'
+    """
+    for pattern, replacement in _CLI_TERMS:
+        message = pattern.sub(replacement, message)
+    return message
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -161,6 +245,8 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _print_job(job: dict[str, Any]) -> None:
+    if isinstance(job.get("message"), str):  # what it says to do, in the CLI's terms
+        job = {**job, "message": cli_terms(job["message"])}
     print(json.dumps(job, indent=2, sort_keys=True))
 
 
@@ -187,6 +273,109 @@ def _status(args: argparse.Namespace) -> int:
             f"{j['iterations']:6d}  {shown}  {j['created_at'][:19]}"
         )
     return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.cancel(args.id)
+        if job["status"] == "cancelled":
+            print(f"cancelled job {job['id']}")
+            return 0
+        if not args.wait:
+            jid = job["id"]
+            print(
+                f"job {jid} is {job['status']}: it stops after its current iteration "
+                f"(`distbelief status {jid}` shows when; `distbelief cancel --wait {jid}` waits for it)"
+            )
+            return 0
+        job = client.wait(job["id"], progress=False)
+    print(f"job {job['id']} ended {job['status']}" + (f": {job['message']}" if job.get("message") else ""))
+    return 0 if job["status"] == "cancelled" else 1
+
+
+def _delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        client.delete(args.id)
+    print(f"deleted job {args.id} and what it stored")
+    return 0
+
+
+def metrics_table(dim: str, columns: dict[str, list[float | None]]) -> str:
+    """A job's metrics as a text table: one row per iteration or step, one column per metric.
+
+    Examples
+    --------
+    >>> columns = {"iteration": [0, 1], "objective": [0.69, 0.25], "gnorm": [1.5, None]}
+    >>> print(metrics_table("iteration", columns))
+    iteration     objective         gnorm
+            0          0.69           1.5
+            1          0.25             -
+    """
+    names = list(columns)
+    widths = [max(len(name), 9 if j == 0 else 12) for j, name in enumerate(names)]
+    lines = ["  ".join(f"{name:>{w}}" for name, w in zip(names, widths, strict=True))]
+    for i in range(len(columns[names[0]]) if names else 0):
+        cells = []
+        for j, (name, w) in enumerate(zip(names, widths, strict=True)):
+            v = columns[name][i]
+            text = "-" if v is None else (f"{int(v)}" if j == 0 else f"{v:.6g}")
+            cells.append(f"{text:>{w}}")
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.csv is not None:
+            text = client.metrics_csv(args.id)
+        else:
+            body = client.metrics_columns(args.id)
+    if args.csv is None:
+        columns = body["columns"]
+        if not columns or not next(iter(columns.values())):
+            print(f"job {args.id} has no metrics yet")
+            return 0
+        print(metrics_table(body["dim"], columns))
+        return 0
+    rows = max(text.count("\n") - 1, 0)
+    if args.csv == "-":
+        sys.stdout.write(text)
+        return 0
+    _write_file(args.csv, text.encode("utf-8"))
+    print(f"wrote {rows} rows of job {args.id}'s metrics to {args.csv}")
+    return 0
+
+
+def _params(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        content, status = client.params_file(args.id)
+    _write_file(args.output, content)
+    how = "" if status in (None, "succeeded") else f" (the job ended {status}: these are where it stopped)"
+    print(f"wrote job {args.id}'s parameters to {args.output}{how}; numpy.load reads them")
+    return 0
+
+
+def _write_file(path: str, content: bytes) -> None:
+    """Write ``content`` to ``path`` whole or not at all (a temporary file renamed into place)."""
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".distbelief-", suffix=".part")
+    except OSError as exc:
+        raise InvalidOptionError(
+            f"cannot write {path}: {exc.strerror or exc}; pick a writable folder (-o/--csv)"
+        ) from exc
+    try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)  # as open() would have made it, not mkstemp's 0600
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(content)
+        os.replace(tmp, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise InvalidOptionError(f"cannot write {path}: {exc.strerror or exc}") from exc
 
 
 def _datasets_upload(args: argparse.Namespace) -> int:
@@ -231,6 +420,13 @@ def _datasets_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _datasets_delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        client.delete_dataset(args.name)
+    print(f"deleted dataset {args.name}")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------ demo
 
 
@@ -264,65 +460,70 @@ def _demo(args: argparse.Namespace) -> int:
             else "an embedded Dask cluster"
         )
         print(f"starting the service on {where} ...", flush=True)
-        server = BackgroundServer(create_app(settings))
-        url = server.start()
-        try:
-            with Client(url) as client:
-                print(f"dashboard: {url}/  (REST API {url}/api, OpenAPI {url}/docs)", flush=True)
-                client.upload_dataset("digits-train", X_tr, y_tr, overwrite=True)
-                client.upload_dataset("digits-test", X_te, y_te, overwrite=True)
-                # A first job pays for imports and first actors on fresh workers: keep it out of the table.
-                warm = {"algorithm": "sandblaster-lbfgs", "dataset": "digits-train", "model": spec}
-                warm_job = client.submit({**warm, "options": {"maxiter": 2}, "name": "demo: warm-up"})
-                client.wait(warm_job["id"], progress=False)
-                adagrad = {
-                    "rule": "adagrad",
-                    "lr": args.lr,
-                    "replicas": 2,
-                    "epochs": args.epochs,
-                    "l2": l2,
-                }
-                runs: list[tuple[str, dict[str, Any]]] = [
-                    ("Sandblaster L-BFGS", {"algorithm": "sandblaster-lbfgs", "options": {"l2": l2}}),
-                    ("Downpour Adagrad", {"algorithm": "downpour-sgd", "options": adagrad}),
-                ]
-                rows = []
-                for label, job in runs:
-                    body = {
-                        "model": spec,
-                        "dataset": "digits-train",
-                        "eval_dataset": "digits-test",
-                        "name": f"demo: {label}",
-                        **job,
+        with _quiet_ctrl_c(settings):  # (the workers ignore Ctrl-C: the service stops them)
+            server = BackgroundServer(create_app(settings))
+            url = server.start()
+            try:
+                with Client(url) as client:
+                    print(f"dashboard: {url}/  (REST API {url}/api, OpenAPI {url}/docs)", flush=True)
+                    client.upload_dataset("digits-train", X_tr, y_tr, overwrite=True)
+                    client.upload_dataset("digits-test", X_te, y_te, overwrite=True)
+                    # A first job pays for imports and first actors on fresh workers: not in the table.
+                    warm = {"algorithm": "sandblaster-lbfgs", "dataset": "digits-train", "model": spec}
+                    warm_job = client.submit({**warm, "options": {"maxiter": 2}, "name": "demo: warm-up"})
+                    client.wait(warm_job["id"], progress=False)
+                    adagrad = {
+                        "rule": "adagrad",
+                        "lr": args.lr,
+                        "replicas": 2,
+                        "epochs": args.epochs,
+                        "l2": l2,
                     }
-                    record = client.wait(client.submit(body)["id"])
-                    wall = _seconds(record.get("started_at"), record.get("finished_at"))
-                    w = client.params(record["id"]) if record["status"] == "succeeded" else None
-                    rows.append((label, record, wall, w))
-            with threadpool_limits(1, user_api="blas"):
-                start = time.perf_counter()
-                ref = scipy.optimize.minimize(
-                    lambda w: models.objective(model, w, X_tr, y_tr, l2=l2),
-                    np.zeros(model.n_params),
-                    jac=True,
-                    method="L-BFGS-B",
-                    options={"maxcor": 10},
+                    runs: list[tuple[str, dict[str, Any]]] = [
+                        ("Sandblaster L-BFGS", {"algorithm": "sandblaster-lbfgs", "options": {"l2": l2}}),
+                        ("Downpour Adagrad", {"algorithm": "downpour-sgd", "options": adagrad}),
+                    ]
+                    rows = []
+                    for label, job in runs:
+                        body = {
+                            "model": spec,
+                            "dataset": "digits-train",
+                            "eval_dataset": "digits-test",
+                            "name": f"demo: {label}",
+                            **job,
+                        }
+                        record = client.wait(client.submit(body)["id"])
+                        wall = _seconds(record.get("started_at"), record.get("finished_at"))
+                        w = client.params(record["id"]) if record["status"] == "succeeded" else None
+                        rows.append((label, record, wall, w))
+                with threadpool_limits(1, user_api="blas"):
+                    start = time.perf_counter()
+                    ref = scipy.optimize.minimize(
+                        lambda w: models.objective(model, w, X_tr, y_tr, l2=l2),
+                        np.zeros(model.n_params),
+                        jac=True,
+                        method="L-BFGS-B",
+                        options={"maxcor": 10},
+                    )
+                    scipy_wall = time.perf_counter() - start
+                rows.append(
+                    (
+                        "SciPy L-BFGS-B, 1 process",
+                        {"status": "succeeded", "iterations": ref.nit},
+                        scipy_wall,
+                        ref.x,
+                    )
                 )
-                scipy_wall = time.perf_counter() - start
-            rows.append(
-                (
-                    "SciPy L-BFGS-B, 1 process",
-                    {"status": "succeeded", "iterations": ref.nit},
-                    scipy_wall,
-                    ref.x,
-                )
-            )
-            _print_table(rows, model, X_tr, y_tr, X_te, y_te, l2)
-            print(f"\ndashboard: {url}/", flush=True)
-            if args.keep:
-                serve_until_interrupted(url)
-        finally:
-            server.stop()
+                _print_table(rows, model, X_tr, y_tr, X_te, y_te, l2)
+                print(f"\ndashboard: {url}/", flush=True)
+                if args.keep:
+                    serve_until_interrupted(url)  # returns on Ctrl-C
+                    _silence_shutdown()  # the line it printed is the last one
+            except KeyboardInterrupt:  # Ctrl-C before: main() says "interrupted", nothing else does
+                _silence_shutdown()
+                raise
+            finally:
+                server.stop()
     failed = [
         label
         for label, record, _, _ in rows
@@ -429,7 +630,38 @@ def _parser() -> argparse.ArgumentParser:
     _client_options(status)
     status.set_defaults(func=_status)
 
-    datasets = sub.add_parser("datasets", parents=[common], help="upload, list and show datasets")
+    cancel = sub.add_parser(
+        "cancel", parents=[common], help="cancel a queued job, or stop a running one after its iteration"
+    )
+    cancel.add_argument("id", help="the job's id (distbelief status lists them)")
+    cancel.add_argument("--wait", action="store_true", help="wait until a running job has stopped")
+    _client_options(cancel)
+    cancel.set_defaults(func=_cancel)
+
+    delete = sub.add_parser("delete", parents=[common], help="delete a finished job and what it stored")
+    delete.add_argument("id", help="the job's id (distbelief status lists them)")
+    _client_options(delete)
+    delete.set_defaults(func=_delete)
+
+    metrics = sub.add_parser(
+        "metrics", parents=[common], help="show a job's metrics as a table, or write them as CSV (--csv)"
+    )
+    metrics.add_argument("id", help="the job's id (distbelief status lists them)")
+    metrics.add_argument("--csv", metavar="FILE", help="write a CSV file instead of the table (- for stdout)")
+    _client_options(metrics)
+    metrics.set_defaults(func=_metrics)
+
+    params = sub.add_parser(
+        "params", parents=[common], help="save the parameters a finished job ended with as a .npy file"
+    )
+    params.add_argument("id", help="the job's id (distbelief status lists them)")
+    params.add_argument(
+        "-o", "--output", required=True, metavar="FILE.npy", help="the file to write (numpy.load reads it)"
+    )
+    _client_options(params)
+    params.set_defaults(func=_params)
+
+    datasets = sub.add_parser("datasets", parents=[common], help="upload, list, show and delete datasets")
     dsub = datasets.add_subparsers(dest="datasets_command", required=True)
     upload = dsub.add_parser(
         "upload", parents=[common], help="upload an .npz (arrays X and y) or a CSV file as a dataset"
@@ -449,6 +681,12 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("name", help="the dataset's name")
     _client_options(show)
     show.set_defaults(func=_datasets_show)
+    remove = dsub.add_parser(
+        "delete", parents=[common], help="delete an uploaded dataset, or forget a registered one"
+    )
+    remove.add_argument("name", help="the dataset's name (distbelief datasets list lists them)")
+    _client_options(remove)
+    remove.set_defaults(func=_datasets_delete)
 
     demo = sub.add_parser(
         "demo",
@@ -481,8 +719,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     1
     """
     args = _parser().parse_args(argv)
-    from pydantic import ValidationError
-
     from distbelief.errors import DistbeliefError
 
     def fail(message: str, code: int = 1) -> int:
@@ -504,14 +740,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         explained = explain(exc, url, getattr(args, "timeout", DEFAULT_TIMEOUT)) if url else None
         if explained is not None:
             return fail(explained)
-        if isinstance(exc, ValidationError):
+        if _is_validation_error(exc):
             problems = "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                for e in exc.errors(include_url=False)  # type: ignore[attr-defined]
             )
             return fail(f"bad settings: {problems}", 2)
         if isinstance(exc, DistbeliefError | OSError | TimeoutError):
             return fail(str(exc) or type(exc).__name__)
         return fail(f"unexpected {type(exc).__name__}: {exc}; run again with --debug for the traceback", 3)
+
+
+def _is_validation_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is pydantic's ``ValidationError`` (bad settings), without importing pydantic for
+    commands that never load it."""
+    pydantic = sys.modules.get("pydantic")
+    return pydantic is not None and isinstance(exc, pydantic.ValidationError)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,17 @@ import dataclasses
 import io
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
 import numpy as np
 import numpy.typing as npt
-import xarray as xr
 
-from distbelief.api._metrics import metrics_to_dataset
 from distbelief.errors import DistbeliefError, InvalidOptionError
+
+if TYPE_CHECKING:  # xarray (and pandas under it) load in Client.metrics only: `distbelief status` stays quick
+    import xarray as xr
 
 __all__ = ["ApiError", "Client"]
 
@@ -236,6 +237,23 @@ class Client:
                 time.sleep(poll)
                 record = self.job(job_id)
 
+    def metrics_columns(self, job_id: str) -> dict[str, Any]:
+        """The job's metrics as the service sends them: ``{"dim", "columns": {name: [value or None, ...]}}``
+        (the first column indexes the rows); no xarray needed.
+
+        Examples
+        --------
+        >>> c.metrics_columns(job_id)["columns"]["objective"][-1]   # doctest: +SKIP
+        0.2639
+        """
+        result: dict[str, Any] = self._json("GET", f"/api/jobs/{_segment(job_id, 'job id')}/metrics")
+        return result
+
+    def metrics_csv(self, job_id: str) -> str:
+        """The job's metrics as CSV text: a header of metric names, then one row per iteration or step."""
+        path = f"/api/jobs/{_segment(job_id, 'job id')}/metrics"
+        return self._request("GET", path, params={"format": "csv"}).text
+
     def metrics(self, job_id: str) -> xr.Dataset:
         """The job's metrics as an ``xarray.Dataset`` (one variable per metric, indexed by iteration/step).
 
@@ -244,7 +262,9 @@ class Client:
         >>> c.metrics(job_id).objective.values[-1]   # doctest: +SKIP
         0.2639
         """
-        body = self._json("GET", f"/api/jobs/{_segment(job_id, 'job id')}/metrics")
+        from distbelief.api._metrics import metrics_to_dataset
+
+        body = self.metrics_columns(job_id)
         columns: dict[str, list[float | None]] = body["columns"]
         names = list(columns)
         # null (a missing value) becomes NaN
@@ -253,8 +273,21 @@ class Client:
 
     def params(self, job_id: str) -> np.ndarray:
         """The parameters the job ended with."""
-        data = self._request("GET", f"/api/jobs/{_segment(job_id, 'job id')}/params").content
+        data, _ = self.params_file(job_id)
         return np.asarray(np.load(io.BytesIO(data), allow_pickle=False))
+
+    def params_file(self, job_id: str) -> tuple[bytes, str | None]:
+        """The parameters the job ended with as the bytes of a ``.npy`` file, and how the job ended (a failed
+        job that saved parameters serves them too).
+
+        Examples
+        --------
+        >>> data, status = c.params_file(job_id)   # doctest: +SKIP
+        >>> status, np.load(io.BytesIO(data)).shape   # doctest: +SKIP
+        ('succeeded', (650,))
+        """
+        response = self._request("GET", f"/api/jobs/{_segment(job_id, 'job id')}/params")
+        return response.content, response.headers.get("X-Job-Status")
 
     def estimator(self, job_id: str, **params: Any) -> Any:
         """A finished job as a fitted scikit-learn estimator (``distbelief.sklearn``), ready to predict.

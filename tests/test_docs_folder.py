@@ -1,4 +1,5 @@
-"""docs/ keeps up with the code: every setting and every route is documented, and links stay inside."""
+"""docs/ keeps up with the code: every setting and every route is documented, links stay inside, `pip install`
+installs this checkout and every `distbelief` command named exists."""
 
 from __future__ import annotations
 
@@ -66,3 +67,46 @@ def test_the_data_science_page_has_its_sections() -> None:
     assert len(SCRIPTS) >= 5
     for topic in ("Estimators", "Sparse", "Parquet", "JAX", "Saving and loading"):
         assert topic in DOCS["data-science.md"], topic
+
+
+SHELL_BLOCKS = [
+    (name, block)
+    for name, text in {**DOCS, "README.md": (ROOT / "README.md").read_text()}.items()
+    for block in re.findall(r"^```(?:bash|sh|shell)\n(.*?)^```$", text, re.M | re.S)
+]
+
+
+def test_pip_install_commands_name_this_checkout() -> None:
+    # docs/operations.md said `pip install ./distbelief`: from a checkout's root, ./distbelief is the
+    # package folder (no pyproject.toml there), and pip fails.
+    targets = [
+        (name, m.group(1))
+        for name, block in SHELL_BLOCKS
+        for m in re.finditer(r"\bpip install ((?:\"[^\"]*\"|'[^']*'|\S)+)", re.sub(r"(?m)#.*$", "", block))
+    ]
+    assert any(name == "operations.md" for name, _ in targets)
+    for name, target in targets:
+        path = re.sub(r"\[[^\]]*\]$", "", target.strip("\"'"))  # ".[test]" -> "."
+        assert (ROOT / path / "pyproject.toml").is_file(), (name, f"pip install {target}")
+
+
+def test_cli_commands_in_the_docs_exist() -> None:
+    from distbelief.api.cli import _parser
+
+    sub = next(a for a in _parser()._actions if a.dest == "command")
+    commands = set(sub.choices)  # type: ignore[arg-type]
+    texts = {**DOCS, "README.md": (ROOT / "README.md").read_text()}
+    # as code: `distbelief X ...` in the text, or a command line of a shell block
+    named = {
+        (name, m.group(1))
+        for name, text in texts.items()
+        for m in re.finditer(r"`distbelief ([a-z]+)\b", text)
+    }
+    named |= {
+        (name, m.group(1))
+        for name, block in SHELL_BLOCKS
+        for m in re.finditer(r"^distbelief ([a-z]+)\b", block, re.M)
+    }
+    unknown = {(name, c) for name, c in named if c not in commands}
+    assert not unknown, unknown
+    assert {"cancel", "delete", "metrics", "params"} <= commands
