@@ -59,12 +59,15 @@ SHARD_MIN_PARAMS = 1 << 17
 #: portions took 0.78x the CPU per evaluation of 12 (83 against 106 ms) and 1.70x the kernel floor
 #: against 2.02x.
 PORTION_WORK = 25_000_000
-#: Row-parameter products one stored nonzero of a CSR row counts for, per coefficient of its column: the
-#: compiled sparse pass touches each nonzero twice (``X @ w`` and ``X.T @ r``) through an index, ~4 ns a
-#: nonzero against ~0.36 ns a dense product (issue 29). A wide sparse model's work is its nonzeros, not
-#: ``rows x parameters``: sized by the latter, a 2^20-wide set of 500k rows took 65 portions of 7,700 rows,
-#: each paying a key lookup, an exact-sum deposit over its keys and a share of a push.
-SPARSE_NONZERO_WORK = 10
+#: Row-parameter products one stored nonzero of a CSR row counts for, per coefficient of its column. A wide
+#: sparse model's work is its nonzeros, not ``rows x parameters``: sized by the latter, a 2^20-wide set of
+#: 500k rows x 40 nonzeros took 65 portions of 7,700 rows. Beyond the kernel (~4 ns a nonzero against
+#: ~0.36 ns a dense product), every sparse portion costs work per distinct key (its parameters gathered,
+#: its gradient cut per shard and pushed, 12 bytes a key, and added on the shards), and neighbouring
+#: portions share most keys; so fewer, wider portions pay. Measured on a quiet box (issue 29, 2 workers,
+#: L-BFGS, 10 iterations): 2^20 parameters 0.144 s/iter with 8 portions against 0.124 with 4; 2^24 0.71
+#: against 0.48. 5 gives 4 portions (the floor of two a replica) on those sets.
+SPARSE_NONZERO_WORK = 5
 #: Whether a dense model on one shard has that shard hand out the work calls with the parameters
 #: (:meth:`storage.ShardActor.hand_out`) rather than every replica fetching and pushing by itself; off
 #: only to measure the difference (benchmarks) and to test the other path.

@@ -379,17 +379,17 @@ class Replica:
         values, prep_results = await self.shards.prepare_and_gather(eval_id, prep, x_name, asked)
         self.bytes_pulled += sum(kv_bytes(a, v) for a, v in zip(asked, values, strict=True))
 
-        def pick() -> np.ndarray:
+        def pick() -> _KV:
+            if all(a is None for a in asked):
+                return _KV(keys, None, np.concatenate(values))  # every slice whole: no gather
             picked = [v if a is not None else v[k] for k, a, v in zip(local, asked, values, strict=True)]
-            return np.concatenate(picked) if picked else np.zeros(0)
+            return _KV(keys, np.concatenate(picked) if picked else np.zeros(0))
 
         # Picking ~1e6 values out of whole slices takes milliseconds: on the compute thread (idle while the
         # parameters are on their way), not on the loop that answers the shards' messages.
         if keys.size > INLINE_KEYS:
-            return _KV(
-                keys, await asyncio.get_running_loop().run_in_executor(self._compute, pick)
-            ), prep_results
-        return _KV(keys, pick()), prep_results
+            return await asyncio.get_running_loop().run_in_executor(self._compute, pick), prep_results
+        return pick(), prep_results
 
     def _compute_portions(
         self, w: np.ndarray, assign: Sequence[int], solo: bool, eval_id: int | None = None
