@@ -308,7 +308,7 @@ class Shard:
         """``dst`` = the pseudo-gradient of ``f + l1 ||x||_1`` from ``f``'s gradient ``g`` at ``x``; the
         global ranges ``free`` have no L1 term (storage._l1)."""
         local = _l1.local_ranges(free, self.lo, self.hi)
-        np.copyto(self._target(dst), _l1.pseudo_gradient(self.vector(g), self.vector(x), float(l1), local))
+        _l1.pseudo_gradient(self.vector(g), self.vector(x), float(l1), local, out=self._target(dst))
 
     def _op_sign_align(self, d: str, v: str) -> None:
         """Zero the entries of ``d`` whose sign is not that of ``-v``."""
@@ -316,7 +316,7 @@ class Shard:
 
     def _op_orthant(self, dst: str, x: str, v: str) -> None:
         """``dst = sign(x)``, or ``sign(-v)`` where ``x`` is 0."""
-        np.copyto(self._target(dst), _l1.orthant(self.vector(x), self.vector(v)))
+        _l1.orthant(self.vector(x), self.vector(v), out=self._target(dst))
 
     def _op_project_orthant(self, x: str, xi: str, free: Sequence[tuple[int, int]] = ()) -> None:
         """Zero the entries of ``x`` whose sign is not ``xi``'s."""

@@ -133,3 +133,40 @@ def test_norm_inf_without_a_temporary() -> None:
     assert _kernels.norm_inf(x) == 7.5
     assert _kernels.norm_inf(np.zeros(0)) == 0.0
     assert np.isnan(_kernels.norm_inf(np.array([1.0, np.nan, -2.0])))
+
+
+def test_the_compiled_l1_kernels_equal_the_numpy_expressions() -> None:
+    from distbelief.storage import _l1
+
+    rng = np.random.default_rng(8)
+    n = _kernels.COMPILED_FROM + 101
+    special = np.array([0.0, -0.0, np.nan, 1e-300, -1e-300, np.inf, -np.inf, 2.0, -2.0])
+
+    def draw() -> np.ndarray:
+        v = rng.normal(size=n) * 10.0 ** rng.integers(-5, 5, size=n)
+        v[rng.random(n) < 0.3] = 0.0
+        v[: special.size] = special
+        return rng.permuted(v)
+
+    g, x, v, d = draw(), draw(), draw(), draw()
+    l1, free = 0.7, [(10, 20), (n - 5, n)]
+    want = np.subtract(g, np.clip(g, -l1, l1))
+    moved = x != 0.0
+    want[moved] = g[moved] + l1 * np.sign(x[moved])
+    for a, b in free:
+        want[a:b] = g[a:b]
+    np.testing.assert_array_equal(_l1.pseudo_gradient(g, x, l1, free), want)
+    np.testing.assert_array_equal(_l1.orthant(x, v), np.sign(np.where(x != 0.0, x, -v)) + 0.0)
+    assert not np.signbit(_l1.orthant(x, v)[_l1.orthant(x, v) == 0.0]).any()  # no -0.0
+    got, want_d = d.copy(), d.copy()
+    _l1.sign_align(got, v)
+    want_d[want_d * np.sign(v) >= 0.0] = 0.0
+    np.testing.assert_array_equal(got, want_d)
+    xi = _l1.orthant(x, g)
+    got_x, want_x = v.copy(), v.copy()
+    _l1.project_orthant(got_x, xi, free)
+    left = np.sign(want_x) != xi
+    for a, b in free:
+        left[a:b] = False
+    want_x[left] = 0.0
+    np.testing.assert_array_equal(got_x, want_x)
