@@ -558,7 +558,19 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Sparse logistic regression, hashed CTR features, L-BFGS m=10 (shared, loaded 2-core box)")
+    floors = sorted(
+        (c["log2"], c["floor_s_per_iter"]) for c in compare(rows) if "floor_s_per_iter" in c
+    )  # fmt: skip
+    if floors:
+        ax_t.plot(
+            [2**k for k, _ in floors], [f for _, f in floors], "k:", label="physical floor (one process)"
+        )
+        ax_t.legend(fontsize=7)
+    loads = sorted(
+        {round(float(r["run_machine"]["load_avg_at_start"][0]), 1) for r in rows if "run_machine" in r}
+    )  # fmt: skip
+    said = f"load average at the runs' starts: {', '.join(map(str, loads))}" if loads else "2-core box"
+    fig.suptitle(f"Sparse logistic regression, hashed CTR features, L-BFGS m=10 ({said})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
