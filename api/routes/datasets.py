@@ -320,7 +320,7 @@ def delete_dataset(name: _Name, runner: RunnerDep) -> Response:
         if users:
             raise ConflictError(
                 f"dataset {name!r} is used by queued or running job(s) {', '.join(users)}; cancel them "
-                "first (POST /api/jobs/{{id}}/cancel) or wait for them to finish"
+                "first (POST /api/jobs/{id}/cancel) or wait for them to finish"
             )
         if runner.store.is_being_written(name):
             raise ConflictError(

@@ -123,6 +123,7 @@ async def test_an_alias_does_not_free_its_dataset_while_a_job_reads_it(small: ht
         await wait_iterations(small, job["id"], 1)
         r = await small.delete("/api/datasets/digits")
         assert r.status_code == 409 and job["id"] in r.json()["detail"], r.text
+        assert "POST /api/jobs/{id}/cancel" in r.json()["detail"], r.text  # not "{{id}}"
         r = await small.post(
             "/api/datasets",
             data={"name": "digits", "overwrite": "true"},
