@@ -26,6 +26,7 @@ leaves the coordinate alone and ``norm1`` does not count it: OWL-QN with a per-c
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -196,6 +197,16 @@ def norm1(x: np.ndarray, free: Ranges = ()) -> float:
     >>> norm1(np.array([1.0, -2.0, 0.5]), free=[(1, 2)])
     1.5
     """
+    if x.size >= _kernels.COMPILED_FROM:
+        # Blocks of numpy's pairwise sum of |x|, added in block order: no temporary of the vector's size.
+        total = 0.0
+        cuts = sorted({0, x.size, *(min(max(int(c), 0), x.size) for r in free for c in r)})
+        for a, b in itertools.pairwise(cuts):
+            if any(lo <= a and b <= hi for lo, hi in free):
+                continue
+            for start in range(a, b, _kernels.DOT_BLOCK):
+                total += float(np.abs(x[start : min(b, start + _kernels.DOT_BLOCK)]).sum())
+        return total
     a = np.abs(x)  # a new array: zeroing the free ranges leaves x alone
     if free:
         for lo, hi in free:
