@@ -294,3 +294,23 @@ def test_rollback_gives_every_shard_its_own_scalar_state(client: Client, tmp_pat
         assert not retried[0] and fresh[0]
     finally:
         ps.close()
+
+
+def test_an_interrupted_checkpoint_leaves_the_previous_one_intact(client: Client, tmp_path: Path) -> None:
+    """The promise of ParameterServer.checkpoint: a checkpoint that fails half-way (one shard wrote its
+    part, the other failed) leaves the last complete one as it was, and a rollback restores it exactly."""
+    n = 10
+    ps = ParameterServer.create(client, n, shards=2, store=str(tmp_path / "ps"), target_chunk=5)
+    try:
+        old = np.arange(n, dtype=float)
+        ps.scatter("x", old)
+        ps.checkpoint(["x"])
+        ps.scale(-3.0, "x")
+        ps._call([1], "run", [([("delete", "x")],)])  # shard 1 cannot write "x" now; shard 0 can
+        with pytest.raises(InvalidOptionError):
+            ps.checkpoint(["x"])
+        assert ps.checkpoint_id == 1
+        ps.rollback()
+        np.testing.assert_array_equal(ps.gather("x"), old)
+    finally:
+        ps.close()
