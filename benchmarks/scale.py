@@ -808,11 +808,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             rounds: dict[str, list[dict[str, Any]]] = {}
             # Rounds alternate ours and SciPy, so a change in the box's speed hits both alike; each row
             # reports the round with the median seconds per iteration, and every round's figure.
+            # Our runs of a round: (key, communication, l1); OWL-QN on sparse communication with --owlqn.
+            ours = [(m, m, 0.0) for m in modes if not (m == "dense" and k > args.dense_max_log2)]
+            ours += [("owlqn", "sparse", L1)] if args.owlqn else []
             for _ in range(args.repeats):
-                for mode in modes:
+                for key, mode, l1 in ours:
                     row: dict[str, Any] = {"log2": k, "n_params": n_params, "nnz": nnz, "generate_s": gen_s}
-                    if mode == "dense" and k > args.dense_max_log2:
-                        continue
                     try:
                         row.update(
                             run_distbelief(
@@ -824,33 +825,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                 args.push_every,
                                 mode,
                                 args.worker_memory,
+                                l1=l1,
                             )
                         )
                     except Exception as e:  # recorded, not fatal: the other sizes still run
-                        row.update(
-                            method="distbelief", communication=mode, status=f"{type(e).__name__}: {e}"[:300]
-                        )
-                    rounds.setdefault(mode, []).append(row)
-                    print(table([row]).splitlines()[1], flush=True)
-                if args.owlqn:
-                    row = {"log2": k, "n_params": n_params, "nnz": nnz, "generate_s": gen_s}
-                    try:
-                        row.update(
-                            run_distbelief(
-                                ds,
-                                1 << k,
-                                args.maxiter,
-                                shard_memory,
-                                args.workers,
-                                args.push_every,
-                                "sparse",
-                                args.worker_memory,
-                                l1=L1,
-                            )
-                        )
-                    except Exception as e:
-                        row.update(method="distbelief OWL-QN", communication="sparse", status=f"{e!r}"[:300])
-                    rounds.setdefault("owlqn", []).append(row)
+                        method = "distbelief OWL-QN" if l1 else "distbelief"
+                        row.update(method=method, communication=mode, status=f"{type(e).__name__}: {e}"[:300])
+                    rounds.setdefault(key, []).append(row)
                     print(table([row]).splitlines()[1], flush=True)
                 if not args.no_scipy:
                     row = {"log2": k, "n_params": n_params, "nnz": nnz}
