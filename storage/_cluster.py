@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import multiprocessing
 import os
 import threading
@@ -209,7 +210,15 @@ def close_embedded() -> None:
             cluster.close()
 
 
-atexit.register(close_embedded)
+def _close_at_exit() -> None:
+    """:func:`close_embedded` at interpreter exit, with distributed's INFO chatter about the closing
+    (clients removed, streams closed) silenced: by then a test runner or a service may have closed the
+    streams its handlers write to, and each record would print a "--- Logging error ---" traceback."""
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    close_embedded()
+
+
+atexit.register(_close_at_exit)
 
 
 # ------------------------------------------------------------------------------------------- checking
