@@ -48,7 +48,7 @@ from distbelief.downpour._compress import Compression
 from distbelief.downpour._options import DownpourOptions, Rule, check_workers, worker_tuple
 from distbelief.downpour._replica import DownpourReplica, RecordPlan, ReplicaConfig
 from distbelief.downpour._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
-from distbelief.downpour._watch import StepRuleStallWarning, Watchdog, gradient_norms, stall_message
+from distbelief.downpour._watch import StepRuleStallWarning, Watchdog, stall_message
 from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
 from distbelief.models import objective
 from distbelief.models._fitted import FittedMixin
@@ -67,9 +67,6 @@ from distbelief.storage._sparse import as_csr, is_sparse
 
 __all__ = ["Progress", "TrainResult", "train"]
 
-#: Above this many values of X, the end-of-run stall check (two passes over the rows) is skipped.
-STALL_CHECK_MAX_VALUES = 1 << 25
-
 #: How many lost shards a run recovers from before it gives up.
 MAX_RECOVERIES = 5
 #: History entries a run aims at, whatever its length. The replicas record them at set step counts (or
@@ -83,6 +80,16 @@ HISTORY_X_BYTES = 512 << 20
 #: The training objective is computed on at most this many values of X (rows x features); a larger dataset
 #: is evaluated on an evenly spread sample of its portions.
 OBJECTIVE_MAX_VALUES = 4_000_000
+#: ... and on at most this many row-parameter products (rows x parameters of a dense model): an MLP's row
+#: costs its parameters, not its features. The MLP 256-512-512-10 (399,370 parameters) on 40,000 rows took
+#: ~3 s an objective on 15,600 rows (the values budget alone), and a 10 s run returned after ~110 s; on 250
+#: rows an objective costs ~10 ms (issue 30, item 3).
+OBJECTIVE_MAX_WORK = 100_000_000
+#: The driver's evaluations of history rows (objective, held-out metrics) take at most this share of the
+#: run's time while it runs, and at its end at most this share of its length (or END_EVAL_S): they run on
+#: the cores the replicas train on.
+EVAL_SHARE = 0.05
+END_EVAL_S = 1.5
 #: Below this many parameters the default is a single shard (an extra shard costs a round trip per push).
 SHARD_MIN_PARAMS = 1 << 17
 #: Stop reasons that mean the run did what it was asked.
@@ -497,11 +504,10 @@ def _diverged(watch: Watchdog, progress: Progress, x: np.ndarray | None) -> bool
 
 def _with_stall_warning(run: _Run, history: xr.Dataset, x: np.ndarray, message: str) -> str:
     """``message`` with the stall warning of downpour._watch when the step rule stalled (also warned, and
-    kept in ``history.attrs["warnings"]``). The gradient norms are a task on a worker (the rows are read
-    there); a dataset above ``STALL_CHECK_MAX_VALUES`` values is not checked."""
+    kept in ``history.attrs["warnings"]``). The gradient norms are computed here, on the rows the history's
+    objective is computed on (:func:`objective_rows`: every row of a small dataset)."""
     history.attrs["warnings"] = []
-    ds = run.dataset
-    if ds.n_rows * ds.n_features > STALL_CHECK_MAX_VALUES or history.sizes.get("time", 0) < 3:
+    if history.sizes.get("time", 0) < 3:
         return message
     # The training objective says whether the step rule still makes progress (a held-out loss can flatten
     # while training goes on); the held-out loss stands in when too few windows measured it.
@@ -513,8 +519,12 @@ def _with_stall_warning(run: _Run, history: xr.Dataset, x: np.ndarray, message: 
     else:
         what, losses = "held-out loss", history.test_loss.values
     try:
-        task = run.client.submit(gradient_norms, run.model, ds, [run.x_start, x], run.opts.l2, pure=False)
-        g0, g1 = task.result(timeout=run.opts.call_timeout)
+        X, y = run.objective_sample()
+        with threadpool_limits(limits=1):
+            g0, g1 = (
+                float(np.linalg.norm(objective(run.model, w, X, y, l2=run.opts.l2)[1]))
+                for w in (run.x_start, x)
+            )
     except Exception:  # a diagnostic: a run that finished is not failed by it
         return message
     stall = stall_message(history.time.values, losses, g0, g1, what=what)
@@ -664,6 +674,9 @@ class _Run:
         self._errors_seen = 0
         self._last_probe = -math.inf
         self._objective_rows: tuple[np.ndarray, np.ndarray] | None = None
+        #: Seconds the driver spent evaluating history rows, and the rows with parameters it evaluated.
+        self.eval_s = 0.0
+        self.evals = 0
         self.watch = Watchdog(opts.max_loss_growth)
         self.communication = "dense"
         #: With ``resume=True``: the checkpoint the run continues from.
@@ -919,13 +932,23 @@ class _Run:
                 out["version"][i] = max(out["version"][i], st["known_versions"][i])
         return out
 
+    def objective_sample(self) -> tuple[Any, np.ndarray]:
+        """The training rows the history's objective is computed on (read once): :func:`objective_rows`
+        within ``OBJECTIVE_MAX_VALUES`` values and ``OBJECTIVE_MAX_WORK`` row-parameter products."""
+        if self._objective_rows is None:
+            ds = self.dataset
+            per_value = max(
+                1.0, float(getattr(self.model, "n_params", ds.n_features)) / max(1, ds.n_features)
+            )
+            budget = min(OBJECTIVE_MAX_VALUES, max(ds.n_features, int(OBJECTIVE_MAX_WORK / per_value)))
+            self._objective_rows = objective_rows(ds, max_values=budget)
+        return self._objective_rows
+
     def _objective(self, x: np.ndarray | None) -> float:
-        """F(w) on the training rows (:func:`objective_rows`), as Sandblaster computes it."""
+        """F(w) on the training rows (:meth:`objective_sample`), as Sandblaster computes it."""
         if x is None:
             return math.nan
-        if self._objective_rows is None:
-            self._objective_rows = objective_rows(self.dataset)
-        X, y = self._objective_rows
+        X, y = self.objective_sample()
         return float(objective(self.model, x, X, y, l2=self.opts.l2)[0])
 
     def _record_plan(self, ranges: Sequence[tuple[int, int]]) -> RecordPlan:
@@ -1015,7 +1038,10 @@ class _Run:
                 t = max(t_record, float(np.nextafter(last, math.inf)))
                 self._window_max = max(self._window_max, int(record["staleness_max"]))
                 x = record["x"]
+                started = time.perf_counter()
                 out.append((self._record(t, x, self._totals_at(t)), x))
+                self.eval_s += time.perf_counter() - started
+                self.evals += int(x is not None)
                 done += 1
         self.pending = ready[done:] + later
         if done:
@@ -1178,7 +1204,9 @@ class _Run:
                 with contextlib.suppress(ClusterError):
                     self._probe()
             # The rows the replicas recorded since the last poll (no round trip of their own).
-            for progress, x in self._rows_from_records(self._frontier(), budget_s=opts.poll_every):
+            # Evaluations take at most EVAL_SHARE of the run's time so far (the rest wait, and are thinned).
+            allowed = min(opts.poll_every, EVAL_SHARE * (time.perf_counter() - self.t0) - self.eval_s)
+            for progress, x in self._rows_from_records(self._frontier(), budget_s=allowed):
                 if self.callback is not None and stop_reason is None:
                     try:
                         self.callback(progress)
@@ -1236,8 +1264,12 @@ class _Run:
             st = self.status.get(r, {})
             if st.get("error"):
                 self._fail(r, st)
-        # At most about HISTORY_POINTS more rows to evaluate (the run is over: only the history waits).
-        self._thin_pending(max(HISTORY_POINTS, 2 * HISTORY_POINTS - len(self.rows)))
+        # At most about HISTORY_POINTS more rows to evaluate (the run is over: only the history waits), and
+        # no more than END_EVAL_S or EVAL_SHARE of the run take at the rows' measured cost (issue 30, item 3).
+        per_row = self.eval_s / self.evals if self.evals else 0.0
+        budget = max(END_EVAL_S, EVAL_SHARE * (time.perf_counter() - self.t0))
+        affordable = int(budget / per_row) if per_row > 0 else HISTORY_POINTS
+        self._thin_pending(max(2, min(affordable, max(HISTORY_POINTS, 2 * HISTORY_POINTS - len(self.rows)))))
         for progress, x_row in self._rows_from_records(math.inf):
             if _diverged(self.watch, progress, x_row) and stop_reason in _SUCCESS:
                 stop_reason = "diverged"

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -43,7 +42,6 @@ __all__ = [
     "STALL_WINDOW",
     "StepRuleStallWarning",
     "Watchdog",
-    "gradient_norms",
     "stall_message",
 ]
 
@@ -187,17 +185,3 @@ def stall_message(
         f"the run while the gradient norm is still {grad_ratio:.2g} of its starting value; raise lr "
         "(Adagrad's step shrinks as its accumulators grow), use staleness_scale=False, or train longer"
     )
-
-
-def gradient_norms(model: Any, dataset: Any, xs: Sequence[np.ndarray], l2: float) -> list[float]:
-    """``||grad F(x)||`` for each ``x`` in ``xs``, over every row of ``dataset`` read portion by portion.
-
-    ``F(w) = (1/N) sum_i loss_i(w) + (l2/2) ||w||^2``. Runs where the rows are (a task on a worker).
-    """
-    grads = [np.zeros_like(np.asarray(x, dtype=np.float64)) for x in xs]
-    for _, X, y in dataset.iter_portions():
-        for g, x in zip(grads, xs, strict=True):
-            g += model.loss_and_grad(x, X, y)[1]
-    return [
-        float(np.linalg.norm(g / dataset.n_rows + l2 * np.asarray(x))) for g, x in zip(grads, xs, strict=True)
-    ]

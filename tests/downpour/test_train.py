@@ -382,3 +382,26 @@ def test_a_short_run_has_50_history_points_each_at_the_objective_of_its_recorded
         assert recorded == pytest.approx(expected, rel=1e-12)
     assert len({float(v) for v in h.objective.values}) > 40  # distinct points, not one state repeated
     np.testing.assert_array_equal(res.snapshots[-1][2], res.x)
+
+
+def test_a_wide_models_history_objective_is_computed_on_a_sample_its_cost_allows(
+    client: Client, tmp_path: Path
+) -> None:
+    """Issue 30, item 3: the objective of a history row costs the model's work per row, not X's values.
+    An MLP with ~400k parameters on 256 features gets ~250 of its rows (every row of a linear model of the
+    same X would fit the values budget), so a run's rows cost milliseconds, not seconds each."""
+    from distbelief.downpour._train import OBJECTIVE_MAX_WORK
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(4096, 256))
+    y = (X[:, 0] > 0).astype(float)
+    ds = Dataset.from_arrays(
+        X, y, path=tmp_path / "wide", portion_rows=128, label_kind="classes", n_classes=2
+    )
+    mlp = models.MLP([256, 512, 512, 2], activation="tanh")
+    res = downpour.train(mlp, ds, max_steps=20, batch_size=32, client=client)
+    rows = res.history.attrs["objective_rows"]
+    assert 128 <= rows < ds.n_rows
+    assert rows * mlp.n_params <= 2 * OBJECTIVE_MAX_WORK  # whole portions: up to one more than the budget
+    linear = downpour.train(models.Softmax(256, 2), ds, max_steps=20, batch_size=32, client=client)
+    assert linear.history.attrs["objective_rows"] == ds.n_rows
