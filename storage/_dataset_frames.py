@@ -181,32 +181,28 @@ def _numbers(df: Any, enc: Encoding) -> np.ndarray[Any, Any]:
     cols = [*enc.numeric, *enc.bools]
     out = np.empty((len(df), len(cols)), dtype=np.float64)
     for j, col in enumerate(cols):
-        try:
-            v = df[col].to_numpy(dtype=np.float64, na_value=np.nan)
-        except (TypeError, ValueError) as exc:
-            raise DatasetError(f"column {col!r} does not convert to numbers: {exc}") from exc
-        bad = ~np.isfinite(v)
-        if bad.any():
-            raise DatasetError(
-                f"column {col!r} holds NaN, inf or a missing value (part row {int(np.flatnonzero(bad)[0])});"
-                " clean or impute it first"
-            )
-        out[:, j] = v
+        out[:, j] = _finite(df, col, "column", "clean or impute it first")
     return out
 
 
 def _label(df: Any, enc: Encoding) -> np.ndarray[Any, Any]:
+    return _finite(df, enc.label, "label column", "drop those rows first")
+
+
+def _finite(df: Any, col: str, what: str, fix: str) -> np.ndarray[Any, Any]:
+    """Column ``col`` as float64, refused by name (``what`` and ``fix`` say how) unless every value is a
+    finite number."""
     try:
-        y = df[enc.label].to_numpy(dtype=np.float64, na_value=np.nan)
+        v = df[col].to_numpy(dtype=np.float64, na_value=np.nan)
     except (TypeError, ValueError) as exc:
-        raise DatasetError(f"label column {enc.label!r} does not convert to numbers: {exc}") from exc
-    bad = ~np.isfinite(y)
+        raise DatasetError(f"{what} {col!r} does not convert to numbers: {exc}") from exc
+    bad = ~np.isfinite(v)
     if bad.any():
         raise DatasetError(
-            f"label column {enc.label!r} holds NaN, inf or a missing value (part row "
-            f"{int(np.flatnonzero(bad)[0])}); drop those rows first"
+            f"{what} {col!r} holds NaN, inf or a missing value "
+            f"(part row {int(np.flatnonzero(bad)[0])}); {fix}"
         )
-    return y
+    return np.asarray(v)
 
 
 def encode_dense(df: Any, enc: Encoding) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
