@@ -46,6 +46,7 @@ Examples
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -177,7 +178,7 @@ def deposit(state: np.ndarray, v: np.ndarray) -> np.ndarray:
     v = np.ascontiguousarray(v, dtype=np.float64)
     if v.shape != state.shape[1:]:
         raise ValueError(f"cannot deposit terms of shape {v.shape} into a state for {state.shape[1:]}")
-    loop = _kernels.compiled(_deposit_loop) if v.size >= COMPILED_FROM else None
+    loop = _loop(_deposit_loop) if v.size >= COMPILED_FROM else None
     if loop is not None:
         loop(state, _ALL, v, v.view(np.int64))
         return state
@@ -200,7 +201,7 @@ def deposit_at(state: np.ndarray, positions: np.ndarray, v: np.ndarray) -> np.nd
     if v.ndim != 1 or positions.shape != v.shape:
         raise ValueError(f"deposit_at needs as many positions as terms, got {positions.shape} and {v.shape}")
     _check_positions(positions, state.shape[1])
-    loop = _kernels.compiled(_deposit_loop)
+    loop = _loop(_deposit_loop)
     if loop is not None:
         loop(state, positions.astype(np.int64, copy=False), v, v.view(np.int64))
         return state
@@ -258,7 +259,7 @@ def merge(state: np.ndarray, other: np.ndarray) -> None:
     """
     if other.shape != state.shape:
         raise ValueError(f"cannot merge a state of shape {other.shape} into one of shape {state.shape}")
-    loop = _kernels.compiled(_merge_loop) if state.shape[1] >= COMPILED_FROM else None
+    loop = _loop(_merge_loop) if state.shape[1] >= COMPILED_FROM else None
     if loop is not None:
         loop(state, _ALL, other)
         return
@@ -280,7 +281,7 @@ def merge_at(state: np.ndarray, positions: np.ndarray, other: np.ndarray) -> Non
             f"of shape {other.shape} and {positions.shape} positions"
         )
     _check_positions(positions, state.shape[1])
-    loop = _kernels.compiled(_merge_loop)
+    loop = _loop(_merge_loop)
     if loop is not None:
         loop(state, positions.astype(np.int64, copy=False), np.asarray(other, dtype=np.float64))
         return
@@ -307,6 +308,42 @@ _ALL = np.zeros(0, dtype=np.int64)
 _UNIT_TABLE = np.ldexp(1.0, np.arange(BIN_MIN, ((LIMIT_EXP - 1) >> _SHIFT) + 1) * WIDTH)
 
 
+def _raise_column_py(state: np.ndarray, j: int, top: float) -> None:  # pragma: no cover - compiled
+    """:func:`_raise` of column ``j`` of ``state`` to the top unit ``top`` (>= its own): its bin sums move
+    down by as many bins as the unit rose, the lowest drop (all of them from an empty column or to a
+    special one)."""
+    old = state[0, j]
+    if old == top:
+        return
+    d = BINS
+    if old != 0.0 and not math.isinf(top):
+        ratio = top / old
+        step = 1.0
+        for k in range(1, BINS):
+            step *= _STEP
+            if ratio == step:
+                d = k
+                break
+    for k in range(BINS, 0, -1):
+        state[k, j] = state[k - d, j] if k - d >= 1 else 0.0
+    state[0, j] = top
+
+
+#: What the compiled loops call to raise a column: :func:`_raise_column_py`, replaced by its compiled
+#: dispatcher before the loops are compiled (:func:`_loop`; numba resolves a loop's globals then).
+_raise_column = _raise_column_py
+
+
+def _loop(fn: Any) -> Any | None:
+    """The compiled ``fn`` (``_deposit_loop`` or ``_merge_loop``), or None without numba."""
+    global _raise_column
+    helper = _kernels.compiled(_raise_column_py)
+    if helper is None:
+        return None
+    _raise_column = helper
+    return _kernels.compiled(fn)
+
+
 def _deposit_loop(
     state: np.ndarray, positions: np.ndarray, v: np.ndarray, bits: np.ndarray
 ) -> None:  # pragma: no cover - compiled
@@ -326,21 +363,8 @@ def _deposit_loop(
             if e < BIN_MIN:
                 e = BIN_MIN
             unit = _UNIT_TABLE[e - BIN_MIN]
-        old = state[0, j]
-        top = max(old, unit)
-        if old != top:  # _raise: bin sums move down by d bins, the lowest drop
-            d = BINS
-            if old != 0.0 and not math.isinf(top):
-                ratio = top / old
-                step = 1.0
-                for k in range(1, BINS):
-                    step *= _STEP
-                    if ratio == step:
-                        d = k
-                        break
-            for k in range(BINS, 0, -1):
-                state[k, j] = state[k - d, j] if k - d >= 1 else 0.0
-            state[0, j] = top
+        top = max(state[0, j], unit)
+        _raise_column(state, j, top)
         r = x
         if special:
             state[1, j] += x if math.isnan(x) else math.copysign(math.inf, x)
@@ -360,37 +384,19 @@ def _deposit_loop(
 
 
 def _merge_loop(state: np.ndarray, positions: np.ndarray, other: np.ndarray) -> None:  # pragma: no cover
-    """:func:`_merge_numpy`, element by element: column ``i`` of ``other`` into column ``positions[i]``."""
+    """:func:`_merge_numpy`, element by element: column ``i`` of ``other`` into column ``positions[i]``
+    (``i`` if ``positions`` is empty), both raised to their common top unit first."""
     dense = positions.size == 0
-    o = np.empty(BINS + 1)
+    o = np.empty((BINS + 1, 1))  # a copy of other's column: raising it must leave ``other`` as it was
     for i in range(other.shape[1]):
         j = i if dense else positions[i]
         for k in range(BINS + 1):
-            o[k] = other[k, i]
-        top = max(state[0, j], o[0])
-        for side in range(2):  # raise the state's column, then the copy of other's, to the common top
-            old = state[0, j] if side == 0 else o[0]
-            if old == top:
-                continue
-            d = BINS
-            if old != 0.0 and not math.isinf(top):
-                ratio = top / old
-                step = 1.0
-                for k in range(1, BINS):
-                    step *= _STEP
-                    if ratio == step:
-                        d = k
-                        break
-            for k in range(BINS, 0, -1):
-                moved = (state[k - d, j] if side == 0 else o[k - d]) if k - d >= 1 else 0.0
-                if side == 0:
-                    state[k, j] = moved
-                else:
-                    o[k] = moved
-            if side == 0:
-                state[0, j] = top
+            o[k, 0] = other[k, i]
+        top = max(state[0, j], o[0, 0])
+        _raise_column(state, j, top)
+        _raise_column(o, 0, top)
         for k in range(1, BINS + 1):
-            state[k, j] += o[k]
+            state[k, j] += o[k, 0]
 
 
 def value(state: np.ndarray) -> np.ndarray:
