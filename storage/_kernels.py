@@ -133,15 +133,20 @@ def compiled(fn: Callable[..., Any]) -> Any | None:
     return _compiled[fn]
 
 
+_module_loops: list[dict[str, Any] | None] = []  # built once: lincomb calls axpy once per block and term
+
+
 def _loops() -> dict[str, Any] | None:
     """The compiled loops of this module (None without numba)."""
-    loops = {
-        "axpy": compiled(_axpy_loop),
-        "scale": compiled(_scale_loop),
-        "scaled_into": compiled(_scaled_into_loop),
-        "adagrad": compiled(_adagrad_loop),
-    }
-    return None if any(f is None for f in loops.values()) else loops
+    if not _module_loops:
+        loops = {
+            "axpy": compiled(_axpy_loop),
+            "scale": compiled(_scale_loop),
+            "scaled_into": compiled(_scaled_into_loop),
+            "adagrad": compiled(_adagrad_loop),
+        }
+        _module_loops.append(None if any(f is None for f in loops.values()) else loops)
+    return _module_loops[0]
 
 
 def _compiled_for(n: int) -> dict[str, Any] | None:
