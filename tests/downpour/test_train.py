@@ -173,14 +173,17 @@ def test_concurrent_pushes_of_known_gradients_sum_exactly(
 
 
 @pytest.mark.parametrize(
-    ("model", "lr"),
+    ("model", "lr", "max_staleness"),
     # Asynchronous runs differ from run to run: with lr=0.5 and 30 epochs the softmax ended below 0.93 in
     # about 1 run in 10 (0.90-0.92); with lr=0.3 and 40 epochs 16 runs of 16 ended at 0.939-0.955.
-    [(models.Softmax(64, 10), 0.3), (models.MLP([64, 32, 10], activation="tanh"), 0.2)],
+    # The MLP at lr=0.2 with max_staleness=32 once diverged in a full CI run (objective 0.18 -> 2.5, never
+    # reproduced here: 18 of 18 runs fine beside two CPU hogs); lr=0.1 with max_staleness=8 ended at
+    # 0.947-0.958 in 8 runs of 8 beside two hogs.
+    [(models.Softmax(64, 10), 0.3, 32), (models.MLP([64, 32, 10], activation="tanh"), 0.1, 8)],
     ids=["softmax", "mlp"],
 )
 def test_digits_reach_093_held_out_accuracy_with_two_replicas(
-    client: Client, digits: Dataset, model: models.Model, lr: float
+    client: Client, digits: Dataset, model: models.Model, lr: float, max_staleness: int
 ) -> None:
     # Staleness bounded: at load ~10 the MLP run once stopped as diverged at step 669 of 40 epochs (a loss
     # back above its starting value). On a loaded box one replica can be starved of CPU while the other
@@ -188,7 +191,7 @@ def test_digits_reach_093_held_out_accuracy_with_two_replicas(
     # what max_staleness bounds, whatever the load.
     res = downpour.train(
         model, digits, replicas=2, rule="adagrad", lr=lr, epochs=40, eval_data=(X_TE, Y_TE), eval_every=0.05,
-        warmstart_steps=50, max_staleness=32, client=client,
+        warmstart_steps=50, max_staleness=max_staleness, client=client,
     )  # fmt: skip
     assert res.success and res.stop_reason == "epochs", res.message
     assert res.history.test_accuracy.values[-1] >= 0.93
