@@ -50,7 +50,14 @@ from distbelief.models._partitioned import (
 from distbelief.sandblaster._messages import WorkCall, WorkReport, decode, encode
 from distbelief.sandblaster._portions import Instruction
 from distbelief.sandblaster._scheduler import PortionScheduler
-from distbelief.storage import Dataset, ShardMap, _exactsum, default_row_cache, keep_loop_responsive
+from distbelief.storage import (
+    Dataset,
+    ShardMap,
+    _exactsum,
+    default_row_cache,
+    keep_loop_responsive,
+    reuse_freed_memory,
+)
 from distbelief.storage import reduce_results as _reduce_results
 from distbelief.storage._calls import DEAD_STATES, await_call
 from distbelief.storage._direct import install as install_direct_calls
@@ -114,6 +121,7 @@ class SandblasterPartition(PartitionPeer):
         call_timeout: float = 60.0,
     ) -> None:
         keep_loop_responsive()  # its compute thread must not slow the shards' and the peers' messages
+        reuse_freed_memory()  # a Dask worker's allocator would mmap every gradient temporary afresh
         install_direct_calls()  # the coordinator's work calls come straight to a worker handler
         super().__init__(replica, k, call_timeout=call_timeout)
         self.plan, self.dataset, self.map = plan, dataset, shard_map

@@ -39,6 +39,7 @@ from distbelief.storage import (
     default_row_cache,
     keep_loop_responsive,
     reduce_results,
+    reuse_freed_memory,
 )
 from distbelief.storage._direct import install as install_direct_calls
 from distbelief.storage._keys import (
@@ -135,6 +136,7 @@ class Replica:
         communication: str = "dense",
     ) -> None:
         keep_loop_responsive()  # its compute thread must not slow the shards' and its own messages
+        reuse_freed_memory()  # a Dask worker's allocator would mmap every gradient temporary afresh
         install_direct_calls()  # the coordinator's work calls come straight to a worker handler
         self.sparse = communication == "sparse"
         #: Key-value mode: the union of the held portions' keys, and which portions it covers.

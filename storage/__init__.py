@@ -14,8 +14,9 @@ Examples
 from distbelief.storage._actor import keep_loop_responsive
 from distbelief.storage._dataset import Dataset, resolve_name
 from distbelief.storage._digits import digits_dataset, load_digits
-from distbelief.storage._kernels import axpy
+from distbelief.storage._kernels import accrue_step, axpy, scaled_gradient
 from distbelief.storage._layout import Layout
+from distbelief.storage._malloc import reuse_freed_memory
 from distbelief.storage._partition_layout import partition_layout, partition_shards
 from distbelief.storage._rowcache import ROW_CACHE_ENV, RowCache, default_row_cache
 from distbelief.storage._rules import RULES, adagrad_update, sgd_update
@@ -42,6 +43,7 @@ __all__ = [
     "ServerStats",
     "Shard",
     "ShardMap",
+    "accrue_step",
     "adagrad_update",
     "as_dataset",
     "axpy",
@@ -55,6 +57,8 @@ __all__ = [
     "partition_shards",
     "reduce_results",
     "resolve_name",
+    "reuse_freed_memory",
+    "scaled_gradient",
     "scheduler_identity",
     "sgd_update",
     "start_vector",

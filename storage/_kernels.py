@@ -41,6 +41,7 @@ __all__ = [
     "BLOCK",
     "COMPILED_FROM",
     "DOT_BLOCK",
+    "accrue_step",
     "adagrad_step",
     "add_at",
     "axpy",
@@ -49,6 +50,7 @@ __all__ = [
     "lincomb",
     "norm_inf",
     "scale",
+    "scaled_gradient",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,30 @@ def _adagrad_loop(
     for i in range(w.size):
         acc[i] = acc[i] + g[i] * g[i]
         w[i] = w[i] + minus_lr * (g[i] / (np.sqrt(acc[i]) + eps))
+
+
+def _scaled_gradient_loop(
+    out: np.ndarray, grad: np.ndarray, a: float, l2: float, x: np.ndarray
+) -> bool:  # pragma: no cover - compiled
+    finite = True
+    for i in range(out.size):
+        v = grad[i] * a
+        if l2 != 0.0:
+            v = v + l2 * x[i]
+        out[i] = v
+        if not np.isfinite(v):
+            finite = False
+    return finite
+
+
+def _accrue_loop(
+    g: np.ndarray, acc: np.ndarray, a: float, x: np.ndarray, dx: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    for i in range(g.size):
+        acc[i] = acc[i] + g[i]
+        step = a * g[i]
+        x[i] = x[i] + step
+        dx[i] = dx[i] + step
 
 
 _lock = threading.Lock()
@@ -144,6 +170,8 @@ def _loops() -> dict[str, Any] | None:
             "scale": compiled(_scale_loop),
             "scaled_into": compiled(_scaled_into_loop),
             "adagrad": compiled(_adagrad_loop),
+            "scaled_gradient": compiled(_scaled_gradient_loop),
+            "accrue": compiled(_accrue_loop),
         }
         _module_loops.append(None if any(f is None for f in loops.values()) else loops)
     return _module_loops[0]
@@ -319,3 +347,46 @@ def adagrad_step(w: np.ndarray, g: np.ndarray, acc: np.ndarray, *, lr: float, ep
     np.add(acc, g * g, out=acc)
     step = g / (np.sqrt(acc) + eps)
     np.add(w, np.multiply(step, -float(lr)), out=w)
+
+
+def scaled_gradient(out: np.ndarray, grad: np.ndarray, a: float, *, l2: float = 0.0, x: np.ndarray) -> bool:
+    """``out = a * grad + l2 * x`` (the ``l2`` term only when it is not 0); returns whether all of ``out`` is
+    finite. One pass where numpy takes four (scale, add, ``isfinite``, ``all``): a Downpour step's gradient
+    (:meth:`downpour._core.ReplicaCore.compute`). Rounds as ``np.multiply`` then :func:`axpy` do.
+
+    Examples
+    --------
+    >>> out = np.empty(2)
+    >>> scaled_gradient(out, np.array([2.0, 4.0]), 0.5, l2=0.1, x=np.array([10.0, 0.0])), out
+    (True, array([2., 2.]))
+    """
+    loops = _compiled_for(out.size)
+    if loops is not None and all(v.flags.c_contiguous and v.dtype == np.float64 for v in (out, grad, x)):
+        return bool(loops["scaled_gradient"](out, np.asarray(grad), float(a), float(l2), np.asarray(x)))
+    with np.errstate(over="ignore", invalid="ignore"):  # the answer says it; the caller decides
+        np.multiply(np.asarray(grad, dtype=np.float64), a, out=out)
+        if l2:
+            np.add(out, np.multiply(x, l2), out=out)
+    return bool(np.isfinite(out).all())
+
+
+def accrue_step(g: np.ndarray, acc: np.ndarray, a: float, x: np.ndarray, dx: np.ndarray) -> None:
+    """``acc += g``, ``x += a * g`` and ``dx += a * g`` in one pass over the four vectors.
+
+    A Downpour replica's step: the gradient joins the sum it pushes, and its local copy and the steps no
+    fetch contains yet move by ``a * g`` (:meth:`downpour._core.ReplicaCore.apply`). Rounds as three
+    :func:`axpy` calls do.
+
+    Examples
+    --------
+    >>> acc, x, dx = np.zeros(2), np.ones(2), np.zeros(2)
+    >>> accrue_step(np.array([1.0, 2.0]), acc, -0.5, x, dx); acc, x, dx
+    (array([1., 2.]), array([0.5, 0. ]), array([-0.5, -1. ]))
+    """
+    loops = _compiled_for(g.size)
+    if loops is not None and all(v.flags.c_contiguous for v in (g, acc, x, dx)):
+        loops["accrue"](np.asarray(g), np.asarray(acc), float(a), np.asarray(x), np.asarray(dx))
+        return
+    axpy(1.0, g, acc)
+    axpy(a, g, x)
+    axpy(a, g, dx)

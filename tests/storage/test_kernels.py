@@ -63,6 +63,37 @@ def test_adagrad_step_rounds_as_numpy_elementwise(n: int) -> None:
     np.testing.assert_array_equal(w_got, w + -0.1 * (g / (np.sqrt(acc_want) + 1e-8)))
 
 
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("l2", [0.0, 1e-3])
+def test_a_downpour_steps_fused_passes_round_as_numpy_elementwise(n: int, l2: float) -> None:
+    grad, x, acc0, dx0 = _vectors(n, 4, seed=3)
+    g = np.empty(n)
+    assert _kernels.scaled_gradient(g, grad, 1 / 128, l2=l2, x=x)
+    want = grad * (1 / 128)
+    if l2:
+        want = want + l2 * x
+    np.testing.assert_array_equal(g, want)
+    acc, x_got, dx = acc0.copy(), x.copy(), dx0.copy()
+    _kernels.accrue_step(g, acc, -0.05, x_got, dx)
+    np.testing.assert_array_equal(acc, acc0 + g)
+    np.testing.assert_array_equal(x_got, x + -0.05 * g)
+    np.testing.assert_array_equal(dx, dx0 + -0.05 * g)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_scaled_gradient_says_when_an_element_is_not_finite(n: int, bad: float) -> None:
+    grad, x = _vectors(n, 2, seed=4)
+    grad[n // 2] = bad
+    assert not _kernels.scaled_gradient(np.empty(n), grad, 0.5, x=x)
+    # A finite gradient whose scaled value overflows is caught as well.
+    assert not _kernels.scaled_gradient(np.empty(n), np.full(n, 1e308), 10.0, x=x)
+    # float32 gradients (a JAX model's) take numpy's path and give float64 bits.
+    g = np.empty(n)
+    assert _kernels.scaled_gradient(g, x.astype(np.float32), 0.5, x=x)
+    np.testing.assert_array_equal(g, x.astype(np.float32).astype(np.float64) * 0.5)
+
+
 @settings(max_examples=25, deadline=None)
 @given(cuts=st.lists(st.integers(0, 3 * _kernels.COMPILED_FROM), max_size=4), a=st.floats(-4, 4))
 def test_an_element_gets_the_same_bits_whatever_the_cut(cuts: list[int], a: float) -> None:
