@@ -65,4 +65,5 @@ def _set_thresholds() -> bool:
         return False  # not glibc (musl has no mallopt to speak of)
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_BYTES))
+    heap_blocks = bool(mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT))
+    return heap_blocks and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_BYTES))
