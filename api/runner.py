@@ -1008,7 +1008,14 @@ class JobRunner:
                 # Not an error the user can act on: the traceback is for whoever runs the service.
                 _log.error("job %s failed", job_id, exc_info=exc)
             with job.lock:
-                rec.update(status="failed", finished_at=_now(), message=reason)
+                if job.cancel.is_set():
+                    # A cancel answered 200 is kept: the job ends cancelled (the failure said beside it).
+                    reason = f"cancelled while running; the run had failed: {reason}"
+                rec.update(
+                    status="cancelled" if job.cancel.is_set() else "failed",
+                    finished_at=_now(),
+                    message=reason,
+                )
             return
         job.resume = False
         if job.stopped and not job.cancel.is_set():
@@ -1018,7 +1025,7 @@ class JobRunner:
         except Exception as exc:
             with job.lock:
                 rec.update(
-                    status="failed",
+                    status="cancelled" if job.cancel.is_set() else "failed",
                     finished_at=_now(),
                     message=f"the run ended but its results could not be saved: {type(exc).__name__}: {exc}",
                 )
@@ -1064,12 +1071,15 @@ class JobRunner:
             if placement:
                 rec["placement"] = placement
             rec["result"] = json_safe(summary)
-            # A cancel asked too late for a partitioned run's callback to see it counts at its end.
-            partitioned = int(rec["options"].get("partitions", 1)) > 1
-            if evaluation_failed is not None:
+            # Cancel is atomic: cancel() answers 200 only while the job is not final, under this lock, so a
+            # cancel that came too late for the run's callback to see (the run ended meanwhile) counts here.
+            if job.stopped or job.cancel.is_set():
+                message = "cancelled while running"
+                if evaluation_failed is not None:
+                    message += f"; {evaluation_failed}"
+                rec.update(status="cancelled", finished_at=_now(), message=message)
+            elif evaluation_failed is not None:
                 rec.update(status="failed", finished_at=_now(), message=evaluation_failed)
-            elif job.stopped or (partitioned and job.cancel.is_set()):
-                rec.update(status="cancelled", finished_at=_now(), message="cancelled while running")
             elif summary.get("stop_reason") == "diverged":
                 # A diverged Downpour run is a failed job (its message says what to change); its history and
                 # parameters are kept for a look at what went wrong.
