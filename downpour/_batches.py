@@ -100,6 +100,26 @@ class BatchPlan:
         """Mini-batches per epoch."""
         return sum(-(-(hi - lo) // self.batch_size) for lo, hi in self.segments)
 
+    def batches_within(self, rows: int) -> int:
+        """How many of an epoch's first mini-batches together hold at most ``rows`` rows: those a replica
+        resumed ``rows`` rows into an epoch has done already (it goes on with the next one).
+
+        Examples
+        --------
+        >>> plan = BatchPlan(((0, 5), (5, 8)), batch_size=2, seed=0, replica=0, shuffle=False)
+        >>> [plan.batches_within(r) for r in (0, 1, 2, 5, 6, 8, 99)]
+        [0, 0, 1, 3, 3, 5, 5]
+        """
+        done = count = 0
+        for lo, hi in self.segments:
+            n = hi - lo
+            for start in range(0, n, self.batch_size):
+                size = min(self.batch_size, n - start)
+                if done + size > rows:
+                    return count
+                done, count = done + size, count + 1
+        return count
+
     def epoch(self, e: int) -> Iterator[tuple[int, np.ndarray]]:
         """Yield ``(segment, rows)`` for every mini-batch of epoch ``e``; ``rows`` index into the segment."""
         for s, (lo, hi) in enumerate(self.segments):

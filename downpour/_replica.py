@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import pickle
 import queue
 import threading
@@ -201,6 +202,8 @@ class DownpourReplica:
         self.error: str | None = None
         self._error_obj: BaseException | None = None
         self.epoch = 0
+        #: Mini-batches of the current epoch done before a resume (skipped once).
+        self._skip = 0
         self.wait_s = 0.0
         self.compute_s = 0.0
         # History records (downpour._train): appended by the compute thread, taken by status() on the event
@@ -256,11 +259,13 @@ class DownpourReplica:
         return out
 
     async def resume_at(self, steps: int, rows: int, epoch: int) -> None:
-        """Before :meth:`start`, continue a resumed run: its counters at the checkpoint (the epoch ``epoch``
-        starts again from its first mini-batch; see :mod:`downpour._resume`)."""
+        """Before :meth:`start`, continue a resumed run: its counters at the checkpoint. Epoch ``epoch`` goes
+        on after the mini-batches its rows counter says were done (the plan is the same on a rerun), so a
+        resumed run stops at ``epochs`` exactly (see :mod:`downpour._resume`)."""
         self.core.counters.steps = int(steps)
         self.core.counters.rows = int(rows)
         self.epoch = int(epoch)
+        self._skip = self.plan.batches_within(max(0, int(rows) - int(epoch) * self.plan.n_rows))
 
     async def set_step_limit(self, limit: int | None) -> None:
         """Stop (and flush) after ``limit`` steps of this replica."""
@@ -465,7 +470,8 @@ class DownpourReplica:
         core = self.core
         epochs = self.config.epochs
         while True:
-            for s, rows in self.plan.epoch(self.epoch):
+            skip, self._skip = self._skip, 0
+            for s, rows in itertools.islice(self.plan.epoch(self.epoch), skip, None):
                 if self._stop.is_set():
                     self.stop_reason = "stopped"
                     return

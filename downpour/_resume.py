@@ -5,9 +5,10 @@ callback stops it) saves, beside the shards' vectors (``x``, the Adagrad accumul
 their scalar state (the clock ``version``, the per-source push sequence numbers, the applied-push counters),
 a ``meta`` dict written by :func:`checkpoint_meta`: the seconds the run had trained, and every replica's
 step, row and epoch counters as last reported. A resumed run reopens the shards from that checkpoint
-(:meth:`storage.ParameterServer.open`), hands each replica its counters back (a replica restarts the epoch
-it was in from its first mini-batch), and counts its time from the checkpoint's, so ``epochs``,
-``max_steps`` and ``time_limit`` keep meaning the whole run.
+(:meth:`storage.ParameterServer.open`), hands each replica its counters back (a replica goes on in the
+epoch it was in after the mini-batches its rows counter says it did: the plan of an epoch is the same on a
+rerun), and counts its time from the checkpoint's, so ``epochs``, ``max_steps`` and ``time_limit`` keep
+meaning the whole run, and a run resumed from its final checkpoint stops at ``epochs`` exactly.
 
 Replica counters are polled, not frozen with the shards: a periodic checkpoint's counters are those of the
 driver's last poll before it (a ``poll_every`` behind at most); the final checkpoint's are exact.
