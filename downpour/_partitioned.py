@@ -34,7 +34,13 @@ from distributed.utils import sync
 
 from distbelief.downpour._batches import BatchPlan, split_rows
 from distbelief.downpour._options import DownpourOptions, check_workers, worker_tuple
-from distbelief.downpour._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
+from distbelief.downpour._resume import (
+    ResumePoint,
+    checkpoint_interval,
+    checkpoint_meta,
+    params_store,
+    require_resume_point,
+)
 from distbelief.errors import ClusterError, InvalidOptionError, ShardLostError
 from distbelief.models._partitioned import PartitionPlan, partition_plan
 from distbelief.storage import (
@@ -417,7 +423,8 @@ def train_partitioned(
     shard_workers : list of str, optional
         Where the shards go instead (partition ``k``'s to ``shard_workers[k % len(shard_workers)]``).
     checkpoint_every_s : float
-        Seconds between checkpoints of the shards to zarr (0: only the initial one; one more is taken at
+        At most this many seconds between checkpoints of the shards to zarr, paced as
+        :func:`downpour._resume.checkpoint_interval` says (0: only the initial one; one more is taken at
         the end of the run, also when the callback stops it). A shard lost with its worker is restored from
         the last one on a live worker, and the partitions are handed the new shard map (the updates it
         received since are lost, as in the paper's section 4.1). Each checkpoint carries every replica's
@@ -857,8 +864,8 @@ class _Supervisor:
     ) -> tuple[list[dict[str, Any]], list[int]]:
         """The supervision loop of :meth:`_run`: progress, checkpoints, lost partitions rebuilt."""
         deadline = time.monotonic() + self.budget
-        every = self.checkpoint_every_s
-        next_ckpt = time.monotonic() + every if every > 0 else math.inf
+        every, ckpt_cost, t_start = self.checkpoint_every_s, 0.0, time.monotonic()
+        next_ckpt = t_start + checkpoint_interval(0.0, ckpt_cost, every)
         next_progress = time.monotonic() + PROGRESS_EVERY if self.callback is not None else math.inf
         while tasks:
             done, _ = await asyncio.wait(list(tasks), timeout=POLL, return_when=asyncio.FIRST_COMPLETED)
@@ -866,9 +873,11 @@ class _Supervisor:
                 await self._progress()
                 next_progress = time.monotonic() + PROGRESS_EVERY
             if time.monotonic() >= next_ckpt:
+                t_ckpt = time.monotonic()
                 with contextlib.suppress(ClusterError):  # a failed checkpoint leaves the last one current
                     await self.checkpoint()
-                next_ckpt = time.monotonic() + every
+                ckpt_cost = time.monotonic() - t_ckpt
+                next_ckpt = time.monotonic() + checkpoint_interval(t_ckpt - t_start, ckpt_cost, every)
             broken: set[int] = set()
             errors: dict[int, BaseException] = {}
             for task in done:

@@ -3,7 +3,8 @@
 The driver (this process) never takes part in the optimization. It places the shards and the replicas, lets
 one replica warm up alone (the paper's "warmstarting"), then lets all of them loose, and from then on only
 watches: every ``poll_every`` seconds it asks each replica for its counters (a cheap ``async`` call), every
-``checkpoint_every_s`` seconds it checkpoints the shards to zarr, and it decides when to stop.
+5% of the time trained (at most ``checkpoint_every_s`` seconds apart) it checkpoints the shards to zarr
+(:func:`downpour._resume.checkpoint_interval`), and it decides when to stop.
 
 The history costs no round trip of its own. Each replica records a history point at set step counts (about
 ``HISTORY_POINTS`` over the run, when its length is known in steps; at set times, re-planned by the measured
@@ -47,7 +48,13 @@ from distbelief.downpour._batches import BatchPlan, split_rows
 from distbelief.downpour._compress import Compression
 from distbelief.downpour._options import DownpourOptions, Rule, check_workers, worker_tuple
 from distbelief.downpour._replica import DownpourReplica, RecordPlan, ReplicaConfig
-from distbelief.downpour._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
+from distbelief.downpour._resume import (
+    ResumePoint,
+    checkpoint_interval,
+    checkpoint_meta,
+    params_store,
+    require_resume_point,
+)
 from distbelief.downpour._watch import StepRuleStallWarning, Watchdog, stall_message
 from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
 from distbelief.models import objective
@@ -348,8 +355,10 @@ def train(
         A replica that knows its next push would be more than this many updates stale waits for a fresh
         fetch first (0 with one replica is sequential SGD).
     checkpoint_every_s : float
-        Seconds between checkpoints of the shards to zarr (0: only the initial one); a lost shard is
-        rebuilt from the last, and a run started again with ``resume=True`` continues from it.
+        At most this many seconds between checkpoints of the shards to zarr (0: only the initial one);
+        within it, a checkpoint is taken once 5% of the time trained has passed since the last (so a kill
+        loses about 5% of the steps), unless checkpoints would then take more than 5% of the run. A lost
+        shard is rebuilt from the last, and a run started again with ``resume=True`` continues from it.
     resume : bool
         Continue the run whose checkpoints are in ``store`` (which must be given) from its last checkpoint:
         parameters, Adagrad accumulators, shard clocks and the replicas' step and epoch counters as they
@@ -1180,7 +1189,8 @@ class _Run:
         _diverged(self.watch, self._record(start, self.x_start), self.x_start)
         waiting = list(range(1, n_replicas)) if warm else []
         next_measure = start + opts.eval_every
-        next_ckpt = start + opts.checkpoint_every_s if opts.checkpoint_every_s > 0 else math.inf
+        ckpt_cost = 0.0
+        next_ckpt = start + checkpoint_interval(start, ckpt_cost, opts.checkpoint_every_s)
         stop_reason: str | None = None
         while stop_reason is None:
             time.sleep(opts.poll_every)
@@ -1218,10 +1228,12 @@ class _Run:
                 self._measure_applied(now)
                 next_measure = now + opts.eval_every
             if now >= next_ckpt:
+                t_ckpt = time.perf_counter()
                 with contextlib.suppress(ClusterError):
                     self._checkpoint(now)
                     self.checkpoints += 1
-                next_ckpt = now + opts.checkpoint_every_s
+                ckpt_cost = time.perf_counter() - t_ckpt
+                next_ckpt = now + checkpoint_interval(now, ckpt_cost, opts.checkpoint_every_s)
             stop_reason = stop_reason or self._stop_condition(now, waiting)
         return self._finish(stop_reason)
 

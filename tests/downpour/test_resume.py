@@ -12,7 +12,14 @@ import pytest
 from distributed import Client
 
 from distbelief import downpour
-from distbelief.downpour._resume import checkpoint_vector, resume_point
+from distbelief.downpour._resume import (
+    CHECKPOINT_COST_SHARE,
+    CHECKPOINT_LOSS_SHARE,
+    MIN_CHECKPOINT_INTERVAL_S,
+    checkpoint_interval,
+    checkpoint_vector,
+    resume_point,
+)
 from distbelief.errors import InvalidOptionError
 from tests.downpour import _helpers
 from tests.downpour._helpers import ConstantGradient
@@ -75,3 +82,34 @@ def test_resume_needs_a_checkpoint(client: Client, tmp_path: Path) -> None:
     downpour.train(model, DATA, replicas=2, max_steps=10, client=client, store=tmp_path)
     with pytest.raises(InvalidOptionError, match="resume it with replicas=2"):
         downpour.train(model, DATA, replicas=1, max_steps=10, client=client, store=tmp_path, resume=True)
+
+
+@pytest.mark.parametrize("cost", [0.0, 0.01, 0.5])
+@pytest.mark.parametrize("every", [0.5, 5.0, 60.0])
+def test_checkpoints_are_paced_by_the_time_trained_and_their_cost(cost: float, every: float) -> None:
+    # A kill loses the time since the last checkpoint: within 5% of the time trained, unless the checkpoints
+    # would then cost more than 5% of it, and never more than the user's bound.
+    for elapsed in [0.0, 1.0, 10.0, 100.0, 1000.0]:
+        gap = checkpoint_interval(elapsed, cost, every)
+        assert gap <= every
+        # Unless capped by the user's bound: at least the minimum, and the checkpoint's cost within 5% of it.
+        capped = gap == every
+        assert capped or (gap >= MIN_CHECKPOINT_INTERVAL_S and cost <= CHECKPOINT_COST_SHARE * gap + 1e-12)
+        assert gap <= max(
+            CHECKPOINT_LOSS_SHARE * elapsed, cost / CHECKPOINT_COST_SHARE, MIN_CHECKPOINT_INTERVAL_S
+        )
+    assert checkpoint_interval(100.0, cost, 0.0) == float("inf")
+
+
+def test_a_short_run_is_checkpointed_as_it_goes(client: Client, tmp_path: Path) -> None:
+    # 3 s of training: with checkpoints 5 s apart a kill lost all of it (issue 27: 21-39% of 15-25 s runs).
+    model = ConstantGradient(N)
+    res = downpour.train(
+        model, DATA, replicas=2, lr=LR, batch_size=5, time_limit=3.0, store=tmp_path, client=client
+    )
+    assert res.stop_reason == "time_limit", res.message
+    assert res.stats["checkpoints"] >= 5
+    off = downpour.train(
+        model, DATA, replicas=1, lr=LR, batch_size=5, time_limit=1.0, checkpoint_every_s=0, client=client
+    )
+    assert off.stats["checkpoints"] == 2  # the initial and the final one only
