@@ -8,9 +8,12 @@ asks it, at the end, whether the run stalled.
   becomes NaN or infinite, or when the objective or the held-out loss grows past its bound:
   ``max_loss_growth`` times the lowest value it had so far (that lowest value counted as at least a tenth of
   its first one; no bound for a loss whose first value is not positive), and never below its first value
-  (their value at the starting point), with a relative slack of :data:`BOUND_RTOL` for rounding. So a loss
-  that climbs back above where it started after falling tenfold has diverged, noise on a tiny loss has
-  not, and neither has a loss back at exactly its starting value (a replica whose first fetch came before
+  (their value at the starting point), with a relative slack of :data:`BOUND_RTOL` for rounding, on
+  :data:`SPIKE_ROWS` rows in a row: one row past the bound that the next row takes back is a spike, which
+  asynchronous SGD with stale gradients has (issue 27: 1 of 15 identical runs was stopped as diverged and
+  ended at training accuracy 1.0), not divergence. So a loss that climbs back above where it started after
+  falling tenfold and stays there has diverged, noise on a tiny loss has not, and neither has a loss back
+  at exactly its starting value (a replica whose first fetch came before
   any push was applied takes its first step at the starting point). (4 replicas with a fixed rate on the
   digits MLP: held-out loss 0.39, then 5.4 at chance accuracy.) The running training loss is judged for
   growth only in a run whose rows carry no parameters (no objective): a short run records a row every step
@@ -37,6 +40,7 @@ import numpy as np
 
 __all__ = [
     "BOUND_RTOL",
+    "SPIKE_ROWS",
     "STALL_FLAT",
     "STALL_GRAD",
     "STALL_WINDOW",
@@ -51,6 +55,8 @@ __all__ = [
 #: Real divergence overshoots by orders of magnitude; that rounding is ~1e-16 times the ratio of the
 #: cumulative sum to the window's (1e-10 at a ratio of a million).
 BOUND_RTOL = 1e-6
+#: Rows in a row past the bound that make divergence (NaN / inf: one row).
+SPIKE_ROWS = 2
 #: The last fraction of the run (by time) over which a stall is judged.
 STALL_WINDOW = 1 / 3
 #: The loss counts as flat when it fell by less than this fraction over the window.
@@ -81,7 +87,9 @@ class Watchdog:
     >>> w.observe(train_loss=float("nan"), test_loss=2.3)   # no rows yet: NaN is "nothing measured"
     >>> w.observe(train_loss=2.0, test_loss=2.2)
     >>> w.observe(train_loss=0.3, test_loss=0.4)
-    >>> w.observe(train_loss=3.5, test_loss=0.5) is not None
+    >>> w.observe(train_loss=3.5, test_loss=0.5) is not None     # a spike: one row past the bound
+    False
+    >>> w.observe(train_loss=3.6, test_loss=0.5) is not None     # and the next one too
     True
     """
 
@@ -91,6 +99,8 @@ class Watchdog:
     running_loss_growth: bool = True
     first: dict[str, float] = field(default_factory=dict)
     best: dict[str, float] = field(default_factory=dict)
+    #: Per loss, the consecutive rows so far past its bound.
+    over: dict[str, int] = field(default_factory=dict)
     message: str | None = None
 
     def observe(
@@ -124,11 +134,15 @@ class Watchdog:
             elif name not in self.first:
                 self.first[name] = self.best[name] = value
             elif self.max_loss_growth is not None and value > self.bound(name) * (1.0 + BOUND_RTOL):
-                self.message = (
-                    f"the {name} grew from {self.best[name]:.4g} (its lowest) to {value:.4g}, past "
-                    f"max_loss_growth={self.max_loss_growth:g} times that"
-                )
+                self.over[name] = self.over.get(name, 0) + 1
+                if self.over[name] >= SPIKE_ROWS:
+                    self.message = (
+                        f"the {name} grew from {self.best[name]:.4g} (its lowest) to {value:.4g}, past "
+                        f"max_loss_growth={self.max_loss_growth:g} times that "
+                        f"({self.over[name]} history rows in a row)"
+                    )
             else:
+                self.over[name] = 0
                 self.best[name] = min(self.best[name], value)
         if self.message is None:
             return None
