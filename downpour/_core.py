@@ -78,7 +78,7 @@ import numpy as np
 
 from distbelief.downpour._compress import Compression, ThresholdCompressor, encode, signed_bytes
 from distbelief.errors import InvalidOptionError
-from distbelief.storage import accrue_step, axpy, scaled_gradient
+from distbelief.storage import accrue_step, axpy, check_rule, scaled_gradient
 from distbelief.storage._keys import kv_bytes, split_keys
 
 __all__ = ["ADAGRAD_MAX_COALESCE", "FetchRequest", "PushMessage", "ReplicaCore", "ReplicaCounters"]
@@ -276,8 +276,7 @@ class ReplicaCore:
         compression: Compression | None = None,
         fetch_keys: Sequence[np.ndarray] | None = None,
     ) -> None:
-        if rule not in ("sgd", "adagrad"):
-            raise InvalidOptionError(f"unknown update rule {rule!r}; use 'sgd' or 'adagrad'")
+        check_rule(rule)
         self.ranges = [(int(lo), int(hi)) for lo, hi in ranges]
         self.n_shards = len(self.ranges)
         self.n = self.ranges[-1][1]

@@ -14,6 +14,7 @@ from typing import Literal
 from distbelief.downpour._compress import Compression, check_compression
 from distbelief.downpour._core import ADAGRAD_MAX_COALESCE
 from distbelief.errors import InvalidOptionError
+from distbelief.storage import RULES
 
 __all__ = ["DEFAULT_LR", "DownpourOptions", "Rule", "check_workers", "worker_tuple"]
 
@@ -123,7 +124,7 @@ class DownpourOptions:
     max_coalesce: int | None = None
 
     def __post_init__(self) -> None:
-        _check(self.rule in ("sgd", "adagrad"), "rule", self.rule, "'sgd' or 'adagrad'")
+        _check(self.rule in RULES, "rule", self.rule, "'sgd' or 'adagrad'")
         if self.lr is None:
             object.__setattr__(self, "lr", DEFAULT_LR[self.rule])
         _check(_is_number(self.lr) and float(self.lr or 0) > 0, "lr", self.lr, "a finite number > 0")

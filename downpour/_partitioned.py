@@ -48,6 +48,7 @@ from distbelief.storage import (
     ParameterServer,
     ShardMap,
     as_dataset,
+    check_rule,
     embedded_client,
     partition_layout,
     partition_shards,
@@ -475,8 +476,7 @@ def train_partitioned(
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
     plan = partition_plan(model, partitions)
-    if rule not in ("sgd", "adagrad"):
-        raise InvalidOptionError(f"unknown update rule {rule!r}; use 'sgd' or 'adagrad'")
+    check_rule(rule)
     if epochs is None and max_steps is None:
         raise InvalidOptionError("give epochs or max_steps (a partitioned run needs a known length)")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:

@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from distbelief.errors import InvalidOptionError
-from distbelief.storage import adagrad_update, axpy, sgd_update
+from distbelief.storage import adagrad_update, axpy, check_rule, sgd_update
 
 __all__ = ["ReferenceResult", "sequential_sgd"]
 
@@ -116,8 +115,7 @@ def sequential_sgd(
     >>> round(float(res.x[0]), 6)
     1.0
     """
-    if rule not in ("sgd", "adagrad"):
-        raise InvalidOptionError(f"unknown update rule {rule!r}; use 'sgd' or 'adagrad'")
+    check_rule(rule)
     w = np.array(x0, dtype=np.float64, copy=True)
     acc = np.zeros_like(w)
     losses: list[float] = []

@@ -19,7 +19,7 @@ from distbelief.storage._layout import Layout
 from distbelief.storage._malloc import reuse_freed_memory
 from distbelief.storage._partition_layout import partition_layout, partition_shards
 from distbelief.storage._rowcache import ROW_CACHE_ENV, RowCache, default_row_cache
-from distbelief.storage._rules import RULES, adagrad_update, sgd_update
+from distbelief.storage._rules import RULES, adagrad_update, check_rule, sgd_update
 from distbelief.storage._server import Batch, ParameterServer, ServerStats, ShardMap, reduce_results
 from distbelief.storage._session import (
     as_dataset,
@@ -47,6 +47,7 @@ __all__ = [
     "adagrad_update",
     "as_dataset",
     "axpy",
+    "check_rule",
     "default_row_cache",
     "digits_dataset",
     "embedded_client",

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from distbelief.errors import InvalidOptionError
 from distbelief.storage import _kernels
 
-__all__ = ["ADAGRAD_EPS", "RULES", "adagrad_update", "sgd_update"]
+__all__ = ["ADAGRAD_EPS", "RULES", "adagrad_update", "check_rule", "sgd_update"]
 
 #: Added under the square root so the very first Adagrad step is finite; the paper's rule has no epsilon
 #: because its accumulators start after at least one gradient. 1e-8 keeps the first step ~= lr * sign(g).
@@ -43,4 +44,20 @@ def adagrad_update(w: np.ndarray, g: np.ndarray, accumulator: np.ndarray, *, lr:
     _kernels.adagrad_step(w, np.asarray(g, dtype=np.float64), accumulator, lr=lr, eps=ADAGRAD_EPS)
 
 
+#: The update rules a shard applies to Downpour pushes (and the single-process reference, by name).
 RULES = ("sgd", "adagrad")
+
+
+def check_rule(rule: object) -> None:
+    """Refuse an update rule that is not one of :data:`RULES`, saying which there are.
+
+    Examples
+    --------
+    >>> check_rule("adagrad")
+    >>> check_rule("adam")
+    Traceback (most recent call last):
+    ...
+    distbelief.errors.InvalidOptionError: unknown update rule 'adam'; use 'sgd' or 'adagrad'
+    """
+    if rule not in RULES:
+        raise InvalidOptionError(f"unknown update rule {rule!r}; use 'sgd' or 'adagrad'")

@@ -25,7 +25,7 @@ import numpy as np
 from distbelief.errors import InvalidOptionError, ProtocolError
 from distbelief.storage import _exactsum, _kernels, _l1
 from distbelief.storage._keys import decode_signs
-from distbelief.storage._rules import adagrad_update, sgd_update
+from distbelief.storage._rules import adagrad_update, check_rule, sgd_update
 from distbelief.storage._vectorstore import VectorStore, op_operands, run_chunked
 
 __all__ = ["OPS", "Shard"]
@@ -471,8 +471,7 @@ class Shard:
     ) -> None:
         """SGD or Adagrad on ``w`` (the whole slice), or on its entries at ``keys`` (gathered, updated by
         the same elementwise code, scattered back: the same floats as a dense update there)."""
-        if rule not in ("sgd", "adagrad"):
-            raise InvalidOptionError(f"unknown update rule {rule!r}; use 'sgd' or 'adagrad'")
+        check_rule(rule)
         acc: np.ndarray | None = None
         if rule == "adagrad":
             acc = self.vectors.get(f"{param}.adagrad")
