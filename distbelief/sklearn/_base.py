@@ -584,7 +584,7 @@ class FitProgress:
         self.level = logging.INFO if verbose else logging.DEBUG
         self.callback = callback
         self.bar = tqdm(
-            total=total, desc=name, unit="it", delay=PROGRESS_DELAY, disable=not verbose, leave=False
+            total=total, desc=name, unit="it", delay=PROGRESS_DELAY, disable=not verbose, leave=True
         )
 
     def __enter__(self) -> FitProgress:
