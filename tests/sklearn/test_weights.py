@@ -153,8 +153,8 @@ def test_mlp_integer_weights_are_repeated_rows(iris: tuple[np.ndarray, np.ndarra
     opts = dict(hidden_layer_sizes=(5,), random_state=0, max_iter=40, tol=0.0, alpha=1e-3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
-        weighted = MLPClassifier(**opts).fit(X, y, sample_weight=counts)  # type: ignore[arg-type]
-        repeated = MLPClassifier(**opts).fit(np.repeat(X, counts, 0), np.repeat(y, counts))  # type: ignore[arg-type]
+        weighted = MLPClassifier(**opts).fit(X, y, sample_weight=counts)
+        repeated = MLPClassifier(**opts).fit(np.repeat(X, counts, 0), np.repeat(y, counts))
     np.testing.assert_allclose(weighted.predict_proba(X), repeated.predict_proba(X), atol=1e-6)
 
 
@@ -231,10 +231,11 @@ def test_random_state_seeds_the_mlp(iris: tuple[np.ndarray, np.ndarray]) -> None
     opts = dict(hidden_layer_sizes=(4,), max_iter=5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
-        a = MLPClassifier(random_state=1, **opts).fit(X, y)  # type: ignore[arg-type]
-        b = MLPClassifier(random_state=np.random.RandomState(1), **opts).fit(X, y)  # type: ignore[arg-type]
-        c = MLPClassifier(random_state=2, **opts).fit(X, y)  # type: ignore[arg-type]
-    assert np.array_equal(a.coefs_[0], MLPClassifier(random_state=1, **opts).fit(X, y).coefs_[0])  # type: ignore[arg-type]
+        a = MLPClassifier(random_state=1, **opts).fit(X, y)
+        b = MLPClassifier(random_state=np.random.RandomState(1), **opts).fit(X, y)
+        c = MLPClassifier(random_state=2, **opts).fit(X, y)
+        again = MLPClassifier(random_state=1, **opts).fit(X, y)
+    assert np.array_equal(a.coefs_[0], again.coefs_[0])
     assert b.coefs_[0].shape == a.coefs_[0].shape
     assert not np.array_equal(a.coefs_[0], c.coefs_[0])
 
