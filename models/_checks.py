@@ -21,6 +21,7 @@ __all__ = [
     "as_params",
     "as_rows",
     "as_targets",
+    "as_weights",
     "binary_labels",
     "class_labels",
     "diagnose_nonfinite",
@@ -116,6 +117,19 @@ def as_targets(y: ArrayLike, n_rows: int, model: str) -> NDArray[np.generic]:
         )
     if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
         raise DatasetError(f"{model} expects numeric labels, got an array of dtype {arr.dtype}")
+    return arr
+
+
+def as_weights(sample_weight: ArrayLike, n_rows: int, model: str) -> FloatArray:
+    """Return per-row weights as a 1-D float64 array of ``n_rows`` finite numbers >= 0."""
+    arr = np.asarray(sample_weight, dtype=np.float64)
+    if arr.shape != (n_rows,):
+        raise DatasetError(
+            f"{model} expects sample_weight of shape ({n_rows},) to match the {n_rows} rows of X, "
+            f"got shape {arr.shape}; pass one weight per row"
+        )
+    if not np.all(np.isfinite(arr)) or (arr.size and float(arr.min()) < 0):
+        raise DatasetError(f"{model} expects finite sample weights >= 0; drop or fix the bad ones")
     return arr
 
 

@@ -29,7 +29,7 @@ from distbelief.models._base import ModelBase
 from distbelief.models._checks import LabelKind
 from distbelief.models._specs import LeastSquaresSpec, LogisticSpec, SoftmaxSpec, validate_spec
 
-__all__ = ["LeastSquares", "Logistic", "Softmax", "softmax_xent_"]
+__all__ = ["LeastSquares", "Logistic", "Softmax", "softmax_xent_", "softmax_xent_rows"]
 
 FloatArray = NDArray[np.float64]
 
@@ -172,6 +172,33 @@ def softmax_xent_(Z: FloatArray, labels: NDArray[np.intp]) -> float:
     flat[at_label] = 0.0
     flat[at_label] = -(Z @ ones)
     return loss
+
+
+def _squares_rows(y: FloatArray, z: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """Least squares per row (:meth:`_Linear._weighted`): losses ``0.5 r^2`` and residuals ``r = z - y``."""
+    z -= y
+    return 0.5 * z * z, z
+
+
+def _logistic_rows(sign: FloatArray, z: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """Logistic loss per row in the margin form of :meth:`Logistic.loss_and_grad` (``sign = 1 - 2 y``)."""
+    t = np.multiply(sign, z, out=z)
+    losses = np.logaddexp(0.0, t)
+    r = expit(t)
+    r *= sign
+    return losses, r
+
+
+def softmax_xent_rows(labels: NDArray[np.intp], Z: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """Cross-entropy per row, ``logsumexp(Z_i) - Z_{i, y_i}``, and ``softmax(Z) - onehot(y)`` (in ``Z``)."""
+    Z -= Z.max(axis=1, keepdims=True)
+    lse = np.log(np.exp(Z).sum(axis=1))
+    rows = np.arange(Z.shape[0])
+    losses = lse - Z[rows, labels]
+    Z -= lse[:, None]
+    np.exp(Z, out=Z)
+    Z[rows, labels] -= 1.0
+    return losses, Z
 
 
 class _Linear(ModelBase):
@@ -452,6 +479,26 @@ class _Linear(ModelBase):
         loss = kernel(X, labels, W, intercept, grad[:n_coef].reshape(d, k), grad_b, rows)
         return loss, grad
 
+    def _weighted(
+        self,
+        w: FloatArray,
+        X: Any,
+        sample_weight: ArrayLike,
+        per_row: Callable[[FloatArray], tuple[FloatArray, FloatArray]],
+    ) -> tuple[float, FloatArray]:
+        """``sum_i s_i loss_i`` and its gradient ``[X.T @ (s * R), sum(s * R)]`` (per-row weights ``s``).
+
+        One two-pass evaluation for every model (dense or CSR rows): the model's ``per_row(Z)`` turns
+        ``Z = X @ coef + b`` (its own buffer, which it may overwrite) into every row's loss and residual
+        ``dloss_i/dZ_i``, and the residual rows are scaled by their weights. Weighted fits do not take the
+        fused or compiled passes: those sum the losses inside the kernels, and a weight is one multiply
+        per row here, next to a product over the row's features.
+        """
+        s = _checks.as_weights(sample_weight, X.shape[0], self._name)
+        losses, R = per_row(self._product(w, X))
+        R *= s if R.ndim == 1 else s[:, None]
+        return float(s @ losses), self._grad_from_residual(X, R)
+
     def _grad_from_residual(self, X: FloatArray, R: FloatArray) -> FloatArray:
         """Gradient ``[X.T @ R, sum(R)]`` written straight into one flat vector (no concatenation)."""
         k = self._n_outputs
@@ -521,7 +568,9 @@ class LeastSquares(_Linear):
         """``{"kind": "least_squares", "n_features": ..., "fit_intercept": ...}``."""
         return self._spec_fields()
 
-    def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
+    def loss_and_grad(
+        self, w: ArrayLike, X: ArrayLike, y: ArrayLike, *, sample_weight: ArrayLike | None = None
+    ) -> tuple[float, FloatArray]:
         """Summed squared-error loss over the rows and its gradient.
 
         Parameters
@@ -531,6 +580,9 @@ class LeastSquares(_Linear):
             float64 input is used as is (never copied).
         y : array_like, shape (n_rows,)
             Real targets.
+        sample_weight : array_like, shape (n_rows,), optional
+            Per-row weights ``s_i >= 0``: the loss becomes ``sum_i s_i loss_i`` and its gradient (the
+            meaning scikit-learn gives them).
 
         Returns
         -------
@@ -548,7 +600,11 @@ class LeastSquares(_Linear):
         w_arr, X_arr = self._checked(w, X)
         rows = _block_rows(X_arr, 1)
         y_arr = np.asarray(_checks.as_targets(y, X_arr.shape[0], self._name), dtype=np.float64)
-        compiled = self._compiled_csr(y_arr, w_arr, X_arr) if _checks.is_sparse(X_arr) else None
+        compiled: tuple[float, FloatArray] | None
+        if sample_weight is not None:
+            compiled = self._weighted(w_arr, X_arr, sample_weight, partial(_squares_rows, y_arr))
+        else:
+            compiled = self._compiled_csr(y_arr, w_arr, X_arr) if _checks.is_sparse(X_arr) else None
         if compiled is not None:
             loss, grad = compiled
         elif rows:
@@ -634,7 +690,9 @@ class Logistic(_Linear):
         """``{"kind": "logistic", "n_features": ..., "fit_intercept": ...}``."""
         return self._spec_fields()
 
-    def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
+    def loss_and_grad(
+        self, w: ArrayLike, X: ArrayLike, y: ArrayLike, *, sample_weight: ArrayLike | None = None
+    ) -> tuple[float, FloatArray]:
         """Summed logistic loss over the rows and its gradient.
 
         Parameters
@@ -644,6 +702,9 @@ class Logistic(_Linear):
             float64 input is used as is (never copied).
         y : array_like, shape (n_rows,)
             Labels 0 or 1 (any numeric or bool dtype).
+        sample_weight : array_like, shape (n_rows,), optional
+            Per-row weights ``s_i >= 0``: the loss becomes ``sum_i s_i loss_i`` and its gradient (the
+            meaning scikit-learn gives them).
 
         Returns
         -------
@@ -672,7 +733,11 @@ class Logistic(_Linear):
         # dloss/dz = sigmoid(z) - y = (1 - 2 y) * sigmoid(t): no cancellation of sigmoid(z) - 1 when y = 1.
         sign = np.multiply(y_arr, -2.0)
         sign += 1.0  # 1 - 2 y: +1 for label 0, -1 for label 1
-        compiled = self._compiled_csr(y_arr, w_arr, X_arr) if _checks.is_sparse(X_arr) else None
+        compiled: tuple[float, FloatArray] | None
+        if sample_weight is not None:
+            compiled = self._weighted(w_arr, X_arr, sample_weight, partial(_logistic_rows, sign))
+        else:
+            compiled = self._compiled_csr(y_arr, w_arr, X_arr) if _checks.is_sparse(X_arr) else None
         if compiled is not None:
             loss, grad = compiled
         elif rows:
@@ -822,7 +887,9 @@ class Softmax(_Linear):
         W = w_arr[:n_coef].reshape(self._n_features, self._n_outputs)
         return W, (w_arr[n_coef:] if self._fit_intercept else None)
 
-    def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
+    def loss_and_grad(
+        self, w: ArrayLike, X: ArrayLike, y: ArrayLike, *, sample_weight: ArrayLike | None = None
+    ) -> tuple[float, FloatArray]:
         """Summed cross-entropy over the rows and its gradient.
 
         Parameters
@@ -832,6 +899,9 @@ class Softmax(_Linear):
             float64 input is used as is (never copied).
         y : array_like, shape (n_rows,)
             Class labels 0..n_classes-1, as integers or integral floats.
+        sample_weight : array_like, shape (n_rows,), optional
+            Per-row weights ``s_i >= 0``: the loss becomes ``sum_i s_i loss_i`` and its gradient (the
+            meaning scikit-learn gives them).
 
         Returns
         -------
@@ -855,7 +925,11 @@ class Softmax(_Linear):
         rows = _block_rows(X_arr, self._n_outputs)
         y_raw = _checks.as_targets(y, X_arr.shape[0], self._name)
         labels = _checks.class_labels(y_raw, self._n_outputs, self._name)
-        compiled = self._compiled_csr(labels, w_arr, X_arr) if _checks.is_sparse(X_arr) else None
+        compiled: tuple[float, FloatArray] | None
+        if sample_weight is not None:
+            compiled = self._weighted(w_arr, X_arr, sample_weight, partial(softmax_xent_rows, labels))
+        else:
+            compiled = self._compiled_csr(labels, w_arr, X_arr) if _checks.is_sparse(X_arr) else None
         if compiled is not None:
             loss, grad = compiled
         elif rows:

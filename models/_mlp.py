@@ -19,7 +19,7 @@ from numpy.typing import ArrayLike, NDArray
 from distbelief.models import _checks
 from distbelief.models._base import ModelBase
 from distbelief.models._checks import LabelKind
-from distbelief.models._linear import softmax_xent_
+from distbelief.models._linear import softmax_xent_, softmax_xent_rows
 from distbelief.models._local import activate_
 from distbelief.models._specs import MLPSpec, validate_spec
 
@@ -204,7 +204,9 @@ class MLP(ModelBase):
         inputs.append(Z)
         return w_arr, inputs
 
-    def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
+    def loss_and_grad(
+        self, w: ArrayLike, X: ArrayLike, y: ArrayLike, *, sample_weight: ArrayLike | None = None
+    ) -> tuple[float, FloatArray]:
         """Summed cross-entropy over the rows and its gradient by backpropagation.
 
         Parameters
@@ -214,6 +216,9 @@ class MLP(ModelBase):
             float64 input is used as is (never copied).
         y : array_like, shape (n_rows,)
             Class labels 0..n_classes-1, as integers or integral floats.
+        sample_weight : array_like, shape (n_rows,), optional
+            Per-row weights ``s_i >= 0``: the loss becomes ``sum_i s_i loss_i`` and its gradient (the
+            meaning scikit-learn gives them).
 
         Returns
         -------
@@ -239,7 +244,13 @@ class MLP(ModelBase):
         y_raw = _checks.as_targets(y, X_arr.shape[0], self._name)
         labels = _checks.class_labels(y_raw, self._sizes[-1], self._name)
         delta = inputs.pop()
-        loss = softmax_xent_(delta, labels)  # delta = dloss/dZ of the output layer
+        if sample_weight is None:
+            loss = softmax_xent_(delta, labels)  # delta = dloss/dZ of the output layer
+        else:
+            s = _checks.as_weights(sample_weight, X_arr.shape[0], self._name)
+            losses, delta = softmax_xent_rows(labels, delta)
+            delta *= s[:, None]  # each row's part of the gradient, weighted, is backpropagated as it is
+            loss = float(s @ losses)
         grad = np.empty(self._n_params)
         layers = self._layers(w_arr)
         grad_layers = self._layers(grad)

@@ -7,6 +7,10 @@ meaning, unpenalized intercepts), so they work in a ``Pipeline`` and ``GridSearc
 arrays, Dask arrays (written to zarr by the workers) and a ``storage.Dataset``. The linear estimators also
 take ``scipy.sparse`` rows (any format, e.g. a ``HashingVectorizer``'s output) and Datasets of sparse rows,
 fitted through Sandblaster's sparse pull/push path, and ``penalty="l1"`` / ``"elasticnet"`` (OWL-QN).
+As in scikit-learn, ``fit`` takes ``sample_weight`` (and the linear classifiers ``class_weight``), the
+estimators take ``warm_start``, ``random_state`` and ``verbose`` (a progress bar with the objective, INFO logs
+on the ``distbelief.sklearn`` logger), and the classifiers have ``predict_log_proba``; ``callback=`` is
+``sandblaster.minimize``'s (see ``_base`` for how per-row weights reach the replicas).
 
 This is a package inside ``distbelief/`` rather than a top-level folder symlinked in like the others: a
 top-level ``sklearn/`` folder would shadow scikit-learn itself whenever the repository root is on

@@ -6,18 +6,32 @@ MLP biases); :class:`FreeParams` wraps a model so that, summed over all ``N`` ro
 penalty of those parameters back exactly: each row adds ``-(l2/2) ||w_free||^2`` to its loss (and
 ``-l2 * w_free`` to its gradient). Summed over the portions of a Sandblaster batch, or averaged over a
 Downpour mini-batch, that cancels the shards' ``(l2/2) ||w_free||^2`` term for any split of the rows.
+
+Per-row weights (``sample_weight``, ``class_weight``) make the data term ``(1/N) sum_i s_i loss_i``, which is
+scikit-learn's ``C * sum_i s_i loss_i + penalty`` divided by ``C N``. They reach the replicas, where the
+gradient is computed, as one more column of the training rows: :func:`with_weights` appends it,
+:class:`RowWeights` splits it off again and passes it to the model's
+``loss_and_grad(w, X, y, sample_weight=...)`` (the built-in models have it). The weights are thus stored
+with the rows, cut into the same portions, cached with them on the workers and read by the same code, so
+neither the datasets nor the solvers know about them (Sandblaster and Downpour alike). Rows given as a
+``storage.Dataset`` (or Dask arrays) cannot take the column (:func:`weighted_data` says what to do instead),
+and weighted ``scipy.sparse`` rows are fitted with dense communication.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import numbers
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import scipy.sparse as sp
 from numpy.typing import ArrayLike, NDArray
 from sklearn.base import clone
 from sklearn.exceptions import ConvergenceWarning
@@ -26,12 +40,25 @@ from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.storage import Dataset
 from distbelief.storage._session import run_store
 
-__all__ = ["PENALTIES", "SOLVERS", "FreeParams", "fit_model", "resolve_client"]
+__all__ = [
+    "PENALTIES",
+    "SOLVERS",
+    "FreeParams",
+    "RowWeights",
+    "fit_model",
+    "resolve_client",
+    "row_weights",
+    "with_weights",
+]
 
 SOLVERS = ("lbfgs", "cg", "gd", "downpour")
 PENALTIES = ("l2", "l1", "elasticnet", None)
 
 FloatArray = NDArray[np.float64]
+
+#: The estimators log their fits here (INFO: start, every iteration with ``verbose``, end); a handler on
+#: the ``distbelief`` logger sees them.
+logger = logging.getLogger("distbelief.sklearn")
 
 
 class FreeParams:
@@ -158,6 +185,292 @@ class FreeParams:
         return float(self.model.accuracy(w, X, y))
 
 
+class RowWeights:
+    """A model trained on rows whose last column is each row's weight (``sample_weight``, ``class_weight``).
+
+    Its rows are ``[X, s]`` (made by :func:`with_weights`); ``loss_and_grad`` splits them into ``X`` and
+    ``s`` and returns the wrapped model's ``sum_i s_i loss_i`` (``loss_and_grad(..., sample_weight=s)``) and
+    its gradient. Any split of the rows into portions sums to the weighted loss of all of them.
+
+    Parameters
+    ----------
+    model : Model
+        A model whose ``loss_and_grad`` takes ``sample_weight`` (the linear models do).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from distbelief.models import LeastSquares
+    >>> X, y, s = np.array([[1.0], [2.0]]), np.zeros(2), np.array([3.0, 0.0])
+    >>> RowWeights(LeastSquares(1, fit_intercept=False)).loss_and_grad([1.0], with_weights(X, s), y)
+    (1.5, array([3.]))
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    @property
+    def n_params(self) -> int:
+        """That of the wrapped model."""
+        return int(self.model.n_params)
+
+    @property
+    def n_features(self) -> int:
+        """The wrapped model's features and the weight column."""
+        return int(self.model.n_features) + 1
+
+    @property
+    def n_classes(self) -> int | None:
+        """That of the wrapped model."""
+        k = getattr(self.model, "n_classes", None)
+        return None if k is None else int(k)
+
+    @property
+    def label_kind(self) -> str:
+        """That of the wrapped model."""
+        return str(getattr(self.model, "label_kind", "real"))
+
+    @property
+    def spec(self) -> None:
+        """None: no built-in model takes the weight column (a saved result holds the parameters only)."""
+        return None
+
+    def init_params(self, seed: int | None = None) -> FloatArray:
+        """That of the wrapped model."""
+        return np.asarray(self.model.init_params(seed), dtype=np.float64)
+
+    def check_labels(self, y: ArrayLike) -> None:
+        """That of the wrapped model (if it has one)."""
+        check = getattr(self.model, "check_labels", None)
+        if callable(check):
+            check(y)
+
+    def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
+        """The wrapped model's ``sum_i s_i loss_i`` over the rows ``X[:, :-1]`` with weights ``X[:, -1]``."""
+        rows, weights = split_weights(X)
+        loss, grad = self.model.loss_and_grad(w, rows, y, sample_weight=weights)
+        return float(loss), np.asarray(grad, dtype=np.float64)
+
+    def predict(self, w: ArrayLike, X: ArrayLike) -> NDArray[Any]:
+        """That of the wrapped model, on ``X`` without the weight column."""
+        return np.asarray(self.model.predict(w, split_weights(X)[0]))
+
+    def accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
+        """That of the wrapped model, on ``X`` without the weight column."""
+        return float(self.model.accuracy(w, split_weights(X)[0], y))
+
+
+def split_weights(X: Any) -> tuple[Any, FloatArray]:
+    """Rows made by :func:`with_weights`, split into the rows and the weights.
+
+    Dense rows give a view (no copy: the products take the row stride of the narrower view as it is);
+    CSR rows a copy without the last column, which costs about as much as one pass over the nonzeros.
+    """
+    if sp.issparse(X):
+        csr = sp.csr_array(X)
+        weights = np.asarray(csr[:, [csr.shape[1] - 1]].toarray(), dtype=np.float64).ravel()
+        return csr[:, : csr.shape[1] - 1], weights
+    rows = np.asarray(X, dtype=np.float64)
+    return rows[:, :-1], rows[:, -1]
+
+
+def with_weights(X: Any, weights: FloatArray) -> Any:
+    """The rows ``X`` with ``weights`` as one more, last, column (what :class:`RowWeights` trains on).
+
+    Dense rows give a C-contiguous float64 array, ``scipy.sparse`` rows a canonical ``csr_array`` (a zero
+    weight is then not stored, as any zero).
+
+    Examples
+    --------
+    >>> with_weights(np.zeros((2, 1)), np.array([1.0, 2.0]))
+    array([[0., 1.],
+           [0., 2.]])
+    """
+    if sp.issparse(X):
+        out = sp.csr_array(sp.hstack([sp.csr_array(X), sp.csr_array(weights[:, None])], format="csr"))
+        out.sum_duplicates()  # canonical (sorted indices), as the models' CSR rows must be
+        return out
+    return np.ascontiguousarray(np.column_stack([X, weights]), dtype=np.float64)
+
+
+def check_sample_weight(sample_weight: object, n_rows: int, name: str) -> FloatArray | None:
+    """``sample_weight`` as a float64 array of ``n_rows`` finite weights >= 0 (not all 0), or None.
+
+    A number is every row's weight (as scikit-learn takes it).
+
+    Raises
+    ------
+    InvalidOptionError
+        Saying what is wrong and what to pass.
+
+    Examples
+    --------
+    >>> check_sample_weight(2, 3, "est")
+    array([2., 2., 2.])
+    >>> check_sample_weight([1.0, -1.0], 2, "est")
+    Traceback (most recent call last):
+    ...
+    distbelief.errors.InvalidOptionError: est.fit: sample_weight must be >= 0, ...
+    """
+    if sample_weight is None:
+        return None
+    if sp.issparse(sample_weight) or is_dask_array(sample_weight):
+        raise InvalidOptionError(
+            f"{name}.fit: sample_weight must be a 1-D numpy array or list of numbers (one per row), got "
+            f"{type(sample_weight).__name__}"
+        )
+    try:
+        s = np.asarray(sample_weight, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise InvalidOptionError(
+            f"{name}.fit: sample_weight must hold numbers, one per row, got {type(sample_weight).__name__} "
+            f"({exc})"
+        ) from exc
+    if s.ndim == 0:
+        s = np.full(n_rows, float(s))
+    if s.shape != (n_rows,):
+        raise InvalidOptionError(
+            f"{name}.fit: sample_weight must have shape ({n_rows},), one weight per row of X, got shape "
+            f"{s.shape}"
+        )
+    if not np.all(np.isfinite(s)):
+        at = int(np.flatnonzero(~np.isfinite(s))[0])
+        raise InvalidOptionError(
+            f"{name}.fit: sample_weight must be finite, got {s[at]} at row {at}; drop those rows or give "
+            "them a weight"
+        )
+    if s.size and float(s.min()) < 0:
+        at = int(np.argmin(s))
+        raise InvalidOptionError(
+            f"{name}.fit: sample_weight must be >= 0, got {s[at]} at row {at}; use 0 to leave a row out"
+        )
+    if not float(s.sum()) > 0:
+        raise InvalidOptionError(
+            f"{name}.fit: sample_weight is zero for every row, so there is nothing to fit; give some rows a "
+            "weight > 0"
+        )
+    return s
+
+
+def check_class_weight(class_weight: object, classes: NDArray[Any], name: str) -> None:
+    """Check ``class_weight``: None, ``"balanced"`` or a dict ``{class label: weight >= 0}``.
+
+    Raises
+    ------
+    InvalidOptionError
+        For anything else, a key that is not a class of ``y`` (naming the classes), or a bad weight.
+    """
+    if class_weight is None or (isinstance(class_weight, str) and class_weight == "balanced"):
+        return
+    if not isinstance(class_weight, dict):
+        raise InvalidOptionError(
+            f"{name}: class_weight must be None, 'balanced' or a dict {{class label: weight}}, got "
+            f"{class_weight!r}"
+        )
+    known = set(classes.tolist())
+    unknown = [key for key in class_weight if key not in known]
+    if unknown:
+        raise InvalidOptionError(
+            f"{name}: class_weight has keys {unknown!r} that are not classes of y; its keys must be among "
+            f"the classes {sorted(known)!r} (a class left out gets weight 1)"
+        )
+    for key, value in class_weight.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not math.isfinite(float(value))
+            or float(value) < 0
+        ):
+            raise InvalidOptionError(
+                f"{name}: class_weight[{key!r}] must be a finite number >= 0, got {value!r}"
+            )
+
+
+def row_weights(
+    sample_weight: object,
+    class_weight: object,
+    classes: NDArray[Any] | None,
+    y_index: FloatArray,
+    name: str,
+) -> FloatArray | None:
+    """Every row's weight: ``sample_weight`` times its class's ``class_weight`` (scikit-learn's rule), or
+    None when neither is given.
+
+    ``y_index`` holds the rows' classes as indices into ``classes`` (None for a regressor); ``"balanced"``
+    weights are scikit-learn's ``compute_class_weight`` (with ``sample_weight``, as
+    ``LogisticRegression`` calls it).
+
+    Examples
+    --------
+    >>> row_weights(None, {"b": 3.0}, np.array(["a", "b"]), np.array([0.0, 1.0, 1.0]), "est")
+    array([1., 3., 3.])
+    """
+    n = int(y_index.shape[0])
+    s = check_sample_weight(sample_weight, n, name)
+    if class_weight is None or classes is None:
+        return s
+    from sklearn.utils.class_weight import compute_class_weight
+
+    check_class_weight(class_weight, classes, name)
+    labels = classes[y_index.astype(np.intp)]
+    per_class = compute_class_weight(class_weight, classes=classes, y=labels, sample_weight=s)
+    weights = np.asarray(per_class, dtype=np.float64)[y_index.astype(np.intp)]
+    return weights if s is None else weights * s
+
+
+def weighted_data(
+    data: Any, weights: FloatArray | None, name: str, *, downpour_options: dict[str, Any] | None = None
+) -> tuple[Any, Callable[[Any], Any]]:
+    """The training data with the weight column (if any), and the wrapper the model needs for it.
+
+    Weighted ``scipy.sparse`` rows are fitted with dense communication (whole parameter vectors pulled and
+    pushed, as for an MLP): the sparse pull/push path finds the parameters a row touches from its columns,
+    and the weight column is not one of them.
+
+    Raises
+    ------
+    InvalidOptionError
+        For weighted rows that cannot carry the column: a ``storage.Dataset`` (also one made from Dask
+        arrays), or Downpour's held-out ``eval_data`` (its rows have no weight column); the message says
+        what to do instead.
+    """
+    if weights is None:
+        return data, lambda model: model
+    what = "sample_weight / class_weight"
+    if not isinstance(data, tuple):
+        raise InvalidOptionError(
+            f"{name}.fit: {what} need the rows in memory (numpy, pandas or scipy.sparse); a "
+            "storage.Dataset or Dask arrays cannot carry per-row weights. Fit arrays "
+            "(X.compute(), y.compute()), or for integer weights repeat the rows in the dataset"
+        )
+    if (downpour_options or {}).get("eval_data") is not None:
+        raise InvalidOptionError(
+            f"{name}.fit: {what} cannot be used with downpour_options['eval_data'] (the held-out rows "
+            "would be read as weighted ones); drop eval_data and score the fitted estimator on them instead"
+        )
+    X, y = data
+    return (with_weights(X, weights), y), RowWeights
+
+
+def check_verbose(verbose: object, name: str) -> int:
+    """``verbose`` as an int >= 0 (a bool counts as 0/1)."""
+    if not isinstance(verbose, numbers.Integral) or int(verbose) < 0:
+        raise InvalidOptionError(
+            f"{name}: verbose must be an int >= 0 (0: quiet, 1: a progress bar and INFO logs), got "
+            f"{verbose!r}"
+        )
+    return int(verbose)
+
+
+def check_callback(callback: object, name: str) -> None:
+    """``callback`` must be None or callable (with one argument, an iteration record)."""
+    if callback is not None and not callable(callback):
+        raise InvalidOptionError(
+            f"{name}: callback must be None or a function of one argument (sandblaster.IterationRecord, or "
+            f"downpour.Progress for solver='downpour'), got {callback!r}"
+        )
+
+
 # ------------------------------------------------------------------------------------------- clusters
 
 
@@ -239,6 +552,64 @@ def check_alpha(alpha: object, name: str) -> None:
         raise InvalidOptionError(f"{name}: alpha must be a number >= 0, got {alpha!r}")
 
 
+#: Seconds a fit runs before its progress bar appears (tqdm's ``delay``): short fits print nothing.
+PROGRESS_DELAY = 2.0
+
+
+class FitProgress:
+    """The callback a fit gives its solver: a tqdm bar showing the objective (with ``verbose``), a log line
+    per iteration on :data:`logger`, then the user's ``callback``.
+
+    The bar counts iterations (Sandblaster's ``IterationRecord.iteration``) or epochs (Downpour's
+    ``Progress.epoch``) up to ``total``, and appears only once the fit has run :data:`PROGRESS_DELAY`
+    seconds. The log lines are INFO with ``verbose``, else DEBUG. Use it as a context manager: the bar is
+    closed on the way out.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> seen = []
+    >>> with FitProgress("est", verbose=0, callback=seen.append, total=10) as report:
+    ...     report(SimpleNamespace(iteration=1, objective=0.5, grad_norm=0.1))
+    >>> seen[0].objective
+    0.5
+    """
+
+    def __init__(
+        self, name: str, *, verbose: int, callback: Callable[[Any], None] | None, total: int
+    ) -> None:
+        from tqdm.auto import tqdm
+
+        self.name = name
+        self.level = logging.INFO if verbose else logging.DEBUG
+        self.callback = callback
+        self.bar = tqdm(
+            total=total, desc=name, unit="it", delay=PROGRESS_DELAY, disable=not verbose, leave=True
+        )
+
+    def __enter__(self) -> FitProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+
+    def __call__(self, record: Any) -> None:
+        objective = float(record.objective)
+        if hasattr(record, "iteration"):  # sandblaster.IterationRecord
+            done: float = int(record.iteration)
+            where = f"iteration {done}"
+            extra = f", max|grad| {float(record.grad_norm):.3g}"
+        else:  # downpour.Progress
+            done = float(record.epoch)
+            where = f"epoch {done:.2f}"
+            extra = ""
+        self.bar.update(done - self.bar.n)
+        self.bar.set_postfix(objective=f"{objective:.8g}", refresh=False)
+        logger.log(self.level, "%s: %s, objective %.10g%s", self.name, where, objective, extra)
+        if self.callback is not None:
+            self.callback(record)
+
+
 def fit_model(
     model: Any,
     data: Dataset | tuple[FloatArray, FloatArray],
@@ -255,6 +626,8 @@ def fit_model(
     seed: int = 0,
     downpour_options: dict[str, Any] | None = None,
     name: str = "estimator",
+    verbose: int = 0,
+    callback: Callable[[Any], None] | None = None,
 ) -> tuple[FloatArray, int, Any]:
     """Minimize ``F`` with the chosen solver; return the parameters, the iterations and the run's result.
 
@@ -262,12 +635,49 @@ def fit_model(
     ranges: the L2 term is given back by :class:`FreeParams`, the L1 term leaves them out on the shards
     (``minimize(l1_exclude=...)``). ``l1 > 0`` runs OWL-QN (``solver`` must be ``"lbfgs"``).
     Iterations are Sandblaster's ``nit``, or Downpour's epochs run (``max_iter`` epochs per replica).
-    A run that stops at ``max_iter`` warns with scikit-learn's ``ConvergenceWarning``.
+    A run that stops at ``max_iter`` warns with scikit-learn's ``ConvergenceWarning``. ``callback`` is
+    the solver's (``minimize``'s or ``downpour.train``'s), called through :class:`FitProgress`, which shows
+    a progress bar with ``verbose``; the fit's start and end are logged at INFO on :data:`logger`.
     """
     run_model = FreeParams(model, l2, free) if (l2 > 0 and free) else model
     c = resolve_client(client)
     if l1 > 0 and solver != "lbfgs":
         raise InvalidOptionError(f"{name}: an L1 term needs solver='lbfgs' (OWL-QN), got {solver!r}")
+    rows = data.n_rows if isinstance(data, Dataset) else np.shape(data[0])[0]
+    logger.info("%s: fitting %d rows with solver=%r, max_iter=%d", name, rows, solver, max_iter)
+    started = time.perf_counter()
+    with FitProgress(name, verbose=verbose, callback=callback, total=max_iter) as report:
+        w, nit, result = _solve(
+            run_model, data, l2=l2, l1=l1, free=free, solver=solver, max_iter=max_iter, tol=tol, client=c,
+            store=store, x0=x0, seed=seed, downpour_options=downpour_options, name=name, callback=report,
+        )  # fmt: skip
+    logger.info(
+        "%s: %s stopped after %d iterations in %.2f s: %s",
+        name, solver, nit, time.perf_counter() - started, getattr(result, "message", ""),
+    )  # fmt: skip
+    return w, nit, result
+
+
+def _solve(
+    run_model: Any,
+    data: Any,
+    *,
+    l2: float,
+    free: Sequence[tuple[int, int]],
+    solver: str,
+    l1: float,
+    max_iter: int,
+    tol: float,
+    client: Any,
+    store: str,
+    x0: FloatArray | None,
+    seed: int,
+    downpour_options: dict[str, Any] | None,
+    name: str,
+    callback: Callable[[Any], None],
+) -> tuple[FloatArray, int, Any]:
+    """The solver call of :func:`fit_model`."""
+    c = client
     if solver == "downpour":
         from distbelief.downpour import train
 
@@ -281,6 +691,7 @@ def fit_model(
             store=os.path.join(store, "run"),
             x0=x0,
             seed=seed,
+            callback=callback,
             **options,
         )
         if not trained.success:
@@ -302,13 +713,14 @@ def fit_model(
         client=c,
         store=os.path.join(store, "run"),
         seed=seed,
+        callback=callback,
     )
     if res.status == 1:
         warnings.warn(
             f"{name}: {solver} did not converge in max_iter={max_iter} iterations ({res.message}); "
             "increase max_iter or scale the data",
             ConvergenceWarning,
-            stacklevel=3,
+            stacklevel=5,
         )
     return np.asarray(res.x, dtype=np.float64), int(res.nit), res
 

@@ -17,7 +17,9 @@ from distbelief import models
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.sklearn._base import (
     check_alpha,
+    check_callback,
     check_common,
+    check_verbose,
     clone_keeping_client,
     fit_model,
     fit_store,
@@ -25,6 +27,8 @@ from distbelief.sklearn._base import (
     map_rows,
     picklable_state,
     resolve_client,
+    row_weights,
+    weighted_data,
 )
 from distbelief.storage import Dataset
 
@@ -49,6 +53,10 @@ class _Distbelief(BaseEstimator):
     client: Any
     store: Any
     penalty: str | None
+    warm_start: bool
+    verbose: int
+    callback: Any
+    random_state: Any
 
     def __sklearn_clone__(self) -> Any:
         return clone_keeping_client(self)
@@ -157,9 +165,18 @@ class _Distbelief(BaseEstimator):
         seed: int = 0,
         downpour_options: dict[str, Any] | None = None,
         l1: float = 0.0,
+        weights: FloatArray | None = None,
     ) -> FloatArray:
+        """Fit ``model`` (with per-row ``weights`` if given, see ``_base.RowWeights``), starting from the
+        previous fit's parameters with ``warm_start``, else from ``x0``; set ``model_``, ``w_``,
+        ``result_``."""
+        name = type(self).__name__
+        verbose = check_verbose(self.verbose, name)
+        check_callback(self.callback, name)
+        data, wrap = weighted_data(data, weights, name, downpour_options=downpour_options)
+        x0 = self._warm_x0(model, x0)
         w, nit, result = fit_model(
-            model,
+            wrap(model),
             data,
             l2=l2,
             l1=l1,
@@ -172,13 +189,71 @@ class _Distbelief(BaseEstimator):
             x0=x0,
             seed=seed,
             downpour_options=downpour_options,
-            name=type(self).__name__,
+            name=name,
+            verbose=verbose,
+            callback=self.callback,
         )
         self.model_ = model
         self.w_ = w
         self.result_ = result
         self._nit = nit
         return w
+
+    def _warm_x0(self, model: Any, x0: FloatArray | None) -> FloatArray | None:
+        """The previous fit's parameters with ``warm_start`` (if there was one), else ``x0``.
+
+        The previous model must be the same (same features, classes and layout), else there is nothing
+        to start from: an error says so rather than a silent cold start.
+        """
+        warm = self.warm_start
+        if not isinstance(warm, bool | np.bool_):
+            raise InvalidOptionError(f"{type(self).__name__}: warm_start must be True or False, got {warm!r}")
+        previous = getattr(self, "model_", None)
+        if not warm or previous is None:
+            return x0
+        if previous is not model and (previous != model or previous.n_params != model.n_params):
+            raise InvalidOptionError(
+                f"{type(self).__name__}: warm_start=True, but the previous fit was {previous!r} and this "
+                f"data needs {model!r} (other features, classes or options); set warm_start=False, or fit "
+                "data with the same features and classes"
+            )
+        return np.array(self.w_, dtype=np.float64)
+
+    def _seed(self) -> int | None:
+        """``random_state`` as a seed: None, an int, or drawn from a numpy ``RandomState``."""
+        rs = self.random_state
+        if rs is None:
+            return None
+        if isinstance(rs, numbers.Integral) and not isinstance(rs, bool) and int(rs) >= 0:
+            return int(rs)
+        if isinstance(rs, np.random.RandomState):
+            return int(rs.randint(0, 2**31 - 1))
+        raise InvalidOptionError(
+            f"{type(self).__name__}: random_state must be None, an int >= 0 or a numpy RandomState, got "
+            f"{rs!r}"
+        )
+
+    def _row_weights(self, sample_weight: Any, data: Any, class_weight: Any = None) -> FloatArray | None:
+        """Every training row's weight (``sample_weight`` times ``class_weight``), or None for neither.
+
+        ``data`` is what :meth:`_data` returned; per-row weights need its rows in memory (a tuple).
+        """
+        if sample_weight is None and class_weight is None:
+            return None
+        name = type(self).__name__
+        if not isinstance(data, tuple):
+            weighted_data(data, np.ones(1), name)  # raises, saying what to do
+        y = data[1]
+        classes = getattr(self, "classes_", None) if self._classifier else None
+        return row_weights(sample_weight, class_weight, classes, y, name)
+
+    def _log_of_proba(self, X: Any) -> Any:
+        """``log(predict_proba(X))`` (the classifiers without a closed form of their own)."""
+        if is_dask_array(X):
+            check_is_fitted(self)
+            return map_rows(X, self._log_of_proba, len(self.classes_), np.float64)
+        with np.errstate(divide="ignore"):
+            return np.log(self.predict_proba(X))
 
 
 def _csr(X: Any) -> sp.csr_array:
@@ -218,9 +293,14 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
         C: float = 1.0,
         l1_ratio: float | None = None,
         fit_intercept: bool = True,
+        class_weight: dict[Any, float] | str | None = None,
         solver: str = "lbfgs",
         max_iter: int = 100,
         tol: float = 1e-4,
+        random_state: Any = None,
+        warm_start: bool = False,
+        verbose: int = 0,
+        callback: Any = None,
         client: Any = None,
         store: str | None = None,
         downpour_options: dict[str, Any] | None = None,
@@ -229,15 +309,28 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
         self.C = C
         self.l1_ratio = l1_ratio
         self.fit_intercept = fit_intercept
+        self.class_weight = class_weight
         self.solver = solver
         self.max_iter = max_iter
         self.tol = tol
+        self.random_state = random_state
+        self.warm_start = warm_start
+        self.verbose = verbose
+        self.callback = callback
         self.client = client
         self.store = store
         self.downpour_options = downpour_options
 
-    def fit(self, X: Any, y: Any = None) -> Any:
+    def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> Any:
         """Fit on ``X`` (numpy, ``scipy.sparse``, Dask array or ``storage.Dataset``) and labels ``y``.
+
+        Parameters
+        ----------
+        X, y
+            The rows and their labels (``y`` is None for a ``storage.Dataset``, which holds its labels).
+        sample_weight : array_like of shape (n_samples,) or float, optional
+            Every row's weight in the objective (multiplied by its class's ``class_weight``); rows in
+            memory only (numpy or pandas, dense) and not with ``solver="downpour"``.
 
         Returns
         -------
@@ -264,9 +357,11 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
             # "l1", l1_ratio for "elasticnet"), i.e. divided by C N: (1/N) sum loss + (r / (C N)) ||coef||_1
             # + ((1 - r) / (2 C N)) ||coef||^2. The intercept is in neither term.
             scale = 0.0 if self.penalty is None else 1.0 / (float(self.C) * n)
+            seed = self._seed()
             w = self._fit_with(
                 model, data, l2=(1.0 - ratio) * scale, l1=ratio * scale, free=_free_linear(model),
-                store=store, downpour_options=self.downpour_options,
+                store=store, downpour_options=self.downpour_options, seed=0 if seed is None else seed,
+                weights=self._row_weights(sample_weight, data, self.class_weight),
             )  # fmt: skip
         self._set_coef(model, w)
         self.n_iter_ = np.array([self._nit], dtype=np.int32)
@@ -333,6 +428,19 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
         out: FloatArray = e / e.sum(axis=1, keepdims=True)
         return out
 
+    def predict_log_proba(self, X: Any) -> Any:
+        """Log class probabilities, shape (n, n_classes), computed stably (no ``log`` of a rounded 0)."""
+        if is_dask_array(X):
+            check_is_fitted(self)
+            return map_rows(X, self.predict_log_proba, len(self.classes_), np.float64)
+        z = self._scores(self._rows(X))
+        if z.ndim == 1:  # log sigmoid(-z), log sigmoid(z)
+            out: FloatArray = -np.logaddexp(0.0, np.column_stack([z, -z]))
+            return out
+        from scipy.special import log_softmax
+
+        return log_softmax(z, axis=1)
+
     def predict(self, X: Any) -> Any:
         """The most probable class of every row (labels from ``classes_``)."""
         if is_dask_array(X):
@@ -364,12 +472,29 @@ class LogisticRegression(_LinearClassifier):
         The elastic net's L1 share in [0, 1] (``penalty="elasticnet"`` only, as scikit-learn's).
     fit_intercept : bool
         Learn an (unpenalized) intercept.
+    class_weight : dict, "balanced" or None
+        Per-class weights, as scikit-learn's: ``{label: weight}`` (a class left out weighs 1) or
+        ``"balanced"`` (``n_samples / (n_classes * counts)``, with ``sample_weight`` weighted counts).
+        Every row's weight is its ``sample_weight`` times its class's weight; the objective becomes
+        ``C * sum_i s_i loss_i + penalty`` (solved as ``(1/N) sum_i s_i loss_i + ...``). Rows in memory
+        only (numpy, pandas, ``scipy.sparse``), not a ``storage.Dataset`` or Dask arrays.
     solver : {"lbfgs", "cg", "gd", "downpour"}
         Sandblaster's L-BFGS, CG or gradient descent, or Downpour SGD (``max_iter`` epochs).
     max_iter : int
         Iterations (epochs for Downpour).
     tol : float
         Stop when ``max|grad F| <= tol`` (as scikit-learn's lbfgs).
+    random_state : int, numpy RandomState or None
+        Seed of the solver's randomness (Downpour's; Sandblaster's methods are deterministic).
+    warm_start : bool
+        Start from the previous fit's ``coef_`` / ``intercept_`` (same features and classes), else from 0.
+    verbose : int
+        0: quiet. 1 or more: a progress bar (tqdm) showing the objective once a fit has run 2 s, and a
+        log line per iteration at INFO on the ``distbelief.sklearn`` logger (the fit's start and end are
+        logged at INFO in any case).
+    callback : callable, optional
+        Called after every iteration with ``minimize``'s ``sandblaster.IterationRecord`` (Downpour:
+        ``downpour.Progress``); raising ``StopIteration`` stops the fit.
     client : distributed.Client, str or None
         The cluster: a client, a scheduler address, or None (the default Dask client, else an embedded
         ``LocalCluster`` shared by the fits of this process).
@@ -394,6 +519,13 @@ class LogisticRegression(_LinearClassifier):
     >>> clf = LogisticRegression(C=1.0).fit(X, y)      # doctest: +SKIP
     >>> clf.score(X, y) > 0.9                           # doctest: +SKIP
     True
+
+    Weighted rows, a progress bar for long fits, and a callback that sees every iteration:
+
+    >>> seen = []
+    >>> clf = LogisticRegression(class_weight="balanced", verbose=1, callback=seen.append)   # doctest: +SKIP
+    >>> clf.fit(X, y, sample_weight=np.where(y == 1, 2.0, 1.0))                            # doctest: +SKIP
+    >>> seen[-1].objective, clf.predict_log_proba(X[:1])                                   # doctest: +SKIP
 
     Sparse rows, and an L1 penalty (a sparse ``coef_``):
 
@@ -433,8 +565,10 @@ class LinearRegression(RegressorMixin, _Distbelief):
     ----------
     alpha : float
         L2 strength (>= 0), as ``sklearn.linear_model.Ridge``.
-    fit_intercept, solver, max_iter, tol, client, store, downpour_options
+    fit_intercept, solver, max_iter, tol, random_state, warm_start
         As in :class:`LogisticRegression` (``penalty`` is always ``"l2"``).
+    verbose, callback, client, store, downpour_options
+        As in :class:`LogisticRegression`.
 
     Examples
     --------
@@ -454,6 +588,10 @@ class LinearRegression(RegressorMixin, _Distbelief):
         solver: str = "lbfgs",
         max_iter: int = 1000,
         tol: float = 1e-6,
+        random_state: Any = None,
+        warm_start: bool = False,
+        verbose: int = 0,
+        callback: Any = None,
         client: Any = None,
         store: str | None = None,
         downpour_options: dict[str, Any] | None = None,
@@ -463,12 +601,18 @@ class LinearRegression(RegressorMixin, _Distbelief):
         self.solver = solver
         self.max_iter = max_iter
         self.tol = tol
+        self.random_state = random_state
+        self.warm_start = warm_start
+        self.verbose = verbose
+        self.callback = callback
         self.client = client
         self.store = store
         self.downpour_options = downpour_options
 
-    def fit(self, X: Any, y: Any = None) -> LinearRegression:
+    def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> LinearRegression:
         """Fit on ``X`` (numpy, ``scipy.sparse``, Dask array or ``storage.Dataset``) and targets ``y``.
+
+        ``sample_weight`` weighs every row's squared error, as in :class:`LogisticRegression`.
 
         Returns
         -------
@@ -480,9 +624,11 @@ class LinearRegression(RegressorMixin, _Distbelief):
         with fit_store(self.store) as store:
             data, n = self._data(X, y, store)
             model = models.LeastSquares(int(self.n_features_in_), fit_intercept=bool(self.fit_intercept))
+            seed = self._seed()
             w = self._fit_with(
                 model, data, l2=float(self.alpha) / n, free=_free_linear(model), store=store,
-                downpour_options=self.downpour_options,
+                downpour_options=self.downpour_options, seed=0 if seed is None else seed,
+                weights=self._row_weights(sample_weight, data),
             )  # fmt: skip
         d = model.n_features
         self.coef_: FloatArray = w[:d].copy()
@@ -516,8 +662,9 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
         L2 strength on the weights (>= 0).
     solver : {"lbfgs", "cg", "gd", "downpour"}
         As in :class:`LogisticRegression` (default L-BFGS, unlike scikit-learn's adam).
-    max_iter, tol, client, store, downpour_options
-        As in :class:`LogisticRegression`.
+    max_iter, tol, warm_start, verbose, callback, client, store, downpour_options
+        As in :class:`LogisticRegression` (``warm_start``: from the previous ``coefs_`` /
+        ``intercepts_``).
     random_state : int, numpy RandomState or None
         Seed of the initial weights.
 
@@ -547,6 +694,9 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
         max_iter: int = 200,
         tol: float = 1e-4,
         random_state: Any = None,
+        warm_start: bool = False,
+        verbose: int = 0,
+        callback: Any = None,
         client: Any = None,
         store: str | None = None,
         downpour_options: dict[str, Any] | None = None,
@@ -558,6 +708,9 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
         self.max_iter = max_iter
         self.tol = tol
         self.random_state = random_state
+        self.warm_start = warm_start
+        self.verbose = verbose
+        self.callback = callback
         self.client = client
         self.store = store
         self.downpour_options = downpour_options
@@ -577,18 +730,10 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
             )
         return hidden
 
-    def _seed(self) -> int | None:
-        rs = self.random_state
-        if rs is None or isinstance(rs, numbers.Integral):
-            return None if rs is None else int(rs)
-        if isinstance(rs, np.random.RandomState):
-            return int(rs.randint(0, 2**31 - 1))
-        raise InvalidOptionError(
-            f"MLPClassifier: random_state must be None, an int or a numpy RandomState, got {rs!r}"
-        )
-
-    def fit(self, X: Any, y: Any = None) -> MLPClassifier:
+    def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> MLPClassifier:
         """Fit on ``X`` (numpy, Dask array or ``storage.Dataset``) and labels ``y``.
+
+        ``sample_weight`` weighs every row's loss, as in :class:`LogisticRegression`.
 
         Returns
         -------
@@ -616,7 +761,7 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
             w = self._fit_with(
                 model, data, l2=float(self.alpha) / n, free=free, store=store,
                 x0=model.init_params(seed), seed=0 if seed is None else seed,
-                downpour_options=self.downpour_options,
+                downpour_options=self.downpour_options, weights=self._row_weights(sample_weight, data),
             )  # fmt: skip
         layers = model.unpack(w)
         self.coefs_ = [W.copy() for W, _ in layers]
@@ -634,6 +779,10 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
         rows = self._rows(X)
         Z = self.model_.predict_proba(self.w_, rows)
         return np.asarray(Z, dtype=np.float64)
+
+    def predict_log_proba(self, X: Any) -> Any:
+        """``log(predict_proba(X))``."""
+        return self._log_of_proba(X)
 
     def predict(self, X: Any) -> Any:
         """The most probable class of every row (labels from ``classes_``)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import numbers
+import inspect
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
         E.g. ``models.JaxModel(loss_fn, ..., predict_fn=...)``; ``predict_proba(w, X)`` is used if present.
     alpha : float
         L2 strength (>= 0), as ``alpha`` of scikit-learn's ``MLPClassifier``.
-    solver, max_iter, tol, client, store, downpour_options
+    solver, max_iter, tol, warm_start, verbose, callback, client, store, downpour_options
         As in :class:`LogisticRegression`.
     random_state : int or None
         Seed of ``model.init_params``.
@@ -52,6 +52,9 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
         max_iter: int = 200,
         tol: float = 1e-5,
         random_state: int | None = None,
+        warm_start: bool = False,
+        verbose: int = 0,
+        callback: Any = None,
         client: Any = None,
         store: str | None = None,
         downpour_options: dict[str, Any] | None = None,
@@ -62,12 +65,18 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
         self.max_iter = max_iter
         self.tol = tol
         self.random_state = random_state
+        self.warm_start = warm_start
+        self.verbose = verbose
+        self.callback = callback
         self.client = client
         self.store = store
         self.downpour_options = downpour_options
 
-    def fit(self, X: Any, y: Any = None) -> ModelClassifier:
+    def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> ModelClassifier:
         """Fit ``model`` on ``X`` (numpy, Dask array or ``storage.Dataset``) and labels ``y``.
+
+        ``sample_weight`` (as in :class:`LogisticRegression`) needs a model whose ``loss_and_grad`` takes
+        a ``sample_weight`` keyword (the built-in ones do).
 
         Returns
         -------
@@ -80,17 +89,19 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
             )
         check_common(self.solver, "l2", self.max_iter, self.tol, name)
         check_alpha(self.alpha, name)
-        if self.random_state is not None and not isinstance(self.random_state, numbers.Integral):
+        seed = self._seed()
+        if sample_weight is not None and not _takes_sample_weight(self.model):
             raise InvalidOptionError(
-                f"{name}: random_state must be None or an int, got {self.random_state!r}"
+                f"{name}: sample_weight needs a model whose loss_and_grad(w, X, y, *, sample_weight) takes "
+                f"per-row weights; {type(self.model).__name__}'s does not. Add that keyword to the model, or "
+                "fit without sample_weight"
             )
         with fit_store(self.store) as store:
             data, n = self._data(X, y, store)
-            seed = None if self.random_state is None else int(self.random_state)
             self._fit_with(
                 self.model, data, l2=float(self.alpha) / n, free=[], store=store,
                 x0=np.asarray(self.model.init_params(seed), dtype=np.float64), seed=seed or 0,
-                downpour_options=self.downpour_options,
+                downpour_options=self.downpour_options, weights=self._row_weights(sample_weight, data),
             )  # fmt: skip
         self.n_iter_ = self._nit
         return self
@@ -103,8 +114,21 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
             raise AttributeError(f"{type(self.model_).__name__} has no predict_proba")
         return np.asarray(method(self.w_, rows), dtype=np.float64)
 
+    def predict_log_proba(self, X: Any) -> Any:
+        """``log(predict_proba(X))`` (only if the model has ``predict_proba``)."""
+        return self._log_of_proba(X)
+
     def predict(self, X: Any) -> Any:
         """The classes ``model.predict(w_, X)`` points at."""
         rows = self._rows(X)
         index = np.asarray(self.model_.predict(self.w_, rows)).astype(np.intp)
         return self.classes_[index]
+
+
+def _takes_sample_weight(model: Any) -> bool:
+    """Whether ``model.loss_and_grad`` has a ``sample_weight`` keyword (or takes any keyword)."""
+    try:
+        params = inspect.signature(model.loss_and_grad).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "sample_weight" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
