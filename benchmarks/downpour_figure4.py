@@ -12,7 +12,10 @@ Held-out accuracy against wall time, all measured side by side in one run on the
 
 on two problems: scikit-learn's digits with an MLP, and a larger seeded synthetic classification set (a
 random teacher network labels Gaussian inputs; the features come in scales from 1/4 to 4, as raw features
-do, which is where Adagrad's per-parameter rates matter). Time is measured from the moment the replicas
+do, which is where Adagrad's per-parameter rates matter); and, with ``--problems mlp30``, issue 30's MLP
+(256-512-512-10, a step of ~6.7 ms: where a replica's compute, not messaging, is the cost), which adds the
+one-process Adagrad row and the ratio issue 30 asks for, ``T(Downpour Adagrad, 2 replicas) / T(numpy
+Adagrad)`` (target <= 0.7). A run of some problems keeps the other problems' saved results in the JSON. Time is measured from the moment the replicas
 start (cluster, shards and replicas are already up; their setup time is reported apart). The time to the
 target accuracy is the first evaluation at or above it; with repeats, the median over runs (a run that
 never reaches the target counts as infinite). The headline is
@@ -98,6 +101,9 @@ class Problem:
     tau: float = 0.05
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The single-process reference rows' rules (the Adagrad one is the like-for-like floor of the Adagrad
+    #: replicas).
+    numpy_rules: tuple[str, ...] = ("sgd",)
 
 
 def digits_problem(quick: bool) -> Problem:
@@ -151,6 +157,43 @@ def synthetic_problem(quick: bool, *, seed: int = 0) -> Problem:
             f"noise; MLP {d}-128-{k} tanh, mini-batches of 64"
         ),
         extra={"seed": seed, "bayes_accuracy": float(np.mean(np.argmax(logits, 1) == labels))},
+    )
+
+
+def mlp30_problem(quick: bool, *, seed: int = 0) -> Problem:
+    """Issue 30's model: an MLP 256-512-512-10 (399,370 parameters, ~6.7 ms a 128-row step on one core),
+    on rows labelled by a random tanh teacher (Bayes accuracy ~0.96; this MLP plateaus near 0.64 held-out
+    within 10 epochs: measured with ``--tune``-style single-process runs, Adagrad 0.05 at 0.62 after ~350
+    steps, SGD 0.05 after ~310)."""
+    n_train, n_test, d, k, teacher = (2_000, 500, 32, 10, 16) if quick else (40_000, 2_000, 256, 10, 32)
+    rng = np.random.default_rng(seed)
+    W1 = rng.normal(size=(d, teacher)) * 2 / np.sqrt(d)
+    W2 = rng.normal(size=(teacher, k)) * 3 / np.sqrt(teacher)
+    Z = rng.normal(size=(n_train + n_test, d))
+    logits = np.tanh(Z @ W1) @ W2
+    labels = np.argmax(logits + 0.1 * rng.gumbel(size=logits.shape), axis=1).astype(np.float64)
+    widths = [d, 64, 64, k] if quick else [d, 512, 512, k]
+    return Problem(
+        name="mlp30",
+        model=models.MLP(widths, activation="tanh"),
+        X=np.ascontiguousarray(Z[:n_train]),
+        y=labels[:n_train],
+        X_test=Z[n_train:],
+        y_test=labels[n_train:],
+        target=0.4 if quick else 0.62,
+        lr={"sgd": 0.05, "adagrad": 0.05},
+        batch_size=128,
+        time_limit=1.0 if quick else 20.0,
+        eval_every=0.1 if quick else 0.25,
+        repeats=1 if quick else 3,
+        lbfgs_grid=(4, 16) if quick else (4, 8, 16, 32, 64),
+        description=(
+            f"issue 30's MLP {'-'.join(map(str, widths))} tanh on {n_train:,} training / {n_test:,} "
+            f"held-out rows of {d} Gaussian features labelled by a random tanh teacher ({teacher} hidden "
+            "units, Gumbel noise), mini-batches of 128"
+        ),
+        extra={"seed": seed, "bayes_accuracy": float(np.mean(np.argmax(logits, 1) == labels))},
+        numpy_rules=("sgd", "adagrad"),
     )
 
 
@@ -336,6 +379,8 @@ def run_problem(
         ("Downpour Adagrad, 4 replicas", "downpour", 4, "adagrad", {}),
         ("Sandblaster L-BFGS", "lbfgs", None, "lbfgs", {}),
     ]
+    if "adagrad" in problem.numpy_rules:
+        configs.insert(1, ("numpy Adagrad (1 process)", "numpy", None, "adagrad", {}))
     if with_comm:
         configs[5:5] = [
             ("Downpour Adagrad, 2 replicas, unfused", "downpour", 2, "adagrad", {"fuse": False}),
@@ -408,6 +453,7 @@ def run_problem(
     sgd1 = by_label.get("single-replica SGD", math.nan)
     ratio = ada2 / sgd1 if sgd1 and math.isfinite(sgd1) else math.nan
     numpy_sgd = by_label.get("numpy SGD (1 process)", math.nan)
+    numpy_adagrad = by_label.get("numpy Adagrad (1 process)", math.nan)
     comm = {
         r["label"]: r
         for r in rows
@@ -434,6 +480,10 @@ def run_problem(
         "ratio_adagrad2_over_numpy_sgd": ada2 / numpy_sgd
         if numpy_sgd and math.isfinite(numpy_sgd)
         else math.nan,
+        # Issue 30: 2 replicas reach the target in <= 0.7x the single process's time (same rule).
+        "ratio_adagrad2_over_numpy_adagrad": ada2 / numpy_adagrad
+        if numpy_adagrad and math.isfinite(numpy_adagrad)
+        else None,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
     }
@@ -642,7 +692,9 @@ def main(argv: list[str] | None = None, *, client: Client | None = None) -> int:
     starting one (the test suite's smoke run)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a fast smoke run (smaller data, no repeats)")
-    parser.add_argument("--problems", default="digits,synthetic", help="comma-separated: digits,synthetic")
+    parser.add_argument(
+        "--problems", default="digits,synthetic", help="comma-separated: digits,synthetic,mlp30"
+    )
     parser.add_argument("--only", default="", help="comma-separated kinds to run: numpy,downpour,lbfgs")
     parser.add_argument("--repeats", type=int, default=None, help="repeats per Downpour/numpy row")
     parser.add_argument(
@@ -657,7 +709,7 @@ def main(argv: list[str] | None = None, *, client: Client | None = None) -> int:
     )
     parser.add_argument("--out", default=str(RESULTS), help="directory for the JSON and PNG")
     args = parser.parse_args(argv)
-    makers = {"digits": digits_problem, "synthetic": synthetic_problem}
+    makers = {"digits": digits_problem, "synthetic": synthetic_problem, "mlp30": mlp30_problem}
     problems = [makers[name](args.quick) for name in args.problems.split(",") if name]
     if args.repeats is not None:
         for p in problems:
@@ -697,14 +749,35 @@ def main(argv: list[str] | None = None, *, client: Client | None = None) -> int:
         results["total_seconds"] = time.perf_counter() - t_start
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    saved = out / "downpour_figure4.json"
+    ran = set(results["problems"])
+    if not args.quick and saved.exists():
+        # A run of some problems only (--problems) keeps the others' saved results beside its own.
+        earlier = json.loads(saved.read_text())
+        kept = {k: v for k, v in earlier.get("problems", {}).items() if k not in results["problems"]}
+        if kept:
+            results["problems"] = {**kept, **results["problems"]}
+            results["merged_runs"] = [
+                *earlier.get("merged_runs", [earlier.get("command")]),
+                results["command"],
+            ]
+            results.setdefault("throughput", earlier.get("throughput"))
     (out / "downpour_figure4.json").write_text(json.dumps(_json_safe(results), indent=1) + "\n")
     plot(results, out / "downpour_figure4.png")
     for name, prob in results["problems"].items():
+        if name not in ran:
+            continue  # kept from an earlier run (printed by it)
         met = "met" if prob["ratio_met"] else "MISSED"
         print(
             f"{name}: T(Adagrad, 2 replicas) / T(single-replica SGD) = "
             f"{prob['ratio_adagrad2_over_single_replica_sgd']:.3f} (target <= 0.7: {met})"
         )
+        if prob.get("ratio_adagrad2_over_numpy_adagrad") is not None:
+            ratio = prob["ratio_adagrad2_over_numpy_adagrad"]
+            print(
+                f"{name}: T(Adagrad, 2 replicas) / T(numpy Adagrad, 1 process) = {ratio:.3f} "
+                f"(issue 30's target <= 0.7: {'met' if ratio <= 0.7 else 'MISSED'})"
+            )
         for c in prob["communication"]["rows"]:
             print(
                 f"  {c['label']:48s} bytes/step x{c['bytes_per_step_ratio']:.3f} "

@@ -224,6 +224,33 @@ def test_downpour_figure4_quick_run(
     assert saved["throughput"]["rows"]
 
 
+@pytest.mark.timeout(600)
+def test_downpour_figure4_issue30_problem_has_the_adagrad_floor_and_merges(
+    client: Client, tmp_path: Path
+) -> None:
+    # The issue-30 MLP problem alone: the one-process Adagrad row beside the SGD one, the 2-replica ratio
+    # against it; a run of some problems keeps the other problems' saved results.
+    committed = json.loads(
+        (Path(downpour_figure4.__file__).parent / "results" / "downpour_figure4.json").read_text()
+    )
+    earlier = {**committed, "problems": {"digits": committed["problems"]["digits"]}}
+    (tmp_path / "downpour_figure4.json").write_text(json.dumps(earlier))
+    argv = ["--problems", "mlp30", "--only", "numpy,downpour", "--skip-throughput", "--repeats", "1"]
+    problem = downpour_figure4.mlp30_problem(quick=True)
+    original = downpour_figure4.mlp30_problem
+    try:
+        downpour_figure4.mlp30_problem = lambda quick: problem  # the quick sizes, saved as a full run
+        assert downpour_figure4.main([*argv, "--out", str(tmp_path)], client=client) == 0
+    finally:
+        downpour_figure4.mlp30_problem = original
+    saved = json.loads((tmp_path / "downpour_figure4.json").read_text())
+    assert set(saved["problems"]) == {"digits", "mlp30"}
+    mlp30 = saved["problems"]["mlp30"]
+    labels = [r["label"] for r in mlp30["rows"]]
+    assert labels[:2] == ["numpy SGD (1 process)", "numpy Adagrad (1 process)"]
+    assert "ratio_adagrad2_over_numpy_adagrad" in mlp30
+
+
 def test_downpour_figure4_flags_a_row_at_chance() -> None:
     runs = [
         {"time_to_target": 1.2, "final_accuracy": 0.96},
