@@ -59,7 +59,7 @@ def sparse_adagrad_epoch(
 
     Examples
     --------
-    >>> X = sp.csr_array(np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]]))
+    >>> X = sp.csr_array(np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]))
     >>> w, _ = sparse_adagrad_epoch(X, np.array([1.0, 0.0, 1.0, 0.0]), lr=0.5, batch=2)
     >>> w.shape, bool(w[0] > 0 > w[1])
     ((3,), True)
