@@ -455,20 +455,16 @@ class ParameterServer:
         offsets = layout.offsets()
         # The actors are built while the store is prepared below: a new shard reads nothing from it.
         futures = [
-            client.submit(
-                ShardActor,
+            _submit_shard(
+                client,
                 i,
                 lo,
                 hi,
                 url,
-                vectors={name: values[lo:hi] for name, values in initial.items()} if inline else None,
-                **_budget_kwargs(memory_budget, placement, i),
+                placement[i],
                 offset=offsets[i],
-                actor=True,
-                workers=[placement[i]],
-                allow_other_workers=False,
-                key=f"shard-{i}-{uuid.uuid4().hex[:12]}",
-                pure=False,
+                budget=_budget_kwargs(memory_budget, placement, i),
+                vectors={name: values[lo:hi] for name, values in initial.items()} if inline else None,
             )
             for i, (lo, hi) in enumerate(layout.ranges())
         ]
@@ -521,22 +517,16 @@ class ParameterServer:
         slot = meta["current"]
         offsets = layout.offsets()
         futures = [
-            client.submit(
-                ShardActor,
+            _submit_shard(
+                client,
                 i,
                 lo,
                 hi,
                 url,
-                None if slot is None else f"slot{slot}",
-                meta["names"],
-                meta["states"][i] if slot is not None else None,
-                **_budget_kwargs(memory_budget, placement, i),
+                placement[i],
                 offset=offsets[i],
-                actor=True,
-                workers=[placement[i]],
-                allow_other_workers=False,
-                key=f"shard-{i}-{uuid.uuid4().hex[:12]}",
-                pure=False,
+                budget=_budget_kwargs(memory_budget, placement, i),
+                restore=None if slot is None else (f"slot{slot}", meta["names"], meta["states"][i]),
             )
             for i, (lo, hi) in enumerate(layout.ranges())
         ]
@@ -676,22 +666,20 @@ class ParameterServer:
         placement = _placement(self.client, len(lost), None)
         for k, i in enumerate(lost):
             lo, hi = self.layout.ranges()[i]
-            fut = self.client.submit(
-                ShardActor,
+            # Its worker's other shards are unknown here: the budget as if it were alone there.
+            restore = (
+                (f"slot{slot}", self._meta.get("names", []), self._meta["states"][i]) if restored else None
+            )
+            fut = _submit_shard(
+                self.client,
                 i,
                 lo,
                 hi,
                 self.url,
-                None if slot is None else f"slot{slot}",
-                self._meta.get("names", []),
-                self._meta["states"][i] if restored else None,
-                **_budget_kwargs(self.memory_budget, [placement[k]], 0),  # its worker's other shards unknown
+                placement[k],
                 offset=self.layout.offsets()[i],
-                actor=True,
-                workers=[placement[k]],
-                allow_other_workers=False,
-                key=f"shard-{i}-{uuid.uuid4().hex[:12]}",
-                pure=False,
+                budget=_budget_kwargs(self.memory_budget, [placement[k]], 0),
+                restore=restore,
             )
             self._actors[i] = fut.result(timeout=self.timeout)
             self._futures[i] = fut
@@ -999,6 +987,43 @@ def _check_budget(budget: object) -> None:
         return
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise InvalidOptionError(f"memory_budget must be bytes (an int >= 0), 'auto' or None, got {budget!r}")
+
+
+def _submit_shard(
+    client: Client,
+    index: int,
+    lo: int,
+    hi: int,
+    url: str,
+    worker: str,
+    *,
+    offset: int,
+    budget: dict[str, Any],
+    vectors: dict[str, np.ndarray] | None = None,
+    restore: tuple[str, Sequence[str], Any] | None = None,
+) -> Future:
+    """Start shard ``index`` (``[lo, hi)``) as a :class:`ShardActor` on ``worker``: new (with ``vectors``, or
+    empty), or restored from a checkpoint, ``restore = (slot, names, scalar state)``. The one place a shard
+    actor is built (create, open and recovery)."""
+    slot, names, state = restore if restore is not None else (None, (), None)
+    return client.submit(
+        ShardActor,
+        index,
+        lo,
+        hi,
+        url,
+        slot=slot,
+        names=names,
+        state=state,
+        vectors=vectors,
+        **budget,
+        offset=offset,
+        actor=True,
+        workers=[worker],
+        allow_other_workers=False,
+        key=f"shard-{index}-{uuid.uuid4().hex[:12]}",
+        pure=False,
+    )
 
 
 def _budget_kwargs(budget: int | str | None, placement: Sequence[str], i: int) -> dict[str, Any]:
