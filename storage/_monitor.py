@@ -1,0 +1,278 @@
+"""What the shards and replicas are doing, as Prometheus metrics over HTTP (issue 25, item 4).
+
+A Dask actor's methods are not tasks: while a fit runs, the Dask dashboard shows the actors' tasks as done
+and nothing processing. So each worker serves its actors' counters at ``/distbelief/metrics`` on its own
+HTTP (dashboard) port, and the scheduler serves every worker's at ``/distbelief/metrics`` on the dashboard's
+port (``client.dashboard_link`` with that path), labelled by worker. The format is Prometheus' text
+exposition format: a Prometheus server scrapes it as it is, and a person reads it in a browser.
+
+The counters are the ones the actors keep anyway (ops and their seconds, bytes moved, steps, portions); an
+actor class lists its samples in a ``monitor()`` method, which the page calls on the worker's event loop
+when it is read. Nothing is sent or computed while nobody reads the page: the cost during a run is that of
+incrementing the counters (an op count is one dict update per op, ~0.1 us; see docs/operations.md for the
+measured cost per L-BFGS iteration).
+
+The routes are installed by the actors' constructors on their own worker (:func:`install_worker`), on every
+worker of a cluster a front door checks (a worker plugin, so workers that join later have it too) and on
+its scheduler (:func:`install_cluster`).
+
+Examples
+--------
+>>> class Counter:
+...     def monitor(self):
+...         return [("distbelief_replica_steps_total", {"replica": "0"}, 3)]
+>>> class Worker:  # the attributes read of a Dask worker
+...     address = "tcp://127.0.0.1:1"
+...     class state: actors = {"Counter-1": Counter()}
+>>> print(render(worker_samples(Worker())), end="")
+# HELP distbelief_replica_steps_total Mini-batch steps done (Downpour).
+# TYPE distbelief_replica_steps_total counter
+distbelief_replica_steps_total{actor="Counter-1",replica="0"} 3
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+__all__ = [
+    "HANDLER",
+    "METRICS",
+    "PATH",
+    "MonitorPlugin",
+    "Sample",
+    "install_cluster",
+    "install_scheduler",
+    "install_worker",
+    "render",
+    "shard_samples",
+    "worker_samples",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The HTTP path of the page, on every worker's and on the scheduler's HTTP port.
+PATH = "/distbelief/metrics"
+#: The worker's comm handler the scheduler's page calls (one message per worker and read).
+HANDLER = "distbelief_monitor"
+#: Name of the worker plugin that installs the page on every worker.
+PLUGIN_NAME = "distbelief-monitor"
+
+#: One sample: metric name, labels, value.
+Sample = tuple[str, dict[str, str], float]
+
+#: Every metric: its type and help text (a metric not listed is exported as ``untyped``).
+METRICS: dict[str, tuple[str, str]] = {
+    "distbelief_shard_ops_total": ("counter", "Shard ops done, by kind (accumulate: gradient pushes taken)."),
+    "distbelief_shard_op_seconds_total": ("counter", "Seconds spent in shard ops, by kind."),
+    "distbelief_shard_params": ("gauge", "Parameters (elements of each vector) the shard owns."),
+    "distbelief_shard_vectors": ("gauge", "Named vectors the shard holds."),
+    "distbelief_shard_bytes": ("gauge", "Bytes of the shard's vectors, in RAM or spilled to local disk."),
+    "distbelief_shard_spill_bytes_total": ("counter", "Bytes streamed to and from spilled vector files."),
+    "distbelief_shard_version": ("gauge", "Downpour updates applied to the shard (its clock)."),
+    "distbelief_shard_pushes_total": ("counter", "Downpour pushes applied."),
+    "distbelief_replica_work_calls_total": ("counter", "Work calls answered (Sandblaster)."),
+    "distbelief_replica_portions_total": ("counter", "Portions whose gradient was computed (Sandblaster)."),
+    "distbelief_replica_steps_total": ("counter", "Mini-batch steps done (Downpour)."),
+    "distbelief_replica_rows_total": ("counter", "Training rows whose gradient was computed."),
+    "distbelief_replica_fetches_total": ("counter", "Parameter fetches from the shards."),
+    "distbelief_replica_pushes_total": ("counter", "Gradient pushes to the shards (Downpour)."),
+    "distbelief_replica_bytes_total": ("counter", "Bytes of parameters pulled and of gradients pushed."),
+    "distbelief_replica_seconds_total": (
+        "counter",
+        "Seconds of gradient computation and of waiting for the shards.",
+    ),
+    "distbelief_actors": ("gauge", "distbelief actors on the worker."),
+}
+
+
+# ------------------------------------------------------------------------------------------- samples
+
+
+def worker_samples(worker: Any) -> list[Sample]:
+    """The samples of every actor on ``worker`` with a ``monitor()`` method, each labelled with its actor
+    key, and the number of such actors (``distbelief_actors``). Runs on the worker's event loop: the
+    compute threads may update the counters meanwhile, each read is of one number."""
+    out: list[Sample] = []
+    n = 0
+    for key, actor in list(worker.state.actors.items()):
+        monitor = getattr(actor, "monitor", None)
+        if monitor is None:
+            continue
+        try:
+            samples = monitor()
+        except Exception:  # an actor half-built or closing: its counters are skipped, never the page
+            logger.debug("monitor() of %s failed", key, exc_info=True)
+            continue
+        n += 1
+        out += [(name, {"actor": str(key), **labels}, value) for name, labels, value in samples]
+    out.append(("distbelief_actors", {}, n))
+    return out
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    value = float(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
+
+
+def render(samples: Iterable[Sample]) -> str:
+    """``samples`` in Prometheus' text exposition format (version 0.0.4), grouped by metric.
+
+    Examples
+    --------
+    >>> print(render([("distbelief_shard_vectors", {"shard": "0"}, 4)]), end="")
+    # HELP distbelief_shard_vectors Named vectors the shard holds.
+    # TYPE distbelief_shard_vectors gauge
+    distbelief_shard_vectors{shard="0"} 4
+    """
+    by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for name, labels, value in samples:
+        by_name.setdefault(name, []).append((labels, value))
+    lines: list[str] = []
+    for name, rows in by_name.items():
+        kind, text = METRICS.get(name, ("untyped", name))
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+        for labels, value in rows:
+            inner = ",".join(f'{k}="{_label(str(v))}"' for k, v in labels.items())
+            lines.append(f"{name}{{{inner}}} {_number(value)}" if inner else f"{name} {_number(value)}")
+    return "".join(line + "\n" for line in lines)
+
+
+# ------------------------------------------------------------------------------------------- routes
+
+
+def _handler_class() -> type:
+    from tornado import web
+
+    class MetricsHandler(web.RequestHandler):
+        """``GET`` the page of the server (worker or scheduler) given at ``initialize``."""
+
+        def initialize(self, server: Any, scheduler: bool) -> None:
+            self.server = server
+            self.scheduler = scheduler
+
+        async def get(self) -> None:
+            if self.scheduler:
+                samples = await _cluster_samples(self.server)
+            else:
+                samples = worker_samples(self.server)
+            self.set_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.write(render(samples))
+
+    return MetricsHandler
+
+
+def _add_route(server: Any, scheduler: bool) -> bool:
+    """Add the page to ``server``'s HTTP application; False if it has none or has the page already."""
+    app = getattr(server, "http_application", None)
+    if app is None or getattr(server, "_distbelief_monitor", False):
+        return False
+    app.add_handlers(r".*", [(PATH, _handler_class(), {"server": server, "scheduler": scheduler})])
+    server._distbelief_monitor = True
+    return True
+
+
+def install_worker(worker: Any = None) -> None:
+    """Serve the page on ``worker``'s HTTP port and answer the scheduler's reads (:data:`HANDLER`); default:
+    the worker running the caller. Does nothing outside a worker or when done already. Called by the
+    constructors of the shard and replica actors, and by the worker plugin :func:`install_cluster` adds."""
+    if worker is None:
+        from distributed import get_worker
+
+        try:
+            worker = get_worker()
+        except ValueError:
+            return
+    if HANDLER not in worker.handlers:
+
+        async def handle(comm: Any) -> list[Sample]:
+            return worker_samples(worker)
+
+        worker.handlers[HANDLER] = handle
+    _add_route(worker, scheduler=False)
+
+
+async def _cluster_samples(scheduler: Any) -> list[Sample]:
+    """Every worker's samples, labelled with its address (a worker without the handler is left out)."""
+    answers = await scheduler.broadcast(msg={"op": HANDLER}, on_error="ignore")
+    out: list[Sample] = []
+    for address, samples in sorted(answers.items()):
+        if isinstance(samples, (list, tuple)):  # msgpack hands lists back as tuples
+            out += [(name, {"worker": address, **labels}, value) for name, labels, value in samples]
+    return out
+
+
+def install_scheduler(dask_scheduler: Any) -> bool:
+    """Serve every worker's samples at :data:`PATH` on ``dask_scheduler``'s HTTP (dashboard) port; for
+    ``client.run_on_scheduler``. Returns whether the route was added now."""
+    return _add_route(dask_scheduler, scheduler=True)
+
+
+class MonitorPlugin(WorkerPlugin):
+    """Installs the page on every worker, now and as workers join (:func:`install_cluster`)."""
+
+    name = PLUGIN_NAME
+
+    def setup(self, worker: Any) -> None:
+        install_worker(worker)
+
+
+def install_cluster(client: Any) -> None:
+    """Install the pages on the cluster of ``client``: its scheduler and every worker, present or to come.
+
+    Two round trips, once per cluster (the front doors call it when they first check a cluster's workers).
+    A scheduler or worker that cannot import distbelief keeps no page: logged, never raised, because the
+    runs do not need it.
+    """
+    try:
+        client.run_on_scheduler(install_scheduler)
+        client.register_plugin(MonitorPlugin(), name=PLUGIN_NAME)
+    except Exception as exc:  # the page is a convenience: a run goes on without it
+        logger.warning("distbelief's metrics page could not be installed on the cluster: %r", exc)
+
+
+# ------------------------------------------------------------------------------------------- actors
+
+
+def shard_samples(core: Any) -> list[Sample]:
+    """The samples of one :class:`~storage._shard.Shard`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from distbelief.storage._shard import Shard
+    >>> s = Shard(3, 0, 4); s.set("x", 0, 4, np.ones(4)); _ = s.run([("dot", "x", "x")])
+    >>> [(n, l.get("kind"), v) for n, l, v in shard_samples(s)][:1]
+    [('distbelief_shard_ops_total', 'dot', 1)]
+    """
+    shard = {"shard": str(core.index)}
+    vs = core.vectors
+    out: list[Sample] = [
+        ("distbelief_shard_ops_total", {**shard, "kind": k}, n) for k, n in core.op_counts.items()
+    ]
+    seconds = core.op_seconds.items()
+    out += [("distbelief_shard_op_seconds_total", {**shard, "kind": k}, s) for k, s in seconds]
+    spilled = len(vs.spilled)
+    out += [
+        ("distbelief_shard_params", shard, core.size),
+        ("distbelief_shard_vectors", shard, len(vs)),
+        ("distbelief_shard_bytes", {**shard, "where": "ram"}, vs.ram_bytes),
+        ("distbelief_shard_bytes", {**shard, "where": "disk"}, 8 * core.size * spilled),
+        ("distbelief_shard_spill_bytes_total", {**shard, "direction": "read"}, vs.bytes_read),
+        ("distbelief_shard_spill_bytes_total", {**shard, "direction": "written"}, vs.bytes_written),
+        ("distbelief_shard_version", shard, core.version),
+        ("distbelief_shard_pushes_total", shard, core.applied),
+    ]
+    return out
