@@ -28,6 +28,9 @@ Examples
 # HELP distbelief_replica_steps_total Mini-batch steps done (Downpour).
 # TYPE distbelief_replica_steps_total counter
 distbelief_replica_steps_total{actor="Counter-1",replica="0"} 3
+# HELP distbelief_actors distbelief actors on the worker.
+# TYPE distbelief_actors gauge
+distbelief_actors 1
 """
 
 from __future__ import annotations
