@@ -12,9 +12,11 @@ when it is read. Nothing is sent or computed while nobody reads the page: the co
 incrementing the counters (an op count is one dict update per op, ~0.1 us; see docs/operations.md for the
 measured cost per L-BFGS iteration).
 
-The routes are installed by the actors' constructors on their own worker (:func:`install_worker`), on every
-worker of a cluster a front door checks (a worker plugin, so workers that join later have it too) and on
-its scheduler (:func:`install_cluster`).
+The routes are installed by the actors' constructors on their own worker (:func:`install_worker`), and on
+the scheduler and every worker of a cluster when a front door first checks it (:func:`install_cluster`). A
+worker that serves the page tells the scheduler so (in the scheduler's task metadata, under
+:data:`METADATA_KEY`): the scheduler's page asks those workers only, never one without distbelief. (Not a
+Dask worker plugin: a worker without distbelief could not unpickle it, and would fail to join the cluster.)
 
 Examples
 --------
@@ -35,18 +37,17 @@ distbelief_actors 1
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Iterable
 from typing import Any
 
-from distributed.diagnostics.plugin import WorkerPlugin
-
 __all__ = [
     "HANDLER",
+    "METADATA_KEY",
     "METRICS",
     "PATH",
-    "MonitorPlugin",
     "Sample",
     "install_cluster",
     "install_scheduler",
@@ -62,8 +63,8 @@ logger = logging.getLogger(__name__)
 PATH = "/distbelief/metrics"
 #: The worker's comm handler the scheduler's page calls (one message per worker and read).
 HANDLER = "distbelief_monitor"
-#: Name of the worker plugin that installs the page on every worker.
-PLUGIN_NAME = "distbelief-monitor"
+#: Key of the scheduler's task metadata under which the workers serving the page put their addresses.
+METADATA_KEY = "distbelief-monitor"
 
 #: One sample: metric name, labels, value.
 Sample = tuple[str, dict[str, str], float]
@@ -190,7 +191,7 @@ def _add_route(server: Any, scheduler: bool) -> bool:
 def install_worker(worker: Any = None) -> None:
     """Serve the page on ``worker``'s HTTP port and answer the scheduler's reads (:data:`HANDLER`); default:
     the worker running the caller. Does nothing outside a worker or when done already. Called by the
-    constructors of the shard and replica actors, and by the worker plugin :func:`install_cluster` adds."""
+    constructors of the shard and replica actors, and on every worker by :func:`install_cluster`."""
     if worker is None:
         from distributed import get_worker
 
@@ -204,12 +205,32 @@ def install_worker(worker: Any = None) -> None:
             return worker_samples(worker)
 
         worker.handlers[HANDLER] = handle
+        _announce(worker)
     _add_route(worker, scheduler=False)
 
 
+def _announce(worker: Any) -> None:
+    """Put ``worker``'s address in the scheduler's metadata (``set_metadata``: every scheduler has the
+    handler), sent from the worker's event loop; never waited for, never raised: the page is a
+    convenience."""
+
+    async def send() -> None:
+        await worker.scheduler.set_metadata(keys=[METADATA_KEY, worker.address], value=True)
+
+    loop = getattr(worker.loop, "asyncio_loop", None)
+    if loop is None or loop.is_closed():
+        return
+    sent = asyncio.run_coroutine_threadsafe(send(), loop)
+    sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
 async def _cluster_samples(scheduler: Any) -> list[Sample]:
-    """Every worker's samples, labelled with its address (a worker without the handler is left out)."""
-    answers = await scheduler.broadcast(msg={"op": HANDLER}, on_error="ignore")
+    """The samples of every worker that serves the page, labelled with its address."""
+    known = scheduler.get_metadata(keys=[METADATA_KEY], default={})
+    workers = [w for w in (known if isinstance(known, dict) else {}) if w in scheduler.workers]
+    answers = (
+        await scheduler.broadcast(msg={"op": HANDLER}, workers=workers, on_error="ignore") if workers else {}
+    )
     out: list[Sample] = []
     for address, samples in sorted(answers.items()):
         if isinstance(samples, (list, tuple)):  # msgpack hands lists back as tuples
@@ -223,25 +244,17 @@ def install_scheduler(dask_scheduler: Any) -> bool:
     return _add_route(dask_scheduler, scheduler=True)
 
 
-class MonitorPlugin(WorkerPlugin):
-    """Installs the page on every worker, now and as workers join (:func:`install_cluster`)."""
-
-    name = PLUGIN_NAME
-
-    def setup(self, worker: Any) -> None:
-        install_worker(worker)
-
-
 def install_cluster(client: Any) -> None:
-    """Install the pages on the cluster of ``client``: its scheduler and every worker, present or to come.
+    """Install the pages on the cluster of ``client``: its scheduler and every worker it has now (a worker
+    that joins later serves its page from its first shard or replica on).
 
-    Two round trips, once per cluster (the front doors call it when they first check a cluster's workers).
-    A scheduler or worker that cannot import distbelief keeps no page: logged, never raised, because the
-    runs do not need it.
+    Two round trips, once per cluster (the front doors call it when they first check a cluster's workers,
+    so every worker has this version of distbelief). A scheduler that cannot import distbelief serves no
+    page: logged, never raised, because the runs do not need it.
     """
     try:
         client.run_on_scheduler(install_scheduler)
-        client.register_plugin(MonitorPlugin(), name=PLUGIN_NAME)
+        client.run(install_worker, on_error="return")
     except Exception as exc:  # the page is a convenience: a run goes on without it
         logger.warning("distbelief's metrics page could not be installed on the cluster: %r", exc)
 
