@@ -90,6 +90,8 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Seconds of gradient computation and of waiting for the shards.",
     ),
+    "distbelief_partition_messages_total": ("counter", "Messages a model partition sent to its peers."),
+    "distbelief_partition_bytes_total": ("counter", "Bytes a model partition sent to its peers."),
     "distbelief_actors": ("gauge", "distbelief actors on the worker."),
 }
 

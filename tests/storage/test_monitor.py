@@ -154,3 +154,16 @@ def test_a_worker_without_actors_answers_and_install_is_idempotent(embedded: Cli
     _monitor.install_cluster(embedded)  # again: nothing changes, nothing raised
     samples = _read(_base(embedded) + _monitor.PATH)
     assert [n for n, _, _ in samples].count("distbelief_actors") == len(embedded.scheduler_info()["workers"])
+
+
+def test_a_partitioned_run_shows_its_partitions(embedded: Client) -> None:
+    url = _base(embedded) + _monitor.PATH
+    model = models.MLP([20, 32, 2], activation="tanh")
+    kw: dict[str, Any] = {"l2": 1e-4, "maxiter": 150, "gtol": 0.0, "ftol": 0.0, "partitions": 2}
+    seen = _watch(
+        lambda: sandblaster.minimize(model, (X, Y), client=embedded, **kw),
+        url,
+        "distbelief_partition_messages_total",
+        algorithm="sandblaster",
+    )
+    assert _moved(seen), seen
