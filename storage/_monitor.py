@@ -193,7 +193,14 @@ def _add_route(server: Any, scheduler: bool) -> bool:
 def install_worker(worker: Any = None) -> None:
     """Serve the page on ``worker``'s HTTP port and answer the scheduler's reads (:data:`HANDLER`); default:
     the worker running the caller. Does nothing outside a worker or when done already. Called by the
-    constructors of the shard and replica actors, and on every worker by :func:`install_cluster`."""
+    constructors of the shard and replica actors, and on every worker by :func:`install_cluster`.
+
+    Examples
+    --------
+    >>> install_worker()  # not on a Dask worker: nothing to do
+    >>> client.run(install_worker)                                       # doctest: +SKIP
+    {'tcp://127.0.0.1:40139': None, 'tcp://127.0.0.1:35217': None}
+    """
     if worker is None:
         from distributed import get_worker
 
@@ -253,6 +260,13 @@ def install_cluster(client: Any) -> None:
     Two round trips, once per cluster (the front doors call it when they first check a cluster's workers,
     so every worker has this version of distbelief). A scheduler that cannot import distbelief serves no
     page: logged, never raised, because the runs do not need it.
+
+    Examples
+    --------
+    >>> install_cluster(client)                                          # doctest: +SKIP
+    >>> link = client.dashboard_link.replace("/status", PATH)            # doctest: +SKIP
+    >>> urllib.request.urlopen(link).read().decode().splitlines()[-1]    # doctest: +SKIP
+    'distbelief_actors{worker="tcp://127.0.0.1:40139"} 0'
     """
     try:
         client.run_on_scheduler(install_scheduler)
