@@ -151,6 +151,8 @@ def test_a_workers_own_port_shows_downpour_steps(embedded: Client) -> None:
 
 
 def test_a_worker_without_actors_answers_and_install_is_idempotent(embedded: Client) -> None:
+    with urllib.request.urlopen(embedded.dashboard_link, timeout=30) as page:  # the Dask dashboard itself
+        assert page.status == 200
     _monitor.install_cluster(embedded)  # again: nothing changes, nothing raised
     samples = _read(_base(embedded) + _monitor.PATH)
     assert [n for n, _, _ in samples].count("distbelief_actors") == len(embedded.scheduler_info()["workers"])
