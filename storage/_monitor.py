@@ -198,8 +198,6 @@ def install_worker(worker: Any = None) -> None:
     Examples
     --------
     >>> install_worker()  # not on a Dask worker: nothing to do
-    >>> client.run(install_worker)                                       # doctest: +SKIP
-    {'tcp://127.0.0.1:40139': None, 'tcp://127.0.0.1:35217': None}
     """
     if worker is None:
         from distributed import get_worker
@@ -216,6 +214,14 @@ def install_worker(worker: Any = None) -> None:
         worker.handlers[HANDLER] = handle
         _announce(worker)
     _add_route(worker, scheduler=False)
+
+
+async def _install_on(dask_worker: Any) -> None:
+    """:func:`install_worker` for ``client.run``, which names the worker ``dask_worker`` (its functions run
+    without the "current worker" that ``get_worker`` reads); returns once the scheduler knows the worker
+    serves the page, so the scheduler's page lists it as soon as :func:`install_cluster` returns."""
+    install_worker(dask_worker)
+    await dask_worker.scheduler.set_metadata(keys=[METADATA_KEY, dask_worker.address], value=True)
 
 
 def _announce(worker: Any) -> None:
@@ -270,7 +276,7 @@ def install_cluster(client: Any) -> None:
     """
     try:
         client.run_on_scheduler(install_scheduler)
-        client.run(install_worker, on_error="return")
+        client.run(_install_on, on_error="return")
     except Exception as exc:  # the page is a convenience: a run goes on without it
         logger.warning("distbelief's metrics page could not be installed on the cluster: %r", exc)
 

@@ -169,3 +169,27 @@ def test_a_partitioned_run_shows_its_partitions(embedded: Client) -> None:
         algorithm="sandblaster",
     )
     assert _moved(seen), seen
+
+
+def _forget(dask_worker: Any) -> None:
+    dask_worker.handlers.pop(_monitor.HANDLER, None)
+
+
+def _forget_all(dask_scheduler: Any) -> None:
+    dask_scheduler.task_metadata.pop(_monitor.METADATA_KEY, None)
+
+
+def test_a_worker_that_joins_later_shows_up_with_its_first_actor(embedded: Client) -> None:
+    # As a worker that joined after the cluster was checked: no handler, not known to the scheduler.
+    embedded.run(_forget)
+    embedded.run_on_scheduler(_forget_all)
+    url = _base(embedded) + _monitor.PATH
+    assert not _read(url)
+    res = sandblaster.minimize(models.Logistic(20), (X, Y.astype(float)), client=embedded, maxiter=5)
+    assert res.nit > 0
+    # The shards' and replicas' constructors installed the handler and told the scheduler (not waited for).
+    deadline = time.monotonic() + 30
+    while not (workers := {lab["worker"] for _, lab, _ in _read(url)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert workers and workers <= set(embedded.scheduler_info()["workers"])
+    _monitor.install_cluster(embedded)  # every worker again, for whoever reads the page next
