@@ -134,6 +134,8 @@ class PartitionActor(PartitionPeer):
     ...                     actor=True)                                   # doctest: +SKIP
     """
 
+    ALGORITHM = "downpour"
+
     def __init__(
         self,
         replica: int,

@@ -42,6 +42,7 @@ from distbelief.downpour._core import FetchRequest, PushMessage, ReplicaCore
 from distbelief.storage import Dataset, ShardMap, reuse_freed_memory
 from distbelief.storage._calls import await_call
 from distbelief.storage._keys import param_keys, split_keys, union_keys
+from distbelief.storage._monitor import Sample, install_worker
 from distbelief.storage._sparse import nbytes as rows_nbytes
 
 __all__ = ["DownpourReplica", "RecordPlan", "ReplicaConfig"]
@@ -154,6 +155,7 @@ class DownpourReplica:
         # Dask's workers start with MALLOC_TRIM_THRESHOLD_ set, which makes every step's temporaries fresh
         # mmap'ed pages: the MLP of issue 30 stepped at 10 ms instead of 6.7 ms (storage/_malloc.py).
         reuse_freed_memory()
+        install_worker()  # its worker's metrics page shows what this replica does (storage._monitor)
         self.index = index
         self.model = model
         self.dataset = dataset
@@ -257,6 +259,22 @@ class DownpourReplica:
             rows_owned=self.plan.n_rows,
         )
         return out
+
+    def monitor(self) -> list[Sample]:
+        """This replica's counters for the metrics page (:mod:`storage._monitor`; read on the worker's
+        event loop while the compute thread updates them, each a single number)."""
+        c = self.core.counters
+        me = {"replica": str(self.index), "algorithm": "downpour"}
+        return [
+            ("distbelief_replica_steps_total", me, c.steps),
+            ("distbelief_replica_rows_total", me, c.rows),
+            ("distbelief_replica_fetches_total", me, sum(c.fetches)),
+            ("distbelief_replica_pushes_total", me, c.pushes_sent),
+            ("distbelief_replica_bytes_total", {**me, "direction": "pulled"}, c.bytes_fetched),
+            ("distbelief_replica_bytes_total", {**me, "direction": "pushed"}, c.bytes_pushed),
+            ("distbelief_replica_seconds_total", {**me, "doing": "compute"}, self.compute_s),
+            ("distbelief_replica_seconds_total", {**me, "doing": "wait"}, self.wait_s),
+        ]
 
     async def resume_at(self, steps: int, rows: int, epoch: int) -> None:
         """Before :meth:`start`, continue a resumed run: its counters at the checkpoint. Epoch ``epoch`` goes

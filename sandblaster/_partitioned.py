@@ -109,6 +109,7 @@ class SandblasterPartition(PartitionPeer):
 
     #: Methods the coordinator calls straight through the worker's handler (:mod:`storage._direct`).
     DIRECT_METHODS = frozenset({"work"})
+    ALGORITHM = "sandblaster"
 
     def __init__(
         self,

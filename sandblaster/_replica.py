@@ -51,6 +51,7 @@ from distbelief.storage._keys import (
     union_keys,
     whole_slice_is_smaller,
 )
+from distbelief.storage._monitor import Sample, install_worker
 
 __all__ = ["INLINE_WORK", "Replica"]
 
@@ -138,6 +139,7 @@ class Replica:
         keep_loop_responsive()  # its compute thread must not slow the shards' and its own messages
         reuse_freed_memory()  # a Dask worker's allocator would mmap every gradient temporary afresh
         install_direct_calls()  # the coordinator's work calls come straight to a worker handler
+        install_worker()  # its worker's metrics page shows what this replica does (storage._monitor)
         self.sparse = communication == "sparse"
         #: Key-value mode: the union of the held portions' keys, and which portions it covers.
         self._kv_held: tuple[np.ndarray, frozenset[int]] = (np.zeros(0, dtype=np.int64), frozenset())
@@ -167,6 +169,8 @@ class Replica:
         self.fetches = 0
         #: Work calls the shard handed out with the parameters (:meth:`work_with`).
         self.handed_out = 0
+        #: Work calls answered, and the portions and rows whose gradient they computed (metrics page).
+        self.work_calls = self.portions_done = self.rows_done = 0
         for p in preload:
             self._portion(p)
         # Portions an earlier run left in the worker's memory are as good as preloaded (views, no read).
@@ -578,6 +582,8 @@ class Replica:
                 out = compute_portions(w, group, solo) if inline[k] else await queued[k]
                 group_results, grads, group_busy, group_read_s, group_reads = out
                 results += group_results
+                self.portions_done += len(group_results)
+                self.rows_done += sum(rows for _, _, rows in group_results)
                 reads += group_reads
                 busy += group_busy
                 read_s += group_read_s
@@ -625,6 +631,7 @@ class Replica:
             if finalized is not None:
                 final[shard] = finalized  # this push completed the shard's evaluation
         push_s = time.perf_counter() - t2
+        self.work_calls += 1
         self.compute_s += busy
         self.read_s += read_s
         self.fetch_s += t1 - t0
@@ -658,6 +665,22 @@ class Replica:
             "fetch_s": self.fetch_s,
             "push_s": self.push_s,
         }
+
+    def monitor(self) -> list[Sample]:
+        """This replica's counters for the metrics page (:mod:`storage._monitor`; read on the worker's
+        event loop, not an actor call)."""
+        me = {"replica": str(self.index), "algorithm": "sandblaster"}
+        return [
+            ("distbelief_replica_work_calls_total", me, self.work_calls),
+            ("distbelief_replica_portions_total", me, self.portions_done),
+            ("distbelief_replica_rows_total", me, self.rows_done),
+            ("distbelief_replica_fetches_total", me, self.fetches),
+            ("distbelief_replica_bytes_total", {**me, "direction": "pulled"}, self.bytes_pulled),
+            ("distbelief_replica_bytes_total", {**me, "direction": "pushed"}, self.bytes_pushed),
+            ("distbelief_replica_seconds_total", {**me, "doing": "compute"}, self.compute_s),
+            ("distbelief_replica_seconds_total", {**me, "doing": "fetch"}, self.fetch_s),
+            ("distbelief_replica_seconds_total", {**me, "doing": "push"}, self.push_s),
+        ]
 
     async def attach(self, shard_map: ShardMap) -> dict[str, Any]:
         """Talk to these shards from now on (the run's new shards, or lost shards rebuilt on other

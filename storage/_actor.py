@@ -22,6 +22,8 @@ import numpy as np
 
 from distbelief.storage._direct import install as install_direct_calls
 from distbelief.storage._layout import Layout
+from distbelief.storage._monitor import Sample, shard_samples
+from distbelief.storage._monitor import install_worker as install_metrics_page
 from distbelief.storage._shard import Shard
 from distbelief.storage._store import open_group
 from distbelief.storage._vectorstore import default_budget
@@ -125,6 +127,7 @@ class ShardActor:
     ) -> None:
         keep_loop_responsive()
         install_direct_calls()  # its worker answers direct calls of ``packed`` (:mod:`storage._direct`)
+        install_metrics_page()  # its worker shows what this shard does (:mod:`storage._monitor`)
         budget = default_budget(shards_here) if memory_budget == "auto" else memory_budget
         assert budget is None or isinstance(budget, int)
         self.core = Shard(index, lo, hi, memory_budget=budget, spill_dir=spill_dir)
@@ -356,6 +359,11 @@ class ShardActor:
     async def counters(self) -> dict[str, Any]:
         """Forward to :meth:`Shard.counters` (on the event loop: a few scalars)."""
         return self.core.counters()
+
+    def monitor(self) -> list[Sample]:
+        """The shard's counters for the metrics page (:mod:`storage._monitor`; a plain method, read on the
+        worker's event loop, not an actor call)."""
+        return shard_samples(self.core)
 
     async def memory(self) -> dict[str, Any]:
         """Where the vectors are: RAM bytes and budget, spilled names, bytes streamed to and from disk."""

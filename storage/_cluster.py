@@ -176,6 +176,7 @@ def shared_embedded_client() -> Client:
         client = Client(cluster, direct_to_workers=True, set_as_default=False)
         _embedded = (cluster, client)
         _checked.add(_scheduler_id(client))  # its workers run this very installation
+        _install_metrics_page(client)
         return client
 
 
@@ -268,7 +269,16 @@ def check_workers(client: Client) -> None:
             f"{found}; install distbelief=={__version__} on every worker (or this version of the workers' "
             "here) and restart them"
         )
+    _install_metrics_page(client)
     _checked.add(sid)
+
+
+def _install_metrics_page(client: Client) -> None:
+    """Serve the shards' and replicas' counters on the cluster's dashboard port, once per cluster (see
+    :mod:`storage._monitor`: a Dask actor's work is no task, the Dask dashboard shows none of it)."""
+    from distbelief.storage._monitor import install_cluster
+
+    install_cluster(client)
 
 
 @contextlib.contextmanager

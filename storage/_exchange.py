@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import ClusterError
+from distbelief.storage._monitor import Sample, install_worker
 from distbelief.storage._server import _current_worker
 
 __all__ = ["PartitionPeer", "PassAborted", "call_peer"]
@@ -84,7 +85,11 @@ class PartitionPeer:
     (0, 1)
     """
 
+    #: The algorithm a subclass runs, for the metrics page's ``algorithm`` label.
+    ALGORITHM = ""
+
     def __init__(self, replica: int, k: int, *, call_timeout: float) -> None:
+        install_worker()  # its worker's metrics page shows what this partition does (storage._monitor)
         self.replica, self.k, self.call_timeout = replica, k, call_timeout
         self.peers: list[Any] = []
         self.mailbox: dict[tuple[int, str, Hashable], asyncio.Future[np.ndarray]] = {}
@@ -93,6 +98,32 @@ class PartitionPeer:
         self.by_kind: dict[str, int] = {}
         self.seconds: dict[str, float] = {"compute": 0.0, "wait": 0.0}
         self._aborted: set[Hashable] = set()
+
+    def monitor(self) -> list[Sample]:
+        """This partition's counters for the metrics page (:mod:`storage._monitor`; read on the worker's
+        event loop, not an actor call): messages and bytes sent to its peers, seconds computing and waiting,
+        and the steps, pushes and fetches of the subclasses that keep them.
+
+        Examples
+        --------
+        >>> [(n, v) for n, _, v in PartitionPeer(0, 1, call_timeout=30.0).monitor()][:2]
+        [('distbelief_partition_messages_total', 0), ('distbelief_partition_bytes_total', 0)]
+        """
+        me = {"replica": str(self.replica), "partition": str(self.k), "algorithm": self.ALGORITHM}
+        out: list[Sample] = [
+            ("distbelief_partition_messages_total", me, self.messages),
+            ("distbelief_partition_bytes_total", me, self.bytes),
+        ]
+        out += [("distbelief_replica_seconds_total", {**me, "doing": k}, v) for k, v in self.seconds.items()]
+        for attribute, metric in (
+            ("steps", "distbelief_replica_steps_total"),
+            ("pushes_sent", "distbelief_replica_pushes_total"),
+            ("fetches", "distbelief_replica_fetches_total"),
+        ):
+            value = getattr(self, attribute, None)
+            if isinstance(value, int):
+                out.append((metric, me, value))
+        return out
 
     async def connect(self, peers: Sequence[Any]) -> None:
         """The K partition actors of this replica (itself included), by partition number.

@@ -137,6 +137,8 @@ class Shard:
         self.prepared: list[Any] = []
         #: Seconds spent per op kind (``accumulate`` for gradient pushes), for benchmarks: where time goes.
         self.op_seconds: dict[str, float] = {}
+        #: Ops done per kind, for the metrics page (:mod:`storage._monitor`): what the shard is doing.
+        self.op_counts: dict[str, int] = {}
         #: Sandblaster gradient accumulators: which portions each holds, for exactly-once counting.
         self.accumulators: dict[str, _Accumulator] = {}
         #: A zero slice that key-value pushes are scattered into (kept zero between pushes).
@@ -208,8 +210,10 @@ class Shard:
         return out
 
     def _count(self, kind: str, t0: float) -> None:
-        """Add the seconds since ``t0`` to :attr:`op_seconds` under ``kind``."""
+        """Add the seconds since ``t0`` to :attr:`op_seconds` and one op to :attr:`op_counts` under
+        ``kind``."""
         self.op_seconds[kind] = self.op_seconds.get(kind, 0.0) + time.perf_counter() - t0
+        self.op_counts[kind] = self.op_counts.get(kind, 0) + 1
 
     def _streams(self, op: Sequence[Any]) -> bool:
         """Whether ``op`` touches a spilled vector and can run chunk by chunk (else: on the memmap)."""
