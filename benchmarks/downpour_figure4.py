@@ -15,8 +15,9 @@ random teacher network labels Gaussian inputs; the features come in scales from 
 do, which is where Adagrad's per-parameter rates matter); and, with ``--problems mlp30``, issue 30's MLP
 (256-512-512-10, a step of ~6.7 ms: where a replica's compute, not messaging, is the cost), which adds the
 one-process Adagrad row and the ratio issue 30 asks for, ``T(Downpour Adagrad, 2 replicas) / T(numpy
-Adagrad)`` (target <= 0.7). A run of some problems keeps the other problems' saved results in the JSON. Time is measured from the moment the replicas
-start (cluster, shards and replicas are already up; their setup time is reported apart). The time to the
+Adagrad)`` (target <= 0.7). A run of some problems keeps the other problems' saved results in the JSON.
+Time is measured from the moment the replicas start (cluster, shards and replicas are already up; their
+setup time is reported apart). The time to the
 target accuracy is the first evaluation at or above it; with repeats, the median over runs (a run that
 never reaches the target counts as infinite). The headline is
 ``T(Downpour Adagrad, 2 replicas) / T(single-replica Downpour SGD)`` (target <= 0.7).
