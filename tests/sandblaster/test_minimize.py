@@ -266,7 +266,9 @@ def test_a_one_shard_model_has_its_work_handed_out_by_the_shard_with_the_same_bi
         runs[hand_out] = sandblaster.minimize(problem.model, ds, store=tmp_path / f"run-{hand_out}", **common)
     handed, fetched = runs[True], runs[False]
     assert handed.stats["shards"] == 1
-    assert handed.stats["handed_out_calls"] >= handed.nfev and fetched.stats["handed_out_calls"] == 0
+    # Only calls to the replica on the other worker are handed out; under load the replica beside the shard
+    # may take every portion of some evaluations (once 9 handed out for 18 evaluations at load ~7).
+    assert handed.stats["handed_out_calls"] > 0 and fetched.stats["handed_out_calls"] == 0
     np.testing.assert_array_equal(handed.x, fetched.x)
     assert (handed.fun, handed.nit, handed.nfev) == (fetched.fun, fetched.nit, fetched.nfev)
     np.testing.assert_array_equal(handed.history.objective.values, fetched.history.objective.values)
