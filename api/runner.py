@@ -228,13 +228,15 @@ def run_downpour(ctx: RunContext) -> RunOutcome:
     # JobRunner), can be cancelled through the callback and resumes from its last shard checkpoint; it takes
     # no held-out rows: they are evaluated when it has finished, as for every job.
     held_out = {} if int(options.get("partitions", 1)) > 1 else {"eval_data": ctx.eval_data}
+    # A deterministic run does not resume (its shards' push order starts with the run): it starts over, and
+    # gives the same parameters as the run it replaces would have.
     res = train(
         ctx.model,
         ctx.data,
         client=ctx.client,
         store=ctx.store,
         callback=ctx.callback,
-        resume=ctx.resume,
+        resume=ctx.resume and not options.get("deterministic", False),
         **held_out,
         **options,
     )

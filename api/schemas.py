@@ -217,6 +217,18 @@ class DownpourJobOptions(_Options):
         ]
         | None
     ) = None
+    deterministic: (
+        Annotated[
+            bool,
+            Field(
+                description="The same parameters, bit for bit, on every rerun: replicas work in rounds of "
+                "n_fetch (= n_push) steps and the shards apply each round's pushes in replica order; "
+                "replicas wait for each other at every round start. A job restarted with the service "
+                "starts over. Not with partitions > 1 or warmstart_steps"
+            ),
+        ]
+        | None
+    ) = None
 
     @field_validator("compression", mode="before")
     @classmethod

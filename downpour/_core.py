@@ -101,6 +101,8 @@ class FetchRequest:
     fid: int
     names: tuple[str, ...]
     gen: int
+    #: Deterministic mode: the round whose starting parameters this fetch asks for (storage/_rounds.py).
+    round: int | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,9 @@ class PushMessage:
     #: A compressed push (Strom 2015): ``keys`` are sign-coded (``storage._keys.encode_signs``), each entry
     #: ``+tau`` or ``-tau``, and ``grad`` is empty.
     tau: float | None = None
+    #: Deterministic mode: the round this push closes, and whether it is the replica's last one.
+    round: int | None = None
+    last: bool = False
 
     def parts(self, bounds: Sequence[int]) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
         """``(values, keys)`` for every shard: the slices of a dense push, the pairs of a key-value one,
@@ -157,6 +162,8 @@ class _Fetch:
     dx: np.ndarray
     #: Pushes this replica had sent when the fetch was issued (those after it are not in its answer).
     sent: int = 0
+    #: A shard did not answer it (it is fetched again).
+    failed: bool = False
 
 
 @dataclass
@@ -275,8 +282,19 @@ class ReplicaCore:
         fuse: bool = False,
         compression: Compression | None = None,
         fetch_keys: Sequence[np.ndarray] | None = None,
+        deterministic: bool = False,
     ) -> None:
         check_rule(rule)
+        if deterministic and n_fetch != n_push:
+            raise InvalidOptionError(
+                "deterministic=True works in rounds of n steps: give n_fetch == n_push "
+                f"(got {n_fetch}, {n_push})"
+            )
+        #: Rounds of ``n_fetch`` steps, each from the parameters after every push of the rounds before it
+        #: (storage/_rounds.py); ``_round_landed`` is the last round whose fetch every shard answered.
+        self.deterministic = bool(deterministic)
+        self._round_landed = -1
+        self._last_sent = False
         self.ranges = [(int(lo), int(hi)) for lo, hi in ranges]
         self.n_shards = len(self.ranges)
         self.n = self.ranges[-1][1]
@@ -393,7 +411,10 @@ class ReplicaCore:
         return worst
 
     def must_wait(self) -> bool:
-        """Whether the next step must wait for a fetch (first parameters, or the staleness bound)."""
+        """Whether the next step must wait for a fetch (first parameters, the staleness bound, or in
+        deterministic mode the fetch of the current round)."""
+        if self.deterministic:
+            return self._round_landed < self.counters.steps // self.n_fetch
         if not self.ready:
             return True
         return self.max_staleness is not None and self.staleness_estimate() > self.max_staleness
@@ -427,7 +448,8 @@ class ReplicaCore:
         return self._new_fetch()
 
     def _new_fetch(self) -> FetchRequest:
-        request = FetchRequest(self._next_fid, self.fetch_names, self.gen)
+        round_ = self.counters.steps // self.n_fetch if self.deterministic else None
+        request = FetchRequest(self._next_fid, self.fetch_names, self.gen, round=round_)
         self._next_fid += 1
         self._fetches[request.fid] = _Fetch(
             request, set(range(self.n_shards)), self._unsent_dx.copy(), self.seq
@@ -471,12 +493,15 @@ class ReplicaCore:
             return
         self.counters.fetch_errors[shard] += 1
         self._fetch_due = True
+        f.failed = True
         self._settle_fetch(f, shard)
 
     def _settle_fetch(self, f: _Fetch, shard: int) -> None:
         f.pending.discard(shard)
         if not f.pending:
             self._fetches.pop(f.request.fid, None)
+            if f.request.round is not None and not f.failed:
+                self._round_landed = max(self._round_landed, f.request.round)
 
     # -- compute -----------------------------------------------------------------------------------------
     def compute(self, model: Any, X: np.ndarray, y: np.ndarray) -> float:
@@ -523,29 +548,39 @@ class ReplicaCore:
             self._push_due = True
 
     # -- push --------------------------------------------------------------------------------------------
-    def take_push(self, *, force: bool = False) -> PushMessage | None:
+    def take_push(self, *, force: bool = False, last: bool = False) -> PushMessage | None:
         """The accrued gradient to push now, or None (not due, nothing accrued, or too many in flight).
 
         ``force`` pushes whatever has accrued even if no push is due (the final flush). A due push of a
-        fused core carries the next fetch (:attr:`PushMessage.fetch`).
+        fused core carries the next fetch (:attr:`PushMessage.fetch`). ``last`` (deterministic mode, with
+        ``force``): the replica's final push, sent once even with nothing accrued (the shards then know it
+        takes no part in later rounds).
         """
-        if self.accrued_steps == 0 or not (self._push_due or force):
+        final = self.deterministic and last and force and not self._last_sent
+        if (self.accrued_steps == 0 and not final) or not (self._push_due or force):
             return None
         if len(self._pending) >= self.max_pushes_in_flight:
             return None  # keep accruing: it goes out with the next push
-        msg = PushMessage(self.seq, self.accrued, self._accrued_base, self.accrued_steps, self.gen)
+        round_ = None
+        if self.deterministic:
+            steps = self.counters.steps
+            round_ = (steps - 1) // self.n_push if self.accrued_steps else steps // self.n_push
+            self._last_sent = final
+        msg = PushMessage(
+            self.seq, self.accrued, self._accrued_base, self.accrued_steps, self.gen, round=round_, last=final
+        )
         if self.compressor is not None:
             # Strom 2015: the sum joins the residual; the entries past the threshold go out as +/-tau.
             idx, negative = self.compressor.add(self.accrued)
             codes = tuple(encode(idx, negative, [lo for lo, _ in self.ranges] + [self.n]))
             tau = self.compressor.tau
-            msg = PushMessage(msg.seq, np.zeros(0), msg.fetched_versions, msg.steps, msg.gen, codes, tau=tau)
+            msg = dataclasses.replace(msg, grad=np.zeros(0), keys=codes, tau=tau)
             self.counters.bytes_pushed += signed_bytes(codes)
         elif self.fetch_keys is not None:
             # Only the entries this push moves: a zero entry would leave the shard's floats unchanged.
             nonzero = np.flatnonzero(self.accrued)
             keys = tuple(split_keys([lo for lo, _ in self.ranges] + [self.n], nonzero))
-            msg = PushMessage(msg.seq, self.accrued[nonzero], msg.fetched_versions, msg.steps, msg.gen, keys)
+            msg = dataclasses.replace(msg, grad=self.accrued[nonzero], keys=keys)
             self.counters.bytes_pushed += kv_bytes(*keys, msg.grad)
         else:
             self.counters.bytes_pushed += msg.grad.nbytes

@@ -122,6 +122,7 @@ class DownpourOptions:
     fuse: bool = True
     compression: Compression | None = None
     max_coalesce: int | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _check(self.rule in RULES, "rule", self.rule, "'sgd' or 'adagrad'")
@@ -187,8 +188,28 @@ class DownpourOptions:
             self.communication,
             "'auto' or 'dense' when l2 > 0 (the l2 term moves every parameter every step)",
         )
+        if self.deterministic is True:
+            # Rounds of n steps (storage/_rounds.py): a fetch and a push a round, all replicas from the start.
+            _check(
+                self.n_fetch == self.n_push,
+                "n_fetch",
+                self.n_fetch,
+                f"equal to n_push ({self.n_push}) with deterministic=True (rounds of n steps)",
+            )
+            _check(
+                self.warmstart_steps == 0,
+                "warmstart_steps",
+                self.warmstart_steps,
+                "0 with deterministic=True (every replica takes part from the first round)",
+            )
+            _check(
+                not self.resume,
+                "resume",
+                self.resume,
+                "False with deterministic=True (the shards' push order starts with the run)",
+            )
         check_compression(self.compression)
-        for name in ("shuffle", "trace", "resume", "fuse"):
+        for name in ("shuffle", "trace", "resume", "fuse", "deterministic"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "True or False")
         _check(

@@ -1149,6 +1149,7 @@ _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "staleness_scale": None,  # the default (on for multi-replica SGD elsewhere): partitions run unscaled
     "compression": None,
     "max_coalesce": None,
+    "deterministic": False,
     # Taken by downpour.train but not by a partitioned run (it has no history cadence, driver poll, loss
     # watchdog, fused messages or key-value communication): refused rather than ignored.
     "eval_every": 1.0,

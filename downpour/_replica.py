@@ -114,6 +114,8 @@ class ReplicaConfig:
     record: RecordPlan = RecordPlan()
     #: The most steps a push may sum while every push is outstanding (None: no limit); see downpour._core.
     max_coalesce: int | None = None
+    #: Rounds in a fixed order (storage/_rounds.py): the same bits on every rerun.
+    deterministic: bool = False
 
 
 class DownpourReplica:
@@ -178,6 +180,7 @@ class DownpourReplica:
             fuse=config.fuse,
             compression=config.compression,
             max_coalesce=config.max_coalesce,
+            deterministic=config.deterministic,
         )
         self._map = shard_map
         self._source = f"{config.run_id}/replica-{index}"
@@ -356,9 +359,10 @@ class DownpourReplica:
         if op[0] == "fetch":
             request: FetchRequest = op[1]
             keys = self.core.fetch_keys
+            at = {} if request.round is None else {"round": request.round}  # deterministic: the round's start
             if keys is not None:
-                return await smap.call(i, "gather", list(request.names), keys[i])
-            return await smap.call(i, "fetch", list(request.names))
+                return await smap.call(i, "gather", list(request.names), keys[i], **at)
+            return await smap.call(i, "fetch", list(request.names), **at)
         msg: PushMessage = op[1]
         kwargs: dict[str, Any] = {
             "source": self._source,
@@ -373,6 +377,9 @@ class DownpourReplica:
             kwargs["keys"] = op[3]  # key-value pairs, or sign-coded keys of a compressed push
         if msg.tau is not None:
             kwargs["tau"] = msg.tau
+        if msg.round is not None:
+            # Deterministic mode: the shards apply it in its place (round, then replica) of the fixed order.
+            kwargs.update(round=msg.round, replica=self.index, last=msg.last)
         if msg.fetch is None:
             return await smap.call(i, "push", op[2], **kwargs)
         # Fused: the shard applies the push and answers with its fresh slice (one message for both).
@@ -587,7 +594,7 @@ class DownpourReplica:
         while time.monotonic() < deadline:
             self._drain(None)
             if not core.diverged:
-                msg = core.take_push(force=True)
+                msg = core.take_push(force=True, last=True)
                 if msg is not None:
                     self._send_push(msg)
             if (core.accrued_steps == 0 or core.diverged) and core.pushes_in_flight == 0:

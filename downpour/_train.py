@@ -283,6 +283,7 @@ def train(
     fuse: bool = True,
     compression: Compression | None = None,
     max_coalesce: int | None = None,
+    deterministic: bool = False,
 ) -> TrainResult:
     """Train ``model`` with Downpour SGD: asynchronous replicas, a sharded parameter server, Adagrad.
 
@@ -413,6 +414,14 @@ def train(
         optimum after 10 epochs; capped, 0.05-0.17%), no limit for ``"sgd"``. 0: no limit. The cap costs
         waiting when round trips are slow against the steps: on that problem at load average ~31 on 2
         cores, 10 epochs took 3.4 s instead of 1.0 s (medians of 6).
+    deterministic : bool
+        The same bits on every rerun, with any number of replicas (:mod:`storage._rounds`): replicas work
+        in rounds of ``n_fetch`` (= ``n_push``) steps, each starting from the parameters after every push
+        of the rounds before it, and the shards apply a round's pushes in replica order whatever order they
+        arrive in. The cost is waiting: at every round start a replica waits for the slowest one's push
+        (synchronous SGD with a staleness of one round). A run stopped by ``time_limit`` or a callback ends
+        at a step that depends on timing; a shard lost mid-run ends the guarantee. Needs
+        ``warmstart_steps=0`` and ``resume=False``.
 
     Returns
     -------
@@ -478,6 +487,7 @@ def train(
         fuse=fuse,
         compression=compression,
         max_coalesce=max_coalesce,
+        deterministic=deterministic,
     )
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
@@ -748,7 +758,10 @@ class _Run:
             compression=opts.compression,
             record=self._record_plan(ranges),
             max_coalesce=opts.coalesce_limit,
+            deterministic=opts.deterministic,
         )
+        if opts.deterministic:
+            ps.begin_rounds(n_replicas)
         shard_map = ps.shard_map()
         for r, (lo, hi) in enumerate(ranges):
             self.futures.append(

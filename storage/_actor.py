@@ -24,6 +24,7 @@ from distbelief.storage._direct import install as install_direct_calls
 from distbelief.storage._layout import Layout
 from distbelief.storage._monitor import Sample, shard_samples
 from distbelief.storage._monitor import install_worker as install_metrics_page
+from distbelief.storage._rounds import RoundOrder
 from distbelief.storage._shard import Shard
 from distbelief.storage._store import open_group
 from distbelief.storage._vectorstore import default_budget
@@ -145,6 +146,11 @@ class ShardActor:
             for name in names:  # one vector at a time: the budget places each before the next is read
                 self.core.vectors.update(read_checkpoint(url, slot, *self.stored, [name]))
             self.core.load_state(state or {})
+        #: Deterministic Downpour (storage/_rounds.py): the push order, and the round start's version and
+        #: slices that the round's fetches are answered from; None in the usual asynchronous mode.
+        self._rounds: RoundOrder | None = None
+        self._round_start: tuple[int, dict[str, np.ndarray]] = (0, {})
+        self._round_changed: asyncio.Condition | None = None
 
     async def _do(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if self._executor is None:
@@ -224,8 +230,11 @@ class ShardActor:
         """Forward to :meth:`Shard.get`."""
         return await self._do(self.core.get, name, lo, hi)
 
-    async def fetch(self, names: Sequence[str]) -> tuple[int, list[np.ndarray]]:
-        """``(version, [slice of each name])`` for a replica's fetch, in one round trip."""
+    async def fetch(self, names: Sequence[str], round: int | None = None) -> tuple[int, list[np.ndarray]]:
+        """``(version, [slice of each name])`` for a replica's fetch, in one round trip (with ``round``,
+        deterministic mode: the slices at that round's start)."""
+        if round is not None:
+            return await self._round_fetch(round, names)
 
         def _fetch() -> tuple[int, list[np.ndarray]]:
             return self.core.version, [self.core.get(name) for name in names]
@@ -243,8 +252,12 @@ class ShardActor:
 
         return await self._do(_both)
 
-    async def gather(self, names: Sequence[str], keys: np.ndarray) -> tuple[int, list[np.ndarray]]:
+    async def gather(
+        self, names: Sequence[str], keys: np.ndarray, round: int | None = None
+    ) -> tuple[int, list[np.ndarray]]:
         """``(version, [values of each name at keys])``: a key-value fetch (see :mod:`storage._keys`)."""
+        if round is not None:
+            return await self._round_fetch(round, names, keys)
 
         def _gather() -> tuple[int, list[np.ndarray]]:
             return self.core.version, [self.core.gather(name, keys) for name in names]
@@ -280,15 +293,84 @@ class ShardActor:
         """Forward to :meth:`Shard.set`."""
         await self._do(self.core.set, name, lo, hi, values)
 
-    async def push(self, grad: np.ndarray | None, **kwargs: Any) -> tuple[bool, int, int]:
-        """Forward to :meth:`Shard.push`."""
+    async def push(
+        self,
+        grad: np.ndarray | None,
+        *,
+        round: int | None = None,
+        replica: int = 0,
+        last: bool = False,
+        **kwargs: Any,
+    ) -> tuple[bool, int, int]:
+        """Forward to :meth:`Shard.push`; with ``round`` (deterministic mode), in the order of
+        :mod:`storage._rounds` (``replica``'s push of that round; ``last``: its final one)."""
+        if round is not None:
+            return await self._ordered_push(grad, round, replica, last, kwargs)
         return await self._do(self.core.push, grad, **kwargs)
 
     async def push_fetch(
-        self, grad: np.ndarray | None, names: Sequence[str], **kwargs: Any
+        self,
+        grad: np.ndarray | None,
+        names: Sequence[str],
+        *,
+        round: int | None = None,
+        replica: int = 0,
+        last: bool = False,
+        fetch_keys: np.ndarray | None = None,
+        **kwargs: Any,
     ) -> tuple[tuple[bool, int, int], tuple[int, list[np.ndarray]]]:
-        """Forward to :meth:`Shard.push_and_fetch` (Downpour's fused push and fetch: one round trip)."""
-        return await self._do(self.core.push_and_fetch, grad, names, **kwargs)
+        """Forward to :meth:`Shard.push_and_fetch` (Downpour's fused push and fetch: one round trip); in
+        deterministic mode the push of ``round`` and the fetch for the next round."""
+        if round is not None:
+            answer = await self._ordered_push(grad, round, replica, last, kwargs)
+            return answer, await self._round_fetch(round + 1, names, fetch_keys)
+        return await self._do(self.core.push_and_fetch, grad, names, fetch_keys=fetch_keys, **kwargs)
+
+    # -- deterministic Downpour (storage/_rounds.py) ------------------------------------------------------
+    async def begin_rounds(self, replicas: int, names: Sequence[str] = ("x",)) -> None:
+        """From now on apply Downpour pushes round by round in replica order, and answer a round's fetches
+        with the round start's slices (``downpour.train(deterministic=True)``)."""
+        self._rounds = RoundOrder(int(replicas))
+        self._round_changed = asyncio.Condition()
+        self._snapshot_round(names)
+
+    def _snapshot_round(self, names: Sequence[str] | None = None) -> None:
+        names = list(self._round_start[1]) if names is None else list(names)
+        self._round_start = (self.core.version, {name: self.core.get(name).copy() for name in names})
+
+    async def _ordered_push(
+        self, grad: np.ndarray | None, round_: int, replica: int, last: bool, kwargs: dict[str, Any]
+    ) -> tuple[bool, int, int]:
+        if self._rounds is None or self._round_changed is None:
+            raise RuntimeError(
+                "a push for a round before begin_rounds: the run was not set up as deterministic"
+            )
+        done: asyncio.Future[tuple[bool, int, int]] = asyncio.get_running_loop().create_future()
+        async with self._round_changed:  # one coroutine at a time offers and applies: the order holds
+            for (g, kw, fut), completes in self._rounds.offer(
+                round_, replica, (grad, kwargs, done), last=last
+            ):
+                try:
+                    fut.set_result(await self._do(self.core.push, g, **kw))
+                except Exception as exc:
+                    fut.set_exception(exc)
+                if completes:
+                    self._snapshot_round()
+                    self._round_changed.notify_all()
+        return await done
+
+    async def _round_fetch(
+        self, round_: int, names: Sequence[str], keys: np.ndarray | None = None
+    ) -> tuple[int, list[np.ndarray]]:
+        """The slices of ``names`` at the start of round ``round_`` (waits for the rounds before it)."""
+        assert self._rounds is not None and self._round_changed is not None
+        rounds = self._rounds
+        async with self._round_changed:
+            await self._round_changed.wait_for(lambda: rounds.ready(round_))
+            version, slices = self._round_start
+        if keys is None:
+            return version, [slices[name] for name in names]
+        return version, [slices[name][np.asarray(keys)] for name in names]
 
     async def accumulate(
         self, name: str, values: np.ndarray, portions: Sequence[int], epoch: int, solo: bool = False

@@ -578,6 +578,12 @@ class ParameterServer:
         names: list[str] = self._call_all("names", [()] * self.shards)[0]
         return names
 
+    def begin_rounds(self, replicas: int) -> None:
+        """Every shard applies Downpour pushes round by round in replica order from now on, and answers a
+        round's fetches with the round start's parameters (``downpour.train(deterministic=True)``,
+        :mod:`storage._rounds`)."""
+        self._call_all("begin_rounds", [(int(replicas),)] * self.shards)
+
     def counters(self) -> list[dict[str, Any]]:
         """Every shard's Downpour counters (:meth:`Shard.counters`): updates applied, in one round trip."""
         out: list[dict[str, Any]] = self._call_all("counters", [()] * self.shards)

@@ -88,3 +88,28 @@ async def test_a_downpour_job_runs_with_fuse_compression_and_max_coalesce(asgi: 
     assert stats["bytes_pushed"] <= 28 * stats["pushes"]
     # SGD sums every step while its pushes are outstanding; max_coalesce=2 sends one every 2 steps at least.
     assert stats["pushes"] >= result["steps"] // 2
+
+
+@pytest.mark.anyio
+async def test_deterministic_jobs_give_the_same_parameters_and_bad_combinations_are_refused(
+    asgi: httpx.AsyncClient,
+) -> None:
+    import io
+
+    import numpy as np
+
+    options = {"epochs": 3, "replicas": 2, "rule": "adagrad", "lr": 0.2, "n_fetch": 2, "n_push": 2,
+               "deterministic": True}  # fmt: skip
+    body = {"algorithm": "downpour-sgd", "dataset": "tiny", "model": LOGISTIC, "options": options}
+    params = []
+    for _ in range(2):
+        r = await asgi.post("/api/jobs", json=body)
+        assert r.status_code == 201, r.text
+        record = await wait_final(asgi, r.json()["id"])
+        assert record["status"] == "succeeded", record["message"]
+        got = await asgi.get(f"/api/jobs/{record['id']}/params")
+        params.append(np.load(io.BytesIO(got.content)))
+    np.testing.assert_array_equal(params[0], params[1])
+    for bad, what in [({"n_fetch": 1, "n_push": 2}, "n_fetch"), ({"warmstart_steps": 3}, "warmstart_steps")]:
+        r = await asgi.post("/api/jobs", json={**body, "options": {**options, **bad}})
+        assert r.status_code == 422 and what in r.text and "deterministic" in r.text, r.text

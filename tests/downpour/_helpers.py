@@ -35,6 +35,30 @@ class ConstantGradient:
         return float(rows * (self.c @ w)), rows * self.c
 
 
+class Jittery:
+    """A model whose steps take a random extra 0-``max_sleep`` seconds (from the OS's entropy, so no two runs
+    share their timing): it scrambles which replica's push reaches a shard first."""
+
+    def __init__(self, model: Any, max_sleep: float = 0.003) -> None:
+        self.model = model
+        self.max_sleep = max_sleep
+        self.n_params = model.n_params
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for the wrapped model's attributes (unpickling asks before __dict__ is filled).
+        if name.startswith("__") or "model" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["model"], name)
+
+    def loss_and_grad(self, w: np.ndarray, X: Any, y: np.ndarray) -> tuple[float, np.ndarray]:
+        import os
+        import time
+
+        time.sleep(self.max_sleep * int.from_bytes(os.urandom(2), "little") / 65535)
+        loss, grad = self.model.loss_and_grad(w, X, y)
+        return float(loss), np.asarray(grad)
+
+
 @dataclass
 class _Replica:
     core: ReplicaCore
