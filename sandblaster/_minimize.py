@@ -16,6 +16,7 @@ import xarray as xr
 from distributed import Client
 
 from distbelief.errors import DatasetError, InvalidOptionError, ShardLostError
+from distbelief.models import objective
 from distbelief.models._fitted import FittedMixin
 from distbelief.sandblaster._cg import _minimize_cg
 from distbelief.sandblaster._coordinator import Coordinator, IterationRecord, RunState
@@ -29,6 +30,7 @@ from distbelief.sandblaster._partitioned import (
 )
 from distbelief.sandblaster._replica import Replica
 from distbelief.sandblaster._scheduler import PortionScheduler
+from distbelief.sandblaster._space import InProcessSpace, ParameterSpace
 from distbelief.sandblaster._vlbfgs import _minimize_lbfgs
 from distbelief.storage import (
     Dataset,
@@ -104,6 +106,7 @@ class SandblasterOptions:
     communication: str = "auto"
     shard_memory: int | str | None = "auto"
     partitions: int = 1
+    local: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("lbfgs", "cg", "gd", "owlqn"):
@@ -168,6 +171,19 @@ class SandblasterOptions:
             "an int >= 0 (0: never)",
         )
         _check(self.communication in COMMUNICATION, "communication", self.communication, str(COMMUNICATION))
+        _check(isinstance(self.local, bool), "local", self.local, "True or False")
+        if self.local:
+            # In this process there are no shards, replicas, portions or checkpoints to set.
+            cluster_only: dict[str, object] = {
+                "shards": None, "replicas": None, "portions": None, "slowdown": {}, "shard_workers": None,
+                "replica_workers": None, "checkpoint_every": 0, "resume": False, "partitions": 1,
+            }  # fmt: skip
+            for name, default in cluster_only.items():
+                if getattr(self, name) != default:
+                    raise InvalidOptionError(
+                        f"{name}={getattr(self, name)!r} has no meaning with local=True (a run in this "
+                        f"process, no cluster); leave it at {default!r} or use local=False"
+                    )
         for r, factor in self.slowdown.items():
             _check(factor >= 1.0, f"slowdown[{r}]", factor, "a factor >= 1")
         _check(
@@ -297,6 +313,7 @@ def minimize(
     communication: Communication = "auto",
     shard_memory: int | str | None = "auto",
     partitions: int = 1,
+    local: bool = False,
 ) -> OptimizeResult:
     """Minimize ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2 + l1 ||w||_1`` with Sandblaster on Dask.
 
@@ -375,6 +392,14 @@ def minimize(
         products in another order). A partition whose worker dies is rebuilt on a live one.
         ``stats["rebuilt_partitions"]`` lists them.
 
+    local : bool
+        Run in this process, without a cluster: the same method and kernels on numpy vectors
+        (:class:`~sandblaster._space.InProcessSpace`), ``F`` from :func:`models.objective` on ``data`` given as
+        ``(X, y)`` arrays (dense or CSR). For problems whose gradient costs milliseconds, where a cluster's
+        round trips (~2-11 ms each) would cost more than the work; the estimators choose it for small data
+        given without a ``client``. ``client``, ``store``, shards, replicas, portions, partitions and
+        checkpoints have no meaning then and are refused.
+
     Returns
     -------
     OptimizeResult
@@ -413,7 +438,22 @@ def minimize(
         communication=communication,
         shard_memory=shard_memory,
         partitions=partitions,
+        local=local,
     )
+    if local:
+        if client is not None or store is not None or not isinstance(data, tuple):
+            raise InvalidOptionError(
+                "local=True runs in this process on rows in memory: give data as (X, y) arrays, and no "
+                "client= or store= (or use local=False for the cluster)"
+            )
+        for a, b in opts.l1_exclude:
+            if b > model.n_params:
+                raise InvalidOptionError(
+                    f"l1_exclude range ({a}, {b}) ends past the model's {model.n_params} parameters"
+                )
+        result = _run_local(model, data, start_vector(model, x0, seed), opts, callback)
+        result.model = model
+        return result
     if partitions > 1:
         # Refused before anything is written: a model with no partitioned form, too many partitions, rows
         # the partition passes cannot read.
@@ -709,8 +749,49 @@ def _run(
         )
 
 
+def _run_local(
+    model: Any,
+    data: tuple[Any, Any],
+    x_start: np.ndarray,
+    opts: SandblasterOptions,
+    callback: Callable[[IterationRecord], None] | None,
+) -> OptimizeResult:
+    """The method of ``opts`` in an :class:`InProcessSpace` on the rows in memory (``minimize(local=True)``):
+    the same code and kernels as on the shards, ``F`` from :func:`models.objective`, no Dask at all."""
+    t_start = time.perf_counter()
+    X, y = data
+    n_features = getattr(model, "n_features", None)
+    if n_features is not None and np.ndim(X) == 2 and X.shape[1] != n_features:
+        raise DatasetError(f"the model expects {n_features} features, the data has {X.shape[1]}")
+    l2 = opts.l2
+
+    def fun_and_grad(w: np.ndarray) -> tuple[float, np.ndarray]:
+        return objective(model, w, X, y, l2=l2)
+
+    space = InProcessSpace(fun_and_grad, x_start)
+    space.start()
+    try:
+        success, message = _run_method(space, opts, x_start.size, callback, None)
+    except StopIteration:
+        success, message = False, "stopped by the callback"
+    st = space.state
+    return OptimizeResult(
+        x=space.vector(st.x).copy(),
+        fun=st.f,
+        grad_norm=st.g_inf,
+        nit=st.nit,
+        nfev=st.nfev,
+        success=success,
+        status=_status_of(success, message),
+        message=message,
+        history=_history(st.records),
+        store="",
+        stats={"local": True, "wall_s": time.perf_counter() - t_start},
+    )
+
+
 def _run_method(
-    coord: Coordinator,
+    coord: ParameterSpace,
     opts: SandblasterOptions,
     n: int,
     callback: Callable[[IterationRecord], None] | None,

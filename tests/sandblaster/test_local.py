@@ -1,0 +1,89 @@
+"""``sandblaster.minimize(local=True)``: the same methods in this process (an InProcessSpace on the rows in
+memory), against SciPy and against a cluster run; and the options that have no meaning there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from distributed import Client
+
+from distbelief import models, sandblaster
+from distbelief.errors import InvalidOptionError
+from distbelief.storage import Dataset
+from distbelief.storage._digits import train_test_split_digits
+from tests.sandblaster.conftest import Problem
+
+
+def test_lbfgs_matches_scipy_and_a_cluster_run(client: Client, logistic_digits: Problem) -> None:
+    p = logistic_digits
+    local = sandblaster.minimize(p.model, (p.X, p.y), x0=p.x0, l2=p.l2, local=True)
+    ref = p.scipy()
+    assert local.success and local.stats["local"] is True and local.store == ""
+    assert local.nit == ref.nit and local.fun == pytest.approx(ref.fun, rel=1e-10)
+    on_cluster = sandblaster.minimize(p.model, (p.X, p.y), x0=p.x0, l2=p.l2, client=client)
+    assert on_cluster.nit == local.nit and on_cluster.fun == pytest.approx(local.fun, rel=1e-12)
+    np.testing.assert_allclose(on_cluster.x, local.x, rtol=1e-8, atol=1e-10)
+    assert local.history.sizes["iteration"] == local.nit + 1
+
+
+@pytest.mark.parametrize("method", ["cg", "gd"])
+def test_cg_and_gd_reach_scipys_objective(logistic_digits: Problem, method: str) -> None:
+    p = logistic_digits
+    res = sandblaster.minimize(p.model, (p.X, p.y), x0=p.x0, l2=p.l2, method=method, local=True, maxiter=5000)
+    assert res.success, res.message
+    assert res.fun == pytest.approx(p.scipy().fun, rel=1e-5)  # both stopped at max|g| <= 1e-5
+
+
+def test_owlqn_on_sparse_rows_and_the_callback() -> None:
+    rng = np.random.default_rng(0)
+    X = sp.random_array((300, 40), density=0.1, random_state=rng, format="csr")
+    y = (X @ rng.normal(size=40) > 0).astype(float)
+    model = models.Logistic(40)
+    seen: list[int] = []
+    res = sandblaster.minimize(
+        model, (X, y), method="owlqn", l1=0.01, l1_exclude=[(40, 41)], local=True,
+        callback=lambda rec: seen.append(rec.iteration),
+    )  # fmt: skip
+    assert res.success and 0 < np.count_nonzero(res.x[:40]) < 40
+    assert seen == list(range(1, res.nit + 1))
+    # The L1 term counts in F: the objective at x plus l1 * |w| over the penalized parameters.
+    f, _ = models.objective(model, res.x, X, y)
+    assert res.fun == pytest.approx(f + 0.01 * np.abs(res.x[:40]).sum(), rel=1e-12)
+
+    def stop(rec: Any) -> None:
+        if rec.iteration == 3:
+            raise StopIteration
+
+    stopped = sandblaster.minimize(model, (X, y), method="owlqn", l1=0.01, local=True, callback=stop)
+    assert not stopped.success and stopped.nit == 3 and "callback" in stopped.message
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"replicas": 2}, "replicas=2 has no meaning with local=True"),
+        ({"shards": 2}, "shards=2 has no meaning"),
+        ({"partitions": 2}, "partitions=2 has no meaning"),
+        ({"checkpoint_every": 1}, "checkpoint_every=1 has no meaning"),
+        ({"local": "yes"}, "local='yes' is invalid: expected True or False"),
+        ({"store": "somewhere"}, "no client= or store="),
+    ],
+)
+def test_options_of_the_cluster_are_refused(options: dict[str, Any], match: str) -> None:
+    X, y, _, _ = train_test_split_digits(seed=0)
+    kw: dict[str, Any] = {"local": True, **options}
+    with pytest.raises(InvalidOptionError, match=match):
+        sandblaster.minimize(models.Softmax(64, 10), (X, y), **kw)
+
+
+def test_a_client_or_a_dataset_is_refused(client: Client, tmp_path: Path) -> None:
+    X, y, _, _ = train_test_split_digits(seed=0)
+    with pytest.raises(InvalidOptionError, match="no client="):
+        sandblaster.minimize(models.Softmax(64, 10), (X, y), local=True, client=client)
+    ds = Dataset.from_arrays(X, y, path=tmp_path / "d", label_kind="classes", n_classes=10)
+    with pytest.raises(InvalidOptionError, match=r"give data as \(X, y\) arrays"):
+        sandblaster.minimize(models.Softmax(64, 10), ds, local=True)
