@@ -34,12 +34,13 @@ from distributed import Client
 from pydantic import ValidationError
 
 from distbelief import models
-from distbelief.api._jobstore import JobStore, json_safe
 from distbelief.api.schemas import FINAL_STATUSES, JobCreate, JobPublic
 from distbelief.api.settings import Settings
 from distbelief.errors import DatasetError, DistbeliefError, InvalidOptionError, StoreError
 from distbelief.storage import Dataset, resolve_name
-from distbelief.storage._calls import task_result
+from distbelief.storage.internal import task_result
+
+from ._jobstore import JobStore, json_safe
 
 _log = logging.getLogger(__name__)
 
@@ -481,7 +482,7 @@ class JobRunner:
         """
         rec = job.record
         if rec["algorithm"] == "downpour-sgd":
-            from distbelief.downpour._resume import resume_point
+            from distbelief.downpour.internal import resume_point
 
             point = resume_point(self.store.run_dir(rec["id"]))
             if point is None:
@@ -681,7 +682,7 @@ class JobRunner:
 
     def dataset_names(self) -> list[str]:
         """Names of every dataset (uploaded and registered)."""
-        from distbelief.storage._dataset import list_datasets
+        from distbelief.storage.internal import list_datasets
 
         return sorted(set(list_datasets(self.store.datasets_root)) | set(self.store.links()))
 

@@ -440,7 +440,7 @@ def _check_partitions(algorithm: str, spec: dict[str, Any], options: dict[str, A
             "installation; use algorithm 'downpour-sgd' or leave partitions out"
         )
     if algorithm == "downpour-sgd":
-        from distbelief.downpour._partitioned import check_partitioned_options
+        from distbelief.downpour.internal import check_partitioned_options
 
         check_partitioned_options(partitions, options)
     return options

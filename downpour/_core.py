@@ -76,10 +76,11 @@ from typing import Any
 
 import numpy as np
 
-from distbelief.downpour._compress import Compression, ThresholdCompressor, encode, signed_bytes
 from distbelief.errors import InvalidOptionError
 from distbelief.storage import axpy
-from distbelief.storage._keys import kv_bytes, split_keys
+from distbelief.storage.internal import kv_bytes, split_keys
+
+from ._compress import Compression, ThresholdCompressor, encode, signed_bytes
 
 __all__ = ["ADAGRAD_MAX_COALESCE", "FetchRequest", "PushMessage", "ReplicaCore", "ReplicaCounters"]
 

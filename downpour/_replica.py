@@ -35,13 +35,13 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from distbelief.downpour._batches import BatchPlan
-from distbelief.downpour._compress import Compression
-from distbelief.downpour._core import FetchRequest, PushMessage, ReplicaCore
 from distbelief.storage import Dataset, ShardMap
-from distbelief.storage._calls import await_call
-from distbelief.storage._keys import param_keys, split_keys, union_keys
-from distbelief.storage._sparse import nbytes as rows_nbytes
+from distbelief.storage.internal import await_call, param_keys, split_keys, union_keys
+from distbelief.storage.internal import nbytes as rows_nbytes
+
+from ._batches import BatchPlan
+from ._compress import Compression
+from ._core import FetchRequest, PushMessage, ReplicaCore
 
 __all__ = ["DownpourReplica", "RecordPlan", "ReplicaConfig"]
 

@@ -16,20 +16,7 @@ import xarray as xr
 from distributed import Client
 
 from distbelief.errors import DatasetError, InvalidOptionError, ShardLostError
-from distbelief.models._fitted import FittedMixin
-from distbelief.sandblaster._cg import _minimize_cg
-from distbelief.sandblaster._coordinator import Coordinator, IterationRecord, RunState
-from distbelief.sandblaster._gd import _minimize_gd
-from distbelief.sandblaster._linesearch import LBFGSB_FTOL
-from distbelief.sandblaster._owlqn import _minimize_owlqn
-from distbelief.sandblaster._partitioned import (
-    PartitionedScheduler,
-    check_partitioned,
-    start_replicas,
-)
-from distbelief.sandblaster._replica import Replica
-from distbelief.sandblaster._scheduler import PortionScheduler
-from distbelief.sandblaster._vlbfgs import _minimize_lbfgs
+from distbelief.models.internal import FittedMixin
 from distbelief.storage import (
     Dataset,
     ParameterServer,
@@ -40,9 +27,21 @@ from distbelief.storage import (
     start_vector,
     worker_addresses,
 )
-from distbelief.storage._calls import ShardRecovery
-from distbelief.storage._keys import COMMUNICATION, Communication, use_sparse
-from distbelief.storage._session import run_store
+from distbelief.storage.internal import COMMUNICATION, Communication, ShardRecovery, run_store, use_sparse
+
+from ._cg import _minimize_cg
+from ._coordinator import Coordinator, IterationRecord, RunState
+from ._gd import _minimize_gd
+from ._linesearch import LBFGSB_FTOL
+from ._owlqn import _minimize_owlqn
+from ._partitioned import (
+    PartitionedScheduler,
+    check_partitioned,
+    start_replicas,
+)
+from ._replica import Replica
+from ._scheduler import PortionScheduler
+from ._vlbfgs import _minimize_lbfgs
 
 __all__ = ["OptimizeResult", "SandblasterOptions", "minimize", "open_session"]
 

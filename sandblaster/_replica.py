@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import ClusterError
-from distbelief.sandblaster._messages import PortionResult, WorkCall, WorkReport, decode, encode
 from distbelief.storage import (
     Dataset,
     ShardMap,
@@ -40,16 +39,18 @@ from distbelief.storage import (
     keep_loop_responsive,
     reduce_results,
 )
-from distbelief.storage._direct import install as install_direct_calls
-from distbelief.storage._keys import (
+from distbelief.storage.internal import (
     SparsePortion,
     compact_rows,
+    install_direct_calls,
     kv_bytes,
     sparse_layout_of,
     split_keys,
     union_keys,
     whole_slice_is_smaller,
 )
+
+from ._messages import PortionResult, WorkCall, WorkReport, decode, encode
 
 __all__ = ["INLINE_WORK", "Replica"]
 

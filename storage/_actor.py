@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from distbelief.storage._direct import install as install_direct_calls
-from distbelief.storage._layout import Layout
-from distbelief.storage._shard import Shard
-from distbelief.storage._store import open_group
-from distbelief.storage._vectorstore import default_budget
-from distbelief.storage._wire import pack_if_small
+from ._direct import install as install_direct_calls
+from ._layout import Layout
+from ._shard import Shard
+from ._store import open_group
+from ._vectorstore import default_budget
+from ._wire import pack_if_small
 
 __all__ = [
     "INLINE_MAX_ELEMENTS",
@@ -176,7 +176,7 @@ class ShardActor:
         """
         from distributed import get_worker
 
-        from distbelief.storage._direct import call_from_worker
+        from ._direct import call_from_worker
 
         epoch, ops, names, key, address, method, payload = pickle.loads(request)
         _, slices, results = await self.prepare_and_fetch(epoch, ops, names)

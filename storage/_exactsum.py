@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from distbelief.storage import _kernels
+from . import _kernels
 
 __all__ = [
     "BINS",

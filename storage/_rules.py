@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from distbelief.storage import _kernels
+from . import _kernels
 
 __all__ = ["ADAGRAD_EPS", "RULES", "adagrad_update", "sgd_update"]
 

@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import InvalidOptionError, ProtocolError
-from distbelief.storage import _exactsum, _kernels, _l1
-from distbelief.storage._keys import decode_signs
-from distbelief.storage._rules import adagrad_update, sgd_update
-from distbelief.storage._vectorstore import VectorStore, op_operands, run_chunked
+
+from . import _exactsum, _kernels, _l1
+from ._keys import decode_signs
+from ._rules import adagrad_update, sgd_update
+from ._vectorstore import VectorStore, op_operands, run_chunked
 
 __all__ = ["OPS", "Shard"]
 

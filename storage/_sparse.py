@@ -47,7 +47,8 @@ import scipy.sparse as sp
 import zarr
 
 from distbelief.errors import DatasetError, InvalidOptionError, StoreError
-from distbelief.storage import _dataset as _d
+
+from . import _dataset as _d
 
 __all__ = [
     "LAYOUT",
