@@ -208,8 +208,7 @@ def test_a_partitioned_downpour_job_reports_progress_and_stops_when_its_callback
 ) -> None:
     # The runner hands a partitioned run the job's callback: rows reach the metrics, a cancel stops it.
     from distbelief.api.runner import RunContext, run_downpour
-    from distbelief.storage import Dataset
-    from distbelief.storage._digits import train_test_split_digits
+    from distbelief.storage import Dataset, train_test_split_digits
 
     X, y, _, _ = train_test_split_digits(seed=0)
     data = Dataset.from_arrays(
