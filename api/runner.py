@@ -214,21 +214,13 @@ def run_sandblaster(ctx: RunContext) -> RunOutcome:
 
 def run_downpour(ctx: RunContext) -> RunOutcome:
     """Run a ``downpour-sgd`` job with :func:`downpour.train` (the one place that knows its signature)."""
-    try:
-        from distbelief import downpour
-    except ImportError as exc:  # pragma: no cover - the package is part of the distribution
-        raise InvalidOptionError(f"Downpour is not installed ({exc}); use a sandblaster-* algorithm") from exc
-    train = getattr(downpour, "train", None)
-    if train is None:
-        raise InvalidOptionError(
-            "Downpour is not available in this installation (downpour.train is missing); "
-            "use a sandblaster-* algorithm"
-        )
+    from distbelief.downpour import train
+
     options = downpour_kwargs(_user_options(ctx.options))
     # A partitioned run reports its progress (steps, loss, objective; its placement is followed live by
     # JobRunner), can be cancelled through the callback and resumes from its last shard checkpoint; it takes
     # no held-out rows: they are evaluated when it has finished, as for every job.
-    held_out = {} if int(options.get("partitions", 1)) > 1 else {"eval_data": ctx.eval_data}
+    held_out: dict[str, Any] = {} if int(options.get("partitions", 1)) > 1 else {"eval_data": ctx.eval_data}
     res = train(
         ctx.model,
         ctx.data,
