@@ -12,7 +12,8 @@ Examples
 """
 
 from ._actor import keep_loop_responsive
-from ._dataset import Dataset, resolve_name
+from ._dataset import Dataset
+from ._dataset_location import resolve_name
 from ._digits import digits_dataset, load_digits, train_test_split_digits
 from ._kernels import axpy
 from ._layout import Layout

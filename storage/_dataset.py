@@ -25,7 +25,7 @@ The code is split by concern: :mod:`storage._dataset_meta` (the format and its a
 :mod:`storage._dataset_location` (where a dataset lives: paths, fsspec URLs, names),
 :mod:`storage._dataset_validation` (checks of the inputs, the default layout),
 :mod:`storage._dataset_readers` (opening and reading the arrays) and this module (the :class:`Dataset`
-class and writing). The names they define stay importable from here.
+class and writing).
 """
 
 from __future__ import annotations
@@ -53,13 +53,10 @@ from ._dataset_location import (
     PathLike,
     _Location,
     _location,
-    list_datasets,
     resolve_name,
 )
 from ._dataset_meta import (
     _LABEL_KINDS,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     FloatArray,
     LabelKind,
     _Meta,
@@ -82,14 +79,7 @@ from ._dataset_validation import (
     _layout,
 )
 
-__all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "Dataset",
-    "LabelKind",
-    "list_datasets",
-    "resolve_name",
-]
+__all__ = ["Dataset"]
 
 # -------------------------------------------------------------------------------------------- Dataset
 
