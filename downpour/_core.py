@@ -363,11 +363,6 @@ class ReplicaCore:
         return all(self._landed_once)
 
     @property
-    def fetch_in_flight(self) -> bool:
-        """Whether a fetch has been started and not every shard has answered."""
-        return bool(self._fetches)
-
-    @property
     def pushes_in_flight(self) -> int:
         """Pushes sent that not every shard has answered."""
         return len(self._pending)

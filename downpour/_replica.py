@@ -259,10 +259,6 @@ class DownpourReplica:
         self.core.counters.rows = int(rows)
         self.epoch = int(epoch)
 
-    async def set_step_limit(self, limit: int | None) -> None:
-        """Stop (and flush) after ``limit`` steps of this replica."""
-        self.step_limit = limit
-
     async def hold(self, steps: int) -> None:
         """Pause after ``steps`` steps (the warm start), with everything accrued pushed, until released."""
         self.hold_at = steps

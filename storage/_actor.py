@@ -260,19 +260,6 @@ class ShardActor:
 
         return await self._do(_both)
 
-    async def accumulate_at(
-        self,
-        name: str,
-        keys: np.ndarray,
-        values: np.ndarray,
-        portions: Sequence[int],
-        epoch: int,
-        solo: bool = False,
-    ) -> tuple[bool, list[Any] | None]:
-        """Forward to :meth:`Shard.push_portions_at` (a key-value gradient push)."""
-        push = self.core.push_portions_at
-        return await self._do(push, name, keys, values, portions, epoch=epoch, solo=solo)
-
     async def set(self, name: str, lo: int, hi: int, values: np.ndarray) -> None:
         """Forward to :meth:`Shard.set`."""
         await self._do(self.core.set, name, lo, hi, values)

@@ -570,11 +570,6 @@ class ParameterServer:
         """How many checkpoints this store has taken (0: none)."""
         return int(self._meta.get("checkpoint_id") or 0)
 
-    @property
-    def checkpointed_names(self) -> list[str]:
-        """Vector names held by the last checkpoint."""
-        return list(self._meta.get("names") or [])
-
     def workers(self) -> list[str]:
         """The worker address of each shard."""
         who = self.client.who_has(self._futures)
