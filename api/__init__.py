@@ -28,11 +28,12 @@ _LAZY: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from distbelief.api._server import BackgroundServer
     from distbelief.api.client import ApiError, Client
     from distbelief.api.main import create_app
     from distbelief.api.runner import JobRunner
     from distbelief.api.settings import Settings
+
+    from ._server import BackgroundServer
 
 
 def __getattr__(name: str) -> Any:

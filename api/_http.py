@@ -16,7 +16,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from distbelief.api._uploads import UploadTooLargeError
 from distbelief.api.runner import DanglingDatasetError, JobNotFoundError, JobStateError, QueueFullError
 from distbelief.errors import (
     ClusterError,
@@ -29,6 +28,8 @@ from distbelief.errors import (
     ShardLostError,
     StoreError,
 )
+
+from ._uploads import UploadTooLargeError
 
 __all__ = [
     "MAX_LISTED_ERRORS",

@@ -34,9 +34,10 @@ import fsspec
 import numpy as np
 import xarray as xr
 
-from distbelief.api._metrics import metrics_to_dataset
 from distbelief.errors import ConflictError, StoreError
 from distbelief.storage import resolve_name
+
+from ._metrics import metrics_to_dataset
 
 __all__ = ["JobStore", "json_safe", "metrics_to_dataset"]
 

@@ -78,8 +78,9 @@ def _silence_shutdown() -> None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from distbelief.api._server import service_config
     from distbelief.api.main import create_app
+
+    from ._server import service_config
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -436,10 +437,11 @@ def _demo(args: argparse.Namespace) -> int:
     from threadpoolctl import threadpool_limits
 
     from distbelief import models
-    from distbelief.api._server import BackgroundServer
     from distbelief.api.client import Client
     from distbelief.api.main import create_app
     from distbelief.storage import digits_dataset
+
+    from ._server import BackgroundServer
 
     with tempfile.TemporaryDirectory(prefix="distbelief-digits-") as tmp:
         X_tr, y_tr = digits_dataset(f"{tmp}/train", subset="train").read_all()

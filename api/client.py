@@ -262,7 +262,7 @@ class Client:
         >>> c.metrics(job_id).objective.values[-1]   # doctest: +SKIP
         0.2639
         """
-        from distbelief.api._metrics import metrics_to_dataset
+        from ._metrics import metrics_to_dataset
 
         body = self.metrics_columns(job_id)
         columns: dict[str, list[float | None]] = body["columns"]

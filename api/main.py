@@ -22,16 +22,17 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException
 from fastapi.responses import FileResponse, RedirectResponse
 from starlette.types import Receive, Scope, Send
 
-from distbelief.api._docs import add_docs
-from distbelief.api._fastpath import StatusReadFastPath
-from distbelief.api._http import BodyLimitMiddleware, UnexpectedErrorMiddleware, install_error_handlers
-from distbelief.api._jobstore import JobStore
 from distbelief.api.deps import require_token
 from distbelief.api.routes import cluster, datasets, health, jobs
 from distbelief.api.routes import models as models_route
 from distbelief.api.runner import JobRunner
 from distbelief.api.settings import Settings, check_exposure, is_loopback, version
 from distbelief.storage import scheduler_identity
+
+from ._docs import add_docs
+from ._fastpath import StatusReadFastPath
+from ._http import BodyLimitMiddleware, UnexpectedErrorMiddleware, install_error_handlers
+from ._jobstore import JobStore
 
 __all__ = ["Backend", "create_app", "dask_dashboard_address"]
 

@@ -34,12 +34,13 @@ from distributed import Client
 from pydantic import ValidationError
 
 from distbelief import models
-from distbelief.api._jobstore import JobStore, json_safe
 from distbelief.api.schemas import FINAL_STATUSES, JobCreate, JobPublic
 from distbelief.api.settings import Settings
 from distbelief.errors import DatasetError, DistbeliefError, InvalidOptionError, StoreError
 from distbelief.storage import Dataset, resolve_name
-from distbelief.storage._calls import task_result
+from distbelief.storage.internal import task_result
+
+from ._jobstore import JobStore, json_safe
 
 _log = logging.getLogger(__name__)
 
@@ -213,21 +214,13 @@ def run_sandblaster(ctx: RunContext) -> RunOutcome:
 
 def run_downpour(ctx: RunContext) -> RunOutcome:
     """Run a ``downpour-sgd`` job with :func:`downpour.train` (the one place that knows its signature)."""
-    try:
-        from distbelief import downpour
-    except ImportError as exc:  # pragma: no cover - the package is part of the distribution
-        raise InvalidOptionError(f"Downpour is not installed ({exc}); use a sandblaster-* algorithm") from exc
-    train = getattr(downpour, "train", None)
-    if train is None:
-        raise InvalidOptionError(
-            "Downpour is not available in this installation (downpour.train is missing); "
-            "use a sandblaster-* algorithm"
-        )
+    from distbelief.downpour import train
+
     options = downpour_kwargs(_user_options(ctx.options))
     # A partitioned run reports its progress (steps, loss, objective; its placement is followed live by
     # JobRunner), can be cancelled through the callback and resumes from its last shard checkpoint; it takes
     # no held-out rows: they are evaluated when it has finished, as for every job.
-    held_out = {} if int(options.get("partitions", 1)) > 1 else {"eval_data": ctx.eval_data}
+    held_out: dict[str, Any] = {} if int(options.get("partitions", 1)) > 1 else {"eval_data": ctx.eval_data}
     # A deterministic run does not resume (its shards' push order starts with the run): it starts over, and
     # gives the same parameters as the run it replaces would have.
     res = train(
@@ -483,7 +476,7 @@ class JobRunner:
         """
         rec = job.record
         if rec["algorithm"] == "downpour-sgd":
-            from distbelief.downpour._resume import resume_point
+            from distbelief.downpour.internal import resume_point
 
             point = resume_point(self.store.run_dir(rec["id"]))
             if point is None:
@@ -683,7 +676,7 @@ class JobRunner:
 
     def dataset_names(self) -> list[str]:
         """Names of every dataset (uploaded and registered)."""
-        from distbelief.storage._dataset import list_datasets
+        from distbelief.storage.internal import list_datasets
 
         return sorted(set(list_datasets(self.store.datasets_root)) | set(self.store.links()))
 

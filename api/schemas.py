@@ -53,7 +53,6 @@ __all__ = [
     "ReplicaPlacementPublic",
     "SandblasterJobOptions",
     "WorkerPublic",
-    "front_door_takes_partitions",
     "options_json_schema",
 ]
 
@@ -410,28 +409,6 @@ class JobCreate(BaseModel):
         return self
 
 
-def front_door_takes_partitions(algorithm: str) -> bool:
-    """Whether the algorithm's front door (``downpour.train`` or ``sandblaster.minimize``) has
-    ``partitions=``: the service passes the option through to whichever does.
-
-    Examples
-    --------
-    >>> front_door_takes_partitions("downpour-sgd")
-    True
-    """
-    import inspect
-
-    if algorithm == "downpour-sgd":
-        from distbelief import downpour
-
-        door: Any = downpour.train
-    else:
-        from distbelief import sandblaster
-
-        door = sandblaster.minimize
-    return "partitions" in inspect.signature(door).parameters
-
-
 def _check_partitions(algorithm: str, spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     """Validate ``options["partitions"]`` against the model and the algorithm (a ValueError says why)."""
     partitions = int(options["partitions"])
@@ -446,13 +423,8 @@ def _check_partitions(algorithm: str, spec: dict[str, Any], options: dict[str, A
             f"(its narrowest layer, or shortest map, has {most} units or rows), got {partitions}; use fewer "
             "partitions or a larger model"
         )
-    if not front_door_takes_partitions(algorithm):
-        raise ValueError(
-            f"option 'partitions' is Downpour-only for now: {algorithm} has no model parallelism in this "
-            "installation; use algorithm 'downpour-sgd' or leave partitions out"
-        )
     if algorithm == "downpour-sgd":
-        from distbelief.downpour._partitioned import check_partitioned_options
+        from distbelief.downpour.internal import check_partitioned_options
 
         check_partitioned_options(partitions, options)
     return options

@@ -8,7 +8,7 @@ with no Dask in it, and :func:`sequential_sgd` the single-process reference it r
 Examples
 --------
 >>> from distbelief import downpour, models
->>> from distbelief.storage._digits import train_test_split_digits
+>>> from distbelief.storage import train_test_split_digits
 >>> X, y, Xt, yt = train_test_split_digits(seed=0)
 >>> res = downpour.train(models.Softmax(64, 10), (X, y), replicas=2, epochs=5,
 ...                      eval_data=(Xt, yt))                                   # doctest: +SKIP
@@ -16,13 +16,13 @@ Examples
 'epochs'
 """
 
-from distbelief.downpour._batches import BatchPlan, split_rows
-from distbelief.downpour._compress import Compression
-from distbelief.downpour._core import FetchRequest, PushMessage, ReplicaCore, ReplicaCounters
-from distbelief.downpour._options import DEFAULT_LR, DownpourOptions
-from distbelief.downpour._reference import ReferenceResult, sequential_sgd
-from distbelief.downpour._train import Progress, TrainResult, train
-from distbelief.downpour._watch import StepRuleStallWarning
+from ._batches import BatchPlan, split_rows
+from ._compress import Compression
+from ._core import FetchRequest, PushMessage, ReplicaCore, ReplicaCounters
+from ._options import DEFAULT_LR, DownpourOptions
+from ._reference import ReferenceResult, sequential_sgd
+from ._train import Progress, TrainResult, train
+from ._watch import StepRuleStallWarning
 
 __all__ = [
     "DEFAULT_LR",

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import InvalidOptionError
-from distbelief.storage._keys import encode_signs, split_keys
+from distbelief.storage.internal import encode_signs, split_keys
 
 __all__ = ["Compression", "ThresholdCompressor", "check_compression", "encode", "signed_bytes"]
 

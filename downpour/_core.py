@@ -76,10 +76,11 @@ from typing import Any
 
 import numpy as np
 
-from distbelief.downpour._compress import Compression, ThresholdCompressor, encode, signed_bytes
 from distbelief.errors import InvalidOptionError
 from distbelief.storage import accrue_step, axpy, check_rule, scaled_gradient
-from distbelief.storage._keys import kv_bytes, split_keys
+from distbelief.storage.internal import kv_bytes, split_keys
+
+from ._compress import Compression, ThresholdCompressor, encode, signed_bytes
 
 __all__ = ["ADAGRAD_MAX_COALESCE", "FetchRequest", "PushMessage", "ReplicaCore", "ReplicaCounters"]
 
@@ -379,11 +380,6 @@ class ReplicaCore:
     def ready(self) -> bool:
         """Whether every shard's slice has been fetched at least once."""
         return all(self._landed_once)
-
-    @property
-    def fetch_in_flight(self) -> bool:
-        """Whether a fetch has been started and not every shard has answered."""
-        return bool(self._fetches)
 
     @property
     def pushes_in_flight(self) -> int:

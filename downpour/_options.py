@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from distbelief.downpour._compress import Compression, check_compression
-from distbelief.downpour._core import ADAGRAD_MAX_COALESCE
 from distbelief.errors import InvalidOptionError
 from distbelief.storage import RULES
+
+from ._compress import Compression, check_compression
+from ._core import ADAGRAD_MAX_COALESCE
 
 __all__ = ["DEFAULT_LR", "DownpourOptions", "Rule", "check_workers", "worker_tuple"]
 

@@ -32,19 +32,12 @@ import xarray as xr
 from distributed import Client
 from distributed.utils import sync
 
-from distbelief.downpour._batches import BatchPlan, split_rows
-from distbelief.downpour._options import DownpourOptions, check_workers, worker_tuple
-from distbelief.downpour._resume import (
-    ResumePoint,
-    checkpoint_interval,
-    checkpoint_meta,
-    params_store,
-    require_resume_point,
-)
 from distbelief.errors import ClusterError, InvalidOptionError, ShardLostError
-from distbelief.models._partitioned import PartitionPlan, partition_plan
+from distbelief.models import partition_plan
+from distbelief.models.internal import PartitionPlan
 from distbelief.storage import (
     Dataset,
+    Layout,
     ParameterServer,
     ShardMap,
     as_dataset,
@@ -55,19 +48,24 @@ from distbelief.storage import (
     start_vector,
     worker_addresses,
 )
-from distbelief.storage._calls import (
+from distbelief.storage.internal import (
     DEAD_STATES,
     POLL,
+    PartitionPeer,
+    PassAborted,
     ShardRecovery,
     confirm_dead_async,
+    current_worker,
     gather_calls,
+    normalize_url,
+    read_attrs,
+    run_store,
     start_call,
 )
-from distbelief.storage._exchange import PartitionPeer, PassAborted
-from distbelief.storage._layout import Layout
-from distbelief.storage._server import _current_worker, _read_attrs
-from distbelief.storage._session import run_store
-from distbelief.storage._store import normalize_url
+
+from ._batches import BatchPlan, split_rows
+from ._options import DownpourOptions, check_workers, worker_tuple
+from ._resume import ResumePoint, checkpoint_interval, checkpoint_meta, params_store, require_resume_point
 
 __all__ = [
     "PartitionActor",
@@ -315,7 +313,7 @@ class PartitionActor(PartitionPeer):
             "staleness": list(self.staleness),
             "seconds": dict(self.seconds),
             "param_bytes": 8 * sum(hi - lo for lo, hi in self._ranges),
-            "worker": getattr(_current_worker(), "address", None),  # where it runs (the dashboard's groups)
+            "worker": getattr(current_worker(), "address", None),  # where it runs (the dashboard's groups)
         }
 
     async def status(self) -> dict[str, Any]:
@@ -473,7 +471,7 @@ def train_partitioned(
     >>> res.stats["messages_per_step"]                                    # doctest: +SKIP
     6.0
     """
-    from distbelief.downpour._train import TrainResult
+    from ._train import TrainResult
 
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
@@ -573,7 +571,7 @@ def _reopen(
     """``resume=True``: the shards as the run's last checkpoint left them, and its replicas' step counts."""
     point = require_resume_point(store, replicas)
     # Checked before any shard is rebuilt: the store's attributes say how the run was split.
-    attrs = _read_attrs(normalize_url(params_store(store)))
+    attrs = read_attrs(normalize_url(params_store(store)))
     saved = Layout.from_dict(attrs["layout"])
     partitions = (attrs.get("meta") or {}).get("partitions")
     if partitions != plan.partitions or saved.ranges() != layout.ranges():
@@ -615,8 +613,9 @@ class _Objective:
 
     def __call__(self, x_perm: np.ndarray, perm: np.ndarray) -> float:
         """F at the partition-major vector ``x_perm`` (``x[perm]``); blocking (run it in a thread)."""
-        from distbelief.downpour._train import objective_rows
         from distbelief.models import objective
+
+        from ._train import objective_rows
 
         t0 = time.monotonic()
         if self.rows is None:
@@ -709,7 +708,7 @@ class _Supervisor:
     async def _progress(self) -> None:
         """Call the callback with a :class:`Progress` from every live replica's partition 0; a callback
         that raises ``StopIteration`` stops every partition (the run ends with ``stop_reason="callback"``)."""
-        from distbelief.downpour._train import Progress
+        from ._train import Progress
 
         rows = []
         for r, (row, futs) in enumerate(zip(self.actors, self.futures, strict=True)):

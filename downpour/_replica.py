@@ -36,14 +36,13 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from distbelief.downpour._batches import BatchPlan
-from distbelief.downpour._compress import Compression
-from distbelief.downpour._core import FetchRequest, PushMessage, ReplicaCore
 from distbelief.storage import Dataset, ShardMap, reuse_freed_memory
-from distbelief.storage._calls import await_call
-from distbelief.storage._keys import param_keys, split_keys, union_keys
-from distbelief.storage._monitor import Sample, install_worker
-from distbelief.storage._sparse import nbytes as rows_nbytes
+from distbelief.storage.internal import Sample, await_call, install_worker, param_keys, split_keys, union_keys
+from distbelief.storage.internal import nbytes as rows_nbytes
+
+from ._batches import BatchPlan
+from ._compress import Compression
+from ._core import FetchRequest, PushMessage, ReplicaCore
 
 __all__ = ["DownpourReplica", "RecordPlan", "ReplicaConfig"]
 
@@ -287,10 +286,6 @@ class DownpourReplica:
         self.core.counters.rows = int(rows)
         self.epoch = int(epoch)
         self._skip = self.plan.batches_within(max(0, int(rows) - int(epoch) * self.plan.n_rows))
-
-    async def set_step_limit(self, limit: int | None) -> None:
-        """Stop (and flush) after ``limit`` steps of this replica."""
-        self.step_limit = limit
 
     async def hold(self, steps: int) -> None:
         """Pause after ``steps`` steps (the warm start), with everything accrued pushed, until released."""

@@ -24,10 +24,8 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import InvalidOptionError, StoreError
-from distbelief.storage._actor import read_stored_vector
-from distbelief.storage._layout import Layout
-from distbelief.storage._server import _read_attrs
-from distbelief.storage._store import normalize_url
+from distbelief.storage import Layout
+from distbelief.storage.internal import normalize_url, read_attrs, read_stored_vector
 
 __all__ = [
     "CHECKPOINT_COST_SHARE",
@@ -142,7 +140,7 @@ def resume_point(store: str | os.PathLike[str]) -> ResumePoint | None:
     """
     url = params_store(store)
     try:
-        attrs = _read_attrs(normalize_url(url))
+        attrs = read_attrs(normalize_url(url))
     except (StoreError, FileNotFoundError, KeyError):
         return None
     meta = attrs.get("meta") or {}
@@ -176,7 +174,7 @@ def require_resume_point(store: str, n_replicas: int) -> ResumePoint:
 def checkpoint_vector(store: str | os.PathLike[str], name: str = "x") -> np.ndarray:
     """Vector ``name`` as the last checkpoint of the run at ``store`` holds it (read from zarr directly)."""
     url = normalize_url(params_store(store))
-    attrs = _read_attrs(url)
+    attrs = read_attrs(url)
     if attrs.get("current") is None or name not in attrs.get("names", []):
         raise StoreError(f"{url!r} has no checkpoint of {name!r}; its vectors: {attrs.get('names')}")
     layout = Layout.from_dict(attrs["layout"])

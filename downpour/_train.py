@@ -44,21 +44,9 @@ import xarray as xr
 from distributed import Client, Future
 from threadpoolctl import threadpool_limits
 
-from distbelief.downpour._batches import BatchPlan, split_rows
-from distbelief.downpour._compress import Compression
-from distbelief.downpour._options import DownpourOptions, Rule, check_workers, worker_tuple
-from distbelief.downpour._replica import DownpourReplica, RecordPlan, ReplicaConfig
-from distbelief.downpour._resume import (
-    ResumePoint,
-    checkpoint_interval,
-    checkpoint_meta,
-    params_store,
-    require_resume_point,
-)
-from distbelief.downpour._watch import StepRuleStallWarning, Watchdog, stall_message
 from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
 from distbelief.models import objective
-from distbelief.models._fitted import FittedMixin
+from distbelief.models.internal import FittedMixin
 from distbelief.storage import (
     Dataset,
     ParameterServer,
@@ -67,10 +55,23 @@ from distbelief.storage import (
     start_vector,
     worker_addresses,
 )
-from distbelief.storage._calls import ShardRecovery, actor_gone, gather_calls, start_call
-from distbelief.storage._keys import use_sparse
-from distbelief.storage._session import run_store
-from distbelief.storage._sparse import as_csr, is_sparse
+from distbelief.storage.internal import (
+    ShardRecovery,
+    actor_gone,
+    as_csr,
+    gather_calls,
+    is_sparse,
+    run_store,
+    start_call,
+    use_sparse,
+)
+
+from ._batches import BatchPlan, split_rows
+from ._compress import Compression
+from ._options import DownpourOptions, Rule, check_workers, worker_tuple
+from ._replica import DownpourReplica, RecordPlan, ReplicaConfig
+from ._resume import ResumePoint, checkpoint_interval, checkpoint_meta, params_store, require_resume_point
+from ._watch import StepRuleStallWarning, Watchdog, stall_message
 
 __all__ = ["Progress", "TrainResult", "train"]
 
@@ -439,7 +440,7 @@ def train(
     Examples
     --------
     >>> from distbelief import downpour, models
-    >>> from distbelief.storage._digits import train_test_split_digits
+    >>> from distbelief.storage import train_test_split_digits
     >>> X, y, Xt, yt = train_test_split_digits(seed=0)
     >>> res = downpour.train(models.Softmax(64, 10), (X, y), replicas=2, epochs=5,
     ...                      eval_data=(Xt, yt))                                   # doctest: +SKIP
@@ -452,7 +453,7 @@ def train(
             "(raise StopIteration in it to stop the run)"
         )
     if partitions is not None and not (type(partitions) is int and partitions == 1):  # True is not 1 here
-        from distbelief.downpour._partitioned import train_from_options
+        from ._partitioned import train_from_options
 
         return train_from_options(model, data, partitions=partitions, given=locals())
     opts = DownpourOptions(

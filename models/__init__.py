@@ -22,14 +22,14 @@ Examples
 0.693147
 """
 
-from distbelief.models._base import Model, objective
-from distbelief.models._factory import from_spec
-from distbelief.models._jax import JaxModel
-from distbelief.models._linear import LeastSquares, Logistic, Softmax
-from distbelief.models._local import LocallyConnected
-from distbelief.models._local2d import LocallyConnected2D
-from distbelief.models._mlp import MLP
-from distbelief.models._partitioned import (
+from ._base import Model, objective
+from ._factory import from_spec
+from ._jax import JaxModel
+from ._linear import LeastSquares, Logistic, Softmax
+from ._local import LocallyConnected
+from ._local2d import LocallyConnected2D
+from ._mlp import MLP
+from ._partitioned import (
     LocallyConnected2DPlan,
     LocallyConnectedPlan,
     MLPPlan,
@@ -39,7 +39,7 @@ from distbelief.models._partitioned import (
     partition_plan,
     run_partitioned,
 )
-from distbelief.models._specs import (
+from ._specs import (
     ACTIVATIONS,
     MODEL_KINDS,
     SPEC_SCHEMAS,

@@ -15,8 +15,9 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from distbelief.errors import DatasetError, InvalidOptionError
-from distbelief.models import _checks
-from distbelief.models._checks import LabelKind
+
+from . import _checks
+from ._checks import LabelKind
 
 __all__ = ["Model", "objective"]
 

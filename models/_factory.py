@@ -8,12 +8,13 @@ from typing import Any
 from pydantic import BaseModel
 
 from distbelief.errors import ModelSpecError
-from distbelief.models._base import ModelBase
-from distbelief.models._linear import LeastSquares, Logistic, Softmax
-from distbelief.models._local import LocallyConnected
-from distbelief.models._local2d import LocallyConnected2D
-from distbelief.models._mlp import MLP
-from distbelief.models._specs import (
+
+from ._base import ModelBase
+from ._linear import LeastSquares, Logistic, Softmax
+from ._local import LocallyConnected
+from ._local2d import LocallyConnected2D
+from ._mlp import MLP
+from ._specs import (
     LeastSquaresSpec,
     LocallyConnected2DSpec,
     LocallyConnectedSpec,

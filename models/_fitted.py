@@ -159,7 +159,7 @@ class FittedMixin:
         import xarray as xr
         import zarr
 
-        from distbelief.models._factory import from_spec
+        from ._factory import from_spec
 
         try:
             group = zarr.open_group(url, mode="r", use_consolidated=False, storage_options=storage_options)

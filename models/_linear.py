@@ -24,10 +24,10 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy.special import expit
 
-from distbelief.models import _checks, _compiled
-from distbelief.models._base import ModelBase
-from distbelief.models._checks import LabelKind
-from distbelief.models._specs import LeastSquaresSpec, LogisticSpec, SoftmaxSpec, validate_spec
+from . import _checks, _compiled
+from ._base import ModelBase
+from ._checks import LabelKind
+from ._specs import LeastSquaresSpec, LogisticSpec, SoftmaxSpec, validate_spec
 
 __all__ = ["LeastSquares", "Logistic", "Softmax", "softmax_xent_", "softmax_xent_rows"]
 

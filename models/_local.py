@@ -19,10 +19,11 @@ from numpy.typing import ArrayLike, NDArray
 from scipy.special import expit
 
 from distbelief.errors import ModelSpecError
-from distbelief.models import _checks
-from distbelief.models._base import ModelBase
-from distbelief.models._checks import LabelKind
-from distbelief.models._linear import softmax_xent_
+
+from . import _checks
+from ._base import ModelBase
+from ._checks import LabelKind
+from ._linear import softmax_xent_
 
 __all__ = [
     "LocallyConnected",

@@ -24,7 +24,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 from numpy.typing import NDArray
 
 from distbelief.errors import ModelSpecError
-from distbelief.models._local import _LocalNetwork, _positive, per_layer
+
+from ._local import _LocalNetwork, _positive, per_layer
 
 __all__ = ["LocallyConnected2D", "local2d_backward", "local2d_forward"]
 

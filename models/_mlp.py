@@ -16,12 +16,12 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from distbelief.models import _checks
-from distbelief.models._base import ModelBase
-from distbelief.models._checks import LabelKind
-from distbelief.models._linear import softmax_xent_, softmax_xent_rows
-from distbelief.models._local import activate_
-from distbelief.models._specs import MLPSpec, validate_spec
+from . import _checks
+from ._base import ModelBase
+from ._checks import LabelKind
+from ._linear import softmax_xent_, softmax_xent_rows
+from ._local import activate_
+from ._specs import MLPSpec, validate_spec
 
 __all__ = ["MLP"]
 

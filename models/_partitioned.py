@@ -36,17 +36,18 @@ import numpy as np
 from numpy.typing import NDArray
 
 from distbelief.errors import InvalidOptionError, ProtocolError
-from distbelief.models import _checks
-from distbelief.models._linear import softmax_xent_
-from distbelief.models._local import (
+
+from . import _checks
+from ._linear import softmax_xent_
+from ._local import (
     LocallyConnected,
     activate_,
     backprop_activation_,
     local_backward,
     local_forward,
 )
-from distbelief.models._local2d import LocallyConnected2D, local2d_backward, local2d_forward
-from distbelief.models._mlp import MLP
+from ._local2d import LocallyConnected2D, local2d_backward, local2d_forward
+from ._mlp import MLP
 
 __all__ = [
     "LocallyConnected2DPlan",

@@ -12,7 +12,7 @@ Examples
 >>> res = sandblaster.minimize(Logistic(64), (X, (y == 0).astype(float)), l2=1e-3)  # doctest: +SKIP
 """
 
-from distbelief.sandblaster._coordinator import IterationRecord
-from distbelief.sandblaster._minimize import OptimizeResult, SandblasterOptions, minimize
+from ._coordinator import IterationRecord
+from ._minimize import OptimizeResult, SandblasterOptions, minimize
 
 __all__ = ["IterationRecord", "OptimizeResult", "SandblasterOptions", "minimize"]

@@ -21,13 +21,14 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import DatasetError, InvalidOptionError
-from distbelief.sandblaster._linesearch import (
+
+from ._linesearch import (
     LBFGSB_FTOL,
     LBFGSB_STPMAX,
     ReferenceResult,
     interpolated_initial_step,
 )
-from distbelief.sandblaster._space import (
+from ._space import (
     InProcessSpace,
     IterationRecord,
     ParameterSpace,

@@ -30,9 +30,10 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import DatasetError, InvalidOptionError, ProtocolError
-from distbelief.sandblaster._scheduler import EvaluationStats, PortionScheduler
-from distbelief.sandblaster._space import Evaluation, IterationRecord, Op, RunState
 from distbelief.storage import ParameterServer, reduce_results
+
+from ._scheduler import EvaluationStats, PortionScheduler
+from ._space import Evaluation, IterationRecord, Op, RunState
 
 __all__ = ["Coordinator", "IterationRecord", "RunState"]
 

@@ -16,12 +16,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from distbelief.sandblaster._linesearch import (
+from ._linesearch import (
     LBFGSB_FTOL,
     ArmijoBacktracking,
     ReferenceResult,
 )
-from distbelief.sandblaster._space import (
+from ._space import (
     InProcessSpace,
     IterationRecord,
     ParameterSpace,

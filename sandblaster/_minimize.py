@@ -17,21 +17,7 @@ from distributed import Client
 
 from distbelief.errors import DatasetError, InvalidOptionError, ShardLostError
 from distbelief.models import objective
-from distbelief.models._fitted import FittedMixin
-from distbelief.sandblaster._cg import _minimize_cg
-from distbelief.sandblaster._coordinator import Coordinator, IterationRecord, RunState
-from distbelief.sandblaster._gd import _minimize_gd
-from distbelief.sandblaster._linesearch import LBFGSB_FTOL
-from distbelief.sandblaster._owlqn import _minimize_owlqn
-from distbelief.sandblaster._partitioned import (
-    PartitionedScheduler,
-    check_partitioned,
-    start_replicas,
-)
-from distbelief.sandblaster._replica import Replica
-from distbelief.sandblaster._scheduler import PortionScheduler
-from distbelief.sandblaster._space import InProcessSpace, ParameterSpace
-from distbelief.sandblaster._vlbfgs import _minimize_lbfgs
+from distbelief.models.internal import FittedMixin
 from distbelief.storage import (
     Dataset,
     ParameterServer,
@@ -42,9 +28,22 @@ from distbelief.storage import (
     start_vector,
     worker_addresses,
 )
-from distbelief.storage._calls import ShardRecovery
-from distbelief.storage._keys import COMMUNICATION, Communication, use_sparse
-from distbelief.storage._session import run_store
+from distbelief.storage.internal import COMMUNICATION, Communication, ShardRecovery, run_store, use_sparse
+
+from ._cg import _minimize_cg
+from ._coordinator import Coordinator, IterationRecord, RunState
+from ._gd import _minimize_gd
+from ._linesearch import LBFGSB_FTOL
+from ._owlqn import _minimize_owlqn
+from ._partitioned import (
+    PartitionedScheduler,
+    check_partitioned,
+    start_replicas,
+)
+from ._replica import Replica
+from ._scheduler import PortionScheduler
+from ._space import InProcessSpace, ParameterSpace
+from ._vlbfgs import _minimize_lbfgs
 
 __all__ = ["OptimizeResult", "SandblasterOptions", "minimize", "open_session"]
 
@@ -394,10 +393,10 @@ def minimize(
 
     local : bool
         Run in this process, without a cluster: the same method and kernels on numpy vectors
-        (:class:`~sandblaster._space.InProcessSpace`), ``F`` from :func:`models.objective` on ``data`` given as
-        ``(X, y)`` arrays (dense or CSR). For problems whose gradient costs milliseconds, where a cluster's
-        round trips (~2-11 ms each) would cost more than the work; the estimators choose it for small data
-        given without a ``client``. ``client``, ``store``, shards, replicas, portions, partitions and
+        (:class:`~sandblaster._space.InProcessSpace`), ``F`` from :func:`models.objective` on ``data``
+        given as ``(X, y)`` arrays (dense or CSR). For problems whose gradient costs milliseconds, where a
+        cluster's round trips (~2-11 ms each) would cost more than the work; the estimators choose it for
+        small data given without a ``client``. ``client``, ``store``, shards, replicas, portions, partitions and
         checkpoints have no meaning then and are refused.
 
     Returns

@@ -32,8 +32,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from distbelief.errors import InvalidOptionError
-from distbelief.sandblaster._linesearch import LBFGSB_FTOL, ReferenceResult
-from distbelief.sandblaster._space import (
+
+from ._linesearch import LBFGSB_FTOL, ReferenceResult
+from ._space import (
     Evaluation,
     InProcessSpace,
     IterationRecord,
@@ -46,7 +47,7 @@ from distbelief.sandblaster._space import (
     reference_result,
     stop_test,
 )
-from distbelief.sandblaster._vlbfgs import VLBFGSHistory, _minimize_lbfgs, resumed_history
+from ._vlbfgs import VLBFGSHistory, _minimize_lbfgs, resumed_history
 
 __all__ = ["OWLQN_C1", "OWLQN_SHRINK", "_minimize_owlqn", "check_l1", "minimize_owlqn_reference"]
 

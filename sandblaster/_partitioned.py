@@ -42,27 +42,24 @@ import scipy.sparse
 from distributed import Client, Future
 
 from distbelief.errors import ClusterError, InvalidOptionError
-from distbelief.models._partitioned import (
-    AnyPlan,
-    PartitionPlan,
-    partition_plan,
-)
-from distbelief.sandblaster._messages import WorkCall, WorkReport, decode, encode
-from distbelief.sandblaster._portions import Instruction
-from distbelief.sandblaster._scheduler import PortionScheduler
-from distbelief.storage import (
-    Dataset,
-    ShardMap,
-    _exactsum,
-    default_row_cache,
-    keep_loop_responsive,
-    reuse_freed_memory,
-)
+from distbelief.models import partition_plan
+from distbelief.models.internal import AnyPlan, PartitionPlan
+from distbelief.storage import Dataset, ShardMap, default_row_cache, keep_loop_responsive, reuse_freed_memory
 from distbelief.storage import reduce_results as _reduce_results
-from distbelief.storage._calls import DEAD_STATES, await_call
-from distbelief.storage._direct import install as install_direct_calls
-from distbelief.storage._exchange import PartitionPeer, PassAborted, call_peer
-from distbelief.storage._server import _worker_alive
+from distbelief.storage.internal import (
+    DEAD_STATES,
+    PartitionPeer,
+    PassAborted,
+    await_call,
+    call_peer,
+    exactsum,
+    install_direct_calls,
+    worker_alive,
+)
+
+from ._messages import WorkCall, WorkReport, decode, encode
+from ._portions import Instruction
+from ._scheduler import PortionScheduler
 
 __all__ = [
     "MAX_REBUILDS",
@@ -314,8 +311,8 @@ class SandblasterPartition(PartitionPeer):
                         # Summed exactly (binned), as an unpartitioned replica does: the shards' sum has the
                         # same bits whichever portions share a push.
                         if total is None:
-                            total = _exactsum.deposit(_exactsum.zeros(first.size), first)
-                        _exactsum.deposit(total, grad)
+                            total = exactsum.deposit(exactsum.zeros(first.size), first)
+                        exactsum.deposit(total, grad)
                 if not call.solo and first is not None:
                     pushes += self._push(call, [int(p) for p in group], first if total is None else total)
         except BaseException:
@@ -344,7 +341,7 @@ class SandblasterPartition(PartitionPeer):
 
         async def gone() -> bool:
             # The scheduler query may block: keep it off the event loop the shards and peers run on.
-            return not await asyncio.to_thread(_worker_alive, address)
+            return not await asyncio.to_thread(worker_alive, address)
 
         try:
             result: dict[str, Any] = await await_call(
@@ -359,7 +356,7 @@ class SandblasterPartition(PartitionPeer):
             # The peer itself lost (or a dropped connection to it, which the scheduler may not know of yet):
             # the replica is broken, an OSError tells the portion scheduler to check for a dead worker. Any
             # other failure (its shards') is the call's own.
-            if isinstance(exc, OSError) or not await asyncio.to_thread(_worker_alive, address):
+            if isinstance(exc, OSError) or not await asyncio.to_thread(worker_alive, address):
                 raise ConnectionError(f"partition {m} of replica {self.replica} was lost: {exc!r}") from exc
             raise
         return result

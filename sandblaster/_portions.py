@@ -61,7 +61,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distbelief.errors import ClusterError
-from distbelief.sandblaster._messages import WorkReport
+
+from ._messages import WorkReport
 
 __all__ = [
     "BALANCED_PACE",

@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import ClusterError
-from distbelief.sandblaster._messages import PortionResult, WorkCall, WorkReport, decode, encode
 from distbelief.storage import (
     Dataset,
     ShardMap,
@@ -41,17 +40,20 @@ from distbelief.storage import (
     reduce_results,
     reuse_freed_memory,
 )
-from distbelief.storage._direct import install as install_direct_calls
-from distbelief.storage._keys import (
+from distbelief.storage.internal import (
+    Sample,
     SparsePortion,
     compact_rows,
+    install_direct_calls,
+    install_worker,
     kv_bytes,
     sparse_layout_of,
     split_keys,
     union_keys,
     whole_slice_is_smaller,
 )
-from distbelief.storage._monitor import Sample, install_worker
+
+from ._messages import PortionResult, WorkCall, WorkReport, decode, encode
 
 __all__ = ["INLINE_WORK", "Replica"]
 

@@ -20,8 +20,11 @@ from typing import Any
 from distributed import Client, Future
 
 from distbelief.errors import ClusterError
-from distbelief.sandblaster._messages import WorkCall, WorkReport, decode, encode
-from distbelief.sandblaster._portions import (
+from distbelief.storage.internal import DEAD_STATES, confirm_dead_async, direct_call, gather_calls, start_call
+from distbelief.storage.internal import POLL as _POLL
+
+from ._messages import WorkCall, WorkReport, decode, encode
+from ._portions import (
     BALANCED_PACE,
     READ_COST_PRIOR,
     Cancel,
@@ -32,9 +35,6 @@ from distbelief.sandblaster._portions import (
     Send,
     initial_blocks,
 )
-from distbelief.storage._calls import DEAD_STATES, confirm_dead_async, gather_calls, start_call
-from distbelief.storage._calls import POLL as _POLL
-from distbelief.storage._direct import direct_call
 
 __all__ = ["BALANCED_PACE", "READ_COST_PRIOR", "EvaluationStats", "PortionScheduler"]
 

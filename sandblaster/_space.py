@@ -34,13 +34,14 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from distbelief.errors import DatasetError, InvalidOptionError, ProtocolError
-from distbelief.sandblaster._linesearch import (
+from distbelief.storage.internal import kernels, l1_ops
+
+from ._linesearch import (
     LineSearchResult,
     ReferenceResult,
     StrongWolfeLineSearch,
     relative_reduction_converged,
 )
-from distbelief.storage import _kernels, _l1
 
 __all__ = [
     "Evaluation",
@@ -409,9 +410,9 @@ class InProcessSpace:
         if kind == "dot":
             return self._dot(*args)
         if kind == "dots":
-            return _kernels.dots([(self.vector(a), self.vector(b)) for a, b in args[0]])
+            return kernels.dots([(self.vector(a), self.vector(b)) for a, b in args[0]])
         if kind == "norm_inf":
-            return _kernels.norm_inf(self.vector(args[0]))
+            return kernels.norm_inf(self.vector(args[0]))
         if kind == "copy":
             src, dst = args
             self.vectors[dst] = self.vector(src).copy()
@@ -430,22 +431,22 @@ class InProcessSpace:
         # OWL-QN's ops, with the shards' kernels (storage._l1); ranges without an L1 term come last.
         if kind == "pseudo_grad":
             dst, g, x, l1, *free = args
-            self.vectors[dst] = _l1.pseudo_gradient(self.vector(g), self.vector(x), float(l1), *free)
+            self.vectors[dst] = l1_ops.pseudo_gradient(self.vector(g), self.vector(x), float(l1), *free)
         elif kind == "sign_align":
-            _l1.sign_align(self.vector(args[0]), self.vector(args[1]))
+            l1_ops.sign_align(self.vector(args[0]), self.vector(args[1]))
         elif kind == "orthant":
             dst, x, v = args
-            self.vectors[dst] = _l1.orthant(self.vector(x), self.vector(v))
+            self.vectors[dst] = l1_ops.orthant(self.vector(x), self.vector(v))
         elif kind == "project_orthant":
-            _l1.project_orthant(self.vector(args[0]), self.vector(args[1]), *args[2:])
+            l1_ops.project_orthant(self.vector(args[0]), self.vector(args[1]), *args[2:])
         elif kind == "nnz":
-            return _l1.nnz(self.vector(args[0]))
+            return l1_ops.nnz(self.vector(args[0]))
         else:
-            return _l1.norm1(self.vector(args[0]), *args[1:])
+            return l1_ops.norm1(self.vector(args[0]), *args[1:])
         return None
 
     def _dot(self, a: str, b: str) -> float:
-        return _kernels.dots([(self.vector(a), self.vector(b))])[0]
+        return kernels.dots([(self.vector(a), self.vector(b))])[0]
 
     def _lincomb(self, dst: str, coeffs: Sequence[float], names: Sequence[str]) -> None:
         # The shard's kernel (storage/_shard.py), so both spaces round alike.
@@ -455,10 +456,10 @@ class InProcessSpace:
         if dst in names:
             own = next(c for c, _, n in terms if n == dst)
             rest = [(c, v) for c, v, n in terms if n != dst]
-            _kernels.lincomb(self.vector(dst), [c for c, _ in rest], [v for _, v in rest], own=own)
+            kernels.lincomb(self.vector(dst), [c for c, _ in rest], [v for _, v in rest], own=own)
         else:
             out = np.empty_like(terms[0][1])
-            _kernels.lincomb(out, [c for c, _, _ in terms], [v for _, v, _ in terms])
+            kernels.lincomb(out, [c for c, _, _ in terms], [v for _, v, _ in terms])
             self.vectors[dst] = out
 
     # -- evaluations -----------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import DatasetError, InvalidOptionError, ProtocolError
-from distbelief.sandblaster._linesearch import (
+
+from ._linesearch import (
     LBFGSB_C1,
     LBFGSB_C2,
     LBFGSB_FTOL,
@@ -35,7 +36,7 @@ from distbelief.sandblaster._linesearch import (
     ReferenceResult,
     lbfgsb_initial_step,
 )
-from distbelief.sandblaster._space import (
+from ._space import (
     InProcessSpace,
     IterationRecord,
     ParameterSpace,

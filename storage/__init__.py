@@ -11,17 +11,18 @@ Examples
 1000.0
 """
 
-from distbelief.storage._actor import keep_loop_responsive
-from distbelief.storage._dataset import Dataset, resolve_name
-from distbelief.storage._digits import digits_dataset, load_digits
-from distbelief.storage._kernels import accrue_step, axpy, scaled_gradient
-from distbelief.storage._layout import Layout
-from distbelief.storage._malloc import reuse_freed_memory
-from distbelief.storage._partition_layout import partition_layout, partition_shards
-from distbelief.storage._rowcache import ROW_CACHE_ENV, RowCache, default_row_cache
-from distbelief.storage._rules import RULES, adagrad_update, check_rule, sgd_update
-from distbelief.storage._server import Batch, ParameterServer, ServerStats, ShardMap, reduce_results
-from distbelief.storage._session import (
+from ._actor import keep_loop_responsive
+from ._dataset import Dataset
+from ._dataset_location import resolve_name
+from ._digits import digits_dataset, load_digits, train_test_split_digits
+from ._kernels import accrue_step, axpy, scaled_gradient
+from ._layout import Layout
+from ._malloc import reuse_freed_memory
+from ._partition_layout import partition_layout, partition_shards
+from ._rowcache import ROW_CACHE_ENV, RowCache, default_row_cache
+from ._rules import RULES, adagrad_update, check_rule, sgd_update
+from ._server import Batch, ParameterServer, ServerStats, ShardMap, reduce_results
+from ._session import (
     as_dataset,
     embedded_client,
     is_loopback,
@@ -29,7 +30,7 @@ from distbelief.storage._session import (
     start_vector,
     worker_addresses,
 )
-from distbelief.storage._shard import OPS, Shard
+from ._shard import OPS, Shard
 
 __all__ = [
     "OPS",
@@ -63,5 +64,6 @@ __all__ = [
     "scheduler_identity",
     "sgd_update",
     "start_vector",
+    "train_test_split_digits",
     "worker_addresses",
 ]

@@ -20,15 +20,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from distbelief.storage._direct import install as install_direct_calls
-from distbelief.storage._layout import Layout
-from distbelief.storage._monitor import Sample, shard_samples
-from distbelief.storage._monitor import install_worker as install_metrics_page
-from distbelief.storage._rounds import RoundOrder
-from distbelief.storage._shard import Shard
-from distbelief.storage._store import open_group
-from distbelief.storage._vectorstore import default_budget
-from distbelief.storage._wire import pack_if_small
+from ._direct import install as install_direct_calls
+from ._layout import Layout
+from ._monitor import Sample, shard_samples
+from ._monitor import install_worker as install_metrics_page
+from ._rounds import RoundOrder
+from ._shard import Shard
+from ._store import open_group
+from ._vectorstore import default_budget
+from ._wire import pack_if_small
 
 __all__ = [
     "INLINE_MAX_ELEMENTS",
@@ -185,7 +185,7 @@ class ShardActor:
         """
         from distributed import get_worker
 
-        from distbelief.storage._direct import call_from_worker
+        from ._direct import call_from_worker
 
         epoch, ops, names, key, address, method, payload = pickle.loads(request)
         _, slices, results = await self.prepare_and_fetch(epoch, ops, names)
@@ -275,19 +275,6 @@ class ShardActor:
             return self.core.version, [self.core.gather(name, keys)], results
 
         return await self._do(_both)
-
-    async def accumulate_at(
-        self,
-        name: str,
-        keys: np.ndarray,
-        values: np.ndarray,
-        portions: Sequence[int],
-        epoch: int,
-        solo: bool = False,
-    ) -> tuple[bool, list[Any] | None]:
-        """Forward to :meth:`Shard.push_portions_at` (a key-value gradient push)."""
-        push = self.core.push_portions_at
-        return await self._do(push, name, keys, values, portions, epoch=epoch, solo=solo)
 
     async def set(self, name: str, lo: int, hi: int, values: np.ndarray) -> None:
         """Forward to :meth:`Shard.set`."""

@@ -32,7 +32,8 @@ from distributed import Client
 from distributed.utils import sync
 
 from distbelief.errors import ClusterError, ShardLostError
-from distbelief.storage._session import worker_addresses
+
+from ._session import worker_addresses
 
 __all__ = [
     "DEAD_STATES",

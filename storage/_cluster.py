@@ -276,7 +276,7 @@ def check_workers(client: Client) -> None:
 def _install_metrics_page(client: Client) -> None:
     """Serve the shards' and replicas' counters on the cluster's dashboard port, once per cluster (see
     :mod:`storage._monitor`: a Dask actor's work is no task, the Dask dashboard shows none of it)."""
-    from distbelief.storage._monitor import install_cluster
+    from ._monitor import install_cluster
 
     install_cluster(client)
 

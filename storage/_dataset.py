@@ -25,7 +25,7 @@ The code is split by concern: :mod:`storage._dataset_meta` (the format and its a
 :mod:`storage._dataset_location` (where a dataset lives: paths, fsspec URLs, names),
 :mod:`storage._dataset_validation` (checks of the inputs, the default layout),
 :mod:`storage._dataset_readers` (opening and reading the arrays) and this module (the :class:`Dataset`
-class and writing). The names they define stay importable from here.
+class and writing).
 """
 
 from __future__ import annotations
@@ -48,28 +48,26 @@ import numpy.typing as npt
 import zarr
 
 from distbelief.errors import DatasetError, InvalidOptionError, StoreError
-from distbelief.storage._dataset_location import (
+
+from ._dataset_location import (
     PathLike,
     _Location,
     _location,
-    list_datasets,
     resolve_name,
 )
-from distbelief.storage._dataset_meta import (
+from ._dataset_meta import (
     _LABEL_KINDS,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     FloatArray,
     LabelKind,
     _Meta,
 )
-from distbelief.storage._dataset_readers import (
+from ._dataset_readers import (
     _open_checked,
     _plain_layout,
     _read_exact,
     _ShortReadError,
 )
-from distbelief.storage._dataset_validation import (
+from ._dataset_validation import (
     _as_labels,
     _as_matrix,
     _block_rows,
@@ -81,14 +79,7 @@ from distbelief.storage._dataset_validation import (
     _layout,
 )
 
-__all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "Dataset",
-    "LabelKind",
-    "list_datasets",
-    "resolve_name",
-]
+__all__ = ["Dataset"]
 
 # -------------------------------------------------------------------------------------------- Dataset
 
@@ -213,7 +204,7 @@ class Dataset:
         (5000, 5, 'real', None)
         """
         if _is_sparse(X):
-            from distbelief.storage import _sparse
+            from . import _sparse
 
             return _sparse.from_sparse(
                 X, y, path=path, portion_rows=portion_rows, chunk_rows=chunk_rows, label_kind=label_kind,
@@ -538,7 +529,7 @@ class Dataset:
         >>> ds.layout, ds.n_features, ds.read_all()[0].toarray().tolist()
         ('csr', 3, [[0.5, 0.0, 2.0], [0.0, 1.0, 0.0]])
         """
-        from distbelief.storage import _sparse
+        from . import _sparse
 
         return _sparse.from_svmlight(
             source, path=path, n_features=n_features, zero_based=zero_based, ignore_qid=ignore_qid,
@@ -608,14 +599,14 @@ class Dataset:
             "client": client,
         }  # fmt: skip
         if type(X).__module__.startswith("dask.dataframe"):
-            from distbelief.storage._dataset_frames import dataset_from_frame
+            from ._dataset_frames import dataset_from_frame
 
             return dataset_from_frame(X, y, **common, **encoding)
         if encoding:
             raise InvalidOptionError(
                 f"from_dask got unexpected options {sorted(encoding)}: they apply to a Dask DataFrame X only"
             )
-        from distbelief.storage._dataset_sources import dataset_from_dask
+        from ._dataset_sources import dataset_from_dask
 
         return dataset_from_dask(X, y, **common)
 
@@ -636,7 +627,7 @@ class Dataset:
         ...                     path=os.path.join(tempfile.mkdtemp(), "x")).n_features
         2
         """
-        from distbelief.storage._dataset_sources import dataset_from_xarray
+        from ._dataset_sources import dataset_from_xarray
 
         return dataset_from_xarray(ds, features=features, label=label, path=path, **options)
 
@@ -713,7 +704,7 @@ class Dataset:
         >>> hashed.layout, hashed.n_features
         ('csr', 1026)
         """
-        from distbelief.storage._dataset_frames import dataset_from_parquet
+        from ._dataset_frames import dataset_from_parquet
 
         return dataset_from_parquet(
             url, features=features, label=label, path=path, categorical=categorical,
@@ -765,7 +756,7 @@ class Dataset:
             _check_portion_rows(p, meta.chunk_rows, meta.n_rows)
         kind: type[Dataset] = cls
         if meta.layout == "csr":
-            from distbelief.storage._sparse import SparseDataset as kind
+            from ._sparse import SparseDataset as kind
         ds = kind(loc, meta, p)
         ds._set_arrays(arrays)
         return ds

@@ -42,8 +42,9 @@ from typing import Any, Literal
 import numpy as np
 
 from distbelief.errors import DatasetError, InvalidOptionError
-from distbelief.storage._dataset import Dataset, _precheck
-from distbelief.storage._dataset_location import PathLike, _location
+
+from ._dataset import Dataset, _precheck
+from ._dataset_location import PathLike, _location
 
 __all__ = ["Encoding", "dataset_from_frame", "dataset_from_parquet"]
 
@@ -351,7 +352,7 @@ def _parquet_parts(url: str, storage_options: dict[str, Any] | None) -> tuple[li
 
 
 def _columns(columns: list[str], features: Sequence[str] | None, label: str, where: str) -> list[str]:
-    from distbelief.storage._dataset_sources import _check_features
+    from ._dataset_sources import _check_features
 
     wanted = [c for c in columns if c != label] if features is None else list(features)
     _check_features(wanted, label)
@@ -382,7 +383,7 @@ def _build(
     import dask.array as da
 
     if client is not None:
-        from distbelief.storage._cluster import as_client
+        from ._cluster import as_client
 
         client = as_client(client)
 
@@ -430,7 +431,7 @@ def _build(
         out = dask.delayed(encode_dense, nout=2)(p, enc)
         xs.append(da.from_delayed(out[0], shape=(n, d), dtype=np.float64))
         ys.append(da.from_delayed(out[1], shape=(n,), dtype=np.float64))
-    from distbelief.storage._dataset_sources import dataset_from_dask
+    from ._dataset_sources import dataset_from_dask
 
     extra = {"feature_names": tuple(enc.feature_names), "encoding": _encoding_attrs(enc)}
     return dataset_from_dask(
@@ -459,8 +460,8 @@ def _write_hashed(
     """
     import dask
 
-    from distbelief.storage import _dataset as _d
-    from distbelief.storage import _sparse
+    from . import _dataset as _d
+    from . import _sparse
 
     def compute(value: Any) -> Any:
         if client is not None:

@@ -15,7 +15,8 @@ from typing import Any, Literal, cast
 from zarr.storage import FsspecStore, LocalStore
 
 from distbelief.errors import DatasetError, InvalidOptionError
-from distbelief.storage._dataset_meta import FORMAT_NAME
+
+from ._dataset_meta import FORMAT_NAME
 
 PathLike = str | os.PathLike[str]
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")

@@ -12,8 +12,9 @@ import zarr
 from zarr.errors import BaseZarrError
 
 from distbelief.errors import StoreError
-from distbelief.storage._dataset_location import _Location
-from distbelief.storage._dataset_meta import _Meta
+
+from ._dataset_location import _Location
+from ._dataset_meta import _Meta
 
 # ------------------------------------------------------------------------------------------- readers
 
@@ -78,7 +79,7 @@ def _open_checked(loc: _Location, *, expected_id: str | None) -> tuple[_Meta, tu
             f"the dataset at {where} was replaced after this Dataset object was made; open it again"
         )
     if meta.layout == "csr":
-        from distbelief.storage import _sparse
+        from . import _sparse
 
         return meta, _sparse.checked_arrays(group, meta, where)
     try:

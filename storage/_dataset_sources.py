@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import DatasetError, InvalidOptionError
-from distbelief.storage._dataset import Dataset, _commit, _create_arrays, _precheck
-from distbelief.storage._dataset_location import PathLike, _location
-from distbelief.storage._dataset_meta import _LABEL_KINDS, LabelKind, _Meta
-from distbelief.storage._dataset_validation import _detect_labels, _layout
+
+from ._dataset import Dataset, _commit, _create_arrays, _precheck
+from ._dataset_location import PathLike, _location
+from ._dataset_meta import _LABEL_KINDS, LabelKind, _Meta
+from ._dataset_validation import _detect_labels, _layout
 
 __all__ = ["dataset_from_dask", "dataset_from_xarray"]
 
@@ -109,7 +110,7 @@ def dataset_from_dask(
     if int(y.shape[0]) != n:
         raise DatasetError(f"X has {n} rows but y has {y.shape[0]} labels; give exactly one label per row")
     if client is not None:
-        from distbelief.storage._cluster import as_client
+        from ._cluster import as_client
 
         client = as_client(client)  # a scheduler address too
     loc = _location(path, storage_options)

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import DatasetError, InvalidOptionError
-from distbelief.storage._dataset_meta import _LABEL_KINDS, FloatArray, LabelKind
+
+from ._dataset_meta import _LABEL_KINDS, FloatArray, LabelKind
 
 _TARGET_PORTIONS = 64
 _MIN_PORTION_ROWS = 1024

@@ -13,7 +13,8 @@ import numpy as np
 import numpy.typing as npt
 
 from distbelief.errors import InvalidOptionError
-from distbelief.storage._dataset import Dataset
+
+from ._dataset import Dataset
 
 __all__ = ["N_CLASSES", "N_FEATURES", "N_ROWS", "digits_dataset", "load_digits", "train_test_split_digits"]
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from distbelief.storage import _kernels
+from . import _kernels
 
 __all__ = [
     "BINS",
@@ -62,7 +62,6 @@ __all__ = [
     "deposit",
     "deposit_at",
     "merge",
-    "merge_at",
     "state_bytes",
     "value",
     "zeros",
@@ -83,8 +82,8 @@ LIMIT_EXP = 960
 BIN_MIN = -29
 
 #: Terms from which :func:`deposit` and :func:`merge` use their compiled loops (one pass per element instead
-#: of ~20 numpy passes over the vector); :func:`deposit_at` and :func:`merge_at` always do when numba is
-#: there. The state they leave is the same: a state is a function of the multiset of terms.
+#: of ~20 numpy passes over the vector); :func:`deposit_at` always does when numba is there. The state they
+#: leave is the same: a state is a function of the multiset of terms.
 COMPILED_FROM = 1 << 12
 
 _SHIFT = WIDTH.bit_length() - 1  # floor division by WIDTH (a power of two) as an arithmetic shift
@@ -261,33 +260,9 @@ def merge(state: np.ndarray, other: np.ndarray) -> None:
         raise ValueError(f"cannot merge a state of shape {other.shape} into one of shape {state.shape}")
     loop = _loop(_merge_loop) if state.shape[1] >= COMPILED_FROM else None
     if loop is not None:
-        loop(state, _ALL, other)
+        loop(state, other)
         return
     _merge_numpy(state, other)
-
-
-def merge_at(state: np.ndarray, positions: np.ndarray, other: np.ndarray) -> None:
-    """Add the state ``other`` into the elements ``positions`` (unique) of ``state``, exactly, in place.
-
-    Examples
-    --------
-    >>> a = zeros(3); merge_at(a, np.array([2]), deposit(zeros(1), np.array([4.0]))); value(a).tolist()
-    [0.0, 0.0, 4.0]
-    """
-    positions = np.asarray(positions)
-    if other.ndim != 2 or other.shape[0] != state.shape[0] or positions.shape != other.shape[1:]:
-        raise ValueError(
-            f"merge_at needs a state of {state.shape[0]} rows and one position per element, got a state "
-            f"of shape {other.shape} and {positions.shape} positions"
-        )
-    _check_positions(positions, state.shape[1])
-    loop = _loop(_merge_loop)
-    if loop is not None:
-        loop(state, positions.astype(np.int64, copy=False), np.asarray(other, dtype=np.float64))
-        return
-    target = state[:, positions]
-    _merge_numpy(target, other)
-    state[:, positions] = target
 
 
 def _merge_numpy(state: np.ndarray, other: np.ndarray) -> None:
@@ -301,7 +276,7 @@ def _merge_numpy(state: np.ndarray, other: np.ndarray) -> None:
         state[1:] += other[1:]
 
 
-#: ``positions`` of the compiled loops meaning "every element, in order".
+#: ``positions`` of the compiled deposit loop meaning "every element, in order".
 _ALL = np.zeros(0, dtype=np.int64)
 #: The top-bin units ``2**(b*W)`` for ``b = BIN_MIN ..`` the highest finite bin, by ``b - BIN_MIN`` (a
 #: table lookup in the compiled loop instead of a libm ``ldexp`` call per term).
@@ -383,15 +358,13 @@ def _deposit_loop(
                 r -= q
 
 
-def _merge_loop(state: np.ndarray, positions: np.ndarray, other: np.ndarray) -> None:  # pragma: no cover
-    """:func:`_merge_numpy`, element by element: column ``i`` of ``other`` into column ``positions[i]``
-    (``i`` if ``positions`` is empty), both raised to their common top unit first."""
-    dense = positions.size == 0
+def _merge_loop(state: np.ndarray, other: np.ndarray) -> None:  # pragma: no cover
+    """:func:`_merge_numpy`, element by element: column ``j`` of ``other`` into column ``j``, both raised
+    to their common top unit first."""
     o = np.empty((BINS + 1, 1))  # a copy of other's column: raising it must leave ``other`` as it was
-    for i in range(other.shape[1]):
-        j = i if dense else positions[i]
+    for j in range(other.shape[1]):
         for k in range(BINS + 1):
-            o[k, 0] = other[k, i]
+            o[k, 0] = other[k, j]
         top = max(state[0, j], o[0, 0])
         _raise_column(state, j, top)
         _raise_column(o, 0, top)

@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import ClusterError
-from distbelief.storage._monitor import Sample, install_worker
-from distbelief.storage._server import _current_worker
+
+from ._monitor import Sample, install_worker
+from ._server import current_worker
 
 __all__ = ["PartitionPeer", "PassAborted", "call_peer"]
 
@@ -43,7 +44,7 @@ async def call_peer(actor: Any, method: str, *args: Any) -> Any:
     --------
     >>> await call_peer(peers[1], "deliver", 0, "a0", 3, array)   # doctest: +SKIP
     """
-    worker = _current_worker()
+    worker = current_worker()
     if worker is not None and getattr(actor, "_address", None) == worker.address:
         local = worker.state.actors.get(actor.key)
         if local is not None:

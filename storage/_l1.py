@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from distbelief.storage import _kernels
+from . import _kernels
 
 Ranges = Sequence[tuple[int, int]]
 

@@ -12,7 +12,8 @@ import math
 from collections.abc import Sequence
 
 from distbelief.errors import InvalidOptionError
-from distbelief.storage._layout import DEFAULT_TARGET_CHUNK, Layout
+
+from ._layout import DEFAULT_TARGET_CHUNK, Layout
 
 __all__ = ["partition_layout", "partition_shards"]
 

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from distbelief.storage._sparse import freeze, nbytes
+from ._sparse import freeze, nbytes
 
 __all__ = ["ROW_CACHE_ENV", "RowCache", "default_row_cache"]
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from distbelief.errors import InvalidOptionError
-from distbelief.storage import _kernels
+
+from . import _kernels
 
 __all__ = ["ADAGRAD_EPS", "RULES", "adagrad_update", "check_rule", "sgd_update"]
 

@@ -37,8 +37,9 @@ import zarr
 from distributed import Client, Future
 
 from distbelief.errors import ClusterError, InvalidOptionError, ShardLostError, StoreError
-from distbelief.storage._actor import ShardActor
-from distbelief.storage._calls import (
+
+from ._actor import ShardActor
+from ._calls import (
     DEAD_STATES,
     actor_gone,
     await_call,
@@ -46,12 +47,12 @@ from distbelief.storage._calls import (
     gather_calls,
     start_call,
 )
-from distbelief.storage._direct import direct_call
-from distbelief.storage._layout import DEFAULT_TARGET_CHUNK, Layout
-from distbelief.storage._session import NO_WORKERS, worker_addresses
-from distbelief.storage._shard import OPS
-from distbelief.storage._store import normalize_url, open_group
-from distbelief.storage._wire import SMALL_BYTES, array_bytes, unpack
+from ._direct import direct_call
+from ._layout import DEFAULT_TARGET_CHUNK, Layout
+from ._session import NO_WORKERS, worker_addresses
+from ._shard import OPS
+from ._store import normalize_url, open_group
+from ._wire import SMALL_BYTES, array_bytes, unpack
 
 __all__ = ["Batch", "ParameterServer", "ServerStats", "ShardMap", "reduce_results"]
 
@@ -230,7 +231,7 @@ class ShardMap:
     def _local(self, shard: int) -> Any | None:
         """Shard ``shard``'s actor object when it lives in this worker process (else None: use RPC)."""
         actor = self.actors[shard]
-        worker = _current_worker()
+        worker = current_worker()
         if worker is not None and getattr(actor, "_address", None) == worker.address:
             return worker.state.actors.get(actor.key)
         return None
@@ -249,7 +250,7 @@ class ShardMap:
         message = (method, args, kwargs)
         if array_bytes(message) <= SMALL_BYTES:
             request = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-            worker = _current_worker()
+            worker = current_worker()
             if worker is not None:
                 # A plain RPC to the shard's worker: half an actor call's cost (storage._direct).
                 return unpack(await direct_call(worker.rpc, actor, "packed", request))
@@ -282,7 +283,7 @@ class ShardMap:
 
         async def gone() -> bool:
             # The scheduler query may block: keep it off the event loop the shards run on.
-            return not await asyncio.to_thread(_worker_alive, address)
+            return not await asyncio.to_thread(worker_alive, address)
 
         return await await_call(
             self.call(shard, method, *args, **kwargs),
@@ -511,7 +512,7 @@ class ParameterServer:
         ``memory_budget`` is as in :meth:`create`.
         """
         url = normalize_url(store)
-        meta = _read_attrs(url)
+        meta = read_attrs(url)
         layout = Layout.from_dict(meta["layout"])
         placement = _placement(client, layout.shards, workers)
         slot = meta["current"]
@@ -558,11 +559,6 @@ class ParameterServer:
     def checkpoint_id(self) -> int:
         """How many checkpoints this store has taken (0: none)."""
         return int(self._meta.get("checkpoint_id") or 0)
-
-    @property
-    def checkpointed_names(self) -> list[str]:
-        """Vector names held by the last checkpoint."""
-        return list(self._meta.get("names") or [])
 
     def workers(self) -> list[str]:
         """The worker address of each shard."""
@@ -917,7 +913,7 @@ class ParameterServer:
         self.close()
 
     def _read_meta(self) -> dict[str, Any]:
-        return _read_attrs(self.url)
+        return read_attrs(self.url)
 
     def __repr__(self) -> str:
         return f"ParameterServer(n={self.n}, shards={self.shards}, store={self.url!r})"
@@ -930,7 +926,7 @@ def _release(futures: Sequence[Future]) -> None:
             f.release()
 
 
-def _worker_alive(address: str | None) -> bool:
+def worker_alive(address: str | None) -> bool:
     """Whether the scheduler still lists the worker at ``address`` (True when that cannot be told)."""
     if address is None:
         return True
@@ -942,7 +938,8 @@ def _worker_alive(address: str | None) -> bool:
         return True
 
 
-def _current_worker() -> Any:
+def current_worker() -> Any:
+    """The Dask worker this code runs on, or None outside a worker."""
     try:
         from distributed import get_worker
 
@@ -959,12 +956,13 @@ def _as_vector(values: Any) -> np.ndarray:
 
 
 def _store_for(url: str) -> Any:
-    from distbelief.storage._store import open_store
+    from ._store import open_store
 
     return open_store(url)
 
 
-def _read_attrs(url: str) -> dict[str, Any]:
+def read_attrs(url: str) -> dict[str, Any]:
+    """The parameter-server metadata stored at ``url`` (StoreError when none, or an unreadable format)."""
     try:
         group = open_group(url, mode="r")
     except StoreError:

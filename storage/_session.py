@@ -19,9 +19,10 @@ from distributed import Client
 from distributed.comm import get_address_host
 
 from distbelief.errors import ClusterError, InvalidOptionError
-from distbelief.storage._cluster import bound_to, check_workers, resolve_client
-from distbelief.storage._dataset import Dataset
-from distbelief.storage._sparse import is_sparse
+
+from ._cluster import bound_to, check_workers, resolve_client
+from ._dataset import Dataset
+from ._sparse import is_sparse
 
 __all__ = [
     "as_dataset",

@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import InvalidOptionError, ProtocolError
-from distbelief.storage import _exactsum, _kernels, _l1
-from distbelief.storage._keys import decode_signs
-from distbelief.storage._rules import adagrad_update, check_rule, sgd_update
-from distbelief.storage._vectorstore import VectorStore, op_operands, run_chunked
+
+from . import _exactsum, _kernels, _l1
+from ._keys import decode_signs
+from ._rules import adagrad_update, check_rule, sgd_update
+from ._vectorstore import VectorStore, op_operands, run_chunked
 
 __all__ = ["OPS", "Shard"]
 
@@ -515,34 +516,6 @@ class Shard:
             raise InvalidOptionError(f"shard {self.index}: keys outside its slice of {vec.size}")
         return vec[keys]
 
-    def push_portions_at(
-        self,
-        name: str,
-        keys: np.ndarray,
-        values: np.ndarray,
-        portions: Sequence[int],
-        *,
-        epoch: int,
-        solo: bool = False,
-    ) -> tuple[bool, list[Any] | None]:
-        """:meth:`push_portions` of a key-value push: ``values`` at the local offsets ``keys``.
-
-        Added into the accumulator's binned sum at ``keys`` only (:mod:`storage._exactsum` states are
-        elementwise, so this holds the bits a dense push of the same values with zeros elsewhere would),
-        with the dense path's exactly-once bookkeeping. The wire carries 12 bytes a key instead of 8 a
-        parameter, and the shard's work and scratch memory are O(keys), not O(slice): at 2**26 parameters a
-        shard, scattering a binned push into a zeroed slice cost 2 GiB of scratch and passes over all of it.
-        """
-        keys = np.asarray(keys)
-        values = np.asarray(values, dtype=np.float64)
-        if values.ndim not in (1, 2) or keys.shape != values.shape[-1:]:
-            raise InvalidOptionError(
-                f"shard {self.index}: {keys.size} keys but values of shape {values.shape}"
-            )
-        _check_keys(self.index, keys, self.size)
-        taken = self.accumulate(name, values, portions, epoch=epoch, solo=solo, keys=keys)
-        return self._maybe_finalize(name, taken)
-
     def push_parts(
         self,
         name: str,
@@ -634,8 +607,8 @@ class Shard:
         gradient's bits do not depend on which replica summed which portions or in what order pushes
         arrive. A 1-D push of several portions is taken as one term: its own rounding is the pusher's.
 
-        With ``keys`` (local offsets, sorted and unique), ``values`` holds the entries at those offsets
-        only (a key-value push, :meth:`push_portions_at`); the other entries are zeros.
+        With ``keys`` (local offsets, sorted and unique), ``values`` is one gradient's entries at those
+        offsets only (a key-value push, :meth:`push_parts`); the other entries are zeros.
 
         Pushes for another ``epoch`` (a straggler's late result from an earlier evaluation) change nothing.
         Returns whether anything was taken.
@@ -661,10 +634,9 @@ class Shard:
         values = np.asarray(values, dtype=np.float64)
         bins = _exactsum.BINS + 1
         if keys is not None:
-            expect = (keys.size,), (bins, keys.size)
-            if values.shape not in expect:
+            if values.shape != keys.shape:
                 raise InvalidOptionError(
-                    f"shard {self.index}: pushed values have shape {values.shape}, expected one of {expect}"
+                    f"shard {self.index}: pushed values have shape {values.shape}, expected {keys.shape}"
                 )
         elif values.shape not in (acc.values.shape, (bins, *acc.values.shape)):
             raise InvalidOptionError(
@@ -874,17 +846,14 @@ def _add_portion(acc: _Accumulator, p: int, keys: np.ndarray | None, values: np.
 
 def _add_exactly(binned: np.ndarray, values: np.ndarray, keys: np.ndarray | None = None) -> None:
     """Add a pushed gradient slice (one term) or binned sum (an :mod:`storage._exactsum` state) exactly;
-    with ``keys``, ``values`` are the entries at those local offsets only.
+    with ``keys``, ``values`` are one term's entries at those local offsets only.
 
     States are elementwise, so adding at the keys gives the sums of adding the dense vector that is zero
     elsewhere, in O(keys) time and memory (compiled loops, one pass: :func:`storage._exactsum.deposit_at`).
     """
-    if keys is None:
-        if values.ndim == 1:
-            _exactsum.deposit(binned, values)
-        else:
-            _exactsum.merge(binned, values)
-    elif values.ndim == 1:
+    if keys is not None:
         _exactsum.deposit_at(binned, keys, values)
+    elif values.ndim == 1:
+        _exactsum.deposit(binned, values)
     else:
-        _exactsum.merge_at(binned, keys, values)
+        _exactsum.merge(binned, values)

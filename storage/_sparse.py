@@ -47,7 +47,12 @@ import scipy.sparse as sp
 import zarr
 
 from distbelief.errors import DatasetError, InvalidOptionError, StoreError
-from distbelief.storage import _dataset as _d
+
+from ._dataset import Dataset, _commit, _precheck
+from ._dataset_location import PathLike, _location
+from ._dataset_meta import _Meta
+from ._dataset_readers import _plain_layout, _read_exact, _ShortReadError
+from ._dataset_validation import _as_labels, _check_int, _detect_labels, _layout
 
 __all__ = [
     "LAYOUT",
@@ -175,14 +180,14 @@ def sparse_layout(
     """
     per_nnz = np.dtype(index_dtype(n_features)).itemsize + 8
     row_bytes = per_nnz * nnz / n_rows + 16
-    c, p = _d._layout(n_rows, max(1, math.ceil(row_bytes / 8)), portion_rows, chunk_rows)
+    c, p = _layout(n_rows, max(1, math.ceil(row_bytes / 8)), portion_rows, chunk_rows)
     chunk_nnz = max(_MIN_CHUNK_NNZ, math.ceil(nnz * c / n_rows))
     return c, p, chunk_nnz
 
 
-def _new_meta(n_rows: int, n_features: int, c: int, p: int, kind: Any, k: int | None) -> _d._Meta:
+def _new_meta(n_rows: int, n_features: int, c: int, p: int, kind: Any, k: int | None) -> _Meta:
     """A dense dataset's fresh metadata, marked as CSR and as the format version that older readers refuse."""
-    meta = _d._Meta.fresh(n_rows, n_features, c, p, kind, k)
+    meta = _Meta.fresh(n_rows, n_features, c, p, kind, k)
     return dataclasses.replace(meta, format_version=FORMAT_VERSION, layout=LAYOUT)
 
 
@@ -256,7 +261,7 @@ _Block = tuple[IntArray, npt.NDArray[np.integer[Any]], FloatArray, FloatArray]
 def _write_csr(
     group: zarr.Group,
     blocks: Iterable[_Block],
-    meta: _d._Meta,
+    meta: _Meta,
     nnz: int,
     chunk_nnz: int,
 ) -> None:
@@ -284,7 +289,7 @@ def from_sparse(
     X: Any,
     y: Any,
     *,
-    path: _d.PathLike,
+    path: PathLike,
     portion_rows: int | None,
     chunk_rows: int | None,
     label_kind: Any,
@@ -293,12 +298,12 @@ def from_sparse(
     storage_options: dict[str, Any] | None,
 ) -> SparseDataset:
     """:meth:`Dataset.from_arrays` for a ``scipy.sparse`` ``X`` (see there); returns a sparse dataset."""
-    loc = _d._location(path, storage_options)
-    _d._precheck(loc, overwrite)
+    loc = _location(path, storage_options)
+    _precheck(loc, overwrite)
     csr = as_csr(X)
     n, d = csr.shape
-    ya = _d._as_labels(y, n)
-    kind, k = _d._detect_labels(ya, label_kind, n_classes)
+    ya = _as_labels(y, n)
+    kind, k = _detect_labels(ya, label_kind, n_classes)
     indptr, indices, data = csr.indptr, csr.indices, csr.data
     c, p, chunk_nnz = sparse_layout(n, int(indptr[-1]), d, portion_rows, chunk_rows)
     meta = _new_meta(n, d, c, p, kind, k)
@@ -310,7 +315,7 @@ def from_sparse(
             a, b = int(indptr[r0]), int(indptr[r1])
             yield indptr[r0 : r1 + 1], indices[a:b], data[a:b], ya[r0:r1]
 
-    _d._commit(
+    _commit(
         loc,
         meta,
         lambda group: _write_csr(group, blocks(), meta, int(indptr[-1]), chunk_nnz),
@@ -518,9 +523,9 @@ def _check_past(p: _Parsed, limit: int, n_features: int, where: str, *, shown_of
 
 
 def from_svmlight(
-    source: _d.PathLike,
+    source: PathLike,
     *,
-    path: _d.PathLike,
+    path: PathLike,
     n_features: int | None = None,
     zero_based: bool | Literal["auto"] = "auto",
     ignore_qid: bool = False,
@@ -534,8 +539,8 @@ def from_svmlight(
     source_options: dict[str, Any] | None = None,
 ) -> SparseDataset:
     """:meth:`Dataset.from_svmlight` (see there)."""
-    loc = _d._location(path, storage_options)
-    _d._precheck(loc, overwrite)
+    loc = _location(path, storage_options)
+    _precheck(loc, overwrite)
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if not isinstance(source, str) or not source:
@@ -547,9 +552,9 @@ def from_svmlight(
         raise InvalidOptionError(f"zero_based must be True, False or 'auto', got {zero_based!r}")
     if not isinstance(ignore_qid, bool):
         raise InvalidOptionError(f"ignore_qid must be True or False, got {ignore_qid!r}")
-    d_opt = _d._check_int(n_features, "n_features")
-    _d._detect_labels(np.zeros(1), label_kind, n_classes)  # the options alone (labels: after pass 2)
-    batch = cast(int, _d._check_int(batch_lines, "batch_lines", allow_none=False))
+    d_opt = _check_int(n_features, "n_features")
+    _detect_labels(np.zeros(1), label_kind, n_classes)  # the options alone (labels: after pass 2)
+    batch = cast(int, _check_int(batch_lines, "batch_lines", allow_none=False))
     where = repr(source)
     opener = _open_source(source, source_options)
 
@@ -586,7 +591,7 @@ def from_svmlight(
             )
     c, p, chunk_nnz = sparse_layout(scan.n_rows, scan.nnz, d, portion_rows, chunk_rows)
     meta = _new_meta(scan.n_rows, d, c, p, "real", None)
-    final: list[_d._Meta] = []
+    final: list[_Meta] = []
 
     def blocks() -> Iterator[_Block]:
         for numbers, lines in _batches(opener, batch, where):
@@ -597,19 +602,19 @@ def from_svmlight(
     def write(group: zarr.Group) -> None:
         _write_csr(group, blocks(), meta, scan.nnz, chunk_nnz)
         y = np.asarray(cast(zarr.Array, group["y"])[:], dtype=np.float64)
-        kind, k = _d._detect_labels(y, label_kind, n_classes)
+        kind, k = _detect_labels(y, label_kind, n_classes)
         done = dataclasses.replace(meta, label_kind=kind, n_classes=k)
         group.attrs.update(done.to_attrs())
         final.append(done)
 
-    _d._commit(loc, meta, write, overwrite=overwrite)
+    _commit(loc, meta, write, overwrite=overwrite)
     return SparseDataset(loc, final[0], final[0].portion_rows)
 
 
 # ---------------------------------------------------------------------------------------------- reading
 
 
-def checked_arrays(group: zarr.Group, meta: _d._Meta, where: str) -> tuple[zarr.Array, ...]:
+def checked_arrays(group: zarr.Group, meta: _Meta, where: str) -> tuple[zarr.Array, ...]:
     """The arrays ``(indptr, y, indices, data)`` of a sparse dataset, checked against its metadata."""
     try:
         arrays = tuple(group[name] for name in ("indptr", "y", "indices", "data"))
@@ -641,7 +646,7 @@ def checked_arrays(group: zarr.Group, meta: _d._Meta, where: str) -> tuple[zarr.
     return indptr, y, indices, data
 
 
-class SparseDataset(_d.Dataset):
+class SparseDataset(Dataset):
     """A :class:`Dataset` whose rows are sparse: :meth:`read_rows` returns a ``scipy.sparse.csr_array``.
 
     Made by :meth:`Dataset.from_arrays` with a ``scipy.sparse`` ``X``, by :meth:`Dataset.from_svmlight`, or
@@ -651,7 +656,7 @@ class SparseDataset(_d.Dataset):
     --------
     >>> import os, tempfile, numpy as np, scipy.sparse as sp
     >>> X = sp.csr_array(np.array([[0.0, 2.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 3.0]]))
-    >>> ds = _d.Dataset.from_arrays(X, [0, 1, 0], path=os.path.join(tempfile.mkdtemp(), "s"), portion_rows=2)
+    >>> ds = Dataset.from_arrays(X, [0, 1, 0], path=os.path.join(tempfile.mkdtemp(), "s"), portion_rows=2)
     >>> ds.layout, ds.nnz, ds.n_portions
     ('csr', 3, 2)
     >>> Xp, yp = ds.read_portion(0)
@@ -670,7 +675,7 @@ class SparseDataset(_d.Dataset):
         self._arrays = arrays
         names = ("indptr", "y", "indices", "data")
         self._plain = {
-            name: self._loc.local and _d._plain_layout(arr, tuple(arr.chunks), arr.dtype.str)
+            name: self._loc.local and _plain_layout(arr, tuple(arr.chunks), arr.dtype.str)
             for name, arr in zip(names, arrays, strict=True)
         }
         self._direct = self._plain["y"]
@@ -705,13 +710,13 @@ class SparseDataset(_d.Dataset):
             try:
                 for ci in range(a // chunk, (b - 1) // chunk + 1):
                     r0, r1 = max(a, ci * chunk), min(b, (ci + 1) * chunk)
-                    _d._read_exact(
+                    _read_exact(
                         os.path.join(self._loc.url, name, "c", str(ci)),
                         (r0 - ci * chunk) * size,
                         buf[(r0 - a) * size : (r1 - a) * size],
                     )
                 return out
-            except _d._ShortReadError:
+            except _ShortReadError:
                 pass  # let zarr fill in what is missing
             except OSError as exc:
                 raise StoreError(f"cannot read {name}[{a}:{b}] of {self.url}: {exc}") from exc

@@ -63,3 +63,33 @@ def test_every_subpackage_is_mapped_into_the_namespace() -> None:
         assert module.__file__ is not None
         assert Path(module.__file__).resolve().parent == (ROOT / name).resolve()
     assert (ROOT / "distbelief" / "py.typed").exists()
+
+
+def test_no_module_imports_another_packages_private_module() -> None:
+    # docs/architecture.md, "Imports": another package is reached through its __init__ or its internal module.
+    # ruff's PLC2701 flags this in the top-level folders; ruff sees distbelief/sklearn as part of one package
+    # `distbelief` and lets imports used only in annotations pass, so this test reads every file.
+    import ast
+    import os
+
+    package = ROOT / "distbelief"
+    walk = os.walk(package, followlinks=True)
+    paths = [Path(folder, name) for folder, _, names in walk for name in names if name.endswith(".py")]
+    assert len(paths) > 50
+    crossings = []
+    for path in sorted(paths):
+        parts = path.relative_to(package).parts
+        own = parts[0] if len(parts) > 1 else ""
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                names = target.split(".")
+                private = any(name.startswith("_") and not name.startswith("__") for name in names[2:])
+                if names[0] == "distbelief" and len(names) > 2 and names[1] != own and private:
+                    crossings.append(f"{'/'.join(parts)}:{node.lineno} imports {target}")
+    assert not crossings, "\n".join(crossings)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from distbelief.api._http import error_responses
 from distbelief.api.deps import RunnerDep, SettingsDep
 from distbelief.api.schemas import ActorPublic, ClusterPublic, WorkerPublic
 from distbelief.storage import scheduler_identity
+
+from .._http import error_responses
 
 __all__ = ["router"]
 

@@ -20,14 +20,15 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from distbelief.api._http import error_responses
-from distbelief.api._jobstore import JobStore
-from distbelief.api._uploads import check_npz_size
 from distbelief.api.deps import RunnerDep, SettingsDep
 from distbelief.api.runner import JobRunner, UnknownDatasetError
 from distbelief.api.schemas import NAME_DOC, NAME_SCHEMA, DatasetPublic, DatasetRegister, DatasetsPublic
 from distbelief.errors import ConflictError, DatasetError, StoreError
 from distbelief.storage import Dataset, resolve_name
+
+from .._http import error_responses
+from .._jobstore import JobStore
+from .._uploads import check_npz_size
 
 __all__ = ["router"]
 

@@ -13,12 +13,13 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
-from distbelief.api._admission import WorkerMemory, admit
-from distbelief.api._fastpath import job_body
-from distbelief.api._http import error_responses
-from distbelief.api._jobstore import json_safe
 from distbelief.api.deps import RunnerDep, SettingsDep
 from distbelief.api.schemas import FINAL_STATUSES, JobCreate, JobPublic, JobsPublic, JobStatus, MetricsPublic
+
+from .._admission import WorkerMemory, admit
+from .._fastpath import job_body
+from .._http import error_responses
+from .._jobstore import json_safe
 
 __all__ = ["HEARTBEAT_SECONDS", "job_json", "router"]
 

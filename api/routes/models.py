@@ -5,8 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from distbelief import models
-from distbelief.api._http import error_responses
 from distbelief.api.schemas import ModelKindPublic, ModelsPublic
+
+from .._http import error_responses
 
 __all__ = ["router"]
 

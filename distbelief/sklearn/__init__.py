@@ -28,14 +28,14 @@ Examples
 True
 """
 
-from distbelief.sklearn._estimators import (
+from ._estimators import (
     LinearRegression,
     LogisticRegression,
     MLPClassifier,
     SoftmaxRegression,
 )
-from distbelief.sklearn._from_model import from_model
-from distbelief.sklearn._generic import ModelClassifier
+from ._from_model import from_model
+from ._generic import ModelClassifier
 
 __all__ = [
     "LinearRegression",

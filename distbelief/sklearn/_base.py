@@ -38,7 +38,7 @@ from sklearn.exceptions import ConvergenceWarning
 
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.storage import Dataset
-from distbelief.storage._session import run_store
+from distbelief.storage.internal import run_store
 
 __all__ = [
     "PENALTIES",
@@ -146,7 +146,7 @@ class FreeParams:
         >>> m.n_params, m.free
         (3, ((2, 3),))
         """
-        from distbelief.storage._keys import compact_model
+        from distbelief.storage.internal import compact_model
 
         inner = compact_model(self.model, n_features, keys)
         keys = np.asarray(keys, dtype=np.int64)
@@ -486,7 +486,7 @@ def resolve_client(client: Any) -> Any:
     InvalidOptionError
         For anything else, or a malformed address.
     """
-    from distbelief.storage._cluster import resolve_client as resolve
+    from distbelief.storage.internal import resolve_client as resolve
 
     return resolve(client)
 

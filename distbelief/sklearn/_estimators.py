@@ -15,7 +15,9 @@ from sklearn.utils.validation import check_is_fitted, validate_data
 
 from distbelief import models
 from distbelief.errors import DatasetError, InvalidOptionError
-from distbelief.sklearn._base import (
+from distbelief.storage import Dataset
+
+from ._base import (
     check_alpha,
     check_callback,
     check_common,
@@ -30,7 +32,6 @@ from distbelief.sklearn._base import (
     row_weights,
     weighted_data,
 )
-from distbelief.storage import Dataset
 
 __all__ = ["LinearRegression", "LogisticRegression", "MLPClassifier", "SoftmaxRegression"]
 
@@ -125,7 +126,7 @@ class _Distbelief(BaseEstimator):
     def _dask_data(self, X: Any, y: Any, store: str) -> tuple[Dataset, int]:
         import dask.array as da
 
-        from distbelief.storage._dataset_sources import dataset_from_dask
+        from distbelief.storage.internal import dataset_from_dask
 
         name = type(self).__name__
         # The estimator's cluster, not the process's default scheduler: the rows are read where they live.

@@ -11,7 +11,8 @@ from numpy.typing import ArrayLike
 
 from distbelief import models
 from distbelief.errors import InvalidOptionError
-from distbelief.sklearn._estimators import (
+
+from ._estimators import (
     LinearRegression,
     LogisticRegression,
     MLPClassifier,

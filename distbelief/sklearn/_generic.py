@@ -9,8 +9,9 @@ import numpy as np
 from sklearn.base import ClassifierMixin
 
 from distbelief.errors import InvalidOptionError
-from distbelief.sklearn._base import check_alpha, check_common, fit_store
-from distbelief.sklearn._estimators import _Distbelief
+
+from ._base import check_alpha, check_common, fit_store
+from ._estimators import _Distbelief
 
 __all__ = ["ModelClassifier"]
 

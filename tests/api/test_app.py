@@ -236,29 +236,7 @@ async def test_a_dataset_in_use_cannot_be_deleted_or_replaced(asgi: httpx.AsyncC
     assert r.status_code == 201 and r.json()["n_rows"] == 240
 
 
-async def test_downpour_job_fails_with_a_clear_reason_when_downpour_is_missing(
-    asgi: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from distbelief import downpour
-
-    monkeypatch.delattr(downpour, "train", raising=False)
-    job = {
-        "algorithm": "downpour-sgd",
-        "dataset": "tiny",
-        "model": LOGISTIC,
-        "options": {"rule": "adagrad", "epochs": 1},
-    }
-    r = await asgi.post("/api/jobs", json=job)
-    assert r.status_code == 201, r.text
-    record = await wait_final(asgi, r.json()["id"])
-    assert record["status"] == "failed"
-    assert "downpour.train is missing" in record["message"] and "sandblaster" in record["message"]
-
-
 async def test_downpour_adagrad_job_runs_through_the_api(asgi: httpx.AsyncClient) -> None:
-    downpour = pytest.importorskip("distbelief.downpour")
-    if not hasattr(downpour, "train"):
-        pytest.skip("module downpour has no train() yet (being written): nothing to run")
     X, y = tiny_xy()
     # 40 epochs: with 20, the objective ended between 0.29 and 0.47 in 12 runs and once at 0.53 in CI (how
     # far stale pushes set Adagrad back varies with timing); with 40, between 0.26 and 0.33 in 12 runs.

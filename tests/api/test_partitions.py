@@ -13,7 +13,6 @@ from distributed import Client as DaskClient
 
 from distbelief import models
 from distbelief.api._admission import WorkerMemory, admit, estimate_cost
-from distbelief.api.schemas import front_door_takes_partitions
 from tests.api.conftest import running_app, settings_for, upload_digits, wait_final
 
 LC2D: dict[str, Any] = {
@@ -90,6 +89,7 @@ async def test_bad_specs_and_partitions_get_422_and_nothing_is_stored(
             r = await http.post("/api/jobs", json=body)
             assert r.status_code == 422, (body, r.text)
             assert match in r.text, (match, r.text)
+        assert sorted(os.listdir(tmp_path / "jobs")) == jobs_before
         sandblaster = {
             "algorithm": "sandblaster-lbfgs",
             "dataset": "digits",
@@ -97,15 +97,11 @@ async def test_bad_specs_and_partitions_get_422_and_nothing_is_stored(
             "options": {"maxiter": 1, "partitions": 2},
         }
         r = await http.post("/api/jobs", json=sandblaster)
-        if front_door_takes_partitions("sandblaster-lbfgs"):
-            assert r.status_code == 201, r.text  # sandblaster.minimize(partitions=K) exists: passed through
-            assert r.json()["options"]["partitions"] == 2
-            record = await wait_final(http, r.json()["id"])
-            assert record["status"] == "succeeded", record["message"]
-            assert record["result"]["nit"] == 1
-        else:
-            assert r.status_code == 422 and "Downpour-only for now" in r.text, r.text
-            assert sorted(os.listdir(tmp_path / "jobs")) == jobs_before
+        assert r.status_code == 201, r.text  # sandblaster.minimize(partitions=K): passed through
+        assert r.json()["options"]["partitions"] == 2
+        record = await wait_final(http, r.json()["id"])
+        assert record["status"] == "succeeded", record["message"]
+        assert record["result"]["nit"] == 1
 
 
 @pytest.mark.anyio
@@ -208,8 +204,7 @@ def test_a_partitioned_downpour_job_reports_progress_and_stops_when_its_callback
 ) -> None:
     # The runner hands a partitioned run the job's callback: rows reach the metrics, a cancel stops it.
     from distbelief.api.runner import RunContext, run_downpour
-    from distbelief.storage import Dataset
-    from distbelief.storage._digits import train_test_split_digits
+    from distbelief.storage import Dataset, train_test_split_digits
 
     X, y, _, _ = train_test_split_digits(seed=0)
     data = Dataset.from_arrays(

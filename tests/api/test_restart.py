@@ -199,10 +199,10 @@ def test_a_downpour_job_taken_up_again_keeps_its_metrics_rows_up_to_the_checkpoi
     # checkpoint's step (they were compared with its time in seconds, which kept almost none).
     from distbelief.api._jobstore import JobStore
     from distbelief.api.runner import JobRunner
-    from distbelief.downpour import _resume
+    from distbelief.downpour import _resume, internal
 
     point = _resume.ResumePoint(step=100, time=2.5, replicas=[], checkpoint_id=3, final=False)
-    monkeypatch.setattr(_resume, "resume_point", lambda store: point)
+    monkeypatch.setattr(internal, "resume_point", lambda store: point)  # where the runner looks it up
     store = JobStore(str(tmp_path))
     # What a record needs to be served (one without is set aside at start).
     record = {

@@ -15,7 +15,7 @@ from distbelief import models
 from distbelief.api import runner as runner_module
 from distbelief.errors import ClusterError
 from distbelief.storage import Dataset
-from distbelief.storage._calls import task_result
+from distbelief.storage.internal import task_result
 from tests.api.conftest import LOGISTIC, running_app, settings_for, tiny_xy, upload_datasets, wait_final
 
 pytestmark = pytest.mark.anyio

@@ -19,8 +19,7 @@ from distbelief import models
 from distbelief.downpour import Compression, ReplicaCore, sequential_sgd
 from distbelief.downpour._compress import ThresholdCompressor, check_compression, encode, signed_bytes
 from distbelief.errors import InvalidOptionError
-from distbelief.storage import Shard
-from distbelief.storage._digits import train_test_split_digits
+from distbelief.storage import Shard, train_test_split_digits
 from distbelief.storage._keys import decode_signs, encode_signs
 from tests.downpour._helpers import ConstantGradient, Simulator, plan_batches
 

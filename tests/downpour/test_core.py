@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from distbelief import models
 from distbelief.downpour import BatchPlan, DownpourOptions, ReplicaCore, sequential_sgd, split_rows
 from distbelief.errors import InvalidOptionError
-from distbelief.storage._digits import train_test_split_digits
+from distbelief.storage import train_test_split_digits
 from tests.downpour._helpers import ConstantGradient, Simulator, plan_batches
 
 X_TR, Y_TR, _, _ = train_test_split_digits(seed=0)

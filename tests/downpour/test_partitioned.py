@@ -19,8 +19,7 @@ from distributed import Client
 from distbelief import downpour, models
 from distbelief.downpour import BatchPlan, sequential_sgd
 from distbelief.errors import ClusterError, DatasetError, InvalidOptionError
-from distbelief.storage import Dataset, worker_addresses
-from distbelief.storage._digits import train_test_split_digits
+from distbelief.storage import Dataset, train_test_split_digits, worker_addresses
 
 X_TR, Y_TR, _, _ = train_test_split_digits(seed=0)
 
@@ -291,7 +290,7 @@ def test_data_the_model_cannot_train_on_is_refused(
 def test_a_failed_partition_says_why(client: Client, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     # "a partition of replica 0 failed (its worker is alive)" said nothing of the error the partition raised.
     from distbelief.downpour import _partitioned
-    from distbelief.storage._calls import confirm_dead_async
+    from distbelief.storage.internal import confirm_dead_async
 
     # The worker is alive: no need to watch it for the 10 s grace a lost worker gets to be reported.
     monkeypatch.setattr(_partitioned, "confirm_dead_async", functools.partial(confirm_dead_async, grace=0.3))

@@ -12,7 +12,7 @@ from distributed import Client
 
 from distbelief import downpour, models
 from distbelief.downpour._core import ADAGRAD_MAX_COALESCE
-from distbelief.storage._digits import train_test_split_digits
+from distbelief.storage import train_test_split_digits
 
 X_TR, Y_TR, X_TE, Y_TE = train_test_split_digits(seed=0)
 

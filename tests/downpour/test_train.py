@@ -15,8 +15,7 @@ from distbelief import downpour, models
 from distbelief.downpour import BatchPlan, Progress, sequential_sgd
 from distbelief.downpour._train import HISTORY_POINTS
 from distbelief.errors import DatasetError, InvalidOptionError
-from distbelief.storage import Dataset, ParameterServer
-from distbelief.storage._digits import train_test_split_digits
+from distbelief.storage import Dataset, ParameterServer, train_test_split_digits
 from tests.downpour import _helpers
 from tests.downpour._helpers import ConstantGradient
 

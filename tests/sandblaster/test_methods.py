@@ -22,8 +22,7 @@ from distbelief.sandblaster._gd import _minimize_gd
 from distbelief.sandblaster._minimize import SandblasterOptions, open_session
 from distbelief.sandblaster._space import InProcessSpace, IterationRecord, ParameterSpace
 from distbelief.sandblaster._vlbfgs import _minimize_lbfgs
-from distbelief.storage import Dataset
-from distbelief.storage._shard import Shard
+from distbelief.storage import Dataset, Shard
 from tests.sandblaster.conftest import Problem
 
 SPACES = ["in_process", "sharded"]

@@ -22,9 +22,7 @@ from distbelief.sandblaster._minimize import SandblasterOptions
 from distbelief.sandblaster._owlqn import _minimize_owlqn, check_l1, minimize_owlqn_reference
 from distbelief.sandblaster._space import InProcessSpace, IterationRecord
 from distbelief.sandblaster._vlbfgs import _minimize_lbfgs
-from distbelief.storage import Dataset, ParameterServer
-from distbelief.storage._server import reduce_results
-from distbelief.storage._shard import Shard
+from distbelief.storage import Dataset, ParameterServer, Shard, reduce_results
 from tests.sandblaster.conftest import Problem
 from tests.sandblaster.test_methods import final_x, started_space
 

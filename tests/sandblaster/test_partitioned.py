@@ -155,7 +155,8 @@ def test_a_partition_counts_the_bytes_of_a_binned_push(tmp_path: Path) -> None:
     import asyncio
 
     from distbelief.sandblaster._messages import WorkCall
-    from distbelief.storage import Dataset, Layout, _exactsum
+    from distbelief.storage import Dataset, Layout
+    from distbelief.storage.internal import exactsum
 
     model = models.MLP([3, 4, 2])
     plan = _partitioned.partition_plan(model, 2)
@@ -170,7 +171,7 @@ def test_a_partition_counts_the_bytes_of_a_binned_push(tmp_path: Path) -> None:
 
     part = _partitioned.SandblasterPartition(0, 1, plan, ds, Map(), [1])  # type: ignore[arg-type]
     size = plan.bounds[2] - plan.bounds[1]
-    binned = _exactsum.deposit(_exactsum.zeros(size), np.ones(size))
+    binned = exactsum.deposit(exactsum.zeros(size), np.ones(size))
 
     async def push() -> None:
         for grad, solo in ((np.ones(size), True), (binned, False)):

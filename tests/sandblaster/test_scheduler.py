@@ -34,8 +34,8 @@ from distbelief.sandblaster._portions import (
     Send,
     initial_blocks,
 )
-from distbelief.storage import _exactsum
-from distbelief.storage._shard import Shard
+from distbelief.storage import Shard
+from distbelief.storage.internal import exactsum
 
 ACC = "acc"
 N_PARAMS = 5
@@ -67,10 +67,10 @@ class World:
             -8, 8, (self.n_portions, 1)
         )
         # The one gradient every interleaving must give, bit for bit: the portions summed in index order.
-        reference = _exactsum.zeros(N_PARAMS)
+        reference = exactsum.zeros(N_PARAMS)
         for grad in self.grads:
-            _exactsum.deposit(reference, grad)
-        self.gradient = _exactsum.value(reference)
+            exactsum.deposit(reference, grad)
+        self.gradient = exactsum.value(reference)
 
     def open(self) -> None:
         self.epoch += 1
@@ -91,9 +91,9 @@ class World:
             # As Replica.compute pushes: one portion as it is, several as their binned sum.
             grad = self.grads[group[0]]
             if len(group) > 1:
-                grad = _exactsum.zeros(N_PARAMS)
+                grad = exactsum.zeros(N_PARAMS)
                 for p in group:
-                    _exactsum.deposit(grad, self.grads[p])
+                    exactsum.deposit(grad, self.grads[p])
             for shard in self.shards[: len(self.shards) if k < groups else shards_of_next]:
                 part = grad[..., shard.lo : shard.hi]
                 shard.accumulate(ACC, part, group, epoch=epoch, solo=send.solo)

@@ -22,7 +22,9 @@ from hypothesis.extra import numpy as hnp
 
 import distbelief.storage._dataset as dsmod
 from distbelief.errors import DatasetError, InvalidOptionError, StoreError
-from distbelief.storage._dataset import FORMAT_NAME, Dataset, list_datasets, resolve_name
+from distbelief.storage._dataset import Dataset
+from distbelief.storage._dataset_location import list_datasets, resolve_name
+from distbelief.storage._dataset_meta import FORMAT_NAME
 
 
 def _rng_data(n: int, d: int, seed: int = 0, labels: str = "real") -> tuple[np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from distbelief import models
 from distbelief.errors import InvalidOptionError, ProtocolError
-from distbelief.storage import Layout, Shard, _exactsum
+from distbelief.storage import Layout, Shard
 from distbelief.storage._keys import (
     compact_portion,
     kv_bytes,
@@ -85,43 +85,6 @@ def test_push_at_refuses_mismatched_keys_and_values() -> None:
     s = _shard(0, 4, np.random.default_rng(0))
     with pytest.raises(InvalidOptionError, match="key-value push"):
         s.push(np.ones(2), keys=np.array([1], dtype=np.int32), source="r", seq=0, rule="sgd", lr=0.1)
-
-
-@given(case=slices_and_keys(), n_portions=st.integers(1, 5), data=st.data())
-def test_key_value_accumulation_equals_dense_accumulation(
-    case: tuple[int, int, np.ndarray, np.random.Generator], n_portions: int, data: Any
-) -> None:
-    """Summed and solo pushes (retried and backup copies too) in any order: every portion once."""
-    lo, size, keys, rng = case
-    sparse, dense = Shard(0, lo, lo + size), Shard(0, lo, lo + size)
-    for s in (sparse, dense):
-        s.reset_accumulator("acc", 3, expected=n_portions, finalize=[("settle", "acc"), ("sum", "acc")])
-    pushes = []
-    for p in range(n_portions):
-        k = keys[rng.random(keys.size) < 0.5]
-        pushes.append(([p], k, rng.normal(size=k.size), data.draw(st.booleans())))
-    pushes += [pushes[i] for i in data.draw(st.lists(st.integers(0, n_portions - 1), max_size=3))]
-    order = data.draw(st.permutations(range(len(pushes))))
-    binned = data.draw(st.booleans())  # summed pushes as binned sums (storage._exactsum states)
-    for i in order:
-        portions, k, g, solo = pushes[i]
-        full = np.zeros(size)
-        full[k] = g
-        if binned and not solo:
-            g, full = (
-                _exactsum.deposit(_exactsum.zeros(k.size), g),
-                _exactsum.deposit(_exactsum.zeros(size), full),
-            )
-        got = sparse.push_portions_at("acc", k, g, portions, epoch=3, solo=solo)
-        want = dense.push_portions("acc", full, portions, epoch=3, solo=solo)
-        assert got == want
-        np.testing.assert_array_equal(sparse.get("acc"), dense.get("acc"))
-    assert sparse.final_results("acc", 3) is not None
-    assert sparse.settle("acc") == list(range(n_portions))
-    np.testing.assert_array_equal(sparse.get("acc"), dense.get("acc"))
-    # Nothing outside the pushed keys was touched: the accumulator is O(keys) work per push.
-    untouched = np.setdiff1d(np.arange(size), np.concatenate([k for _, k, _, _ in pushes]))
-    assert not sparse.accumulators["acc"].binned[:, untouched].any()
 
 
 @given(n=st.integers(1, 500), shards=st.integers(1, 6), density=st.floats(0, 1), seed=st.integers(0, 2**31))

@@ -232,7 +232,7 @@ def test_key_value_pushes_with_bad_keys_are_refused_and_change_nothing(keys: lis
     with pytest.raises(InvalidOptionError, match="sorted, unique"):
         s.push(np.ones(2), source="r", seq=0, rule="sgd", lr=1.0, keys=k)
     with pytest.raises(InvalidOptionError, match="sorted, unique"):
-        s.push_portions_at("g", k, np.ones(2), [0], epoch=1)
+        s.push_parts("g", [(k, np.ones(2))], [0], epoch=1)
     np.testing.assert_array_equal(s.get("x"), np.arange(4.0))
     assert s.version == 0 and s.accumulators["g"].covered == set()
 

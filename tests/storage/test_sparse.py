@@ -98,7 +98,8 @@ def test_a_portion_reads_only_its_own_bytes(tmp_path: Path, monkeypatch: pytest.
         reads.append((os.path.relpath(path, ds.path), offset, len(buf)))
         real(path, offset, buf)
 
-    monkeypatch.setattr(dsmod, "_read_exact", spy)
+    monkeypatch.setattr(dsmod, "_read_exact", spy)  # the dense labels
+    monkeypatch.setattr(_sparse, "_read_exact", spy)  # the sparse rows
     Xp, _ = ds.read_portion(2)
     nnz = int(X.indptr[3000] - X.indptr[2000])
     by_array: dict[str, int] = {}
