@@ -396,8 +396,8 @@ def minimize(
         (:class:`~sandblaster._space.InProcessSpace`), ``F`` from :func:`models.objective` on ``data``
         given as ``(X, y)`` arrays (dense or CSR). For problems whose gradient costs milliseconds, where a
         cluster's round trips (~2-11 ms each) would cost more than the work; the estimators choose it for
-        small data given without a ``client``. ``client``, ``store``, shards, replicas, portions, partitions and
-        checkpoints have no meaning then and are refused.
+        small data given without a ``client``. ``client``, ``store``, shards, replicas, portions,
+        partitions and checkpoints have no meaning then and are refused.
 
     Returns
     -------
