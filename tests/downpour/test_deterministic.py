@@ -11,7 +11,7 @@ from distributed import Client
 
 from distbelief import downpour, models
 from distbelief.errors import InvalidOptionError
-from distbelief.storage._digits import train_test_split_digits
+from distbelief.storage import train_test_split_digits
 from tests.downpour import _helpers
 from tests.downpour._helpers import Jittery
 

@@ -15,7 +15,7 @@ import pytest
 from distributed import Client
 
 from distbelief import downpour, models
-from distbelief.storage._digits import train_test_split_digits
+from distbelief.storage import train_test_split_digits
 
 X_TR, Y_TR, X_TE, Y_TE = train_test_split_digits(seed=0)
 RUNS = 6
