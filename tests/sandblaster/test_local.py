@@ -13,8 +13,7 @@ from distributed import Client
 
 from distbelief import models, sandblaster
 from distbelief.errors import InvalidOptionError
-from distbelief.storage import Dataset
-from distbelief.storage import train_test_split_digits
+from distbelief.storage import Dataset, train_test_split_digits
 from tests.sandblaster.conftest import Problem
 
 
