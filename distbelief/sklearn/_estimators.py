@@ -498,7 +498,10 @@ class LogisticRegression(_LinearClassifier):
         ``downpour.Progress``); raising ``StopIteration`` stops the fit.
     client : distributed.Client, str or None
         The cluster: a client, a scheduler address, or None (the default Dask client, else an embedded
-        ``LocalCluster`` shared by the fits of this process).
+        ``LocalCluster`` shared by the fits of this process). With None, rows in memory whose gradient
+        costs milliseconds (nonzeros times parameters per feature up to ``2e7``, fewer than 131,072
+        parameters) are fitted in this process with the same method (``minimize(local=True)``): no
+        cluster is started for them.
     store : str, optional
         Directory or URL for the fit's data and checkpoints (default: a temporary directory); must be
         reachable by the workers of a remote cluster.

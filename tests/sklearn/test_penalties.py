@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import sklearn.linear_model as sk
+from distributed import Client
 from sklearn.datasets import load_breast_cancer, load_iris
 from sklearn.preprocessing import StandardScaler
 
@@ -83,12 +84,12 @@ def test_multinomial_l1_matches_saga() -> None:
     assert f_ours == pytest.approx(f_ref, rel=1e-6)
 
 
-def test_l1_on_sparse_rows_matches_saga() -> None:
+def test_l1_on_sparse_rows_matches_saga(client: Client) -> None:
     rng = np.random.default_rng(5)
     X = sp.random_array((400, 80), density=0.1, format="csr", rng=rng)
     X.data = rng.normal(size=X.nnz)
     y = (X @ np.where(np.arange(80) < 8, 2.0, 0.0) + rng.logistic(size=400) > 0).astype(int)
-    ours = LogisticRegression(penalty="l1", C=0.2, **TIGHT).fit(X, y)
+    ours = LogisticRegression(penalty="l1", C=0.2, client=client, **TIGHT).fit(X, y)  # the cluster's path
     assert ours.result_.stats["communication"] == "sparse"
     ref = _reference(X, y, penalty="l1", solver="saga", C=0.2)
     _same_fit(ours, ref, X, y, 0.2, 1.0)
