@@ -733,6 +733,57 @@ def is_dask_array(X: object) -> bool:
     return da is not None and isinstance(X, da.Array)
 
 
+def is_dask_frame(X: object) -> bool:
+    """Whether ``X`` is a Dask DataFrame or Series (without importing dask.dataframe unless it is loaded)."""
+    import sys
+
+    dd = sys.modules.get("dask.dataframe")
+    return dd is not None and isinstance(X, dd.DataFrame | dd.Series)
+
+
+def names_of(X: Any) -> Any:
+    """What scikit-learn's feature-name checks should look at for ``X``: ``X`` itself, or for a Dask
+    DataFrame an empty pandas DataFrame with its columns (scikit-learn does not recognize Dask's lazy
+    frames, and the names need no data).
+
+    Examples
+    --------
+    >>> names_of(np.zeros(2)).shape
+    (2,)
+    """
+    if is_dask_frame(X) and hasattr(X, "columns"):
+        import pandas as pd
+
+        return pd.DataFrame(columns=X.columns)
+    return X
+
+
+def frame_as_array(X: Any, name: str) -> Any:
+    """The Dask DataFrame ``X`` as a lazy float64 Dask array (bool columns as 0/1), or an error naming a
+    column that is not numbers.
+
+    Raises
+    ------
+    DatasetError
+        For a string, categorical or other non-number column, saying how to encode it.
+    """
+    import pandas as pd
+
+    cols = {}
+    for col, dt in X.dtypes.items():
+        if pd.api.types.is_bool_dtype(dt):
+            cols[col] = np.float64
+        elif not pd.api.types.is_numeric_dtype(dt) or pd.api.types.is_complex_dtype(dt):
+            raise DatasetError(
+                f"{name}: column {col!r} of X holds {dt} values, not numbers; encode it on the workers with "
+                "Dataset.from_dask(X, y, path=..., categorical='onehot') (few distinct values) or "
+                "hash_features=2**20 (many) and fit that dataset, or drop the column "
+                f"(X.drop(columns=[{col!r}]))"
+            )
+    X = X.astype(cols) if cols else X
+    return X.to_dask_array().astype(np.float64)
+
+
 def map_rows(X: Any, fn: Callable[[FloatArray], NDArray[Any]], out_cols: int | None, dtype: Any) -> Any:
     """``fn`` applied to every row block of the Dask array ``X`` on the workers (a lazy Dask array)."""
     X = X.rechunk({1: -1})

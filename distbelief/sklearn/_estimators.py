@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
+import warnings
 from typing import Any
 
 import numpy as np
@@ -11,7 +13,7 @@ import scipy.sparse as sp
 from numpy.typing import NDArray
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.multiclass import check_classification_targets
-from sklearn.utils.validation import check_is_fitted, validate_data
+from sklearn.utils.validation import _check_feature_names, check_is_fitted, validate_data
 
 from distbelief import models
 from distbelief.errors import DatasetError, InvalidOptionError
@@ -23,8 +25,11 @@ from distbelief.sklearn._base import (
     clone_keeping_client,
     fit_model,
     fit_store,
+    frame_as_array,
     is_dask_array,
+    is_dask_frame,
     map_rows,
+    names_of,
     picklable_state,
     resolve_client,
     row_weights,
@@ -81,6 +86,7 @@ class _Distbelief(BaseEstimator):
                     f"{name}.fit(dataset) takes the labels from the dataset; call fit(dataset) without y"
                 )
             self.n_features_in_ = X.n_features
+            self._dataset_feature_names(X)
             if self._classifier:
                 if X.label_kind == "real" or X.n_classes is None:
                     raise DatasetError(
@@ -89,6 +95,8 @@ class _Distbelief(BaseEstimator):
                     )
                 self.classes_ = np.arange(X.n_classes)
             return X, X.n_rows
+        if is_dask_frame(X) or is_dask_frame(y):
+            return self._frame_data(X, y, store)
         if is_dask_array(X) or is_dask_array(y):
             return self._dask_data(X, y, store)
         if y is None:
@@ -142,8 +150,96 @@ class _Distbelief(BaseEstimator):
             self.classes_ = classes
             y = y.map_blocks(lambda b: np.searchsorted(classes, b).astype(np.float64), dtype=np.float64)
         self.n_features_in_ = int(X.shape[1])
+        _check_feature_names(self, X, reset=True)  # none: drops those of an earlier fit
         ds = dataset_from_dask(X, y, path=f"{store}/data", overwrite=True, client=client)
         return ds, ds.n_rows
+
+    def _dataset_feature_names(self, ds: Dataset) -> None:
+        """``feature_names_in_`` from a dataset's :attr:`~storage.Dataset.feature_names` (one built from a
+        table), or none.
+
+        A sparse dataset (hashed columns) has none: its rows are predicted from ``scipy.sparse`` rows, which
+        have no column names to check, and ``2**20`` names would only cost memory.
+        """
+        names = ds.feature_names
+        if names is not None and ds.layout == "dense":
+            self.feature_names_in_ = np.asarray(names, dtype=object)
+        elif hasattr(self, "feature_names_in_"):
+            del self.feature_names_in_
+
+    def _frame_data(self, X: Any, y: Any, store: str) -> tuple[Dataset, int]:
+        """A Dask DataFrame ``X`` and Series ``y`` written as a dataset by the workers (never through this
+        process), with ``feature_names_in_`` from ``X``'s columns (scikit-learn's rule: all strings).
+
+        Bool columns become 0/1 in place (a dataset built from a table would put them after the numbers,
+        and the coefficients must follow ``X``'s order); string and categorical columns are refused with
+        what to do (:meth:`storage.Dataset.from_dask` encodes them).
+        """
+        import dask.dataframe as dd
+        import pandas as pd
+
+        from distbelief.storage._dataset_frames import dataset_from_frame
+
+        name = type(self).__name__
+        if not isinstance(X, dd.DataFrame) or not isinstance(y, dd.Series):
+            raise DatasetError(
+                f"{name}.fit: with Dask DataFrames pass X as a dask.dataframe.DataFrame and y as a "
+                f"dask.dataframe.Series aligned with it (e.g. df[features], df[label]), got X "
+                f"{type(X).__name__} and y {type(y).__name__}; or pass both as Dask arrays "
+                "(X.to_dask_array(lengths=True))"
+            )
+        client = resolve_client(self.client)
+        _check_feature_names(self, names_of(X), reset=True)
+        frame_as_array(X, f"{name}.fit")  # refuses a column that is not numbers, saying what to do
+        bools = {c: np.float64 for c, dt in X.dtypes.items() if pd.api.types.is_bool_dtype(dt)}
+        X = X.astype(bools) if bools else X
+        # The dataset's columns are named by str(c) (scikit-learn's names, if any, are already these).
+        X = (
+            X.rename(columns={c: str(c) for c in X.columns})
+            if any(not isinstance(c, str) for c in X.columns)
+            else X
+        )
+        if not (pd.api.types.is_numeric_dtype(y.dtype) or self._classifier) or pd.api.types.is_complex_dtype(
+            y.dtype
+        ):
+            raise DatasetError(f"{name}.fit: y must hold real numbers, got dtype {y.dtype}")
+        missing = y.isna().sum()
+        if self._classifier:
+            found, n_missing = client.compute([y.dropna().unique(), missing], sync=True)
+            _refuse_missing(name, int(n_missing))
+            classes = np.unique(np.asarray(found))
+            check_classification_targets(classes)
+            self.classes_ = classes
+            y = y.map_partitions(_class_index, classes, meta=(y.name, np.float64))
+        else:
+            _refuse_missing(name, int(client.compute(missing, sync=True)))
+        self.n_features_in_ = len(X.columns)
+        try:
+            ds = dataset_from_frame(X, y, path=f"{store}/data", overwrite=True, client=client)
+        except ValueError as exc:  # dask: the partitions of X and y do not line up
+            raise DatasetError(
+                f"{name}.fit: X and y must be aligned (the same index and partitions, as df[features] and "
+                f"df[label] of one frame are): {exc}"
+            ) from exc
+        return ds, ds.n_rows
+
+    def _is_lazy(self, X: Any) -> bool:
+        """Whether ``X`` is a Dask array or DataFrame (predicted by :meth:`_lazy`); then the estimator must
+        be fitted."""
+        if is_dask_array(X) or is_dask_frame(X):
+            check_is_fitted(self)
+            return True
+        return False
+
+    def _lazy(self, X: Any, method: str, out_cols: int | None, dtype: Any) -> Any:
+        """``self.<method>`` of every row block of a Dask array or DataFrame ``X`` on the workers (a lazy
+        Dask array), after checking ``X``'s column names here as scikit-learn does."""
+        _check_feature_names(self, names_of(X), reset=False)
+        if is_dask_frame(X):
+            X = frame_as_array(X, f"{type(self).__name__}.{method}")
+        if X.ndim != 2:
+            raise DatasetError(f"{type(self).__name__}.{method}: X must be 2-D, got shape {X.shape}")
+        return map_rows(X, functools.partial(_unnamed_rows, getattr(self, method)), out_cols, dtype)
 
     def _rows(self, X: Any) -> Any:
         """``X`` checked against the fitted features: float64 rows, CSR for sparse input."""
@@ -249,11 +345,34 @@ class _Distbelief(BaseEstimator):
 
     def _log_of_proba(self, X: Any) -> Any:
         """``log(predict_proba(X))`` (the classifiers without a closed form of their own)."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self._log_of_proba, len(self.classes_), np.float64)
+        if self._is_lazy(X):
+            return self._lazy(X, "_log_of_proba", len(self.classes_), np.float64)
         with np.errstate(divide="ignore"):
             return np.log(self.predict_proba(X))
+
+
+def _refuse_missing(name: str, n_missing: int) -> None:
+    if n_missing:
+        raise DatasetError(
+            f"{name}.fit: y has {n_missing} missing labels; drop those rows first (keep = y.notna(); "
+            "X[keep], y[keep])"
+        )
+
+
+def _class_index(labels: Any, classes: NDArray[Any]) -> Any:
+    """The labels of one partition as indices into ``classes`` (float64; runs on a worker)."""
+    import pandas as pd
+
+    index = np.searchsorted(classes, labels.to_numpy()).astype(np.float64)
+    return pd.Series(index, index=labels.index, name=labels.name)
+
+
+def _unnamed_rows(method: Any, block: FloatArray) -> Any:
+    """``method(block)`` on a worker: the block is a numpy array, whose column names were checked on the
+    client, so scikit-learn's warning that it has none is not news."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="X does not have valid feature names")
+        return method(block)
 
 
 def _csr(X: Any) -> sp.csr_array:
@@ -405,18 +524,16 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
     def decision_function(self, X: Any) -> Any:
         """Logits, shape (n, n_classes); for two classes shape (n,), the logit of ``classes_[1]`` against
         ``classes_[0]`` (scikit-learn's convention)."""
-        if is_dask_array(X):
-            check_is_fitted(self)
+        if self._is_lazy(X):
             cols = None if len(self.classes_) == 2 else len(self.classes_)
-            return map_rows(X, self.decision_function, cols, np.float64)
+            return self._lazy(X, "decision_function", cols, np.float64)
         z = self._scores(self._rows(X))
         return z[:, 1] - z[:, 0] if z.ndim == 2 and z.shape[1] == 2 else z
 
     def predict_proba(self, X: Any) -> Any:
         """Class probabilities, shape (n, n_classes), columns in the order of ``classes_``."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self.predict_proba, len(self.classes_), np.float64)
+        if self._is_lazy(X):
+            return self._lazy(X, "predict_proba", len(self.classes_), np.float64)
         z = self._scores(self._rows(X))
         if z.ndim == 1:
             from scipy.special import expit
@@ -430,9 +547,8 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
 
     def predict_log_proba(self, X: Any) -> Any:
         """Log class probabilities, shape (n, n_classes), computed stably (no ``log`` of a rounded 0)."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self.predict_log_proba, len(self.classes_), np.float64)
+        if self._is_lazy(X):
+            return self._lazy(X, "predict_log_proba", len(self.classes_), np.float64)
         z = self._scores(self._rows(X))
         if z.ndim == 1:  # log sigmoid(-z), log sigmoid(z)
             out: FloatArray = -np.logaddexp(0.0, np.column_stack([z, -z]))
@@ -443,9 +559,8 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
 
     def predict(self, X: Any) -> Any:
         """The most probable class of every row (labels from ``classes_``)."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self.predict, None, self.classes_.dtype)
+        if self._is_lazy(X):
+            return self._lazy(X, "predict", None, self.classes_.dtype)
         z = self._scores(self._rows(X))
         index = (z > 0).astype(np.intp) if z.ndim == 1 else np.argmax(z, axis=1)
         return self.classes_[index]
@@ -638,9 +753,8 @@ class LinearRegression(RegressorMixin, _Distbelief):
 
     def predict(self, X: Any) -> Any:
         """Predicted targets ``X @ coef_ + intercept_``."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self.predict, None, np.float64)
+        if self._is_lazy(X):
+            return self._lazy(X, "predict", None, np.float64)
         out: FloatArray = np.asarray(self._rows(X) @ self.coef_) + self.intercept_
         return out
 
@@ -773,9 +887,8 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
 
     def predict_proba(self, X: Any) -> Any:
         """Class probabilities, shape (n, n_classes), columns in the order of ``classes_``."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self.predict_proba, len(self.classes_), np.float64)
+        if self._is_lazy(X):
+            return self._lazy(X, "predict_proba", len(self.classes_), np.float64)
         rows = self._rows(X)
         Z = self.model_.predict_proba(self.w_, rows)
         return np.asarray(Z, dtype=np.float64)
@@ -786,8 +899,7 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
 
     def predict(self, X: Any) -> Any:
         """The most probable class of every row (labels from ``classes_``)."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self.predict, None, self.classes_.dtype)
+        if self._is_lazy(X):
+            return self._lazy(X, "predict", None, self.classes_.dtype)
         proba = self.predict_proba(X)
         return self.classes_[np.argmax(proba, axis=1)]

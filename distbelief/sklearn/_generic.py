@@ -108,6 +108,8 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
 
     def predict_proba(self, X: Any) -> Any:
         """``model.predict_proba(w_, X)`` (only if the model has one)."""
+        if self._is_lazy(X):
+            return self._lazy(X, "predict_proba", len(self.classes_), np.float64)
         rows = self._rows(X)
         method = getattr(self.model_, "predict_proba", None)
         if not callable(method):
@@ -120,6 +122,8 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
 
     def predict(self, X: Any) -> Any:
         """The classes ``model.predict(w_, X)`` points at."""
+        if self._is_lazy(X):
+            return self._lazy(X, "predict", None, self.classes_.dtype)
         rows = self._rows(X)
         index = np.asarray(self.model_.predict(self.w_, rows)).astype(np.intp)
         return self.classes_[index]
