@@ -440,7 +440,7 @@ def weighted_data(
     if not isinstance(data, tuple):
         raise InvalidOptionError(
             f"{name}.fit: {what} need the rows in memory (numpy, pandas or scipy.sparse); a "
-            "storage.Dataset or Dask arrays cannot carry per-row weights. Fit arrays "
+            "storage.Dataset, Dask arrays or a Dask DataFrame cannot carry per-row weights. Fit arrays "
             "(X.compute(), y.compute()), or for integer weights repeat the rows in the dataset"
         )
     if (downpour_options or {}).get("eval_data") is not None:

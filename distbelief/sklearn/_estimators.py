@@ -441,12 +441,15 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
         self.downpour_options = downpour_options
 
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> Any:
-        """Fit on ``X`` (numpy, ``scipy.sparse``, Dask array or ``storage.Dataset``) and labels ``y``.
+        """Fit on ``X`` (numpy, pandas, ``scipy.sparse``, Dask array or DataFrame, ``storage.Dataset``) and
+        labels ``y``.
 
         Parameters
         ----------
         X, y
-            The rows and their labels (``y`` is None for a ``storage.Dataset``, which holds its labels).
+            The rows and their labels (``y`` is None for a ``storage.Dataset``, which holds its labels). A
+            Dask DataFrame ``X`` takes a Dask Series ``y`` aligned with it; the workers write both to the
+            fit's store. String column names become ``feature_names_in_``.
         sample_weight : array_like of shape (n_samples,) or float, optional
             Every row's weight in the objective (multiplied by its class's ``class_weight``); rows in
             memory only (numpy or pandas, dense) and not with ``solver="downpour"``.
@@ -624,6 +627,10 @@ class LogisticRegression(_LinearClassifier):
     classes_, coef_, intercept_, n_iter_, n_features_in_
         As in scikit-learn. ``coef_`` has shape (1, n_features) for two classes, else (n_classes,
         n_features).
+    feature_names_in_
+        The column names, when ``X`` had string ones (pandas or Dask DataFrame), or a dense dataset built
+        from a table (its :attr:`storage.Dataset.feature_names`: one-hot columns as ``"column=value"``);
+        ``predict`` on a DataFrame with other names or order raises, as in scikit-learn.
     model_, w_, result_
         The distbelief model, its flat parameters and the solver's result.
 
@@ -725,7 +732,8 @@ class LinearRegression(RegressorMixin, _Distbelief):
         self.downpour_options = downpour_options
 
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> LinearRegression:
-        """Fit on ``X`` (numpy, ``scipy.sparse``, Dask array or ``storage.Dataset``) and targets ``y``.
+        """Fit on ``X`` (numpy, pandas, ``scipy.sparse``, Dask array or DataFrame, ``storage.Dataset``) and
+        targets ``y``.
 
         ``sample_weight`` weighs every row's squared error, as in :class:`LogisticRegression`.
 
@@ -845,7 +853,7 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
         return hidden
 
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> MLPClassifier:
-        """Fit on ``X`` (numpy, Dask array or ``storage.Dataset``) and labels ``y``.
+        """Fit on ``X`` (numpy, pandas, Dask array or DataFrame, ``storage.Dataset``) and labels ``y``.
 
         ``sample_weight`` weighs every row's loss, as in :class:`LogisticRegression`.
 

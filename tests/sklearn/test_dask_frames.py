@@ -15,7 +15,7 @@ from distributed import Client
 from sklearn.datasets import load_breast_cancer, load_iris
 from sklearn.preprocessing import StandardScaler
 
-from distbelief.errors import DatasetError
+from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.sklearn import LinearRegression, LogisticRegression, MLPClassifier
 from distbelief.storage import Dataset
 
@@ -185,6 +185,16 @@ def test_bad_dask_frames_say_what_to_do(X: pd.DataFrame, y: object, match: str) 
     yd = dd.from_pandas(y, npartitions=2) if isinstance(y, pd.Series | pd.DataFrame) else y
     with pytest.raises(DatasetError, match=match):
         LogisticRegression().fit(Xd, yd)
+
+
+def test_weights_of_a_dask_frame_say_what_to_do(cancer: tuple[pd.DataFrame, pd.Series]) -> None:
+    # Per-row weights travel as a column of rows in memory only (not yet for Dask input).
+    X, y = cancer
+    Xd, yd = dd.from_pandas(X, npartitions=2), dd.from_pandas(y, npartitions=2)
+    with pytest.raises(InvalidOptionError, match=r"a Dask DataFrame cannot carry per-row weights.*X.compute"):
+        LogisticRegression().fit(Xd, yd, sample_weight=np.ones(len(y)))
+    with pytest.raises(InvalidOptionError, match="need the rows in memory"):
+        LogisticRegression(class_weight="balanced").fit(Xd, yd)
 
 
 def test_regressor_needs_numbers_in_y() -> None:
