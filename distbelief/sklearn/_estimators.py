@@ -18,14 +18,17 @@ from sklearn.utils.validation import _check_feature_names, check_is_fitted, vali
 from distbelief import models
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.sklearn._base import (
+    WeightColumn,
     check_alpha,
     check_callback,
     check_common,
     check_verbose,
     clone_keeping_client,
+    dask_weights,
     fit_model,
     fit_store,
     frame_as_array,
+    frame_weights,
     is_dask_array,
     is_dask_frame,
     map_rows,
@@ -77,7 +80,7 @@ class _Distbelief(BaseEstimator):
     # ------------------------------------------------------------------------------------------ data
 
     def _rows_and_labels(
-        self, X: Any, y: Any, store: str
+        self, X: Any, y: Any, store: str, weights: tuple[Any, Any]
     ) -> tuple[Dataset | tuple[FloatArray, FloatArray], int]:
         name = type(self).__name__
         if isinstance(X, Dataset):
@@ -96,9 +99,9 @@ class _Distbelief(BaseEstimator):
                 self.classes_ = np.arange(X.n_classes)
             return X, X.n_rows
         if is_dask_frame(X) or is_dask_frame(y):
-            return self._frame_data(X, y, store)
+            return self._frame_data(X, y, store, *weights)
         if is_dask_array(X) or is_dask_array(y):
-            return self._dask_data(X, y, store)
+            return self._dask_data(X, y, store, *weights)
         if y is None:
             raise ValueError(
                 f"{name} requires y to be passed, but the target y is None; pass the labels, or a "
@@ -119,10 +122,17 @@ class _Distbelief(BaseEstimator):
         rows = _csr(X_arr) if sp.issparse(X_arr) else np.ascontiguousarray(X_arr)
         return (rows, np.asarray(y_arr, dtype=np.float64)), X_arr.shape[0]
 
-    def _data(self, X: Any, y: Any, store: str) -> tuple[Dataset | tuple[FloatArray, FloatArray], int]:
+    def _data(
+        self, X: Any, y: Any, store: str, sample_weight: Any = None, class_weight: Any = None
+    ) -> tuple[Dataset | tuple[FloatArray, FloatArray], int]:
         """The training rows as a Dataset or checked arrays (labels encoded 0..K-1), and N; a classifier's
-        data must hold at least two classes."""
-        data, n = self._rows_and_labels(X, y, store)
+        data must hold at least two classes.
+
+        Dask input with ``sample_weight`` / ``class_weight`` is written with every row's weight as the last
+        column (:meth:`_row_weights` then says so); other rows get their weights from :meth:`_row_weights`.
+        """
+        self._weighted_rows = False
+        data, n = self._rows_and_labels(X, y, store, (sample_weight, class_weight))
         if self._classifier and len(self.classes_) < 2:
             raise DatasetError(
                 f"{type(self).__name__} needs samples of at least 2 classes in the data, but the data "
@@ -130,7 +140,9 @@ class _Distbelief(BaseEstimator):
             )
         return data, n
 
-    def _dask_data(self, X: Any, y: Any, store: str) -> tuple[Dataset, int]:
+    def _dask_data(
+        self, X: Any, y: Any, store: str, sample_weight: Any = None, class_weight: Any = None
+    ) -> tuple[Dataset, int]:
         import dask.array as da
 
         from distbelief.storage._dataset_sources import dataset_from_dask
@@ -151,6 +163,12 @@ class _Distbelief(BaseEstimator):
             y = y.map_blocks(lambda b: np.searchsorted(classes, b).astype(np.float64), dtype=np.float64)
         self.n_features_in_ = int(X.shape[1])
         _check_feature_names(self, X, reset=True)  # none: drops those of an earlier fit
+        if sample_weight is not None or (class_weight is not None and self._classifier):
+            found = self.classes_ if self._classifier else None
+            X = dask_weights(
+                X, y if self._classifier else None, sample_weight, class_weight, found, client, name
+            )
+            self._weighted_rows = True
         ds = dataset_from_dask(X, y, path=f"{store}/data", overwrite=True, client=client)
         return ds, ds.n_rows
 
@@ -167,7 +185,9 @@ class _Distbelief(BaseEstimator):
         elif hasattr(self, "feature_names_in_"):
             del self.feature_names_in_
 
-    def _frame_data(self, X: Any, y: Any, store: str) -> tuple[Dataset, int]:
+    def _frame_data(
+        self, X: Any, y: Any, store: str, sample_weight: Any = None, class_weight: Any = None
+    ) -> tuple[Dataset, int]:
         """A Dask DataFrame ``X`` and Series ``y`` written as a dataset by the workers (never through this
         process), with ``feature_names_in_`` from ``X``'s columns (scikit-learn's rule: all strings).
 
@@ -215,7 +235,23 @@ class _Distbelief(BaseEstimator):
             _refuse_missing(name, int(client.compute(missing, sync=True)))
         self.n_features_in_ = len(X.columns)
         try:
-            ds = dataset_from_frame(X, y, path=f"{store}/data", overwrite=True, client=client)
+            if sample_weight is not None or (class_weight is not None and self._classifier):
+                label = "__label__"
+                while label in X.columns:
+                    label += "_"
+                frame, column = frame_weights(
+                    X.assign(**{label: y}), label, sample_weight, class_weight,
+                    self.classes_ if self._classifier else None, client, name,
+                )  # fmt: skip
+                features = [*map(str, X.columns), column]
+                ds = dataset_from_frame(
+                    frame, label, features=features, path=f"{store}/data", overwrite=True, client=client
+                )
+                self._weighted_rows = True
+            else:
+                ds = dataset_from_frame(X, y, path=f"{store}/data", overwrite=True, client=client)
+        except (DatasetError, InvalidOptionError):  # ValueErrors that say what is wrong already
+            raise
         except ValueError as exc:  # dask: the partitions of X and y do not line up
             raise DatasetError(
                 f"{name}.fit: X and y must be aligned (the same index and partitions, as df[features] and "
@@ -261,7 +297,7 @@ class _Distbelief(BaseEstimator):
         seed: int = 0,
         downpour_options: dict[str, Any] | None = None,
         l1: float = 0.0,
-        weights: FloatArray | None = None,
+        weights: FloatArray | WeightColumn | None = None,
     ) -> FloatArray:
         """Fit ``model`` (with per-row ``weights`` if given, see ``_base.RowWeights``), starting from the
         previous fit's parameters with ``warm_start``, else from ``x0``; set ``model_``, ``w_``,
@@ -329,13 +365,18 @@ class _Distbelief(BaseEstimator):
             f"{rs!r}"
         )
 
-    def _row_weights(self, sample_weight: Any, data: Any, class_weight: Any = None) -> FloatArray | None:
+    def _row_weights(
+        self, sample_weight: Any, data: Any, class_weight: Any = None
+    ) -> FloatArray | WeightColumn | None:
         """Every training row's weight (``sample_weight`` times ``class_weight``), or None for neither.
 
-        ``data`` is what :meth:`_data` returned; per-row weights need its rows in memory (a tuple).
+        ``data`` is what :meth:`_data` returned; per-row weights need its rows in memory (a tuple), or Dask
+        input, whose dataset :meth:`_data` wrote with the weights (then a :class:`WeightColumn`).
         """
         if sample_weight is None and class_weight is None:
             return None
+        if getattr(self, "_weighted_rows", False):
+            return WeightColumn()
         name = type(self).__name__
         if not isinstance(data, tuple):
             weighted_data(data, np.ones(1), name)  # raises, saying what to do
@@ -451,8 +492,10 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
             Dask DataFrame ``X`` takes a Dask Series ``y`` aligned with it; the workers write both to the
             fit's store. String column names become ``feature_names_in_``.
         sample_weight : array_like of shape (n_samples,) or float, optional
-            Every row's weight in the objective (multiplied by its class's ``class_weight``); rows in
-            memory only (numpy or pandas, dense) and not with ``solver="downpour"``.
+            Every row's weight in the objective (multiplied by its class's ``class_weight``). For Dask
+            rows a Dask array (Dask arrays ``X``) or a Dask Series aligned with ``X`` (a Dask DataFrame),
+            joined to the rows on the workers; not for a ``storage.Dataset``, nor with Downpour's
+            ``eval_data``.
 
         Returns
         -------
@@ -466,7 +509,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
             )
         ratio = self._l1_ratio()
         with fit_store(self.store) as store:
-            data, n = self._data(X, y, store)
+            data, n = self._data(X, y, store, sample_weight, self.class_weight)
             k = len(self.classes_)
             d = int(self.n_features_in_)
             fit_intercept = bool(self.fit_intercept)
@@ -594,8 +637,8 @@ class LogisticRegression(_LinearClassifier):
         Per-class weights, as scikit-learn's: ``{label: weight}`` (a class left out weighs 1) or
         ``"balanced"`` (``n_samples / (n_classes * counts)``, with ``sample_weight`` weighted counts).
         Every row's weight is its ``sample_weight`` times its class's weight; the objective becomes
-        ``C * sum_i s_i loss_i + penalty`` (solved as ``(1/N) sum_i s_i loss_i + ...``). Rows in memory
-        only (numpy, pandas, ``scipy.sparse``), not a ``storage.Dataset`` or Dask arrays.
+        ``C * sum_i s_i loss_i + penalty`` (solved as ``(1/N) sum_i s_i loss_i + ...``). Any rows but a
+        ``storage.Dataset`` (for Dask rows the ``"balanced"`` counts are computed on the workers).
     solver : {"lbfgs", "cg", "gd", "downpour"}
         Sandblaster's L-BFGS, CG or gradient descent, or Downpour SGD (``max_iter`` epochs).
     max_iter : int
@@ -745,7 +788,7 @@ class LinearRegression(RegressorMixin, _Distbelief):
         check_common(self.solver, "l2", self.max_iter, self.tol, name)
         check_alpha(self.alpha, name)
         with fit_store(self.store) as store:
-            data, n = self._data(X, y, store)
+            data, n = self._data(X, y, store, sample_weight)
             model = models.LeastSquares(int(self.n_features_in_), fit_intercept=bool(self.fit_intercept))
             seed = self._seed()
             w = self._fit_with(
@@ -871,7 +914,7 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
         hidden = self._hidden()
         seed = self._seed()
         with fit_store(self.store) as store:
-            data, n = self._data(X, y, store)
+            data, n = self._data(X, y, store, sample_weight)
             k = len(self.classes_)
             sizes = [int(self.n_features_in_), *hidden, k]
             model = models.MLP(sizes, activation=_ACTIVATIONS[self.activation])

@@ -97,7 +97,7 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
                 "fit without sample_weight"
             )
         with fit_store(self.store) as store:
-            data, n = self._data(X, y, store)
+            data, n = self._data(X, y, store, sample_weight)
             self._fit_with(
                 self.model, data, l2=float(self.alpha) / n, free=[], store=store,
                 x0=np.asarray(self.model.init_params(seed), dtype=np.float64), seed=seed or 0,

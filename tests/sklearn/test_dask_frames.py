@@ -187,14 +187,87 @@ def test_bad_dask_frames_say_what_to_do(X: pd.DataFrame, y: object, match: str) 
         LogisticRegression().fit(Xd, yd)
 
 
-def test_weights_of_a_dask_frame_say_what_to_do(cancer: tuple[pd.DataFrame, pd.Series]) -> None:
-    # Per-row weights travel as a column of rows in memory only (not yet for Dask input).
+@pytest.mark.parametrize("class_weight", [None, "balanced", {"malignant": 3.0}])
+def test_weights_of_dask_input_as_in_memory(
+    cancer: tuple[pd.DataFrame, pd.Series], class_weight: object
+) -> None:
+    # The weights are joined to the rows on the workers as their last column: the same objective as rows in
+    # memory (checked against scikit-learn to 1e-6 in test_weights).
     X, y = cancer
-    Xd, yd = dd.from_pandas(X, npartitions=2), dd.from_pandas(y, npartitions=2)
-    with pytest.raises(InvalidOptionError, match=r"a Dask DataFrame cannot carry per-row weights.*X.compute"):
-        LogisticRegression().fit(Xd, yd, sample_weight=np.ones(len(y)))
-    with pytest.raises(InvalidOptionError, match="need the rows in memory"):
-        LogisticRegression(class_weight="balanced").fit(Xd, yd)
+    s = np.random.default_rng(0).uniform(0.0, 3.0, len(y))
+    opts = dict(class_weight=class_weight, tol=1e-10, max_iter=1000)
+    ref = LogisticRegression(**opts).fit(X, y, sample_weight=s)  # type: ignore[arg-type]
+    Xd, yd = dd.from_pandas(X, npartitions=3), dd.from_pandas(y, npartitions=3)
+    sd = dd.from_pandas(pd.Series(s, index=X.index), npartitions=3)
+    frame = LogisticRegression(**opts).fit(Xd, yd, sample_weight=sd)  # type: ignore[arg-type]
+    np.testing.assert_allclose(frame.coef_, ref.coef_, atol=1e-6)
+    assert frame.n_features_in_ == 30 and list(frame.feature_names_in_) == list(X.columns)
+    arrays = LogisticRegression(**opts).fit(  # type: ignore[arg-type]
+        da.from_array(X.to_numpy(), chunks=(100, 30)), da.from_array(y.to_numpy(), chunks=150),
+        sample_weight=da.from_array(s, chunks=70),  # other chunks than X's
+    )  # fmt: skip
+    np.testing.assert_allclose(arrays.coef_, ref.coef_, atol=1e-6)
+    if class_weight is not None:  # class weights alone
+        alone = LogisticRegression(**opts).fit(Xd, yd)  # type: ignore[arg-type]
+        np.testing.assert_allclose(alone.coef_, LogisticRegression(**opts).fit(X, y).coef_, atol=1e-6)  # type: ignore[arg-type]
+
+
+def test_weights_of_a_dask_regression() -> None:
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(300, 3))
+    y = X @ [1.0, -2.0, 0.5] + rng.normal(size=300)
+    s = rng.uniform(0.0, 2.0, 300)
+    ref = sk.LinearRegression().fit(X, y, sample_weight=s)
+    for weights in (da.from_array(s, chunks=100), s):  # a Dask array, or numpy weights of Dask rows
+        ours = LinearRegression(tol=1e-10).fit(
+            da.from_array(X, chunks=(100, 3)), da.from_array(y, chunks=100), sample_weight=weights
+        )
+        np.testing.assert_allclose(ours.coef_, ref.coef_, atol=1e-6)
+    frame = dd.from_pandas(pd.DataFrame(X, columns=["a", "b", "c"]), npartitions=2)
+    scaled = LinearRegression(tol=1e-10).fit(
+        frame, dd.from_pandas(pd.Series(y), npartitions=2), sample_weight=2.0
+    )
+    np.testing.assert_allclose(scaled.coef_, sk.LinearRegression().fit(X, y).coef_, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("weights", "match"),
+    [
+        (np.array([1.0, -1.0, 1.0, 1.0]), "sample_weight must be >= 0"),
+        (np.array([1.0, np.nan, 1.0, 1.0]), "sample_weight must be finite"),
+        (np.zeros(4), "sample_weight is zero for every row"),
+        (np.ones(3), r"sample_weight must have shape \(4,\)"),
+    ],
+)
+def test_bad_dask_weights_say_what_to_do(weights: np.ndarray, match: str) -> None:
+    X, y = np.eye(4), np.array([0, 1, 0, 1])
+    with pytest.raises(InvalidOptionError, match=match):
+        LogisticRegression().fit(
+            da.from_array(X, chunks=2),
+            da.from_array(y, chunks=2),
+            sample_weight=da.from_array(weights, chunks=2),
+        )
+    if len(weights) == 4:
+        frame = dd.from_pandas(pd.DataFrame(X, columns=list("abcd")), npartitions=2)
+        with pytest.raises(InvalidOptionError, match=match):
+            LogisticRegression().fit(
+                frame,
+                dd.from_pandas(pd.Series(y), npartitions=2),
+                sample_weight=dd.from_pandas(pd.Series(weights), npartitions=2),
+            )
+
+
+def test_numpy_weights_of_a_dask_frame_say_what_to_do() -> None:
+    frame = dd.from_pandas(pd.DataFrame({"a": [0.0, 1.0, 2.0, 3.0]}), npartitions=2)
+    labels = dd.from_pandas(pd.Series([0, 1, 0, 1]), npartitions=2)
+    with pytest.raises(InvalidOptionError, match=r"sample_weight must be a Dask Series aligned with it"):
+        LogisticRegression().fit(frame, labels, sample_weight=np.ones(4))
+
+
+def test_a_dataset_still_cannot_take_weights(tmp_path: Path) -> None:
+    ds = Dataset.from_arrays(np.eye(4), [0, 1, 0, 1], path=tmp_path / "d")
+    with pytest.raises(InvalidOptionError, match=r"need the rows in memory.*X.compute"):
+        LogisticRegression().fit(ds, sample_weight=np.ones(4))
 
 
 def test_regressor_needs_numbers_in_y() -> None:
