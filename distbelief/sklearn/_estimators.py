@@ -208,6 +208,13 @@ class _Distbelief(BaseEstimator):
                 f"{type(X).__name__} and y {type(y).__name__}; or pass both as Dask arrays "
                 "(X.to_dask_array(lengths=True))"
             )
+        if X.npartitions != y.npartitions and not (X.known_divisions and y.known_divisions):
+            # Dask would shuffle both by their index to line them up, and fail if it cannot.
+            raise DatasetError(
+                f"{name}.fit: X and y must be aligned: X has {X.npartitions} partitions and y "
+                f"{y.npartitions}, and their index divisions are unknown; take both from one frame "
+                "(df[features], df[label])"
+            )
         client = resolve_client(self.client)
         _check_feature_names(self, names_of(X), reset=True)
         frame_as_array(X, f"{name}.fit")  # refuses a column that is not numbers, saying what to do
@@ -250,7 +257,14 @@ class _Distbelief(BaseEstimator):
                 self._weighted_rows = True
             else:
                 ds = dataset_from_frame(X, y, path=f"{store}/data", overwrite=True, client=client)
-        except (DatasetError, InvalidOptionError):  # ValueErrors that say what is wrong already
+        except DatasetError as exc:
+            if str(exc).startswith("label column"):  # y itself has none missing: X has rows that y has not
+                raise DatasetError(
+                    f"{name}.fit: y has a missing or infinite label for a row of X (the rows of X and y are "
+                    f"matched by their index: a row of X whose index y has not gets none): {exc}"
+                ) from exc
+            raise
+        except InvalidOptionError:  # a ValueError that says what is wrong already
             raise
         except ValueError as exc:  # dask: the partitions of X and y do not line up
             raise DatasetError(

@@ -270,6 +270,17 @@ def test_a_dataset_still_cannot_take_weights(tmp_path: Path) -> None:
         LogisticRegression().fit(ds, sample_weight=np.ones(4))
 
 
+def test_unaligned_frames_say_what_to_do() -> None:
+    X, y = pd.DataFrame({"a": np.arange(40.0)}), pd.Series(np.arange(40) % 2)
+    Xd = dd.from_pandas(X, npartitions=2).clear_divisions()
+    with pytest.raises(
+        DatasetError, match="X has 2 partitions and y 3, and their index divisions are unknown"
+    ):
+        LogisticRegression().fit(Xd, dd.from_pandas(y, npartitions=3).clear_divisions())
+    with pytest.raises(DatasetError, match="y has a missing or infinite label for a row of X"):
+        LogisticRegression().fit(dd.from_pandas(X, npartitions=2), dd.from_pandas(y.iloc[:30], npartitions=2))
+
+
 def test_regressor_needs_numbers_in_y() -> None:
     Xd = dd.from_pandas(pd.DataFrame({"x": [1.0, 2.0, 3.0, 4.0]}), npartitions=2)
     yd = dd.from_pandas(pd.Series(["a", "b", "c", "d"]), npartitions=2)
