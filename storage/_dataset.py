@@ -81,6 +81,9 @@ from ._dataset_validation import (
 
 __all__ = ["Dataset"]
 
+#: Labels :meth:`Dataset.check_model` reads at a time (8 MiB).
+_CHECK_ROWS = 1 << 20
+
 # -------------------------------------------------------------------------------------------- Dataset
 
 
@@ -1023,7 +1026,8 @@ class Dataset:
         """Check that ``model`` can train on this dataset; raise :class:`DatasetError` saying what to fix.
 
         Duck-typed: if ``model`` has ``n_features`` it must equal :attr:`n_features`. If it has
-        ``check_labels(y)``, that is called with all labels; otherwise its ``label_kind`` and ``n_classes``
+        ``check_labels(y)``, that is called with all labels, a block of at most ``2**20`` at a time (this
+        process never holds all of them for the check); otherwise its ``label_kind`` and ``n_classes``
         attributes (when present) are compared with the dataset's: a ``"real"`` model takes any labels, a
         ``"binary"`` model needs labels 0/1, a ``"classes"`` model needs class labels below its
         ``n_classes``.
@@ -1048,12 +1052,21 @@ class Dataset:
             )
         check = getattr(model, "check_labels", None)
         if callable(check):
-            try:
-                check(self.read_labels())
-            except DatasetError:
-                raise
-            except (ValueError, TypeError) as exc:
-                raise DatasetError(f"the dataset's labels do not fit the model: {exc}") from exc
+            # A block of labels at a time (unless they are read already): this process may be a client
+            # that never holds a column of a big dataset (8 bytes a row).
+            step = self.n_rows if self._labels is not None else _CHECK_ROWS
+            for start in range(0, self.n_rows, step):
+                stop = min(start + step, self.n_rows)
+                labels = self._labels if step == self.n_rows else self._read("y", start, stop)
+                where = f" (in rows {start}..{stop - 1})" if start or stop < self.n_rows else ""
+                try:
+                    check(labels)
+                except DatasetError as exc:
+                    if not where:
+                        raise
+                    raise DatasetError(f"{exc}{where}") from exc
+                except (ValueError, TypeError) as exc:
+                    raise DatasetError(f"the dataset's labels do not fit the model: {exc}{where}") from exc
             return
         m_kind = getattr(model, "label_kind", None)
         if m_kind is None or m_kind == "real":

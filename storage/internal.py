@@ -22,6 +22,7 @@ from ._calls import (
     task_result,
 )
 from ._cluster import resolve_client
+from ._dataset_frames import dataset_from_frame
 from ._dataset_location import list_datasets
 from ._dataset_sources import dataset_from_dask
 from ._direct import direct_call
@@ -67,6 +68,7 @@ __all__ = [
     "confirm_dead_async",
     "current_worker",
     "dataset_from_dask",
+    "dataset_from_frame",
     "direct_call",
     "encode_signs",
     "exactsum",

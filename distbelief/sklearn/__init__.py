@@ -4,7 +4,9 @@
 :class:`MLPClassifier` follow scikit-learn's conventions (``fit``/``predict``/``predict_proba``/``score``,
 ``coef_``, ``intercept_``, ``n_iter_``, ``get_params``/``set_params``, ``C``/``alpha`` with scikit-learn's
 meaning, unpenalized intercepts), so they work in a ``Pipeline`` and ``GridSearchCV``; ``fit`` accepts numpy
-arrays, Dask arrays (written to zarr by the workers) and a ``storage.Dataset``. The linear estimators also
+arrays, pandas, Dask arrays and Dask DataFrames (written to zarr by the workers, never through this process)
+and a ``storage.Dataset``; ``feature_names_in_`` holds string column names (of a DataFrame, or a dataset
+built from a table), checked by ``predict`` as scikit-learn checks them. The linear estimators also
 take ``scipy.sparse`` rows (any format, e.g. a ``HashingVectorizer``'s output) and Datasets of sparse rows,
 fitted through Sandblaster's sparse pull/push path, and ``penalty="l1"`` / ``"elasticnet"`` (OWL-QN).
 As in scikit-learn, ``fit`` takes ``sample_weight`` (and the linear classifiers ``class_weight``), the

@@ -13,9 +13,11 @@ gradient is computed, as one more column of the training rows: :func:`with_weigh
 :class:`RowWeights` splits it off again and passes it to the model's
 ``loss_and_grad(w, X, y, sample_weight=...)`` (the built-in models have it). The weights are thus stored
 with the rows, cut into the same portions, cached with them on the workers and read by the same code, so
-neither the datasets nor the solvers know about them (Sandblaster and Downpour alike). Rows given as a
-``storage.Dataset`` (or Dask arrays) cannot take the column (:func:`weighted_data` says what to do instead),
-and weighted ``scipy.sparse`` rows are fitted with dense communication.
+neither the datasets nor the solvers know about them (Sandblaster and Downpour alike). Dask input (arrays or
+a DataFrame, with weights as a Dask array or Series) gets the column on the workers before they write the
+fit's dataset (:func:`dask_weights`, :func:`frame_weights`; ``"balanced"`` class counts are a reduction
+there). A ``storage.Dataset`` given as it is cannot take the column (:func:`weighted_data` says what to do
+instead), and weighted ``scipy.sparse`` rows are fitted with dense communication.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "SOLVERS",
     "FreeParams",
     "RowWeights",
+    "WeightColumn",
     "fit_model",
     "resolve_client",
     "row_weights",
@@ -418,8 +421,192 @@ def row_weights(
     return weights if s is None else weights * s
 
 
+class WeightColumn:
+    """In place of the weights, for :func:`weighted_data`: the dataset's last column already holds every
+    row's weight (written by the workers from Dask input, see :func:`dask_weights`)."""
+
+
+def check_weight_stats(finite: bool, low: float, total: float, name: str) -> None:
+    """The checks of :func:`check_sample_weight` from reductions over weights on the workers.
+
+    Examples
+    --------
+    >>> check_weight_stats(True, -1.0, 3.0, "est")
+    Traceback (most recent call last):
+    ...
+    distbelief.errors.InvalidOptionError: est.fit: sample_weight must be >= 0, got -1.0; ...
+    """
+    if not finite:
+        raise InvalidOptionError(
+            f"{name}.fit: sample_weight must be finite, but it holds NaN, inf or a missing value; drop "
+            "those rows or give them a weight"
+        )
+    if low < 0:
+        raise InvalidOptionError(
+            f"{name}.fit: sample_weight must be >= 0, got {low}; use 0 to leave a row out"
+        )
+    if not total > 0:
+        raise InvalidOptionError(
+            f"{name}.fit: sample_weight is zero for every row, so there is nothing to fit; give some rows a "
+            "weight > 0"
+        )
+
+
+def class_weights(
+    class_weight: object, classes: NDArray[Any] | None, counts: Callable[[], Any], name: str
+) -> FloatArray | None:
+    """Every class's weight (scikit-learn's ``compute_class_weight``), or None for no ``class_weight``.
+
+    ``counts()`` gives the (sample-weighted) rows of every class, computed where the rows are; it is only
+    called for ``"balanced"``: ``sum(counts) / (n_classes * counts)``.
+
+    Examples
+    --------
+    >>> class_weights("balanced", np.array([0, 1]), lambda: [3.0, 1.0], "est")
+    array([0.66666667, 2.        ])
+    """
+    if class_weight is None or classes is None:
+        return None
+    check_class_weight(class_weight, classes, name)
+    if isinstance(class_weight, str):
+        n = np.asarray(counts(), dtype=np.float64)
+        return np.asarray(n.sum() / (len(classes) * n), dtype=np.float64)
+    from sklearn.utils.class_weight import compute_class_weight
+
+    return np.asarray(compute_class_weight(class_weight, classes=classes, y=classes), dtype=np.float64)
+
+
+def _per_class(index: Any, weights: FloatArray) -> Any:
+    """``weights`` of the class indices ``index`` (a numpy block or pandas Series; runs on a worker)."""
+    if hasattr(index, "to_numpy"):
+        import pandas as pd
+
+        return pd.Series(weights[index.to_numpy().astype(np.intp)], index=index.index)
+    return weights[np.asarray(index).astype(np.intp)]
+
+
+def dask_weights(
+    X: Any,
+    y_index: Any,
+    sample_weight: object,
+    class_weight: object,
+    classes: NDArray[Any] | None,
+    client: Any,
+    name: str,
+) -> Any:
+    """The Dask array ``X`` with every row's weight as one more, last, column, computed on the workers.
+
+    ``y_index``: the rows' classes as indices into ``classes`` (a Dask array; None for a regressor).
+    ``sample_weight`` is a Dask array or Series of one weight a row, a number, or a numpy array; only
+    reductions (its checks, a ``"balanced"`` class count) come back to this process.
+    """
+    import dask.array as da
+
+    n, rows = int(X.shape[0]), X.chunks[0]
+    if is_dask_array(sample_weight) or is_dask_frame(sample_weight):
+        if is_dask_frame(sample_weight):
+            if getattr(sample_weight, "ndim", 1) != 1:
+                raise InvalidOptionError(f"{name}.fit: sample_weight must be one weight a row (a Series)")
+            series: Any = sample_weight
+            sample_weight = series.to_dask_array(lengths=True)
+        s = da.asarray(sample_weight)
+        if s.ndim != 1 or s.shape[0] != n:
+            raise InvalidOptionError(
+                f"{name}.fit: sample_weight must have shape ({n},), one weight per row of X, got shape "
+                f"{s.shape}"
+            )
+        if s.dtype.kind not in "biuf":
+            raise InvalidOptionError(f"{name}.fit: sample_weight must hold numbers, got dtype {s.dtype}")
+        s = s.astype(np.float64).rechunk((rows,))
+        finite, low, total = client.compute([da.isfinite(s).all(), s.min(), s.sum()], sync=True)
+        check_weight_stats(bool(finite), float(low), float(total), name)
+    elif sample_weight is None:
+        s = None
+    else:
+        s = da.from_array(check_sample_weight(sample_weight, n, name), chunks=(rows,))
+    w = s if s is not None else da.ones(n, chunks=(rows,))
+    if y_index is not None:
+        y_index = y_index.rechunk((rows,))
+        k = len(classes) if classes is not None else 0
+        per_class = class_weights(
+            class_weight,
+            classes,
+            lambda: client.compute(da.bincount(y_index.astype(np.int64), weights=s, minlength=k), sync=True),
+            name,
+        )
+        if per_class is not None:
+            w = w * y_index.map_blocks(_per_class, per_class, dtype=np.float64)
+    return da.concatenate([X.astype(np.float64), w[:, None]], axis=1)
+
+
+def frame_weights(
+    frame: Any,
+    label: str,
+    sample_weight: object,
+    class_weight: object,
+    classes: NDArray[Any] | None,
+    client: Any,
+    name: str,
+) -> tuple[Any, str]:
+    """The Dask DataFrame ``frame`` (features and the label column ``label``, class indices for a
+    classifier) with every row's weight as one more column, computed on the workers, and its name.
+
+    ``sample_weight`` is a Dask Series aligned with the frame, or a number.
+    """
+    import dask.dataframe as dd
+    import pandas as pd
+
+    column = "__sample_weight__"
+    while column in frame.columns:
+        column += "_"
+    if isinstance(sample_weight, dd.Series):
+        if not pd.api.types.is_numeric_dtype(sample_weight.dtype) or pd.api.types.is_bool_dtype(
+            sample_weight.dtype
+        ):
+            raise InvalidOptionError(
+                f"{name}.fit: sample_weight must hold numbers, got dtype {sample_weight.dtype}"
+            )
+        missing, low, high, total = client.compute(
+            [sample_weight.isna().sum(), sample_weight.min(), sample_weight.max(), sample_weight.sum()],
+            sync=True,
+        )
+        finite = int(missing) == 0 and math.isfinite(float(low)) and math.isfinite(float(high))
+        check_weight_stats(finite, float(low), float(total), name)
+        frame = frame.assign(**{column: sample_weight.astype(np.float64)})
+    elif sample_weight is None or (
+        isinstance(sample_weight, numbers.Real) and not isinstance(sample_weight, bool)
+    ):
+        checked = check_sample_weight(sample_weight, 1, name)
+        value = 1.0 if checked is None else float(checked[0])
+        frame = frame.assign(**{column: value})
+    else:
+        raise InvalidOptionError(
+            f"{name}.fit: with a Dask DataFrame X, sample_weight must be a Dask Series aligned with it (e.g. "
+            f"df['weight']) or a number, got {type(sample_weight).__name__}"
+        )
+    if classes is not None:
+        per_class = class_weights(
+            class_weight,
+            classes,
+            lambda: (
+                client.compute(frame.groupby(label)[column].sum(), sync=True)
+                .reindex(np.arange(len(classes), dtype=np.float64), fill_value=0.0)
+                .to_numpy()
+            ),
+            name,
+        )
+        if per_class is not None:
+            scale = frame[label].map_partitions(_per_class, per_class, meta=(column, np.float64))
+            frame = frame.assign(**{column: frame[column] * scale})
+    return frame, column
+
+
 def weighted_data(
-    data: Any, weights: FloatArray | None, name: str, *, downpour_options: dict[str, Any] | None = None
+    data: Any,
+    weights: FloatArray | WeightColumn | None,
+    name: str,
+    *,
+    downpour_options: dict[str, Any] | None = None,
 ) -> tuple[Any, Callable[[Any], Any]]:
     """The training data with the weight column (if any), and the wrapper the model needs for it.
 
@@ -437,10 +624,18 @@ def weighted_data(
     if weights is None:
         return data, lambda model: model
     what = "sample_weight / class_weight"
+    if isinstance(weights, WeightColumn):
+        if (downpour_options or {}).get("eval_data") is not None:
+            raise InvalidOptionError(
+                f"{name}.fit: {what} cannot be used with downpour_options['eval_data'] (the held-out rows "
+                "would be read as weighted ones); drop eval_data and score the fitted estimator on them "
+                "instead"
+            )
+        return data, RowWeights
     if not isinstance(data, tuple):
         raise InvalidOptionError(
             f"{name}.fit: {what} need the rows in memory (numpy, pandas or scipy.sparse); a "
-            "storage.Dataset or Dask arrays cannot carry per-row weights. Fit arrays "
+            "storage.Dataset, Dask arrays or a Dask DataFrame cannot carry per-row weights. Fit arrays "
             "(X.compute(), y.compute()), or for integer weights repeat the rows in the dataset"
         )
     if (downpour_options or {}).get("eval_data") is not None:
@@ -766,6 +961,57 @@ def is_dask_array(X: object) -> bool:
 
     da = sys.modules.get("dask.array")
     return da is not None and isinstance(X, da.Array)
+
+
+def is_dask_frame(X: object) -> bool:
+    """Whether ``X`` is a Dask DataFrame or Series (without importing dask.dataframe unless it is loaded)."""
+    import sys
+
+    dd = sys.modules.get("dask.dataframe")
+    return dd is not None and isinstance(X, dd.DataFrame | dd.Series)
+
+
+def names_of(X: Any) -> Any:
+    """What scikit-learn's feature-name checks should look at for ``X``: ``X`` itself, or for a Dask
+    DataFrame an empty pandas DataFrame with its columns (scikit-learn does not recognize Dask's lazy
+    frames, and the names need no data).
+
+    Examples
+    --------
+    >>> names_of(np.zeros(2)).shape
+    (2,)
+    """
+    if is_dask_frame(X) and hasattr(X, "columns"):
+        import pandas as pd
+
+        return pd.DataFrame(columns=X.columns)
+    return X
+
+
+def frame_as_array(X: Any, name: str) -> Any:
+    """The Dask DataFrame ``X`` as a lazy float64 Dask array (bool columns as 0/1), or an error naming a
+    column that is not numbers.
+
+    Raises
+    ------
+    DatasetError
+        For a string, categorical or other non-number column, saying how to encode it.
+    """
+    import pandas as pd
+
+    cols = {}
+    for col, dt in X.dtypes.items():
+        if pd.api.types.is_bool_dtype(dt):
+            cols[col] = np.float64
+        elif not pd.api.types.is_numeric_dtype(dt) or pd.api.types.is_complex_dtype(dt):
+            raise DatasetError(
+                f"{name}: column {col!r} of X holds {dt} values, not numbers; encode it on the workers with "
+                "Dataset.from_dask(X, y, path=..., categorical='onehot') (few distinct values) or "
+                "hash_features=2**20 (many) and fit that dataset, or drop the column "
+                f"(X.drop(columns=[{col!r}]))"
+            )
+    X = X.astype(cols) if cols else X
+    return X.to_dask_array().astype(np.float64)
 
 
 def map_rows(X: Any, fn: Callable[[FloatArray], NDArray[Any]], out_cols: int | None, dtype: Any) -> Any:

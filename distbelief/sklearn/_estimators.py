@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
+import warnings
 from typing import Any
 
 import numpy as np
@@ -11,22 +13,35 @@ import scipy.sparse as sp
 from numpy.typing import NDArray
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.multiclass import check_classification_targets
-from sklearn.utils.validation import check_is_fitted, validate_data
+
+# scikit-learn's own feature-name check (what validate_data runs), used on a Dask frame's names without
+# reading its rows; there is no public function for it.
+from sklearn.utils.validation import (
+    _check_feature_names,  # noqa: PLC2701
+    check_is_fitted,
+    validate_data,
+)
 
 from distbelief import models
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.storage import Dataset
 
 from ._base import (
+    WeightColumn,
     check_alpha,
     check_callback,
     check_common,
     check_verbose,
     clone_keeping_client,
+    dask_weights,
     fit_model,
     fit_store,
+    frame_as_array,
+    frame_weights,
     is_dask_array,
+    is_dask_frame,
     map_rows,
+    names_of,
     picklable_state,
     resolve_client,
     row_weights,
@@ -73,7 +88,7 @@ class _Distbelief(BaseEstimator):
     # ------------------------------------------------------------------------------------------ data
 
     def _rows_and_labels(
-        self, X: Any, y: Any, store: str
+        self, X: Any, y: Any, store: str, weights: tuple[Any, Any]
     ) -> tuple[Dataset | tuple[FloatArray, FloatArray], int]:
         name = type(self).__name__
         if isinstance(X, Dataset):
@@ -82,6 +97,7 @@ class _Distbelief(BaseEstimator):
                     f"{name}.fit(dataset) takes the labels from the dataset; call fit(dataset) without y"
                 )
             self.n_features_in_ = X.n_features
+            self._dataset_feature_names(X)
             if self._classifier:
                 if X.label_kind == "real" or X.n_classes is None:
                     raise DatasetError(
@@ -90,8 +106,10 @@ class _Distbelief(BaseEstimator):
                     )
                 self.classes_ = np.arange(X.n_classes)
             return X, X.n_rows
+        if is_dask_frame(X) or is_dask_frame(y):
+            return self._frame_data(X, y, store, *weights)
         if is_dask_array(X) or is_dask_array(y):
-            return self._dask_data(X, y, store)
+            return self._dask_data(X, y, store, *weights)
         if y is None:
             raise ValueError(
                 f"{name} requires y to be passed, but the target y is None; pass the labels, or a "
@@ -112,10 +130,17 @@ class _Distbelief(BaseEstimator):
         rows = _csr(X_arr) if sp.issparse(X_arr) else np.ascontiguousarray(X_arr)
         return (rows, np.asarray(y_arr, dtype=np.float64)), X_arr.shape[0]
 
-    def _data(self, X: Any, y: Any, store: str) -> tuple[Dataset | tuple[FloatArray, FloatArray], int]:
+    def _data(
+        self, X: Any, y: Any, store: str, sample_weight: Any = None, class_weight: Any = None
+    ) -> tuple[Dataset | tuple[FloatArray, FloatArray], int]:
         """The training rows as a Dataset or checked arrays (labels encoded 0..K-1), and N; a classifier's
-        data must hold at least two classes."""
-        data, n = self._rows_and_labels(X, y, store)
+        data must hold at least two classes.
+
+        Dask input with ``sample_weight`` / ``class_weight`` is written with every row's weight as the last
+        column (:meth:`_row_weights` then says so); other rows get their weights from :meth:`_row_weights`.
+        """
+        self._weighted_rows = False
+        data, n = self._rows_and_labels(X, y, store, (sample_weight, class_weight))
         if self._classifier and len(self.classes_) < 2:
             raise DatasetError(
                 f"{type(self).__name__} needs samples of at least 2 classes in the data, but the data "
@@ -123,7 +148,9 @@ class _Distbelief(BaseEstimator):
             )
         return data, n
 
-    def _dask_data(self, X: Any, y: Any, store: str) -> tuple[Dataset, int]:
+    def _dask_data(
+        self, X: Any, y: Any, store: str, sample_weight: Any = None, class_weight: Any = None
+    ) -> tuple[Dataset, int]:
         import dask.array as da
 
         from distbelief.storage.internal import dataset_from_dask
@@ -143,8 +170,134 @@ class _Distbelief(BaseEstimator):
             self.classes_ = classes
             y = y.map_blocks(lambda b: np.searchsorted(classes, b).astype(np.float64), dtype=np.float64)
         self.n_features_in_ = int(X.shape[1])
+        _check_feature_names(self, X, reset=True)  # none: drops those of an earlier fit
+        if sample_weight is not None or (class_weight is not None and self._classifier):
+            found = self.classes_ if self._classifier else None
+            X = dask_weights(
+                X, y if self._classifier else None, sample_weight, class_weight, found, client, name
+            )
+            self._weighted_rows = True
         ds = dataset_from_dask(X, y, path=f"{store}/data", overwrite=True, client=client)
         return ds, ds.n_rows
+
+    def _dataset_feature_names(self, ds: Dataset) -> None:
+        """``feature_names_in_`` from a dataset's :attr:`~storage.Dataset.feature_names` (one built from a
+        table), or none.
+
+        A sparse dataset (hashed columns) has none: its rows are predicted from ``scipy.sparse`` rows, which
+        have no column names to check, and ``2**20`` names would only cost memory.
+        """
+        names = ds.feature_names
+        if names is not None and ds.layout == "dense":
+            self.feature_names_in_ = np.asarray(names, dtype=object)
+        elif hasattr(self, "feature_names_in_"):
+            del self.feature_names_in_
+
+    def _frame_data(
+        self, X: Any, y: Any, store: str, sample_weight: Any = None, class_weight: Any = None
+    ) -> tuple[Dataset, int]:
+        """A Dask DataFrame ``X`` and Series ``y`` written as a dataset by the workers (never through this
+        process), with ``feature_names_in_`` from ``X``'s columns (scikit-learn's rule: all strings).
+
+        Bool columns become 0/1 in place (a dataset built from a table would put them after the numbers,
+        and the coefficients must follow ``X``'s order); string and categorical columns are refused with
+        what to do (:meth:`storage.Dataset.from_dask` encodes them).
+        """
+        import dask.dataframe as dd
+        import pandas as pd
+
+        from distbelief.storage.internal import dataset_from_frame
+
+        name = type(self).__name__
+        if not isinstance(X, dd.DataFrame) or not isinstance(y, dd.Series):
+            raise DatasetError(
+                f"{name}.fit: with Dask DataFrames pass X as a dask.dataframe.DataFrame and y as a "
+                f"dask.dataframe.Series aligned with it (e.g. df[features], df[label]), got X "
+                f"{type(X).__name__} and y {type(y).__name__}; or pass both as Dask arrays "
+                "(X.to_dask_array(lengths=True))"
+            )
+        if X.npartitions != y.npartitions and not (X.known_divisions and y.known_divisions):
+            # Dask would shuffle both by their index to line them up, and fail if it cannot.
+            raise DatasetError(
+                f"{name}.fit: X and y must be aligned: X has {X.npartitions} partitions and y "
+                f"{y.npartitions}, and their index divisions are unknown; take both from one frame "
+                "(df[features], df[label])"
+            )
+        client = resolve_client(self.client)
+        _check_feature_names(self, names_of(X), reset=True)
+        frame_as_array(X, f"{name}.fit")  # refuses a column that is not numbers, saying what to do
+        bools = {c: np.float64 for c, dt in X.dtypes.items() if pd.api.types.is_bool_dtype(dt)}
+        X = X.astype(bools) if bools else X
+        # The dataset's columns are named by str(c) (scikit-learn's names, if any, are already these).
+        X = (
+            X.rename(columns={c: str(c) for c in X.columns})
+            if any(not isinstance(c, str) for c in X.columns)
+            else X
+        )
+        if not (pd.api.types.is_numeric_dtype(y.dtype) or self._classifier) or pd.api.types.is_complex_dtype(
+            y.dtype
+        ):
+            raise DatasetError(f"{name}.fit: y must hold real numbers, got dtype {y.dtype}")
+        missing = y.isna().sum()
+        if self._classifier:
+            found, n_missing = client.compute([y.dropna().unique(), missing], sync=True)
+            _refuse_missing(name, int(n_missing))
+            classes = np.unique(np.asarray(found))
+            check_classification_targets(classes)
+            self.classes_ = classes
+            y = y.map_partitions(_class_index, classes, meta=(y.name, np.float64))
+        else:
+            _refuse_missing(name, int(client.compute(missing, sync=True)))
+        self.n_features_in_ = len(X.columns)
+        try:
+            if sample_weight is not None or (class_weight is not None and self._classifier):
+                label = "__label__"
+                while label in X.columns:
+                    label += "_"
+                frame, column = frame_weights(
+                    X.assign(**{label: y}), label, sample_weight, class_weight,
+                    self.classes_ if self._classifier else None, client, name,
+                )  # fmt: skip
+                features = [*map(str, X.columns), column]
+                ds = dataset_from_frame(
+                    frame, label, features=features, path=f"{store}/data", overwrite=True, client=client
+                )
+                self._weighted_rows = True
+            else:
+                ds = dataset_from_frame(X, y, path=f"{store}/data", overwrite=True, client=client)
+        except DatasetError as exc:
+            if str(exc).startswith("label column"):  # y itself has none missing: X has rows that y has not
+                raise DatasetError(
+                    f"{name}.fit: y has a missing or infinite label for a row of X (the rows of X and y are "
+                    f"matched by their index: a row of X whose index y has not gets none): {exc}"
+                ) from exc
+            raise
+        except InvalidOptionError:  # a ValueError that says what is wrong already
+            raise
+        except ValueError as exc:  # dask: the partitions of X and y do not line up
+            raise DatasetError(
+                f"{name}.fit: X and y must be aligned (the same index and partitions, as df[features] and "
+                f"df[label] of one frame are): {exc}"
+            ) from exc
+        return ds, ds.n_rows
+
+    def _is_lazy(self, X: Any) -> bool:
+        """Whether ``X`` is a Dask array or DataFrame (predicted by :meth:`_lazy`); then the estimator must
+        be fitted."""
+        if is_dask_array(X) or is_dask_frame(X):
+            check_is_fitted(self)
+            return True
+        return False
+
+    def _lazy(self, X: Any, method: str, out_cols: int | None, dtype: Any) -> Any:
+        """``self.<method>`` of every row block of a Dask array or DataFrame ``X`` on the workers (a lazy
+        Dask array), after checking ``X``'s column names here as scikit-learn does."""
+        _check_feature_names(self, names_of(X), reset=False)
+        if is_dask_frame(X):
+            X = frame_as_array(X, f"{type(self).__name__}.{method}")
+        if X.ndim != 2:
+            raise DatasetError(f"{type(self).__name__}.{method}: X must be 2-D, got shape {X.shape}")
+        return map_rows(X, functools.partial(_unnamed_rows, getattr(self, method)), out_cols, dtype)
 
     def _rows(self, X: Any) -> Any:
         """``X`` checked against the fitted features: float64 rows, CSR for sparse input."""
@@ -166,7 +319,7 @@ class _Distbelief(BaseEstimator):
         seed: int = 0,
         downpour_options: dict[str, Any] | None = None,
         l1: float = 0.0,
-        weights: FloatArray | None = None,
+        weights: FloatArray | WeightColumn | None = None,
     ) -> FloatArray:
         """Fit ``model`` (with per-row ``weights`` if given, see ``_base.RowWeights``), starting from the
         previous fit's parameters with ``warm_start``, else from ``x0``; set ``model_``, ``w_``,
@@ -234,13 +387,18 @@ class _Distbelief(BaseEstimator):
             f"{rs!r}"
         )
 
-    def _row_weights(self, sample_weight: Any, data: Any, class_weight: Any = None) -> FloatArray | None:
+    def _row_weights(
+        self, sample_weight: Any, data: Any, class_weight: Any = None
+    ) -> FloatArray | WeightColumn | None:
         """Every training row's weight (``sample_weight`` times ``class_weight``), or None for neither.
 
-        ``data`` is what :meth:`_data` returned; per-row weights need its rows in memory (a tuple).
+        ``data`` is what :meth:`_data` returned; per-row weights need its rows in memory (a tuple), or Dask
+        input, whose dataset :meth:`_data` wrote with the weights (then a :class:`WeightColumn`).
         """
         if sample_weight is None and class_weight is None:
             return None
+        if getattr(self, "_weighted_rows", False):
+            return WeightColumn()
         name = type(self).__name__
         if not isinstance(data, tuple):
             weighted_data(data, np.ones(1), name)  # raises, saying what to do
@@ -250,11 +408,34 @@ class _Distbelief(BaseEstimator):
 
     def _log_of_proba(self, X: Any) -> Any:
         """``log(predict_proba(X))`` (the classifiers without a closed form of their own)."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self._log_of_proba, len(self.classes_), np.float64)
+        if self._is_lazy(X):
+            return self._lazy(X, "_log_of_proba", len(self.classes_), np.float64)
         with np.errstate(divide="ignore"):
             return np.log(self.predict_proba(X))
+
+
+def _refuse_missing(name: str, n_missing: int) -> None:
+    if n_missing:
+        raise DatasetError(
+            f"{name}.fit: y has {n_missing} missing labels; drop those rows first (keep = y.notna(); "
+            "X[keep], y[keep])"
+        )
+
+
+def _class_index(labels: Any, classes: NDArray[Any]) -> Any:
+    """The labels of one partition as indices into ``classes`` (float64; runs on a worker)."""
+    import pandas as pd
+
+    index = np.searchsorted(classes, labels.to_numpy()).astype(np.float64)
+    return pd.Series(index, index=labels.index, name=labels.name)
+
+
+def _unnamed_rows(method: Any, block: FloatArray) -> Any:
+    """``method(block)`` on a worker: the block is a numpy array, whose column names were checked on the
+    client, so scikit-learn's warning that it has none is not news."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="X does not have valid feature names")
+        return method(block)
 
 
 def _csr(X: Any) -> sp.csr_array:
@@ -323,15 +504,20 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
         self.downpour_options = downpour_options
 
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> Any:
-        """Fit on ``X`` (numpy, ``scipy.sparse``, Dask array or ``storage.Dataset``) and labels ``y``.
+        """Fit on ``X`` (numpy, pandas, ``scipy.sparse``, Dask array or DataFrame, ``storage.Dataset``) and
+        labels ``y``.
 
         Parameters
         ----------
         X, y
-            The rows and their labels (``y`` is None for a ``storage.Dataset``, which holds its labels).
+            The rows and their labels (``y`` is None for a ``storage.Dataset``, which holds its labels). A
+            Dask DataFrame ``X`` takes a Dask Series ``y`` aligned with it; the workers write both to the
+            fit's store. String column names become ``feature_names_in_``.
         sample_weight : array_like of shape (n_samples,) or float, optional
-            Every row's weight in the objective (multiplied by its class's ``class_weight``); rows in
-            memory only (numpy or pandas, dense) and not with ``solver="downpour"``.
+            Every row's weight in the objective (multiplied by its class's ``class_weight``). For Dask
+            rows a Dask array (Dask arrays ``X``) or a Dask Series aligned with ``X`` (a Dask DataFrame),
+            joined to the rows on the workers; not for a ``storage.Dataset``, nor with Downpour's
+            ``eval_data``.
 
         Returns
         -------
@@ -345,7 +531,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
             )
         ratio = self._l1_ratio()
         with fit_store(self.store) as store:
-            data, n = self._data(X, y, store)
+            data, n = self._data(X, y, store, sample_weight, self.class_weight)
             k = len(self.classes_)
             d = int(self.n_features_in_)
             fit_intercept = bool(self.fit_intercept)
@@ -406,18 +592,16 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
     def decision_function(self, X: Any) -> Any:
         """Logits, shape (n, n_classes); for two classes shape (n,), the logit of ``classes_[1]`` against
         ``classes_[0]`` (scikit-learn's convention)."""
-        if is_dask_array(X):
-            check_is_fitted(self)
+        if self._is_lazy(X):
             cols = None if len(self.classes_) == 2 else len(self.classes_)
-            return map_rows(X, self.decision_function, cols, np.float64)
+            return self._lazy(X, "decision_function", cols, np.float64)
         z = self._scores(self._rows(X))
         return z[:, 1] - z[:, 0] if z.ndim == 2 and z.shape[1] == 2 else z
 
     def predict_proba(self, X: Any) -> Any:
         """Class probabilities, shape (n, n_classes), columns in the order of ``classes_``."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self.predict_proba, len(self.classes_), np.float64)
+        if self._is_lazy(X):
+            return self._lazy(X, "predict_proba", len(self.classes_), np.float64)
         z = self._scores(self._rows(X))
         if z.ndim == 1:
             from scipy.special import expit
@@ -431,9 +615,8 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
 
     def predict_log_proba(self, X: Any) -> Any:
         """Log class probabilities, shape (n, n_classes), computed stably (no ``log`` of a rounded 0)."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self.predict_log_proba, len(self.classes_), np.float64)
+        if self._is_lazy(X):
+            return self._lazy(X, "predict_log_proba", len(self.classes_), np.float64)
         z = self._scores(self._rows(X))
         if z.ndim == 1:  # log sigmoid(-z), log sigmoid(z)
             out: FloatArray = -np.logaddexp(0.0, np.column_stack([z, -z]))
@@ -444,9 +627,8 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
 
     def predict(self, X: Any) -> Any:
         """The most probable class of every row (labels from ``classes_``)."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self.predict, None, self.classes_.dtype)
+        if self._is_lazy(X):
+            return self._lazy(X, "predict", None, self.classes_.dtype)
         z = self._scores(self._rows(X))
         index = (z > 0).astype(np.intp) if z.ndim == 1 else np.argmax(z, axis=1)
         return self.classes_[index]
@@ -477,8 +659,8 @@ class LogisticRegression(_LinearClassifier):
         Per-class weights, as scikit-learn's: ``{label: weight}`` (a class left out weighs 1) or
         ``"balanced"`` (``n_samples / (n_classes * counts)``, with ``sample_weight`` weighted counts).
         Every row's weight is its ``sample_weight`` times its class's weight; the objective becomes
-        ``C * sum_i s_i loss_i + penalty`` (solved as ``(1/N) sum_i s_i loss_i + ...``). Rows in memory
-        only (numpy, pandas, ``scipy.sparse``), not a ``storage.Dataset`` or Dask arrays.
+        ``C * sum_i s_i loss_i + penalty`` (solved as ``(1/N) sum_i s_i loss_i + ...``). Any rows but a
+        ``storage.Dataset`` (for Dask rows the ``"balanced"`` counts are computed on the workers).
     solver : {"lbfgs", "cg", "gd", "downpour"}
         Sandblaster's L-BFGS, CG or gradient descent, or Downpour SGD (``max_iter`` epochs).
     max_iter : int
@@ -513,6 +695,10 @@ class LogisticRegression(_LinearClassifier):
     classes_, coef_, intercept_, n_iter_, n_features_in_
         As in scikit-learn. ``coef_`` has shape (1, n_features) for two classes, else (n_classes,
         n_features).
+    feature_names_in_
+        The column names, when ``X`` had string ones (pandas or Dask DataFrame), or a dense dataset built
+        from a table (its :attr:`storage.Dataset.feature_names`: one-hot columns as ``"column=value"``);
+        ``predict`` on a DataFrame with other names or order raises, as in scikit-learn.
     model_, w_, result_
         The distbelief model, its flat parameters and the solver's result.
 
@@ -614,7 +800,8 @@ class LinearRegression(RegressorMixin, _Distbelief):
         self.downpour_options = downpour_options
 
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> LinearRegression:
-        """Fit on ``X`` (numpy, ``scipy.sparse``, Dask array or ``storage.Dataset``) and targets ``y``.
+        """Fit on ``X`` (numpy, pandas, ``scipy.sparse``, Dask array or DataFrame, ``storage.Dataset``) and
+        targets ``y``.
 
         ``sample_weight`` weighs every row's squared error, as in :class:`LogisticRegression`.
 
@@ -626,7 +813,7 @@ class LinearRegression(RegressorMixin, _Distbelief):
         check_common(self.solver, "l2", self.max_iter, self.tol, name)
         check_alpha(self.alpha, name)
         with fit_store(self.store) as store:
-            data, n = self._data(X, y, store)
+            data, n = self._data(X, y, store, sample_weight)
             model = models.LeastSquares(int(self.n_features_in_), fit_intercept=bool(self.fit_intercept))
             seed = self._seed()
             w = self._fit_with(
@@ -642,9 +829,8 @@ class LinearRegression(RegressorMixin, _Distbelief):
 
     def predict(self, X: Any) -> Any:
         """Predicted targets ``X @ coef_ + intercept_``."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self.predict, None, np.float64)
+        if self._is_lazy(X):
+            return self._lazy(X, "predict", None, np.float64)
         out: FloatArray = np.asarray(self._rows(X) @ self.coef_) + self.intercept_
         return out
 
@@ -735,7 +921,7 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
         return hidden
 
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> MLPClassifier:
-        """Fit on ``X`` (numpy, Dask array or ``storage.Dataset``) and labels ``y``.
+        """Fit on ``X`` (numpy, pandas, Dask array or DataFrame, ``storage.Dataset``) and labels ``y``.
 
         ``sample_weight`` weighs every row's loss, as in :class:`LogisticRegression`.
 
@@ -753,7 +939,7 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
         hidden = self._hidden()
         seed = self._seed()
         with fit_store(self.store) as store:
-            data, n = self._data(X, y, store)
+            data, n = self._data(X, y, store, sample_weight)
             k = len(self.classes_)
             sizes = [int(self.n_features_in_), *hidden, k]
             model = models.MLP(sizes, activation=_ACTIVATIONS[self.activation])
@@ -777,9 +963,8 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
 
     def predict_proba(self, X: Any) -> Any:
         """Class probabilities, shape (n, n_classes), columns in the order of ``classes_``."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self.predict_proba, len(self.classes_), np.float64)
+        if self._is_lazy(X):
+            return self._lazy(X, "predict_proba", len(self.classes_), np.float64)
         rows = self._rows(X)
         Z = self.model_.predict_proba(self.w_, rows)
         return np.asarray(Z, dtype=np.float64)
@@ -790,8 +975,7 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
 
     def predict(self, X: Any) -> Any:
         """The most probable class of every row (labels from ``classes_``)."""
-        if is_dask_array(X):
-            check_is_fitted(self)
-            return map_rows(X, self.predict, None, self.classes_.dtype)
+        if self._is_lazy(X):
+            return self._lazy(X, "predict", None, self.classes_.dtype)
         proba = self.predict_proba(X)
         return self.classes_[np.argmax(proba, axis=1)]

@@ -98,7 +98,7 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
                 "fit without sample_weight"
             )
         with fit_store(self.store) as store:
-            data, n = self._data(X, y, store)
+            data, n = self._data(X, y, store, sample_weight)
             self._fit_with(
                 self.model, data, l2=float(self.alpha) / n, free=[], store=store,
                 x0=np.asarray(self.model.init_params(seed), dtype=np.float64), seed=seed or 0,
@@ -109,6 +109,8 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
 
     def predict_proba(self, X: Any) -> Any:
         """``model.predict_proba(w_, X)`` (only if the model has one)."""
+        if self._is_lazy(X):
+            return self._lazy(X, "predict_proba", len(self.classes_), np.float64)
         rows = self._rows(X)
         method = getattr(self.model_, "predict_proba", None)
         if not callable(method):
@@ -121,6 +123,8 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
 
     def predict(self, X: Any) -> Any:
         """The classes ``model.predict(w_, X)`` points at."""
+        if self._is_lazy(X):
+            return self._lazy(X, "predict", None, self.classes_.dtype)
         rows = self._rows(X)
         index = np.asarray(self.model_.predict(self.w_, rows)).astype(np.intp)
         return self.classes_[index]

@@ -335,7 +335,6 @@ def test_bad_class_weight_says_what_to_do(
 def test_weights_refused_where_rows_cannot_carry_them(
     cancer: tuple[np.ndarray, np.ndarray], tmp_path: Any, client: Client
 ) -> None:
-    import dask.array as da
 
     X, y = cancer
     ds = Dataset.from_arrays(X, y, path=str(tmp_path / "d"), label_kind="binary")
@@ -343,10 +342,6 @@ def test_weights_refused_where_rows_cannot_carry_them(
         LogisticRegression().fit(ds, sample_weight=np.ones(len(y)))
     with pytest.raises(InvalidOptionError, match="need the rows in memory"):
         LogisticRegression(class_weight="balanced").fit(ds)
-    with pytest.raises(InvalidOptionError, match="need the rows in memory"):
-        LogisticRegression().fit(
-            da.from_array(X, chunks=100), da.from_array(y, chunks=100), sample_weight=np.ones(len(y))
-        )
     held_out = {"eval_data": (X[:10], y[:10])}
     with pytest.raises(InvalidOptionError, match="drop eval_data"):
         LogisticRegression(solver="downpour", downpour_options=held_out).fit(

@@ -224,6 +224,23 @@ def test_labels_are_read_once_per_object_and_read_only(tmp_path: Path) -> None:
     assert not _bits_equal(fresh.read_labels(), y)
 
 
+def test_model_check_reads_labels_a_block_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client checking a model never holds all labels of a big dataset: blocks of _CHECK_ROWS, none kept;
+    an error says in which rows."""
+    from distbelief.models import Logistic
+
+    X, _ = _rng_data(1000, 2)
+    y = np.zeros(1000)
+    y[700] = 3.0
+    monkeypatch.setattr(dsmod, "_CHECK_ROWS", 300)
+    ds = Dataset.from_arrays(X, y, path=tmp_path / "d", label_kind="real")
+    seen: list[int] = []
+    ds.check_model(SimpleNamespace(n_features=2, check_labels=lambda labels: seen.append(len(labels))))
+    assert seen == [300, 300, 300, 100] and ds._labels is None
+    with pytest.raises(DatasetError, match=r"expects binary labels 0 or 1.*\(in rows 600\.\.899\)"):
+        ds.check_model(Logistic(2))
+
+
 def test_unpickled_dataset_notices_replacement(tmp_path: Path) -> None:
     X, y = _rng_data(10, 2)
     blob = pickle.dumps(Dataset.from_arrays(X, y, path=tmp_path / "d"))
