@@ -7,7 +7,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -847,16 +847,17 @@ def _bytes_moved(replicas: Sequence[Any], nfev: int) -> dict[str, Any]:
 
 
 def _history(records: list[IterationRecord]) -> xr.Dataset:
-    rows = [asdict(r) for r in records]
-    if not rows:
+    if not records:
         return xr.Dataset(coords={"iteration": np.arange(0)})
+    # Field by field (dataclasses.asdict deep-copies every record: 0.1 ms each, a tenth of a small fit).
+    names = [f.name for f in fields(IterationRecord)]
     # ``nnz`` is OWL-QN's column only.
     columns = {
-        k: np.array([row[k] for row in rows])
-        for k in rows[0]
-        if k != "iteration" and not (k == "nnz" and rows[0][k] is None)
+        k: np.array([getattr(r, k) for r in records])
+        for k in names
+        if k != "iteration" and not (k == "nnz" and getattr(records[0], k) is None)
     }
     return xr.Dataset(
         {k: ("iteration", v) for k, v in columns.items()},
-        coords={"iteration": np.array([row["iteration"] for row in rows])},
+        coords={"iteration": np.array([r.iteration for r in records])},
     )
