@@ -19,8 +19,8 @@ heaviest load) on a 400k-parameter model (the MLP of issue 30: 3.2 MB a message)
 From these, a model predicts a cluster's steps/s::
 
     steps/s = min(R / (t_step + t_comm),                      # replicas, each at its own pace
-                  S * n / (c_msg + c_byte * 8P/S),             # shard CPU, each shard on its own machine
-                  S * n * bandwidth / (8P/S))                  # each shard machine's network link
+                  n / (c_msg + c_byte * 8P/S),                 # shard CPU: every push reaches every shard
+                  n * bandwidth / (8P/S))                      # each shard machine's network link
 
 with R replicas, S shards, P parameters, n = n_fetch = n_push, t_step the model's step and t_comm the
 replica's own cost per step of moving ``2 * 8P / n`` bytes (measured here at R = 1); ``c_msg`` and
@@ -195,8 +195,10 @@ def predict(
     slice_bytes = 8.0 * n_params / shards
     limits = {
         "replicas": replicas / (step_s + comm_s),
-        "shard CPU": shards * n / max(cost["c_msg"] + cost["c_byte"] * slice_bytes, 1e-300),
-        "shard network": shards * n * link_bytes_per_s / slice_bytes,
+        # Every step's push (and fetch) reaches every shard, as a slice: more shards make the slices
+        # smaller, not the messages fewer.
+        "shard CPU": n / max(cost["c_msg"] + cost["c_byte"] * slice_bytes, 1e-300),
+        "shard network": n * link_bytes_per_s / slice_bytes,
     }
     bound = min(limits, key=lambda k: limits[k])
     return {"steps_per_s": limits[bound], "bound": bound, "limits": limits}

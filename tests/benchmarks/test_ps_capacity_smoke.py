@@ -45,6 +45,13 @@ def test_the_prediction_is_the_tightest_bound() -> None:
         cost={"c_msg": 0.0, "c_byte": 0.0},
     )
     assert big["bound"] == "shard network" and big["steps_per_s"] == pytest.approx(1.25e9 / 8e9)
+    # Every push reaches every shard: more shards make smaller slices, not fewer messages.
+    per_message = {"c_msg": 1e-3, "c_byte": 0.0}
+    for shards in (1, 10):
+        p = ps_capacity.predict(
+            replicas=lots, shards=shards, n_params=1000, step_s=0.01, comm_s=0.0, n=1, cost=per_message
+        )
+        assert p["bound"] == "shard CPU" and p["steps_per_s"] == pytest.approx(1000)
 
 
 def test_the_fit_recovers_known_costs() -> None:
