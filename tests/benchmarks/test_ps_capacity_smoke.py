@@ -49,7 +49,7 @@ def test_the_prediction_is_the_tightest_bound() -> None:
     per_message = {"c_msg": 1e-3, "c_byte": 0.0}
     for shards in (1, 10):
         p = ps_capacity.predict(
-            replicas=lots, shards=shards, n_params=1000, step_s=0.01, comm_s=0.0, n=1, cost=per_message
+            replicas=10**5, shards=shards, n_params=1000, step_s=0.01, comm_s=0.0, n=1, cost=per_message
         )
         assert p["bound"] == "shard CPU" and p["steps_per_s"] == pytest.approx(1000)
 
