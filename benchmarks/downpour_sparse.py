@@ -108,7 +108,7 @@ def downpour_epoch(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--quick", action="store_true", help="2^12 columns, 20k rows, one round")
+    ap.add_argument("--quick", action="store_true", help="2^12 columns, 8k rows, one round")
     ap.add_argument("--log2", type=int, default=20)
     ap.add_argument("--rows", type=int, default=500_000)
     ap.add_argument("--batch", type=int, default=256)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args(argv)
     if args.quick:
-        args.log2, args.rows, args.repeats = 12, 20_000, 1
+        args.log2, args.rows, args.repeats = 12, 8_000, 1
     from distributed import Client, LocalCluster
 
     from distbelief.storage import Dataset

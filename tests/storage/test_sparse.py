@@ -396,10 +396,10 @@ def test_svmlight_memory_is_bounded_by_the_batch_not_the_file(tmp_path: Path) ->
     peak_small = _peak_traced(small, tmp_path / "s", batch=50)
     peak_big = _peak_traced(big, tmp_path / "b", batch=50)
     csr_big = 8_000 * 40 * 12  # 3.84 MB as one CSR in memory; the text file is ~5 MB
-    # Measured: ~0.9-1.1 MB for both (a whole-file read peaks above the CSR's 3.84 MB). The file is 4x
-    # larger; the peak may grow only by the labels read back at the end (8 bytes a row: 48 KB more), not
-    # with the nonzeros.
-    assert peak_big < csr_big / 3, (peak_small, peak_big)
+    # Measured: ~0.9-1.1 MB for both, 1.19 / 1.32 MB in a CI run (a whole-file read peaks above the CSR's
+    # 3.84 MB). The file is 4x larger; the peak may grow only by the labels read back at the end (8 bytes
+    # a row: 48 KB more), not with the nonzeros.
+    assert peak_big < csr_big / 2.5, (peak_small, peak_big)
     assert peak_big - peak_small < 200_000, (peak_small, peak_big)
     ds = Dataset.open(tmp_path / "b")
     assert ds.nnz == 8_000 * 40 and ds.label_kind == "binary"
