@@ -42,7 +42,7 @@ to ``k`` (these models take ~0.2 ms a step, a thousand times less than the paper
 costs more than the step: ``k`` trades staleness for less messaging).
 
 Run ``python benchmarks/downpour_figure4.py`` (under 10 minutes) or ``--quick`` (a smoke run of well under a
-minute on a quiet machine: 1 s per row, every row on the first problem only and on the smaller synthetic set
+minute on a quiet machine: 0.6 s per row, every row on the first problem only and on the smaller synthetic set
 just the rows of its headline ratio and L-BFGS, fewer throughput configurations);
 results go to ``benchmarks/results/downpour_figure4.json`` and ``.png``. The machine should be otherwise
 idle: the JSON records the load average before and after each part.
@@ -124,7 +124,7 @@ def digits_problem(quick: bool) -> Problem:
         target=0.95,
         lr={"sgd": 0.2, "adagrad": 0.1},
         batch_size=32,
-        time_limit=1.0 if quick else 6.0,
+        time_limit=0.6 if quick else 6.0,
         eval_every=0.02,
         repeats=1 if quick else 3,
         lbfgs_grid=(4, 16, 64) if quick else (2, 4, 8, 16, 32, 64, 128, 256),
@@ -153,7 +153,7 @@ def synthetic_problem(quick: bool, *, seed: int = 0) -> Problem:
         target=0.70 if quick else 0.85,
         lr={"sgd": 0.2, "adagrad": 0.1},
         batch_size=64,
-        time_limit=1.0 if quick else 15.0,
+        time_limit=0.6 if quick else 15.0,
         eval_every=0.1,
         repeats=1 if quick else 3,
         lbfgs_grid=(4, 16, 64) if quick else (4, 8, 16, 32, 64, 128, 256),

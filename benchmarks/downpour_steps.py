@@ -114,13 +114,13 @@ def downpour_run(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--quick", action="store_true", help="a tiny model, 2 s runs, one round")
+    ap.add_argument("--quick", action="store_true", help="a tiny model, 1 s runs, one round")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args(argv)
     if args.quick:
-        args.repeats, args.time_limit = 1, 2.0
+        args.repeats, args.time_limit = 1, 1.0
     from distributed import Client, LocalCluster
 
     model, X, y, batch = problem(args.quick)
@@ -137,10 +137,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None, host="127.0.0.1") as cluster,
         Client(cluster) as client,
     ):
-        downpour_run(client, model, X, y, batch, 1, 10, 1.0)  # warm: imports, the rows in the workers
+        downpour_run(client, model, X, y, batch, 1, 10, 0.5 if args.quick else 1.0)  # warm: imports, rows
         for _ in range(args.repeats):
             rounds.setdefault("kernel", []).append(
-                {"steps_per_s": kernel_steps_per_s(model, X, y, batch, min(3.0, args.time_limit))}
+                {"steps_per_s": kernel_steps_per_s(model, X, y, batch, min(3.0, args.time_limit / 2))}
             )
             rounds.setdefault("numpy, one process", []).append(
                 {"steps_per_s": one_process_steps_per_s(model, X, y, batch, args.time_limit)}

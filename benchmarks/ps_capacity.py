@@ -206,7 +206,7 @@ def predict(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--quick", action="store_true", help="a small grid, 1 s runs, one round")
+    ap.add_argument("--quick", action="store_true", help="a small grid, 0.6 s runs, one round")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--time-limit", type=float, default=4.0)
     ap.add_argument("--out", type=Path, default=HERE / "results")
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from distributed import Client, LocalCluster
 
     if args.quick:
-        args.repeats, args.time_limit = 1, 1.0
+        args.repeats, args.time_limit = 1, 0.6
         grid = [(1, 1, 2_000), (4, 1, 2_000), (4, 2, 2_000), (4, 1, 200)]
         step_s = 0.002
     else:

@@ -68,12 +68,12 @@ def _timed(make: Any, X: np.ndarray, y: np.ndarray, repeats: int) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--quick", action="store_true", help="3 fits each")
+    ap.add_argument("--quick", action="store_true", help="2 fits each")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args(argv)
     if args.quick:
-        args.repeats = 3
+        args.repeats = 2
     import sklearn.linear_model as sk
     from distributed import Client, LocalCluster
 

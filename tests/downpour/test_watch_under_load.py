@@ -18,7 +18,7 @@ from distbelief import downpour, models
 from distbelief.storage import train_test_split_digits
 
 X_TR, Y_TR, X_TE, Y_TE = train_test_split_digits(seed=0)
-RUNS = 6
+RUNS = 4
 
 
 @pytest.mark.timeout(240)
