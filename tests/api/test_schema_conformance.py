@@ -37,8 +37,9 @@ pytest.importorskip("schemathesis")
 
 MAX_EXAMPLES = 15
 #: The run's time bound (the stateful phase runs until it). On a quiet box 120 s generated ~16,800 cases
-#: with every phase and operation covered; 75 s keeps all of them and takes 45 s off the suite.
-MAX_SECONDS = 75
+#: with every phase and operation covered; 55 s keeps all of them and keeps the suite under 10 minutes
+#: (the >= 3 minute run of issue 27 is a run of its own, not the suite's).
+MAX_SECONDS = 55
 
 
 @pytest.fixture
