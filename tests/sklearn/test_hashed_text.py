@@ -11,23 +11,8 @@ import pytest
 import sklearn.linear_model as sk
 from sklearn.feature_extraction.text import HashingVectorizer
 
+from benchmarks.hashed_text import documents as _documents
 from distbelief.sklearn import LogisticRegression
-
-
-def _documents(n: int, seed: int = 0) -> tuple[list[str], np.ndarray]:
-    """Synthetic documents over a 3,000-word vocabulary; a few "signal" words tilt the label."""
-    rng = np.random.default_rng(seed)
-    vocab = np.array([f"w{i}" for i in range(3000)])
-    weights = np.zeros(vocab.size)
-    weights[:40] = rng.normal(scale=1.5, size=40)
-    freq = 1.0 / np.arange(1, vocab.size + 1)  # Zipf-like word frequencies
-    freq /= freq.sum()
-    docs, labels = [], np.empty(n, dtype=int)
-    for i in range(n):
-        words = rng.choice(vocab.size, size=int(rng.integers(10, 40)), p=freq)
-        docs.append(" ".join(vocab[words]))
-        labels[i] = int(weights[words].sum() + rng.logistic() > 0)
-    return docs, labels
 
 
 def test_hashed_text_reaches_sklearn_lbfgs_objective() -> None:
