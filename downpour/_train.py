@@ -699,6 +699,8 @@ class _Run:
         self.evals = 0
         self.watch = Watchdog(opts.max_loss_growth)
         self.communication = "dense"
+        #: The shards' parameters read during the current poll, for windowed sparse replicas' records.
+        self._polled_x: np.ndarray | None = None
         #: With ``resume=True``: the checkpoint the run continues from.
         self.resumed: ResumePoint | None = None
 
@@ -870,6 +872,7 @@ class _Run:
         if not which:
             return
         timeout = max(5.0, 20 * self.opts.poll_every)
+        self._polled_x = None
         for r, (ok, value) in self._call(which, "status", (self.plan,), timeout=timeout).items():
             if ok:
                 self._ingest(r, value)
@@ -882,12 +885,22 @@ class _Run:
         self._window_max = max(self._window_max, int(value["staleness_max"]))
         points = self.points.setdefault(r, [])
         for record in value.pop("records", []):
+            if record.get("x_wanted"):
+                # A windowed sparse replica's local copy is exact only at the keys of its next steps: the
+                # row is evaluated at the shards' parameters instead, read once per poll.
+                if self._polled_x is None:
+                    self._polled_x = self._ps_call(self._gather_x)
+                record["x"] = self._polled_x
             t = float(record["time"]) - self.t0_wall
             points.append((t, record))
             self.pending.append((t, r, record))
         points.append((float(value["time"]) - self.t0_wall, value))
 
     # -- parameter server ------------------------------------------------------------------------------
+    def _gather_x(self) -> np.ndarray:
+        assert self.ps is not None
+        return self.ps.gather("x")
+
     def _ps_call(self, fn: Callable[[], Any]) -> Any:
         """Run a parameter-server op; a lost shard is restored (and the replicas told) and the op retried."""
         assert self.recovery is not None
