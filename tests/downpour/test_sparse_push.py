@@ -101,3 +101,19 @@ def test_core_pushes_only_nonzero_entries_and_fetches_only_keys() -> None:
     assert core.counters.bytes_fetched == 3 * 12 and core.counters.bytes_pushed == 2 * 12
     with pytest.raises(InvalidOptionError, match="l2 = 0"):
         ReplicaCore([(0, 4)], rule="sgd", lr=0.1, l2=0.1).use_keys([np.array([0])])
+
+
+def test_a_windowed_runs_history_is_evaluated_at_the_shards_parameters(
+    client: Client, wide: tuple[Dataset, Any, np.ndarray]
+) -> None:
+    # A windowed replica's local copy is exact only at its next steps' keys: its records ask the driver
+    # to read the shards instead, so the rows between the first and the last have an objective too.
+    ds, _, _ = wide
+    res = downpour.train(
+        models.Logistic(ds.n_features), ds, replicas=2, shards=2, rule="adagrad", lr=0.2, max_steps=150,
+        n_fetch=5, n_push=5, client=client,
+    )  # fmt: skip
+    assert res.stats["communication"] == "sparse"
+    objective = res.history["objective"].values
+    assert np.isfinite(objective[1:-1]).sum() >= 2, objective
+    assert objective[-1] < objective[0]
