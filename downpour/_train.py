@@ -701,6 +701,8 @@ class _Run:
         self.communication = "dense"
         #: The shards' parameters read during the current poll, for windowed sparse replicas' records.
         self._polled_x: np.ndarray | None = None
+        self._gathered_at = -math.inf
+        self._gather_s = 0.0
         #: With ``resume=True``: the checkpoint the run continues from.
         self.resumed: ResumePoint | None = None
 
@@ -887,9 +889,13 @@ class _Run:
         for record in value.pop("records", []):
             if record.get("x_wanted"):
                 # A windowed sparse replica's local copy is exact only at the keys of its next steps: the
-                # row is evaluated at the shards' parameters instead, read once per poll.
-                if self._polled_x is None:
+                # row is evaluated at the shards' parameters instead, read at most once per poll and at
+                # most 5% of the time (the shards serve the replicas meanwhile; a row without is NaN).
+                now = time.perf_counter()
+                if self._polled_x is None and now - self._gathered_at >= 20 * self._gather_s:
                     self._polled_x = self._ps_call(self._gather_x)
+                    self._gathered_at = time.perf_counter()
+                    self._gather_s = self._gathered_at - now
                 record["x"] = self._polled_x
             t = float(record["time"]) - self.t0_wall
             points.append((t, record))
