@@ -70,14 +70,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from distbelief.errors import InvalidOptionError
-from distbelief.storage import accrue_step, axpy, check_rule, scaled_gradient
+from distbelief.storage import accrue_at, accrue_step, add_at_positions, axpy, check_rule, scaled_gradient
 from distbelief.storage.internal import kv_bytes, split_keys
 
 from ._compress import Compression, ThresholdCompressor, encode, signed_bytes
@@ -104,6 +104,8 @@ class FetchRequest:
     gen: int
     #: Deterministic mode: the round whose starting parameters this fetch asks for (storage/_rounds.py).
     round: int | None = field(default=None, repr=False)
+    #: Windowed key-value fetch (:meth:`ReplicaCore.use_windows`): per shard, the local offsets asked for.
+    keys: tuple[np.ndarray, ...] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,12 @@ class _Fetch:
     sent: int = 0
     #: A shard did not answer it (it is fetched again).
     failed: bool = False
+    #: Windowed fetches: the steps ``[a, b)`` whose keys it asks for, those keys (global, sorted; ``dx`` is
+    #: then held at them only), and each key's place in ``dx`` (a table over the whole vector, ``-1`` where
+    #: not held, reused by later fetches: a step adds into it at its own keys only).
+    cover: tuple[int, int] | None = None
+    keys: np.ndarray | None = None
+    positions: np.ndarray | None = None
 
 
 @dataclass
@@ -358,22 +366,60 @@ class ReplicaCore:
         self.fetch_keys: list[np.ndarray] | None = None
         if fetch_keys is not None:
             self.use_keys(fetch_keys)
+        #: Windowed key-value communication (:meth:`use_windows`): the sorted global keys of steps ``[a, b)``.
+        self.window_keys: Callable[[int, int], np.ndarray] | None = None
+        #: Steps ``[0, _requested_until)`` are covered by fetches landed or in flight, ``[0, _landed_until)``
+        #: by landed ones (windowed mode only).
+        self._requested_until = 0
+        self._landed_until = 0
+        #: The step the accrued sum starts at, and (windowed mode) the keys the last push reset.
+        self._accrued_from = 0
+        self._touched_keys = np.zeros(0, dtype=np.int64)
+        #: Position tables of settled windowed fetches, for the next ones (see ``_Fetch.positions``).
+        self._tables: list[np.ndarray] = []
 
     @property
     def sparse(self) -> bool:
-        """Whether fetches and pushes are key-value (see ``fetch_keys``)."""
-        return self.fetch_keys is not None
+        """Whether fetches and pushes are key-value (see ``fetch_keys`` and :meth:`use_windows`)."""
+        return self.fetch_keys is not None or self.window_keys is not None
 
-    def use_keys(self, fetch_keys: Sequence[np.ndarray]) -> None:
-        """Switch to key-value communication with these per-shard local keys (see ``fetch_keys``)."""
+    def _check_key_value(self) -> None:
         if self.l2:
             raise InvalidOptionError(
                 "key-value communication needs l2 = 0: the replica adds l2 * w to every gradient, which "
                 "moves every parameter"
             )
+
+    def use_keys(self, fetch_keys: Sequence[np.ndarray]) -> None:
+        """Switch to key-value communication with these per-shard local keys (see ``fetch_keys``)."""
+        self._check_key_value()
         if len(fetch_keys) != self.n_shards:
             raise InvalidOptionError(f"fetch_keys: {len(fetch_keys)} key arrays for {self.n_shards} shards")
         self.fetch_keys = [np.asarray(k) for k in fetch_keys]
+
+    def use_windows(self, window_keys: Callable[[int, int], np.ndarray]) -> None:
+        """Windowed key-value communication: each fetch asks only for the keys of the steps ahead.
+
+        ``window_keys(a, b)`` gives the sorted global parameter indices that steps ``a`` to ``b - 1`` (step
+        numbers as :attr:`counters`' ``steps``) touch. A fetch started at step ``t`` covers the steps from
+        the first one no fetch covers yet to the end of the next ``n_fetch`` window (the first fetch: two
+        windows; then one window ahead, prefetched while the current one is computed, as a dense fetch
+        lands while steps go on); a step waits until a fetch that covers it has landed. Steps go through
+        :meth:`compute_at`, and every per-step operation costs the step's own keys: a replica of a 2^20-wide
+        model keeps no dense pass per step (issue 29's Downpour on sparse data). The local copy :attr:`x`
+        is exact only at the keys of the steps ahead; a history record asks for the shards' parameters
+        instead (``x_wanted``).
+
+        Not with compressed pushes or deterministic rounds (they use the replica's whole key set:
+        :meth:`use_keys`).
+        """
+        self._check_key_value()
+        if self.compressor is not None or self.deterministic:
+            raise InvalidOptionError(
+                "windowed key-value fetches do not combine with compression or deterministic=True; "
+                "use use_keys"
+            )
+        self.window_keys = window_keys
 
     # -- state -------------------------------------------------------------------------------------------
     @property
@@ -413,6 +459,8 @@ class ReplicaCore:
             return self._round_landed < self.counters.steps // self.n_fetch
         if not self.ready:
             return True
+        if self.window_keys is not None and self.counters.steps >= self._landed_until:
+            return True  # the parameters this step reads have not been fetched yet
         return self.max_staleness is not None and self.staleness_estimate() > self.max_staleness
 
     def push_backlogged(self) -> bool:
@@ -445,6 +493,8 @@ class ReplicaCore:
 
     def _new_fetch(self) -> FetchRequest:
         round_ = self.counters.steps // self.n_fetch if self.deterministic else None
+        if self.window_keys is not None:
+            return self._new_window_fetch()
         request = FetchRequest(self._next_fid, self.fetch_names, self.gen, round=round_)
         self._next_fid += 1
         self._fetches[request.fid] = _Fetch(
@@ -459,6 +509,38 @@ class ReplicaCore:
             )
         return request
 
+    def _new_window_fetch(self) -> FetchRequest:
+        assert self.window_keys is not None
+        steps = self.counters.steps
+        # Under a staleness bound a step must read the newest fetch: every fetch covers the current step
+        # too (up to twice the keys). Otherwise the next window's keys are prefetched once, as a dense fetch
+        # lands while the current window's steps go on; the pushes' staleness reports what they read.
+        start = steps if self.max_staleness is not None else max(steps, self._requested_until)
+        end = max(start, (steps // self.n_fetch + 2) * self.n_fetch)
+        keys = self.window_keys(start, end)
+        local = tuple(split_keys(self._bounds, keys))
+        request = FetchRequest(self._next_fid, self.fetch_names, self.gen, keys=local)
+        self._next_fid += 1
+        positions = self._tables.pop() if self._tables else np.full(self.n, -1, dtype=np.int64)
+        positions[keys] = np.arange(keys.size)
+        self._fetches[request.fid] = _Fetch(
+            request,
+            set(range(self.n_shards)),
+            self._unsent_dx[keys],
+            self.seq,
+            cover=(start, end),
+            keys=keys,
+            positions=positions,
+        )
+        self._requested_until = end
+        self._fetch_due = False
+        self.counters.bytes_fetched += kv_bytes(*local) + 8 * keys.size * len(request.names)
+        return request
+
+    @property
+    def _bounds(self) -> list[int]:
+        return [lo for lo, _ in self.ranges] + [self.n]
+
     def on_fetched(self, fid: int, shard: int, version: int, arrays: Sequence[np.ndarray]) -> None:
         """Shard ``shard`` answered fetch ``fid``: its slice of the local copy becomes fetched + own steps."""
         f = self._fetches.get(fid)
@@ -469,7 +551,12 @@ class ReplicaCore:
             return
         self._landed_fid[shard] = fid
         lo, hi = self.ranges[shard]
-        if self.fetch_keys is None:
+        if f.keys is not None:
+            assert f.request.keys is not None
+            start = sum(k.size for k in f.request.keys[:shard])
+            local = f.request.keys[shard]
+            self.x[lo + local] = arrays[0] + f.dx[start : start + local.size]
+        elif self.fetch_keys is None:
             np.add(arrays[0], f.dx[lo:hi], out=self.x[lo:hi])
         else:
             at = lo + self.fetch_keys[shard]
@@ -496,8 +583,22 @@ class ReplicaCore:
         f.pending.discard(shard)
         if not f.pending:
             self._fetches.pop(f.request.fid, None)
+            self._release(f)
             if f.request.round is not None and not f.failed:
                 self._round_landed = max(self._round_landed, f.request.round)
+            if f.cover is not None:
+                start, end = f.cover
+                if f.failed:
+                    self._requested_until = min(self._requested_until, start)  # ask for them again
+                elif start <= self._landed_until:  # contiguous: no failed fetch left a gap before it
+                    self._landed_until = max(self._landed_until, end)
+
+    def _release(self, f: _Fetch) -> None:
+        """Hand a settled or abandoned fetch's position table back (cleared at its keys)."""
+        if f.positions is not None and f.keys is not None:
+            f.positions[f.keys] = -1
+            self._tables.append(f.positions)
+            f.positions = None
 
     # -- compute -----------------------------------------------------------------------------------------
     def compute(self, model: Any, X: np.ndarray, y: np.ndarray) -> float:
@@ -524,14 +625,36 @@ class ReplicaCore:
             self.losses.append(mean_loss)
         return mean_loss
 
+    def compute_at(self, model: Any, keys: np.ndarray, X: Any, y: np.ndarray) -> float:
+        """:meth:`compute` for a step whose rows touch only the parameters ``keys`` (sorted, global):
+        ``model`` and ``X`` are narrowed to them (``storage.internal.compact_rows``), so the gradient and
+        every update cost the step's keys, not the model's width (windowed mode, :meth:`use_windows`).
+        The same floats as :meth:`compute` on the whole rows: the compact gradient is the whole one's at
+        ``keys`` and zero elsewhere, and every update is elementwise.
+        """
+        rows = int(X.shape[0])
+        loss, grad = model.loss_and_grad(self.x[keys], X, y)
+        with np.errstate(over="ignore", invalid="ignore"):  # judged below
+            g = np.multiply(np.asarray(grad, dtype=np.float64).reshape(-1), 1.0 / rows)
+        mean_loss = float(loss) / rows
+        if not (math.isfinite(mean_loss) and bool(np.isfinite(g).all())):
+            self.diverged = True
+            return mean_loss
+        self._accrue_at(keys, g)
+        c = self.counters
+        c.rows += rows
+        c.loss_sum += float(loss)
+        if self.trace:
+            self.losses.append(mean_loss)
+        return mean_loss
+
     def apply(self, g: np.ndarray) -> None:
         """Accrue gradient ``g`` and take the local step (used by :meth:`compute`)."""
-        if self.accrued_steps == 0:
-            self._accrued_base = tuple(
-                b if bg == self.gen else None for b, bg in zip(self.base, self._base_gen, strict=True)
+        if self.window_keys is not None:
+            raise InvalidOptionError(
+                "a windowed replica's steps go through compute_at (their keys are the window's)"
             )
-            self._accrued_base_sent = tuple(self._base_sent)
-        self.accrued_steps += 1
+        self._begin_accrual()
         if self.local_rate:
             a = -self.local_rate
             accrue_step(g, self.accrued, a, self.x, self._unsent_dx)
@@ -539,6 +662,41 @@ class ReplicaCore:
                 axpy(a, g, f.dx)
         else:
             axpy(1.0, g, self.accrued)
+        self._count_step()
+
+    def _accrue_at(self, keys: np.ndarray, g: np.ndarray) -> None:
+        """:meth:`apply` of a gradient whose nonzero entries are ``g`` at ``keys`` (sorted, unique)."""
+        self._begin_accrual()
+        a = -self.local_rate
+        if not a:
+            self.accrued[keys] += g
+        else:
+            accrue_at(keys, g, self.accrued, a, self.x, self._unsent_dx)
+        if a and self._fetches:
+            step = np.multiply(g, a)
+            for f in self._fetches.values():
+                if f.positions is not None:
+                    add_at_positions(f.dx, f.positions, keys, step)
+                else:
+                    f.dx[keys] += step
+        self._count_step()
+
+    @property
+    def first_unpushed_step(self) -> int:
+        """The first step whose gradient no push has carried yet (the current step when none has
+        accrued)."""
+        return self._accrued_from if self.accrued_steps else self.counters.steps
+
+    def _begin_accrual(self) -> None:
+        if self.accrued_steps == 0:
+            self._accrued_from = self.counters.steps
+            self._accrued_base = tuple(
+                b if bg == self.gen else None for b, bg in zip(self.base, self._base_gen, strict=True)
+            )
+            self._accrued_base_sent = tuple(self._base_sent)
+        self.accrued_steps += 1
+
+    def _count_step(self) -> None:
         self.counters.steps += 1
         if self.counters.steps % self.n_push == 0:
             self._push_due = True
@@ -572,10 +730,17 @@ class ReplicaCore:
             tau = self.compressor.tau
             msg = dataclasses.replace(msg, grad=np.zeros(0), keys=codes, tau=tau)
             self.counters.bytes_pushed += signed_bytes(codes)
-        elif self.fetch_keys is not None:
+        elif self.sparse:
             # Only the entries this push moves: a zero entry would leave the shard's floats unchanged.
-            nonzero = np.flatnonzero(self.accrued)
-            keys = tuple(split_keys([lo for lo, _ in self.ranges] + [self.n], nonzero))
+            if self.window_keys is not None:
+                # The keys the steps since the last push moved: those steps' keys (the window's, mostly
+                # already united for its fetch), not a scan of the whole vector.
+                touched = self.window_keys(self._accrued_from, self.counters.steps)
+                nonzero = touched[self.accrued[touched] != 0]
+                self._touched_keys = touched
+            else:
+                nonzero = np.flatnonzero(self.accrued)
+            keys = tuple(split_keys(self._bounds, nonzero))
             msg = dataclasses.replace(msg, grad=self.accrued[nonzero], keys=keys)
             self.counters.bytes_pushed += kv_bytes(*keys, msg.grad)
         else:
@@ -586,10 +751,16 @@ class ReplicaCore:
         own = tuple(self.seq - sent for sent in self._accrued_base_sent)
         self._pending[self.seq] = (set(range(self.n_shards)), self.accrued_steps, own)
         self.seq += 1
-        self.accrued = np.zeros(self.n)
+        if self.window_keys is not None:
+            # The push holds copies of its entries: reset only what the steps since the last one moved.
+            touched = self._touched_keys
+            self.accrued[touched] = 0.0
+            self._unsent_dx[touched] = 0.0
+        else:
+            self.accrued = np.zeros(self.n)
+            self._unsent_dx.fill(0.0)
         self.accrued_steps = 0
         self._push_due = False
-        self._unsent_dx.fill(0.0)
         self.counters.pushes_sent += 1
         self.counters.messages += self.n_shards
         if fused:
@@ -651,8 +822,11 @@ class ReplicaCore:
         they are answered or fail.
         """
         self.gen += 1
+        for f in self._fetches.values():
+            self._release(f)
         self._fetches.clear()
         self._fetch_due = True
+        self._requested_until = self._landed_until
 
     def snapshot(self, *, reset: bool = True) -> dict[str, Any]:
         """The counters as plain data; resets the windowed maximum staleness (unless ``reset=False``)."""
@@ -678,7 +852,10 @@ class ReplicaCore:
         c = self.counters
         out = self._counters()
         out["staleness_max"] = c.record_staleness_max
-        out["x"] = self.x.copy() if with_x else None
+        # Windowed: the local copy is exact only at the keys of the steps ahead; the driver reads the shards.
+        windowed = self.window_keys is not None
+        out["x"] = self.x.copy() if with_x and not windowed else None
+        out["x_wanted"] = with_x and windowed
         c.record_staleness_max = 0
         return out
 

@@ -29,6 +29,8 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +39,17 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from distbelief.storage import Dataset, ShardMap, reuse_freed_memory
-from distbelief.storage.internal import Sample, await_call, install_worker, param_keys, split_keys, union_keys
+from distbelief.storage.internal import (
+    Sample,
+    SparsePortion,
+    await_call,
+    compact_batch,
+    install_worker,
+    param_keys,
+    sparse_layout_of,
+    split_keys,
+    union_keys,
+)
 from distbelief.storage.internal import nbytes as rows_nbytes
 
 from ._batches import BatchPlan
@@ -219,6 +231,14 @@ class DownpourReplica:
         self._record_count = 0
         self._record_steps = 0
         self._record_t = time.monotonic()
+        #: Windowed key-value mode (:meth:`_use_windows`): the mini-batches from the current step on,
+        #: ``[epoch, segment, rows, compact rows or None]``, read ahead as far as the fetches ask.
+        self._ahead: deque[list[Any]] = deque()
+        self._ahead_first = 0
+        self._stream: Iterator[tuple[int, int, np.ndarray]] | None = None
+        self._layout: tuple[int, int, bool] | None = None
+        self._table = np.zeros(0, dtype=np.int64)
+        self._unions: dict[tuple[int, int], np.ndarray] = {}
 
     # -- actor methods (event loop) ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -353,7 +373,7 @@ class DownpourReplica:
         smap = self._map
         if op[0] == "fetch":
             request: FetchRequest = op[1]
-            keys = self.core.fetch_keys
+            keys = self.core.fetch_keys if request.keys is None else request.keys
             at = {} if request.round is None else {"round": request.round}  # deterministic: the round's start
             if keys is not None:
                 return await smap.call(i, "gather", list(request.names), keys[i], **at)
@@ -378,7 +398,7 @@ class DownpourReplica:
         if msg.fetch is None:
             return await smap.call(i, "push", op[2], **kwargs)
         # Fused: the shard applies the push and answers with its fresh slice (one message for both).
-        keys = self.core.fetch_keys
+        keys = self.core.fetch_keys if msg.fetch.keys is None else msg.fetch.keys
         if keys is not None:
             kwargs["fetch_keys"] = keys[i]
         return await smap.call(i, "push_fetch", op[2], list(msg.fetch.names), **kwargs)
@@ -471,7 +491,10 @@ class DownpourReplica:
         try:
             with threadpool_limits(limits=1):
                 if self.config.communication == "sparse":
-                    self._use_keys()
+                    if self.config.compression is None and not self.config.deterministic:
+                        self._use_windows()
+                    else:
+                        self._use_keys()
                 self._steps()
                 self._flush()
         except BaseException as exc:
@@ -486,64 +509,137 @@ class DownpourReplica:
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._close_channels)
 
+    def _batches(self) -> Iterator[tuple[int, int, np.ndarray]]:
+        """``(epoch, segment, rows)`` of every mini-batch from here on, epoch after epoch."""
+        epochs, epoch = self.config.epochs, self.epoch
+        skip, self._skip = self._skip, 0
+        while epochs is None or epoch < epochs:
+            for s, rows in itertools.islice(self.plan.epoch(epoch), skip, None):
+                yield epoch, s, rows
+            skip = 0
+            epoch += 1
+
+    def _step_at(self, step: int) -> list[Any] | None:
+        """The mini-batch of step number ``step`` (``core.counters.steps`` counting), read ahead as needed;
+        None past the last one."""
+        assert self._stream is not None
+        while self._ahead_first + len(self._ahead) <= step:
+            item = next(self._stream, None)
+            if item is None:
+                return None
+            self._ahead.append([*item, None])
+        return self._ahead[step - self._ahead_first]
+
+    def _compact(self, item: list[Any]) -> SparsePortion:
+        """The step's rows narrowed to the parameters they touch (computed once, when first asked)."""
+        if item[3] is None:
+            assert self._layout is not None
+            X, y = self._segment(item[1])
+            item[3] = compact_batch(self._layout, X, y, item[2], self._table).for_model(self.model)
+        part: SparsePortion = item[3]
+        return part
+
+    def _window_keys(self, start: int, end: int) -> np.ndarray:
+        """Sorted global keys of steps ``[start, end)`` (as many as there are; the last few answers are
+        kept: a window's push asks for the keys its fetch asked for)."""
+        if self.step_limit is not None:
+            end = min(end, self.step_limit)
+        known = self._unions.get((start, end))
+        if known is not None:
+            return known
+        if len(self._unions) >= 4:
+            del self._unions[next(iter(self._unions))]
+        keys = self._unions[(start, end)] = self._union_of(start, end)
+        return keys
+
+    def _union_of(self, start: int, end: int) -> np.ndarray:
+        parts = []
+        for step in range(start, end):
+            item = self._step_at(step)
+            if item is None:
+                break
+            parts.append(self._compact(item).keys)
+        return union_keys(parts, self.model.n_params)
+
+    def _use_windows(self) -> None:
+        """Windowed key-value communication (:meth:`ReplicaCore.use_windows`): each fetch asks for the keys
+        of the steps ahead, and each step computes on its rows narrowed to their keys."""
+        self._layout = sparse_layout_of(self.model)
+        self._table = np.full(self._layout[0] if self._layout is not None else 0, -1, dtype=np.int32)
+        self._stream = self._batches()
+        self._ahead_first = self.core.counters.steps
+        self.core.use_windows(self._window_keys)
+
     def _steps(self) -> None:
         core = self.core
-        epochs = self.config.epochs
+        if self._stream is None:
+            self._stream = self._batches()
+            self._ahead_first = core.counters.steps
+        windowed = self._layout is not None
         while True:
-            skip, self._skip = self._skip, 0
-            for s, rows in itertools.islice(self.plan.epoch(self.epoch), skip, None):
+            step = core.counters.steps
+            # The steps done and pushed (a push asks for the keys of the steps it sums: see _window_keys).
+            done = core.first_unpushed_step
+            while self._ahead and self._ahead_first < done:
+                self._ahead.popleft()
+                self._ahead_first += 1
+            item = self._step_at(step)
+            if item is None:
+                self.epoch = self.config.epochs or self.epoch
+                self.stop_reason = "epochs"
+                return
+            if self._stop.is_set():
+                self.stop_reason = "stopped"
+                return
+            limit = self.step_limit
+            if limit is not None and step >= limit:
+                self.stop_reason = "max_steps"
+                return
+            self.epoch = item[0]
+            self._drain(None)
+            if self.hold_at is not None and step >= self.hold_at:
+                self._hold()
+                continue
+            # The rows first, then the parameters. A read between the fetch and the gradient (a replica's
+            # first read opens the store on its worker: 30-100 ms at load average ~15) made the gradient
+            # stale: a replica's first step ran at x0 while the shard had applied 7 pushes of another,
+            # and its lone ln 2 mini-batch loss in a history row read as divergence.
+            part = self._compact(item) if windowed else None
+            X, y = self._segment(item[1]) if part is None else (part.X, part.y)
+            core.begin_step()
+            self._maybe_fetch()
+            if core.must_wait():
+                if core.ready:
+                    core.counters.stale_waits += 1
+                t_wait = time.perf_counter()
+                while core.must_wait() and not self._stop.is_set():
+                    self._maybe_fetch()
+                    self._drain(_WAIT_SLICE)
+                self.wait_s += time.perf_counter() - t_wait
                 if self._stop.is_set():
-                    self.stop_reason = "stopped"
-                    return
-                limit = self.step_limit
-                if limit is not None and core.counters.steps >= limit:
-                    self.stop_reason = "max_steps"
-                    return
-                self._drain(None)
-                if self.hold_at is not None and core.counters.steps >= self.hold_at:
-                    self._hold()
-                    if self._stop.is_set():
-                        self.stop_reason = "stopped"
-                        return
-                # The rows first, then the parameters. A read between the fetch and the gradient (a replica's
-                # first read opens the store on its worker: 30-100 ms at load average ~15) made the gradient
-                # stale: a replica's first step ran at x0 while the shard had applied 7 pushes of another,
-                # and its lone ln 2 mini-batch loss in a history row read as divergence.
-                X, y = self._segment(s)
-                core.begin_step()
-                self._maybe_fetch()
-                if core.must_wait():
-                    if core.ready:
-                        core.counters.stale_waits += 1
-                    t_wait = time.perf_counter()
-                    while core.must_wait() and not self._stop.is_set():
-                        self._maybe_fetch()
-                        self._drain(_WAIT_SLICE)
-                    self.wait_s += time.perf_counter() - t_wait
-                    if self._stop.is_set():
-                        continue
-                if core.push_backlogged():
-                    t_wait = time.perf_counter()
-                    while core.push_backlogged() and not self._stop.is_set():
-                        self._drain(_WAIT_SLICE)
-                    self.wait_s += time.perf_counter() - t_wait
-                    msg = core.take_push()
-                    if msg is not None:
-                        self._send_push(msg)
-                t_compute = time.perf_counter()
-                core.compute(self.model, X[rows], y[rows])
-                self.compute_s += time.perf_counter() - t_compute
-                if core.diverged:
-                    self.stop_reason = "diverged"
-                    return
+                    continue
+            if core.push_backlogged():
+                t_wait = time.perf_counter()
+                while core.push_backlogged() and not self._stop.is_set():
+                    self._drain(_WAIT_SLICE)
+                self.wait_s += time.perf_counter() - t_wait
                 msg = core.take_push()
                 if msg is not None:
                     self._send_push(msg)
-                self._maybe_record()
-            self.epoch += 1
-            if epochs is not None and self.epoch >= epochs:
-                self.stop_reason = "epochs"
+            t_compute = time.perf_counter()
+            if part is not None:
+                core.compute_at(part.model, part.keys, X, y)
+            else:
+                rows = item[2]
+                core.compute(self.model, X[rows], y[rows])
+            self.compute_s += time.perf_counter() - t_compute
+            if core.diverged:
+                self.stop_reason = "diverged"
                 return
+            msg = core.take_push()
+            if msg is not None:
+                self._send_push(msg)
+            self._maybe_record()
 
     def _maybe_record(self) -> None:
         """Record a history point when the plan says one is due (a counters dict, perhaps a copy of x)."""

@@ -699,6 +699,10 @@ class _Run:
         self.evals = 0
         self.watch = Watchdog(opts.max_loss_growth)
         self.communication = "dense"
+        #: The shards' parameters read during the current poll, for windowed sparse replicas' records.
+        self._polled_x: np.ndarray | None = None
+        self._gathered_at = -math.inf
+        self._gather_s = 0.0
         #: With ``resume=True``: the checkpoint the run continues from.
         self.resumed: ResumePoint | None = None
 
@@ -870,6 +874,7 @@ class _Run:
         if not which:
             return
         timeout = max(5.0, 20 * self.opts.poll_every)
+        self._polled_x = None
         for r, (ok, value) in self._call(which, "status", (self.plan,), timeout=timeout).items():
             if ok:
                 self._ingest(r, value)
@@ -882,12 +887,26 @@ class _Run:
         self._window_max = max(self._window_max, int(value["staleness_max"]))
         points = self.points.setdefault(r, [])
         for record in value.pop("records", []):
+            if record.get("x_wanted"):
+                # A windowed sparse replica's local copy is exact only at the keys of its next steps: the
+                # row is evaluated at the shards' parameters instead, read at most once per poll and at
+                # most 5% of the time (the shards serve the replicas meanwhile; a row without is NaN).
+                now = time.perf_counter()
+                if self._polled_x is None and now - self._gathered_at >= 20 * self._gather_s:
+                    self._polled_x = self._ps_call(self._gather_x)
+                    self._gathered_at = time.perf_counter()
+                    self._gather_s = self._gathered_at - now
+                record["x"] = self._polled_x
             t = float(record["time"]) - self.t0_wall
             points.append((t, record))
             self.pending.append((t, r, record))
         points.append((float(value["time"]) - self.t0_wall, value))
 
     # -- parameter server ------------------------------------------------------------------------------
+    def _gather_x(self) -> np.ndarray:
+        assert self.ps is not None
+        return self.ps.gather("x")
+
     def _ps_call(self, fn: Callable[[], Any]) -> Any:
         """Run a parameter-server op; a lost shard is restored (and the replicas told) and the op retried."""
         assert self.recovery is not None

@@ -41,9 +41,11 @@ __all__ = [
     "BLOCK",
     "COMPILED_FROM",
     "DOT_BLOCK",
+    "accrue_at",
     "accrue_step",
     "adagrad_step",
     "add_at",
+    "add_at_positions",
     "axpy",
     "compiled",
     "dots",
@@ -113,6 +115,26 @@ def _accrue_loop(
         step = a * g[i]
         x[i] = x[i] + step
         dx[i] = dx[i] + step
+
+
+def _accrue_at_loop(
+    keys: np.ndarray, g: np.ndarray, acc: np.ndarray, a: float, x: np.ndarray, dx: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    for i in range(keys.size):
+        k = keys[i]
+        acc[k] = acc[k] + g[i]
+        step = a * g[i]
+        x[k] = x[k] + step
+        dx[k] = dx[k] + step
+
+
+def _add_at_positions_loop(
+    out: np.ndarray, positions: np.ndarray, keys: np.ndarray, values: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    for i in range(keys.size):
+        p = positions[keys[i]]
+        if p >= 0:
+            out[p] = out[p] + values[i]
 
 
 _lock = threading.Lock()
@@ -275,6 +297,30 @@ def add_at(out: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
         out[keys] += values
 
 
+def add_at_positions(out: np.ndarray, positions: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
+    """``out[positions[k]] += v`` for every key ``k`` (unique) and value ``v`` whose position is not negative.
+
+    ``positions`` maps a key to its place in ``out`` (``-1``: not held). A Downpour replica adds each step to
+    the fetches in flight that hold the step's keys (:meth:`downpour._core.ReplicaCore.compute_at`) this way:
+    a search per step of the step's keys among a fetch's cost more than the step's gradient.
+
+    Examples
+    --------
+    >>> out = np.zeros(2)
+    >>> add_at_positions(out, np.array([-1, 1, 0]), np.array([0, 1, 2]), np.array([5.0, 6.0, 7.0])); out
+    array([7., 6.])
+    """
+    if not keys.size:
+        return
+    loop = compiled(_add_at_positions_loop) if keys.size >= ACCRUE_AT_COMPILED_FROM else None
+    if loop is not None and values.flags.c_contiguous and values.dtype == np.float64:
+        loop(np.asarray(out), np.asarray(positions), np.asarray(keys), np.asarray(values))
+        return
+    at = positions[keys]
+    held = at >= 0
+    out[at[held]] += values[held]
+
+
 #: Elements per block of :func:`dots` (512 KiB of float64: a vector's block stays in the CPU cache for every
 #: pair it is in).
 DOT_BLOCK = 1 << 16
@@ -390,3 +436,36 @@ def accrue_step(g: np.ndarray, acc: np.ndarray, a: float, x: np.ndarray, dx: np.
     axpy(1.0, g, acc)
     axpy(a, g, x)
     axpy(a, g, dx)
+
+
+#: Keys from which :func:`accrue_at` runs its compiled loop (below, numpy's fancy indexing is as quick).
+ACCRUE_AT_COMPILED_FROM = 256
+
+
+def accrue_at(
+    keys: np.ndarray, g: np.ndarray, acc: np.ndarray, a: float, x: np.ndarray, dx: np.ndarray
+) -> None:
+    """:func:`accrue_step` at ``keys`` only (unique): ``acc[keys] += g``, ``x[keys] += a * g`` and
+    ``dx[keys] += a * g``, in one pass over the keys.
+
+    A Downpour step on sparse rows (:meth:`downpour._core.ReplicaCore.compute_at`): its cost is the step's
+    keys, not the model's width (four fancy-indexed numpy passes over 5,000 keys of a 2^20-wide model cost
+    ~0.2 ms; the step's gradient ~0.03 ms). Rounds as numpy's elementwise operations do.
+
+    Examples
+    --------
+    >>> acc, x, dx = np.zeros(3), np.ones(3), np.zeros(3)
+    >>> accrue_at(np.array([2]), np.array([4.0]), acc, -0.5, x, dx); acc, x, dx
+    (array([0., 0., 4.]), array([ 1.,  1., -1.]), array([ 0.,  0., -2.]))
+    """
+    if not keys.size:
+        return
+    loop = compiled(_accrue_at_loop) if keys.size >= ACCRUE_AT_COMPILED_FROM else None
+    vectors = (g, acc, x, dx)
+    if loop is not None and all(v.flags.c_contiguous and v.dtype == np.float64 for v in vectors):
+        loop(np.asarray(keys), np.asarray(g), np.asarray(acc), float(a), np.asarray(x), np.asarray(dx))
+        return
+    acc[keys] += g
+    step = np.multiply(g, a)
+    x[keys] += step
+    dx[keys] += step

