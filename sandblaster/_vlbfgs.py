@@ -369,13 +369,13 @@ class VLBFGSHistory:
                     got.append(float(values[(b, a)]))
                 else:
                     raise ProtocolError(f"the dot product {(a, b)} was requested but not delivered")
+            arr = np.array(got, dtype=np.float64)
         else:
-            got = [float(v) for v in values]
-            if len(got) != len(requests):
-                raise ProtocolError(f"expected {len(requests)} dot products (as requested), got {len(got)}")
-        arr = np.array(got, dtype=np.float64)
+            arr = np.array(values, dtype=np.float64)
+            if arr.shape != (len(requests),):
+                raise ProtocolError(f"expected {len(requests)} dot products (as requested), got {arr.size}")
         if not np.isfinite(arr).all():
-            bad = [pair for pair, v in zip(requests, got, strict=True) if not math.isfinite(v)]
+            bad = [pair for pair, v in zip(requests, arr.tolist(), strict=True) if not math.isfinite(v)]
             raise DatasetError(
                 f"non-finite dot products for {bad[:3]}: the gradient (or a stored pair) holds NaN/inf; "
                 "check the data for NaN/inf and lower the step or regularize the model"
@@ -384,7 +384,7 @@ class VLBFGSHistory:
         # Dots with the previous gradient are stale once a new gradient arrives (one row for any name).
         gram[-1, :] = np.nan
         gram[:, -1] = np.nan
-        rows, cols = self._requested_at
+        rows, cols = (np.array(at, dtype=np.intp) for at in self._requested_at)  # as tuples: 2x the cost
         gram[rows, cols] = arr
         gram[cols, rows] = arr
         self._requested = None
