@@ -407,18 +407,18 @@ class InProcessSpace:
 
     def _op(self, op: Op) -> Any:
         kind, *args = op
+        if kind == "dots":
+            return kernels.dots(self._pairs(args[0]))
+        if kind == "lincomb":
+            self._lincomb(*args)
+            return None
         if kind == "dot":
             return self._dot(*args)
-        if kind == "dots":
-            return kernels.dots([(self.vector(a), self.vector(b)) for a, b in args[0]])
         if kind == "norm_inf":
             return kernels.norm_inf(self.vector(args[0]))
         if kind == "copy":
             src, dst = args
             self.vectors[dst] = self.vector(src).copy()
-            return None
-        if kind == "lincomb":
-            self._lincomb(*args)
             return None
         if kind in _L1_OPS:
             return self._l1_op(kind, *args)
@@ -445,21 +445,37 @@ class InProcessSpace:
             return l1_ops.norm1(self.vector(args[0]), *args[1:])
         return None
 
+    def _vectors(self, names: Sequence[str]) -> list[np.ndarray]:
+        # One dict lookup a name (an L-BFGS iteration names ~150 vectors); self.vector says which is missing.
+        try:
+            vectors = self.vectors
+            return [vectors[name] for name in names]
+        except KeyError:
+            return [self.vector(name) for name in names]
+
+    def _pairs(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        try:
+            vectors = self.vectors
+            return [(vectors[a], vectors[b]) for a, b in pairs]
+        except KeyError:
+            return [(self.vector(a), self.vector(b)) for a, b in pairs]
+
     def _dot(self, a: str, b: str) -> float:
-        return kernels.dots([(self.vector(a), self.vector(b))])[0]
+        return kernels.dots(self._pairs([(a, b)]))[0]
 
     def _lincomb(self, dst: str, coeffs: Sequence[float], names: Sequence[str]) -> None:
         # The shard's kernel (storage/_shard.py), so both spaces round alike.
         if len(coeffs) != len(names) or not names:
             raise InvalidOptionError("lincomb needs as many coefficients as vectors, and at least one")
-        terms = [(float(c), self.vector(n), n) for c, n in zip(coeffs, names, strict=True)]
+        values = [float(c) for c in coeffs]
+        vectors = self._vectors(names)
         if dst in names:
-            own = next(c for c, _, n in terms if n == dst)
-            rest = [(c, v) for c, v, n in terms if n != dst]
+            own = values[list(names).index(dst)]
+            rest = [(c, v) for c, v, n in zip(values, vectors, names, strict=True) if n != dst]
             kernels.lincomb(self.vector(dst), [c for c, _ in rest], [v for _, v in rest], own=own)
         else:
-            out = np.empty_like(terms[0][1])
-            kernels.lincomb(out, [c for c, _, _ in terms], [v for _, v, _ in terms])
+            out = np.empty_like(vectors[0])
+            kernels.lincomb(out, values, vectors)
             self.vectors[dst] = out
 
     # -- evaluations -----------------------------------------------------------------------------------
@@ -475,7 +491,7 @@ class InProcessSpace:
         direction: str | None = None,
     ) -> Evaluation:
         """See :meth:`ParameterSpace.evaluate`."""
-        prefix = self.run(prefix_ops or [])
+        prefix = self.run(prefix_ops) if prefix_ops else []
         if base is not None:
             if direction is None or step == 0.0:
                 self._op(("copy", base, out_x))
@@ -484,9 +500,9 @@ class InProcessSpace:
         f, g = self.fun_and_grad(self.vector(out_x))
         g = np.array(g, dtype=np.float64, copy=True).ravel()
         self.vectors[out_g] = g
-        g_inf = float(np.max(np.abs(g))) if g.size else 0.0
+        g_inf = float(np.abs(g).max()) if g.size else 0.0
         gd = self._dot(out_g, direction) if direction is not None else math.nan
-        suffix = self.run(suffix_ops or [])
+        suffix = self.run(suffix_ops) if suffix_ops else []
         self.state.nfev += 1
         return Evaluation(float(f), gd, g_inf, prefix + suffix)
 

@@ -265,6 +265,19 @@ def lincomb(
         return
     if own is None and not vectors:
         raise ValueError("lincomb without the destination among its terms needs at least one term")
+    if n < COMPILED_FROM:
+        # One block, and numpy's ufuncs (as axpy, scale and _scaled_into below COMPILED_FROM), without
+        # their per-term checks: a small in-process fit runs ~20 terms an iteration.
+        start = 0
+        if own is None:
+            np.multiply(vectors[0], float(coeffs[0]), out=out)
+            start = 1
+        elif own != 1.0:
+            np.multiply(out, own, out=out)
+        for c, v in zip(coeffs[start:], vectors[start:], strict=True):
+            if c != 0.0:
+                np.add(out, np.multiply(v, float(c)), out=out)
+        return
     for a in range(0, n, BLOCK):
         b = min(n, a + BLOCK)
         block = out[a:b]
@@ -345,7 +358,11 @@ def dots(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         return []
     n = pairs[0][0].size
     if n <= DOT_BLOCK:
-        return [float(np.dot(a, b)) if a.size else 0.0 for a, b in pairs]
+        if not n:
+            return [0.0] * len(pairs)
+        # ``ndarray.dot`` is ``np.dot`` (the same routine, the same bits) without its dispatch: a small
+        # in-process fit asks for ~60 products an iteration.
+        return [float(a.dot(b)) for a, b in pairs]
     # The vectors in most pairs stay in cache; pairs are ordered by their other vector, so that each
     # other vector's block is used by all its pairs in a row.
     uses: dict[int, int] = {}

@@ -717,8 +717,9 @@ def picklable_state(state: dict[str, Any]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def fit_store(store: str | os.PathLike[str] | None) -> Iterator[str]:
-    """``store`` itself, or a temporary directory deleted after the fit."""
-    with run_store(store, "distbelief-fit-") as root:
+    """``store`` itself, or a temporary directory deleted after the fit: made only if the fit writes to it
+    (a fit in this process never does)."""
+    with run_store(store, "distbelief-fit-", lazy=True) as root:
         yield root
 
 
@@ -790,17 +791,18 @@ class FitProgress:
 
     def __call__(self, record: Any) -> None:
         objective = float(record.objective)
-        if hasattr(record, "iteration"):  # sandblaster.IterationRecord
-            done: float = int(record.iteration)
-            where = f"iteration {done}"
-            extra = f", max|grad| {float(record.grad_norm):.3g}"
-        else:  # downpour.Progress
-            done = float(record.epoch)
-            where = f"epoch {done:.2f}"
-            extra = ""
-        self.bar.update(done - self.bar.n)
-        self.bar.set_postfix(objective=f"{objective:.8g}", refresh=False)
-        logger.log(self.level, "%s: %s, objective %.10g%s", self.name, where, objective, extra)
+        iterations = hasattr(record, "iteration")  # sandblaster.IterationRecord, else downpour.Progress
+        done: float = int(record.iteration) if iterations else float(record.epoch)
+        # Nothing is formatted for a quiet bar or a log line nobody sees: a small fit calls this ~30 times.
+        if not self.bar.disable:
+            self.bar.update(done - self.bar.n)
+            self.bar.set_postfix(objective=f"{objective:.8g}", refresh=False)
+        if logger.isEnabledFor(self.level):
+            if iterations:
+                where, extra = f"iteration {done}", f", max|grad| {float(record.grad_norm):.3g}"
+            else:
+                where, extra = f"epoch {done:.2f}", ""
+            logger.log(self.level, "%s: %s, objective %.10g%s", self.name, where, objective, extra)
         if self.callback is not None:
             self.callback(record)
 

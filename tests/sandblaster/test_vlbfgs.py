@@ -347,3 +347,37 @@ def test_copy_is_independent_and_equals_deepcopy(m: int, iters: int, seed: int) 
         _deliver(fast, vec)
         assert hist.to_state() == snapshot
         hist = fast
+
+
+@pytest.mark.parametrize(("m", "pairs"), [(3, 0), (3, 2), (2, 5)])
+def test_a_history_rebuilt_from_its_json_state_goes_on_alike(m: int, pairs: int) -> None:
+    """A checkpoint's state (through JSON, as the store keeps it), taken with dot products outstanding,
+    rebuilds a history that takes the same values and gives the same coefficients, bit for bit."""
+    import json
+
+    hist, vec, _, _ = _small_history(m, pairs)
+    s_name, y_name = hist.push_pair()
+    vec[s_name], vec[y_name] = np.ones(6), 2.5 * np.ones(6)
+    vec["gt"] = np.arange(6.0)
+    requests = hist.dot_requests("gt")
+    rebuilt = VLBFGSHistory.from_state(json.loads(json.dumps(hist.to_state())))
+    assert rebuilt.to_state() == hist.to_state()
+    values = [float(vec[a] @ vec[b]) for a, b in requests]
+    assert rebuilt.update_dots(values) is hist.update_dots(values) is True
+    assert rebuilt.direction_coefficients() == hist.direction_coefficients()
+    np.testing.assert_array_equal(rebuilt.dot_matrix(), hist.dot_matrix())
+    base = np.stack([vec[name] for name in hist.base_names()])
+    np.testing.assert_allclose(hist.dot_matrix(), base @ base.T, rtol=1e-12, atol=1e-12)
+
+
+def test_a_state_that_is_not_a_historys_is_refused() -> None:
+    hist, _, _, _ = _small_history(3, 2)
+    state = hist.to_state()
+    with pytest.raises(ProtocolError, match="neither a slot"):
+        VLBFGSHistory.from_state({**state, "dots": [*state["dots"], ["s0", "elsewhere", 1.0]]})
+    with pytest.raises(ProtocolError, match="slots"):
+        VLBFGSHistory.from_state({**state, "s_names": state["s_names"][:-1]})
+    # A Gram entry of a kept pair missing from the state: the matrix says so rather than using a hole.
+    short = VLBFGSHistory.from_state({**state, "dots": state["dots"][1:]})
+    with pytest.raises(ProtocolError, match="missing"):
+        short.dot_matrix()

@@ -159,6 +159,18 @@ def test_dots_are_the_block_sums_of_np_dot_and_match_to_rounding() -> None:
     assert _kernels.dots([]) == []
 
 
+@pytest.mark.parametrize("n", [0, 1, 31, _kernels.DOT_BLOCK])
+def test_short_dots_are_np_dot_bit_for_bit(n: int) -> None:
+    # Up to DOT_BLOCK elements a product is one np.dot, on contiguous vectors and on strided views alike.
+    rng = np.random.default_rng(7)
+    rows = rng.normal(size=(3, 2 * n)) * 10.0 ** rng.integers(-3, 4, size=(3, 1))
+    vectors = [rows[0, :n], rows[1, ::2], rows[2, n:]]
+    pairs = [(a, b) for a in vectors for b in vectors]
+    got = _kernels.dots(pairs)
+    assert got == [float(np.dot(a, b)) for a, b in pairs]
+    assert all(type(value) is float for value in got)
+
+
 def test_norm_inf_without_a_temporary() -> None:
     x = np.array([1.0, -7.5, 3.0])
     assert _kernels.norm_inf(x) == 7.5

@@ -126,3 +126,13 @@ def test_run_store_keeps_a_given_store_and_deletes_only_its_own_temporary_one(tm
         (Path(root) / "x").write_text("kept until the block ends")
     wait_for_removals()  # deleted in the background
     assert not Path(root).exists()
+
+
+def test_a_lazy_store_is_made_by_its_first_writer_and_deleted_only_then() -> None:
+    with run_store(None, "unwritten-", lazy=True) as unused, run_store(None, "written-", lazy=True) as used:
+        assert unused != used and not Path(unused).exists() and not Path(used).exists()
+        assert Path(unused).name.startswith("unwritten-")
+        (Path(used) / "data").mkdir(parents=True)  # as zarr makes a store's directories
+    assert Path(used).parent.is_dir()  # the process's directory of stores stays until exit
+    wait_for_removals()
+    assert not Path(used).exists() and not Path(unused).exists()
