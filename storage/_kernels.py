@@ -44,9 +44,11 @@ __all__ = [
     "accrue_at",
     "accrue_step",
     "adagrad_step",
+    "adagrad_step_at",
     "add_at",
     "add_at_positions",
     "axpy",
+    "axpy_at",
     "compiled",
     "dots",
     "lincomb",
@@ -91,6 +93,21 @@ def _adagrad_loop(
     for i in range(w.size):
         acc[i] = acc[i] + g[i] * g[i]
         w[i] = w[i] + minus_lr * (g[i] / (np.sqrt(acc[i]) + eps))
+
+
+def _adagrad_at_loop(
+    w: np.ndarray, g: np.ndarray, acc: np.ndarray, keys: np.ndarray, minus_lr: float, eps: float
+) -> None:  # pragma: no cover - compiled
+    for i in range(keys.size):
+        k = keys[i]
+        a = acc[k] + g[i] * g[i]
+        acc[k] = a
+        w[k] = w[k] + minus_lr * (g[i] / (np.sqrt(a) + eps))
+
+
+def _axpy_at_loop(a: float, x: np.ndarray, y: np.ndarray, keys: np.ndarray) -> None:  # pragma: no cover
+    for i in range(keys.size):
+        y[keys[i]] = y[keys[i]] + a * x[i]
 
 
 def _scaled_gradient_loop(
@@ -410,6 +427,49 @@ def adagrad_step(w: np.ndarray, g: np.ndarray, acc: np.ndarray, *, lr: float, ep
     np.add(acc, g * g, out=acc)
     step = g / (np.sqrt(acc) + eps)
     np.add(w, np.multiply(step, -float(lr)), out=w)
+
+
+def adagrad_step_at(
+    w: np.ndarray, g: np.ndarray, acc: np.ndarray, keys: np.ndarray, *, lr: float, eps: float
+) -> None:
+    """:func:`adagrad_step` on the entries of ``w`` and ``acc`` at ``keys`` (unique), ``g`` holding one
+    value a key: one pass, where gathering, updating and scattering back took five (a shard's key-value
+    push, :meth:`storage.Shard.push`). The same floats as :func:`adagrad_step` on those entries.
+
+    Examples
+    --------
+    >>> w = np.zeros(3); acc = np.zeros(3)
+    >>> adagrad_step_at(w, np.array([2.0]), acc, np.array([1]), lr=0.1, eps=0.0); w
+    array([ 0. , -0.1,  0. ])
+    """
+    if not keys.size:
+        return
+    loop = compiled(_adagrad_at_loop) if keys.size >= ACCRUE_AT_COMPILED_FROM else None
+    g = np.asarray(g, dtype=np.float64)
+    if loop is not None and all(v.flags.c_contiguous and v.dtype == np.float64 for v in (w, g, acc)):
+        loop(np.asarray(w), g, np.asarray(acc), np.asarray(keys), -float(lr), float(eps))
+        return
+    w_at, acc_at = w[keys], acc[keys]
+    adagrad_step(w_at, g, acc_at, lr=lr, eps=eps)
+    w[keys], acc[keys] = w_at, acc_at
+
+
+def axpy_at(a: float, x: np.ndarray, y: np.ndarray, keys: np.ndarray) -> None:
+    """:func:`axpy` on the entries of ``y`` at ``keys`` (unique): ``y[keys] += a * x``, one pass.
+
+    Examples
+    --------
+    >>> y = np.zeros(3); axpy_at(-2.0, np.array([1.0]), y, np.array([2])); y
+    array([ 0.,  0., -2.])
+    """
+    if not keys.size:
+        return
+    loop = compiled(_axpy_at_loop) if keys.size >= ACCRUE_AT_COMPILED_FROM else None
+    x = np.asarray(x, dtype=np.float64)
+    if loop is not None and x.flags.c_contiguous and y.flags.c_contiguous and y.dtype == np.float64:
+        loop(float(a), x, np.asarray(y), np.asarray(keys))
+        return
+    y[keys] = y[keys] + np.multiply(x, a)
 
 
 def scaled_gradient(out: np.ndarray, grad: np.ndarray, a: float, *, l2: float = 0.0, x: np.ndarray) -> bool:

@@ -19,22 +19,29 @@ __all__ = ["ADAGRAD_EPS", "RULES", "adagrad_update", "check_rule", "sgd_update"]
 ADAGRAD_EPS = 1e-8
 
 
-def sgd_update(w: np.ndarray, g: np.ndarray, *, lr: float) -> None:
+def sgd_update(w: np.ndarray, g: np.ndarray, *, lr: float, keys: np.ndarray | None = None) -> None:
     """Plain SGD, ``w -= lr * g``, in place (:func:`storage._kernels.axpy`: no temporary, and the same bits
-    for an entry whether the whole slice or a subset of it is updated, on any CPU).
+    for an entry whether the whole slice or a subset of it is updated, on any CPU). With ``keys`` (unique),
+    only ``w[keys]`` moves, by ``g`` holding one value a key.
 
     Examples
     --------
     >>> w = np.ones(3); sgd_update(w, np.ones(3), lr=0.5); w
     array([0.5, 0.5, 0.5])
     """
-    _kernels.axpy(-lr, g, w)
+    if keys is None:
+        _kernels.axpy(-lr, g, w)
+    else:
+        _kernels.axpy_at(-lr, g, w, keys)
 
 
-def adagrad_update(w: np.ndarray, g: np.ndarray, accumulator: np.ndarray, *, lr: float) -> None:
+def adagrad_update(
+    w: np.ndarray, g: np.ndarray, accumulator: np.ndarray, *, lr: float, keys: np.ndarray | None = None
+) -> None:
     """Adagrad as in the paper: ``acc += g**2; w -= lr * g / sqrt(acc)``, per parameter, in place.
 
-    The learning rate of parameter ``i`` at its K-th update is ``lr / sqrt(sum_{j<=K} g_ij**2)``.
+    The learning rate of parameter ``i`` at its K-th update is ``lr / sqrt(sum_{j<=K} g_ij**2)``. With
+    ``keys`` (unique), only the entries at them move, ``g`` holding one value a key (the same floats there).
 
     Examples
     --------
@@ -42,7 +49,11 @@ def adagrad_update(w: np.ndarray, g: np.ndarray, accumulator: np.ndarray, *, lr:
     >>> adagrad_update(w, np.array([2.0, -4.0]), acc, lr=0.1); np.round(w, 6)
     array([-0.1,  0.1])
     """
-    _kernels.adagrad_step(w, np.asarray(g, dtype=np.float64), accumulator, lr=lr, eps=ADAGRAD_EPS)
+    g = np.asarray(g, dtype=np.float64)
+    if keys is None:
+        _kernels.adagrad_step(w, g, accumulator, lr=lr, eps=ADAGRAD_EPS)
+    else:
+        _kernels.adagrad_step_at(w, g, accumulator, keys, lr=lr, eps=ADAGRAD_EPS)
 
 
 #: The update rules a shard applies to Downpour pushes (and the single-process reference, by name).

@@ -474,8 +474,8 @@ class Shard:
     def _apply_rule(
         self, w: np.ndarray, grad: np.ndarray, rule: str, step: float, param: str, keys: np.ndarray | None
     ) -> None:
-        """SGD or Adagrad on ``w`` (the whole slice), or on its entries at ``keys`` (gathered, updated by
-        the same elementwise code, scattered back: the same floats as a dense update there)."""
+        """SGD or Adagrad on ``w`` (the whole slice), or on its entries at ``keys`` (the same elementwise
+        arithmetic in one pass over the keys: the same floats as a dense update there)."""
         check_rule(rule)
         acc: np.ndarray | None = None
         if rule == "adagrad":
@@ -486,17 +486,11 @@ class Shard:
                 # would not reach the file.
                 acc = self.vectors[f"{param}.adagrad"]
         if keys is not None and not keys.size:
-            return  # nothing to update (and BLAS refuses empty vectors)
-        w_at = w if keys is None else w[keys]
-        acc_at = acc if keys is None or acc is None else acc[keys]
-        if acc_at is None:
-            sgd_update(w_at, grad, lr=step)
+            return  # nothing to update
+        if acc is None:
+            sgd_update(w, grad, lr=step, keys=keys)
         else:
-            adagrad_update(w_at, grad, acc_at, lr=step)
-        if keys is not None:
-            w[keys] = w_at
-            if acc is not None:
-                acc[keys] = acc_at
+            adagrad_update(w, grad, acc, lr=step, keys=keys)
 
     def gather(self, name: str, keys: np.ndarray | None) -> np.ndarray:
         """The values of vector ``name`` at the local offsets ``keys`` (a key-value pull, ps-lite style);

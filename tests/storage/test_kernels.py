@@ -260,3 +260,24 @@ def test_add_at_positions_adds_only_where_a_key_is_held(k: int) -> None:
             want[positions[key]] = want[positions[key]] + v
     np.testing.assert_array_equal(out, want)
     assert np.isin(keys, held).any() and not np.isin(keys, held).all()  # both cases were exercised
+
+
+@pytest.mark.parametrize("k", [1, _kernels.ACCRUE_AT_COMPILED_FROM + 3, 5000])
+def test_keyed_adagrad_and_axpy_round_as_the_whole_vector_kernels_at_those_keys(k: int) -> None:
+    n = 2 * k + 3
+    rng = np.random.default_rng(k)
+    keys = np.sort(rng.choice(n, size=k, replace=False))
+    w0, acc0, g_full = _vectors(n, 3, seed=5)
+    acc0 = np.abs(acc0)
+    g_full[np.setdiff1d(np.arange(n), keys)] = 0.0
+    w, acc = w0.copy(), acc0.copy()
+    _kernels.adagrad_step_at(w, g_full[keys], acc, keys, lr=0.1, eps=1e-8)
+    w_want, acc_want = w0.copy(), acc0.copy()
+    _kernels.adagrad_step(w_want, g_full, acc_want, lr=0.1, eps=1e-8)  # zero gradient: nothing moves
+    np.testing.assert_array_equal(w, w_want)
+    np.testing.assert_array_equal(acc, acc_want)
+    y = w0.copy()
+    _kernels.axpy_at(-0.3, g_full[keys], y, keys)
+    y_want = w0.copy()
+    _kernels.axpy(-0.3, g_full, y_want)
+    np.testing.assert_array_equal(y, y_want)
