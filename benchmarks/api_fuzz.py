@@ -47,6 +47,12 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# `python benchmarks/api_fuzz.py`: this checkout's benchmarks and distbelief, here and in its workers.
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+from benchmarks.api_kill import dask_client  # noqa: E402
+
 TOKEN = "fuzz-token-0123456789abcdef"
 #: The full run: at least the 3 minutes issue 27 asks for (schemathesis stops at its ``--max-time``).
 SECONDS = 200
@@ -207,9 +213,7 @@ def main(argv: list[str] | None = None, client: Any = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--seconds", type=int, default=SECONDS, help=f"schemathesis's --max-time ({SECONDS})"
-    )
+    parser.add_argument("--seconds", type=int, default=SECONDS, help=f"schemathesis's --max-time ({SECONDS})")
     parser.add_argument(
         "--max-examples",
         type=int,
@@ -223,18 +227,7 @@ def main(argv: list[str] | None = None, client: Any = None) -> dict[str, Any]:
     max_examples = QUICK_MAX_EXAMPLES if args.quick else args.max_examples
     with contextlib.ExitStack() as stack:
         if client is None:
-            from distributed import Client, LocalCluster
-
-            cluster = stack.enter_context(
-                LocalCluster(
-                    n_workers=2,
-                    threads_per_worker=1,
-                    processes=True,
-                    dashboard_address=None,
-                    host="127.0.0.1",
-                )
-            )
-            client = stack.enter_context(Client(cluster))
+            client = stack.enter_context(dask_client(None))
         result = run(seconds=seconds, max_examples=max_examples, client=client)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -42,6 +42,9 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# `python benchmarks/api_kill.py`: this checkout's distbelief, here and in the workers it spawns.
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 TOKEN = "kill-token-0123456789abcdef"
 FINAL = ("succeeded", "failed", "cancelled")
 #: What "about 5%" allows: the issue's figure.
@@ -115,7 +118,6 @@ class Service:
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DISTBELIEF_")}
         env["DISTBELIEF_API_TOKEN"] = TOKEN
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         cmd = [sys.executable, "-m", "distbelief.api.cli", "serve", "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), "--store", str(self.store), "--scheduler", self.scheduler]
         cmd += ["--log-level", "warning"]
@@ -231,7 +233,7 @@ def measure(dask: Any, epochs: int, fractions: list[float], timeout: float) -> d
 
 
 @contextlib.contextmanager
-def _dask(scheduler: str | None) -> Iterator[Any]:
+def dask_client(scheduler: str | None) -> Iterator[Any]:
     """A Dask client of ``scheduler``, or of a LocalCluster of 2 worker processes started here."""
     from distributed import Client, LocalCluster
 
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None, scheduler: str | None = None) -> dict[st
     epochs = 20 if args.quick else args.epochs
     fractions = [0.5] if args.quick else [float(f) for f in args.kill_at.split(",")]
     before = os.getloadavg()
-    with _dask(scheduler) as dask:
+    with dask_client(scheduler) as dask:
         result = measure(dask, epochs, fractions, args.timeout)
     result["load_average_before"], result["load_average_after"] = before, os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
