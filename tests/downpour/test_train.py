@@ -261,7 +261,8 @@ def test_history_holds_what_the_run_did(client: Client, digits: Dataset) -> None
     # (the dashboard showed staleness_mean 4 beside staleness_max 0 on a job's last row: issue 27).
     mean, most = h.staleness_mean.values, h.staleness_max.values
     assert np.array_equal(np.isnan(mean), np.isnan(most))
-    assert np.isfinite(mean[-1]) and np.all(most[np.isfinite(mean)] >= mean[np.isfinite(mean)]), (mean, most)
+    pushed = np.isfinite(mean)
+    assert pushed.sum() >= 5 and np.all(most[pushed] >= mean[pushed]), (mean, most)
 
 
 def test_bad_input_is_refused_before_anything_runs(client: Client, digits: Dataset) -> None:
