@@ -194,7 +194,13 @@ function kvRows(obj, where) {
 }
 
 async function download(path, filename) {
-  const response = await api(path);
+  let response;
+  try {
+    response = await api(path);
+  } catch (e) {
+    $("job-message").textContent = e.message; // e.g. a job that failed before it had parameters
+    return;
+  }
   const blob = await response.blob();
   const url = URL.createObjectURL(blob);
   const a = el("a", { href: url, download: filename });
@@ -509,7 +515,8 @@ function renderJob(record) {
   $("job-progress").textContent = `${job.dim} ${record.iterations}${limit}`;
   $("job-message").textContent = record.message || "";
   $("job-cancel").hidden = FINAL.has(record.status);
-  $("job-params").hidden = !["succeeded", "cancelled"].includes(record.status);
+  // A failed job keeps the parameters it reached (a diverged run's, say): the service serves them too.
+  $("job-params").hidden = !FINAL.has(record.status);
   setRows(
     $("spec-table").tBodies[0],
     kvRows({

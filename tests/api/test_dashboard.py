@@ -9,6 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 from distributed import Client as DaskClient
 
 from distbelief.api import Client
@@ -128,12 +129,20 @@ def test_each_job_page_reads_right_for_its_algorithm_and_its_held_out_data(
                 "sandblaster": {"algorithm": "sandblaster-lbfgs", "options": {"maxiter": 30}},
                 "downpour": {"algorithm": "downpour-sgd", "options": {"epochs": 3}},
                 "downpour-held-out": {"algorithm": "downpour-sgd", "options": {"epochs": 3}},
+                # SGD at lr 1000: the run diverges, the job fails and keeps its parameters.
+                "diverged": {
+                    "algorithm": "downpour-sgd",
+                    "options": {"rule": "sgd", "lr": 1e3, "epochs": 20, "replicas": 1, "eval_every": 0.05},
+                },
             }
-            bodies["sandblaster"]["eval_dataset"] = bodies["downpour-held-out"]["eval_dataset"] = "digits"
+            for name in ("sandblaster", "downpour-held-out", "diverged"):
+                bodies[name]["eval_dataset"] = "digits"
             jobs = {
                 name: api.wait(api.submit({"dataset": "digits", "model": spec, **body})["id"], progress=False)
                 for name, body in bodies.items()
             }
+        failed = jobs.pop("diverged")
+        assert failed["status"] == "failed" and failed["result"]["stop_reason"] == "diverged", failed
         assert all(j["status"] == "succeeded" for j in jobs.values()), jobs
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
         try:
@@ -193,6 +202,15 @@ def test_each_job_page_reads_right_for_its_algorithm_and_its_held_out_data(
                     path=os.path.join(os.environ["DISTBELIEF_SCREENSHOTS"], "dashboard-downpour.png"),
                     full_page=True,
                 )
+
+            # A failed job's parameters are served: its page offers them.
+            page.goto(url + f"/#/jobs/{failed['id']}")
+            page.wait_for_selector("#job-status.failed")
+            with page.expect_download() as download:
+                page.click("#job-params")
+            saved = tmp_path / "failed-params.npy"
+            download.value.save_as(saved)
+            assert np.load(saved).shape == (650,)
             assert errors == []
         finally:
             browser.close()
