@@ -196,7 +196,11 @@ class ReplicaCounters:
     pushes_sent: int = 0
     staleness_sum: int = 0
     staleness_count: int = 0
-    #: Largest staleness since the last :meth:`ReplicaCore.snapshot` (which resets it).
+    #: Largest staleness since the last :meth:`ReplicaCore.record` (which resets it, on the thread that
+    #: counts the pushes' answers): every applied push is in exactly one record's window, and a snapshot
+    #: taken in between reports the window so far, so the driver can give each history row the maximum of
+    #: the pushes it counts. (Two windows, one reset by snapshots and one by records, let a row count pushes
+    #: whose maximum an earlier row had taken: ``staleness_mean`` 4.5 beside ``staleness_max`` 0, issue 27.)
     staleness_max: int = 0
     #: Per shard, the sum over applied pushes of ``steps`` (``steps / (1 + staleness)`` with
     #: ``staleness_scale``): the learning-rate weight the shard gave this replica's gradients.
@@ -204,8 +208,6 @@ class ReplicaCounters:
     #: Per shard, the sum over applied pushes of ``steps**2`` (how Adagrad's accumulators grow under a
     #: constant gradient).
     applied_steps_sq: list[int] = field(default_factory=list)
-    #: Largest staleness since the last :meth:`ReplicaCore.record` (which resets it).
-    record_staleness_max: int = 0
     stale_waits: int = 0
     #: Bytes of parameters (and keys) fetched and of gradients (and keys) pushed, as sent.
     bytes_fetched: int = 0
@@ -784,7 +786,6 @@ class ReplicaCore:
             c.staleness_sum += int(staleness)
             c.staleness_count += 1
             c.staleness_max = max(c.staleness_max, int(staleness))
-            c.record_staleness_max = max(c.record_staleness_max, int(staleness))
             # The shard scales by the other replicas' updates only (storage.Shard.others_since).
             others = max(0, int(staleness) - own)
             c.applied_weight[shard] += steps / (1.0 + others) if self.staleness_scale else float(steps)
@@ -828,19 +829,16 @@ class ReplicaCore:
         self._fetch_due = True
         self._requested_until = self._landed_until
 
-    def snapshot(self, *, reset: bool = True) -> dict[str, Any]:
-        """The counters as plain data; resets the windowed maximum staleness (unless ``reset=False``)."""
-        c = self.counters
-        out = self._counters()
-        if reset:
-            c.staleness_max = 0
-        return out
+    def snapshot(self) -> dict[str, Any]:
+        """The counters as plain data (``staleness_max``: the largest staleness since the last
+        :meth:`record`; a snapshot, read on another thread than the pushes' answers, does not reset it)."""
+        return self._counters()
 
     def record(self, *, with_x: bool) -> dict[str, Any]:
         """The counters for a history row, and with ``with_x`` a copy of the local parameters.
 
-        ``staleness_max`` here is the largest staleness since the previous record (the driver's polls keep
-        their own window). The driver evaluates the objective on ``x`` after the fact, so a history row
+        ``staleness_max`` here is the largest staleness since the previous record (see
+        :class:`Counters`). The driver evaluates the objective on ``x`` after the fact, so a history row
         costs no round trip (:mod:`downpour._train`).
 
         Examples
@@ -851,12 +849,11 @@ class ReplicaCore:
         """
         c = self.counters
         out = self._counters()
-        out["staleness_max"] = c.record_staleness_max
         # Windowed: the local copy is exact only at the keys of the steps ahead; the driver reads the shards.
         windowed = self.window_keys is not None
         out["x"] = self.x.copy() if with_x and not windowed else None
         out["x_wanted"] = with_x and windowed
-        c.record_staleness_max = 0
+        c.staleness_max = 0
         return out
 
     def _counters(self) -> dict[str, Any]:

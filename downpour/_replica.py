@@ -255,7 +255,7 @@ class DownpourReplica:
         self._thread.start()
 
     async def status(self, plan: RecordPlan | None = None) -> dict[str, Any]:
-        """Counters, losses and state, for the driver's poll (cheap; resets the windowed max staleness),
+        """Counters, losses and state, for the driver's poll (cheap; ``staleness_max`` since the last record),
         with the history records taken since the last poll (``records``) and the wall ``time``.
 
         ``plan`` replaces the record plan from now on.

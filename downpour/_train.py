@@ -148,7 +148,9 @@ class Progress:
         Held-out loss (data term, per row) and accuracy at the same parameters (NaN without
         ``eval_data``; accuracy NaN for a model without ``accuracy``).
     staleness_mean, staleness_max : float
-        Over the pushes answered since the previous row (NaN if none).
+        Over the pushes answered since the previous row (NaN if none). ``staleness_max`` is never below
+        ``staleness_mean``; it can also count a push of an earlier row when a replica's status was polled
+        between two of its records (a replica's window of the maximum runs from record to record).
     replicas_alive : int
         Replicas still running.
 
@@ -678,7 +680,10 @@ class _Run:
         self.t0 = 0.0
         self.stopped = False
         self._prev = (0, 0.0, 0, 0)  # rows, loss_sum, staleness_count, staleness_sum at the last row
-        self._window_max = 0
+        #: ``(time, staleness_max)`` of every status and record not yet in a row: a row's ``staleness_max`` is
+        #: the largest of those up to its time, so it covers exactly the pushes its ``staleness_mean`` counts
+        #: (a replica's windows end at its records: :meth:`downpour._core.ReplicaCore.record`).
+        self._stale_windows: list[tuple[float, int]] = []
         #: Wall-clock time (time.time()) of the run's time 0: replicas stamp their records with it.
         self.t0_wall = 0.0
         #: Per replica, time-sorted ``(time, counters)``: its history records and its polled statuses.
@@ -884,7 +889,6 @@ class _Run:
     def _ingest(self, r: int, value: dict[str, Any]) -> None:
         """A replica's status: the latest counters, and its history records queued for rows."""
         self.status[r] = value
-        self._window_max = max(self._window_max, int(value["staleness_max"]))
         points = self.points.setdefault(r, [])
         for record in value.pop("records", []):
             if record.get("x_wanted"):
@@ -900,7 +904,10 @@ class _Run:
             t = float(record["time"]) - self.t0_wall
             points.append((t, record))
             self.pending.append((t, r, record))
-        points.append((float(value["time"]) - self.t0_wall, value))
+            self._stale_windows.append((t, int(record["staleness_max"])))
+        t = float(value["time"]) - self.t0_wall
+        points.append((t, value))
+        self._stale_windows.append((t, int(value["staleness_max"])))
 
     # -- parameter server ------------------------------------------------------------------------------
     def _gather_x(self) -> np.ndarray:
@@ -1078,7 +1085,6 @@ class _Run:
                     break
                 last = self.rows[-1].time if self.rows else -math.inf
                 t = max(t_record, float(np.nextafter(last, math.inf)))
-                self._window_max = max(self._window_max, int(record["staleness_max"]))
                 x = record["x"]
                 started = time.perf_counter()
                 out.append((self._record(t, x, self._totals_at(t)), x))
@@ -1106,8 +1112,12 @@ class _Run:
                 self.points[r] = points[i:]
 
     def _record(self, now: float, x: np.ndarray | None, t: dict[str, Any] | None = None) -> Progress:
+        """The history row at ``now`` on the counters ``t`` (the latest statuses', all of them, if None)."""
         test_loss, test_acc = _evaluate(self.model, x, self.eval_arrays) if x is not None else (math.nan,) * 2
+        upto = now if t is not None else math.inf
         t = self._totals() if t is None else t
+        window = [m for when, m in self._stale_windows if when <= upto]
+        self._stale_windows = [(when, m) for when, m in self._stale_windows if when > upto]
         rows0, loss0, count0, sum0 = self._prev
         d_rows, d_count = t["rows"] - rows0, t["staleness_count"] - count0
         row = _Row(
@@ -1119,7 +1129,7 @@ class _Run:
             test_loss=test_loss,
             test_accuracy=test_acc,
             staleness_mean=(t["staleness_sum"] - sum0) / d_count if d_count else math.nan,
-            staleness_max=float(self._window_max) if d_count else math.nan,
+            staleness_max=float(max(window, default=0)) if d_count else math.nan,
             replicas_alive=sum(a and s for a, s in zip(self.alive, self.started, strict=True)),
             push_errors=t["push_errors"],
             stale_waits=t["stale_waits"],
@@ -1134,7 +1144,6 @@ class _Run:
         if self.opts.trace and x is not None:
             self.snapshots.append((now, row.step, x))
         self._prev = (t["rows"], t["loss_sum"], t["staleness_count"], t["staleness_sum"])
-        self._window_max = 0
         return Progress(**{k: v for k, v in asdict(row).items() if k in Progress.__dataclass_fields__})
 
     def _applied_at(self, t: float) -> list[int]:

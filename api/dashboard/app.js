@@ -119,27 +119,88 @@ function setRows(tbody, rows) {
   tbody.replaceChildren(...rows);
 }
 
-// What the metrics are, where the name alone could mislead: every algorithm reports the same objective, and
-// Downpour's train_loss is the loss of its recent mini-batches, not the objective.
+// What the numbers are, where the name alone could mislead. The same name means another thing by algorithm
+// and by place: in Downpour's progress rows train_loss is the loss of its recent mini-batches; in a job's
+// result (every algorithm) it is the mean data loss of the final parameters on every training row; Sandblaster
+// records no train_loss while it runs (its objective is F(w) on every row at each iterate).
 const LABELS = {
-  objective: "F(w) train",
-  train_loss: "running mini-batch loss",
-  test_loss: "held-out loss",
-  test_accuracy: "held-out accuracy",
-  eval_loss: "held-out loss",
-  eval_accuracy: "held-out accuracy",
+  common: {
+    objective: "F(w) train",
+    grad_norm: "gradient norm max|∇F|",
+  },
+  sandblaster: {
+    fun: "F(w) as the optimizer computed it",
+    step: "line-search step",
+    nfev: "objective evaluations",
+  },
+  downpour: {
+    train_loss: "running mini-batch loss",
+    test_loss: "held-out loss",
+    test_accuracy: "held-out accuracy",
+    staleness_mean: "mean staleness of the pushes (versions)",
+    staleness_max: "largest staleness of the pushes (versions)",
+  },
+  result: {
+    objective: "F(w) train at the final parameters",
+    train_loss: "mean data loss on the training rows (no penalty)",
+    train_accuracy: "training accuracy",
+    eval_loss: "held-out loss",
+    eval_accuracy: "held-out accuracy",
+  },
 };
 
-function label(name) {
-  return LABELS[name] ? `${LABELS[name]} (${name})` : name;
+// The labels of the job on the page: "result" for its result table, else its algorithm's progress rows.
+function labelsFor(where) {
+  const record = state.job && state.job.record;
+  const family = record && record.algorithm.startsWith("downpour") ? "downpour" : "sandblaster";
+  return Object.assign({}, LABELS.common, LABELS[family], where === "result" ? LABELS.result : {});
 }
 
-function kvRows(obj) {
-  return Object.entries(obj || {}).map(([k, v]) => el("tr", null, el("td", null, label(k)), el("td", null, fmt(v))));
+function label(name, where) {
+  const text = labelsFor(where)[name];
+  return text ? `${text} (${name})` : name;
+}
+
+// A value as a node: a nested object as a table of its own (a mapping of records, such as per-replica
+// counters, or a list of them as rows of a grid), a list of numbers as one line; never one raw JSON string.
+function valueNode(value) {
+  if (value === null || typeof value !== "object") return document.createTextNode(fmt(value));
+  const isRecord = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
+  const entries = Array.isArray(value) ? value.map((v, i) => [String(i), v]) : Object.entries(value);
+  if (!entries.length) return document.createTextNode(Array.isArray(value) ? "none" : "");
+  if (entries.every(([, v]) => !isRecord(v) && !Array.isArray(v))) {
+    if (Array.isArray(value)) return document.createTextNode(value.map(fmt).join(", "));
+  } else if (entries.every(([, v]) => isRecord(v))) {
+    const columns = [...new Set(entries.flatMap(([, v]) => Object.keys(v)))];
+    return el(
+      "table",
+      { class: "grid nested" },
+      el("thead", null, el("tr", null, el("th", null, ""), ...columns.map((c) => el("th", null, c)))),
+      el("tbody", null, ...entries.map(([k, v]) => el("tr", { "data-key": k }, el("th", null, k), ...columns.map((c) => el("td", null, valueNode(v[c])))))),
+    );
+  }
+  return el("table", { class: "kv nested" }, el("tbody", null, ...entries.map(([k, v]) => el("tr", { "data-key": k }, el("td", null, k), el("td", null, valueNode(v))))));
+}
+
+// A progress row without the held-out columns of a job that has no held-out data (they stay empty).
+function latestOf(obj) {
+  const record = state.job && state.job.record;
+  if (!obj || (record && record.eval_dataset)) return obj;
+  return Object.fromEntries(Object.entries(obj).filter(([k]) => !/^(test|eval|heldout)_/.test(k)));
+}
+
+function kvRows(obj, where) {
+  return Object.entries(obj || {}).map(([k, v]) => el("tr", { "data-key": k }, el("td", null, label(k, where)), el("td", null, valueNode(v))));
 }
 
 async function download(path, filename) {
-  const response = await api(path);
+  let response;
+  try {
+    response = await api(path);
+  } catch (e) {
+    $("job-message").textContent = e.message; // e.g. a job that failed before it had parameters
+    return;
+  }
   const blob = await response.blob();
   const url = URL.createObjectURL(blob);
   const a = el("a", { href: url, download: filename });
@@ -199,7 +260,9 @@ function drawChart(svg, legend, series, log) {
   const all = pts.flat();
   const nodes = [];
   if (!all.length) {
-    nodes.push(svgEl("text", { x: width / 2, y: height / 2, "text-anchor": "middle", class: "empty" }, "waiting for data…"));
+    // "waiting" only while the job can still record something.
+    const waiting = !(state.job && state.job.record && FINAL.has(state.job.record.status));
+    nodes.push(svgEl("text", { x: width / 2, y: height / 2, "text-anchor": "middle", class: "empty" }, waiting ? "waiting for data…" : "nothing was recorded"));
     svg.replaceChildren(...nodes);
     legend.replaceChildren();
     return;
@@ -229,7 +292,7 @@ function drawChart(svg, legend, series, log) {
     nodes.push(svgEl("polyline", { class: `series s${i}`, points, "data-name": series[i].name, "data-n": p.length }));
   });
   svg.replaceChildren(...nodes);
-  legend.replaceChildren(...series.map((s, i) => el("span", { class: `s${i}` }, label(s.name) + (log ? " (log)" : ""))));
+  legend.replaceChildren(...series.map((s, i) => el("span", { class: `s${i}`, "data-name": s.name }, label(s.name) + (log ? " (log)" : ""))));
 }
 
 function column(name) {
@@ -238,24 +301,42 @@ function column(name) {
   return j < 0 ? null : job.rows.map((r) => r[j]);
 }
 
+// Whether the job has held-out rows to show: it names a held-out dataset, and its rows carry a held-out
+// value (Sandblaster and partitioned runs evaluate it once, at the end: their result has it).
+function hasHeldOut(name) {
+  const job = state.job;
+  if (!job.record || !job.record.eval_dataset) return false;
+  const values = column(name) || [];
+  return values.some((v) => v !== null && Number.isFinite(v)) || !FINAL.has(job.record.status);
+}
+
 function drawJobCharts() {
   const job = state.job;
   if (!job) return;
   const xs = job.rows.map((r) => r[0]);
   const has = (n) => job.columns.includes(n);
-  const lossNames = ["objective", "loss", "train_loss", "training_loss", "eval_loss", "heldout_loss", "test_loss"].filter(has);
+  const heldOut = (n) => !/^(test|eval|heldout)_/.test(n) || hasHeldOut(n);
+  const lossNames = ["objective", "loss", "train_loss", "training_loss", "eval_loss", "heldout_loss", "test_loss"].filter(has).filter(heldOut);
   const a = lossNames.map((n) => ({ name: n, xs, ys: column(n) }));
   $("chart-a-title").textContent = lossNames.includes("objective") ? "Objective F(w) on the training data" : "Loss";
   drawChart($("chart-a"), $("chart-a-legend"), a, wantsLog(a));
-  const accNames = job.columns.filter((n) => n.includes("accuracy"));
+  const accNames = job.columns.filter((n) => n.includes("accuracy")).filter(heldOut);
+  let title, series, log;
   if (accNames.length) {
-    $("chart-b-title").textContent = "Accuracy";
-    drawChart($("chart-b"), $("chart-b-legend"), accNames.map((n) => ({ name: n, xs, ys: column(n) })), false);
+    title = accNames.every((n) => /^(test|eval|heldout)_/.test(n)) ? "Held-out accuracy" : "Accuracy";
+    series = accNames.map((n) => ({ name: n, xs, ys: column(n) }));
+  } else if (has("grad_norm")) {
+    title = "Gradient norm max|∇F|";
+    series = [{ name: "grad_norm", xs, ys: column("grad_norm") }];
+    log = true;
   } else {
-    const name = has("grad_norm") ? "grad_norm" : has("staleness") ? "staleness" : null;
-    $("chart-b-title").textContent = name === "grad_norm" ? "Gradient norm max|∇F|" : name || "Accuracy";
-    drawChart($("chart-b"), $("chart-b-legend"), name ? [{ name, xs, ys: column(name) }] : [], name === "grad_norm");
+    const names = ["staleness_mean", "staleness_max", "staleness"].filter(has);
+    title = names.length ? "Staleness of the pushes (parameter versions)" : "";
+    series = names.map((n) => ({ name: n, xs, ys: column(n) }));
   }
+  $("chart-b-title").textContent = title;
+  $("chart-b").closest("figure").hidden = !series.length;
+  drawChart($("chart-b"), $("chart-b-legend"), series, Boolean(log));
 }
 
 // ---------------------------------------------------------------------------------------------- jobs list
@@ -434,7 +515,8 @@ function renderJob(record) {
   $("job-progress").textContent = `${job.dim} ${record.iterations}${limit}`;
   $("job-message").textContent = record.message || "";
   $("job-cancel").hidden = FINAL.has(record.status);
-  $("job-params").hidden = !["succeeded", "cancelled"].includes(record.status);
+  // A failed job keeps the parameters it reached (a diverged run's, say): the service serves them too.
+  $("job-params").hidden = !FINAL.has(record.status);
   setRows(
     $("spec-table").tBodies[0],
     kvRows({
@@ -454,8 +536,12 @@ function renderJob(record) {
   const result = Object.assign({}, record.result || {});
   const stats = result.stats;
   delete result.stats;
-  setRows($("result-table").tBodies[0], kvRows(Object.assign(result, stats ? { stats } : {})));
-  setRows($("latest-table").tBodies[0], kvRows(record.latest));
+  setRows($("result-table").tBodies[0], kvRows(result, "result"));
+  // The run's statistics: a table of their own, nested ones as tables (was one raw JSON string).
+  $("stats").hidden = !stats;
+  setRows($("stats-table").tBodies[0], kvRows(stats || {}));
+  setRows($("latest-table").tBodies[0], kvRows(latestOf(record.latest)));
+  drawJobCharts(); // the held-out panel and the labels depend on the record
   renderPlacement(record.placement);
 }
 
@@ -512,7 +598,7 @@ function applyMetrics(data) {
     const latest = Object.fromEntries(job.columns.map((c, i) => [c, last[i]]));
     const limit = job.record.max_iterations ? " / " + job.record.max_iterations : "";
     $("job-progress").textContent = `${job.dim} ${last[0]}${limit}`;
-    setRows($("latest-table").tBodies[0], kvRows(latest));
+    setRows($("latest-table").tBodies[0], kvRows(latestOf(latest)));
   }
   drawJobCharts();
 }

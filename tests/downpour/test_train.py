@@ -257,6 +257,12 @@ def test_history_holds_what_the_run_did(client: Client, digits: Dataset) -> None
     first_loss = h.train_loss.values[np.isfinite(h.train_loss.values)][0]
     assert np.nanmean(h.train_loss.values[-3:]) < first_loss
     assert len(seen) >= 5 and [p.step for p in seen] == list(h.step.values[1 : len(seen) + 1])
+    # A row's staleness figures are over the same pushes: with pushes the maximum is at least the mean
+    # (the dashboard showed staleness_mean 4 beside staleness_max 0 on a job's last row: issue 27).
+    mean, most = h.staleness_mean.values, h.staleness_max.values
+    assert np.array_equal(np.isnan(mean), np.isnan(most))
+    pushed = np.isfinite(mean)
+    assert pushed.sum() >= 5 and np.all(most[pushed] >= mean[pushed]), (mean, most)
 
 
 def test_bad_input_is_refused_before_anything_runs(client: Client, digits: Dataset) -> None:
