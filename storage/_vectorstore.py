@@ -22,9 +22,9 @@ issue 29): a float32 vector takes half the RAM of the budget, and spills to a ra
 chunked ops read into float32 buffers, at half the bytes.
 
 Placement: a new vector goes to RAM while the RAM vectors fit the budget. A *cold* one (by name,
-:data:`COLD_NAME`: the L-BFGS history slots ``s0..sm``, ``y0..ym``) beyond the budget is spilled; a hot one
-beyond the budget first evicts cold RAM vectors to disk, and is itself spilled only when no cold vector is
-left in RAM.
+:data:`COLD_NAME`: the L-BFGS history slots ``hs0..hsm``, ``hy0..hym``) beyond the budget is spilled; a hot
+one beyond the budget first evicts cold RAM vectors to disk, and is itself spilled only when no cold vector
+is left in RAM.
 """
 
 from __future__ import annotations
@@ -53,8 +53,11 @@ __all__ = [
     "storage_dtype",
 ]
 
-#: Names of vectors spilled first: the L-BFGS history slots (``s3``, ``y10``, ``lbfgs.s0`` ...).
-COLD_NAME = re.compile(r"(^|[._])[sy]\d+$")
+#: Names of vectors spilled first: the L-BFGS history slots (Sandblaster's ``hs3``, ``hy10``; ``s3``,
+#: ``lbfgs.s0`` ...). Sandblaster's slots are named ``h...`` (``VLBFGSHistory(prefix="h")``): without them
+#: here its history counted as hot, and a shard restored from a checkpoint (vectors read in name order,
+#: ``hs*`` before ``xa``) kept the history in RAM and spilled ``x``.
+COLD_NAME = re.compile(r"(^h?|[._])[sy]\d+$")
 
 #: Elements per chunk when streaming a spilled vector (4 Mi float64 = 32 MiB per operand buffer).
 SPILL_CHUNK = 1 << 22

@@ -115,6 +115,18 @@ def test_history_spills_first_and_hot_vectors_evict_it(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []
 
 
+def test_sandblasters_history_slots_are_cold_and_make_room_for_x(tmp_path: Path) -> None:
+    # A shard restored from a checkpoint reads its vectors in name order: the history before x.
+    vs = VectorStore(10, budget=2 * 80, spill_dir=str(tmp_path))
+    for name in ("hs0", "hy0", "xa", "ga", "hs10", "hy10"):
+        vs[name] = np.zeros(10)
+    assert vs.spilled == {"hs0", "hy0", "hs10", "hy10"}
+    assert [vs._cold(n) for n in ("hs3", "hy10", "s0", "lbfgs.y2", "xa", "va", "xi", "d", "acc")] == [
+        True, True, True, True, False, False, False, False, False,
+    ]  # fmt: skip
+    vs.close()
+
+
 def test_spilled_vectors_never_share_a_file(tmp_path: Path) -> None:
     # Two shards of one worker process spilling to one directory, and names that sanitize alike.
     a = VectorStore(3, budget=0, spill_dir=str(tmp_path))
