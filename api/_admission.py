@@ -5,7 +5,8 @@ The estimate is deliberately simple and errs on the generous side; it counts wha
 
 - every parameter-server shard keeps ``vectors`` float64 vectors of its slice (x, g, d, the L-BFGS history
   s_i and y_i, the trial point, Adagrad accumulators, ...), so a shard needs
-  ``ceil(n_params / shards) * vectors * 8`` bytes;
+  ``ceil(n_params / shards) * vectors * 8`` bytes (with ``history_dtype="float32"`` the history's vectors
+  count half; ``"auto"`` counts them as float64, the most it can take);
 - every model replica keeps the full parameter vector, its gradient and the gradient it accumulates
   (``3 * n_params * 8`` bytes), plus one portion (Sandblaster) or batch (Downpour) of rows and the
   activations of those rows through every layer;
@@ -138,11 +139,13 @@ def _widest_partition(spec: Mapping[str, Any], partitions: int) -> int:
 
 
 def _vectors(algorithm: str, options: Mapping[str, Any]) -> int:
+    # A float32 history vector is half a float64 one.
+    history = int(options.get("history", 10)) * (1 if options.get("history_dtype") == "float32" else 2)
     if algorithm == "sandblaster-lbfgs":
-        return 2 * int(options.get("history", 10)) + 6
+        return history + 6
     if algorithm == "sandblaster-owlqn":
         # L-BFGS's, and the pseudo-gradient's two buffers and the orthant.
-        return 2 * int(options.get("history", 10)) + 9
+        return history + 9
     if algorithm == "sandblaster-cg":
         return 7
     # sandblaster-gd: x, g, d, the trial point and its gradient; downpour-sgd: x, the Adagrad accumulator,

@@ -116,6 +116,16 @@ class SandblasterJobOptions(_Options):
     replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] | None = None
     partitions: _Partitions | None = None
     history: Annotated[int, Field(ge=1, le=1000, description="L-BFGS memory m")] | None = None
+    history_dtype: (
+        Annotated[
+            Literal["auto", "float64", "float32"],
+            Field(
+                description="how the shards store the L-BFGS pairs (float64 arithmetic either way): 'auto' "
+                "(default) takes float32 only when a float64 history would not fit a shard's memory"
+            ),
+        ]
+        | None
+    ) = None
     gtol: Annotated[_Finite, Field(ge=0)] | None = None
     ftol: Annotated[_Finite, Field(ge=0)] | None = None
     maxiter: Annotated[int, Field(ge=1, le=_MAX_ITER)] | None = None

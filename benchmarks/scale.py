@@ -5,11 +5,16 @@ Usage::
     python benchmarks/scale.py [--quick] [--sizes 16,20,24,27] [--rows 2000000] [--maxiter 5]
                                [--modes sparse,dense] [--dense-max-log2 24] [--worker-memory 6GiB]
                                [--scipy-memory-gb 6] [--scipy-timeout 900] [--shard-memory auto]
-                               [--repeats 3]
+                               [--repeats 3] [--history-dtype auto|float64|float32]
 
 Issue 29's measurement (alone on the box: ``../shared/tools/quiet-run`` or an equally quiet machine)::
 
     python benchmarks/scale.py --sizes 16,20,24 --rows 500000 --maxiter 10 --modes sparse --spill-ops 0
+
+and its item 3 (2^27 parameters, 2e6 rows, >= 12 iterations; the history stored as float32)::
+
+    python benchmarks/scale.py --sizes 27 --rows 2000000 --maxiter 12 --shard-memory 1073741824 \
+        --worker-memory 7GiB --push-every 16 --history-dtype float32
 
 A click-through-shaped synthetic set (raw feature ids with power-law frequencies, ~40 nonzeros per row,
 binary values, labels from a planted model) is generated in chunks straight into a ``scipy.sparse`` CSR
@@ -17,7 +22,8 @@ matrix, hashed to ``2**k`` buckets for every ``k`` of ``--sizes`` and written as
 
 * **distbelief**: ``sandblaster.minimize`` (L-BFGS, ``history=10``) on a fresh two-worker ``LocalCluster``
   (so every worker's lifetime peak RSS belongs to this size), shards within their memory budget (history
-  spilled to local files beyond it, ``storage._vectorstore``);
+  spilled to local files beyond it, ``storage._vectorstore``), the history stored as ``--history-dtype``
+  says (``auto``: float32 only where a float64 history would not fit the budget; each row records which);
 * **scipy**: ``scipy.optimize.minimize(method="L-BFGS-B", maxcor=10)`` on the same CSR matrix in one child
   process under an address-space rlimit and a timeout, so it cannot take the machine down; where it runs
   out of memory or time is recorded.
@@ -215,8 +221,10 @@ def run_distbelief(
     mode: str = "sparse",
     worker_memory: str | None = None,
     l1: float = 0.0,
+    history_dtype: str = "auto",
 ) -> dict[str, Any]:
-    """Sandblaster L-BFGS (or OWL-QN with ``l1 > 0``) on ``dataset`` on a fresh two-worker cluster."""
+    """Sandblaster L-BFGS (or OWL-QN with ``l1 > 0``) on ``dataset`` on a fresh two-worker cluster;
+    ``history_dtype`` as ``sandblaster.minimize``'s (the row says which one ran)."""
     from distributed import Client, LocalCluster
 
     from distbelief import sandblaster
@@ -254,6 +262,7 @@ def run_distbelief(
                 shard_memory=shard_memory,
                 push_every=push_every,
                 communication=mode,
+                history_dtype=history_dtype,
             )
         finally:
             per_worker = client.run(_stop_sampler)
@@ -276,6 +285,7 @@ def run_distbelief(
         **{k: v for k, v in res.stats.items() if k.startswith("replica_")},
         shards=res.stats.get("shards"),
         replicas=res.stats.get("replicas"),
+        history_dtype=res.stats.get("history_dtype"),
         portions=res.stats.get("portions"),
         worker_memory_limit=memory_limit,
         push_every=push_every,
@@ -751,6 +761,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--merge-into", help="also merge this run's rows into that results file (see merge_runs)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds per size (medians reported)")
     ap.add_argument("--owlqn", action="store_true", help=f"also OWL-QN (l1={L1}) on sparse communication")
+    ap.add_argument(
+        "--history-dtype",
+        default="auto",
+        choices=("auto", "float64", "float32"),
+        help="how the shards store the L-BFGS history (sandblaster.minimize's history_dtype)",
+    )
     ap.add_argument("--scipy-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.quick:
@@ -826,6 +842,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                 mode,
                                 args.worker_memory,
                                 l1=l1,
+                                history_dtype=args.history_dtype,
                             )
                         )
                     except Exception as e:  # recorded, not fatal: the other sizes still run

@@ -90,10 +90,20 @@ class Coordinator:
         self._rt_mark = 0
         #: Partitioned replicas (``minimize(partitions=K)``): the shards hold ``x[perm]`` (else None).
         self.perm: np.ndarray | None = None
+        #: ``{name: dtype}`` of the vectors the method's ops had the shards store in a dtype of their own
+        #: (``("lincomb", dst, coeffs, names, "float32")``: the L-BFGS history with ``history_dtype``), for
+        #: the checkpoint arrays (float32 ones for float32 vectors).
+        self.vector_dtypes: dict[str, str] = {}
+
+    def _note_dtypes(self, ops: Sequence[Op]) -> None:
+        for op in ops:
+            if op[0] == "lincomb" and len(op) > 4:
+                self.vector_dtypes[op[1]] = str(op[4])
 
     # -- one evaluation --------------------------------------------------------------------------------
     def run(self, ops: Sequence[Op]) -> list[Any]:
         """Run ``ops`` on every shard in one round trip; the shards' results, reduced."""
+        self._note_dtypes(ops)
         t = time.perf_counter()
         try:
             return self.ps.run(list(ops))
@@ -118,6 +128,8 @@ class Coordinator:
         the prefix ops followed by those of the suffix ops)``.
         """
         ops: list[tuple[Any, ...]] = list(prefix_ops or [])
+        self._note_dtypes(ops)
+        self._note_dtypes(suffix_ops or [])
         if base is not None:
             if direction is None or step == 0.0:
                 ops.append(("copy", base, out_x))
@@ -212,7 +224,8 @@ class Coordinator:
     def checkpoint(self, names: list[str], extra: dict[str, Any]) -> None:
         """Save ``names`` (x, g and the method's vectors) and the run's scalars to the store."""
         meta = {"method": self.method, "state": self.state.to_meta(), **extra}
-        self.ps.checkpoint(names, meta=meta)
+        dtypes = {n: self.vector_dtypes[n] for n in names if n in self.vector_dtypes}
+        self.ps.checkpoint(names, meta=meta, dtypes=dtypes or None)
 
     def checkpoint_due(self) -> bool:
         """Whether this iteration ends with a checkpoint (every ``checkpoint_every`` iterations)."""

@@ -7,7 +7,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,9 +45,23 @@ from ._scheduler import PortionScheduler
 from ._space import InProcessSpace, ParameterSpace
 from ._vlbfgs import _minimize_lbfgs
 
-__all__ = ["OptimizeResult", "SandblasterOptions", "minimize", "open_session"]
+__all__ = [
+    "HISTORY_DTYPE_OPTIONS",
+    "OptimizeResult",
+    "SandblasterOptions",
+    "auto_history_dtype",
+    "minimize",
+    "open_session",
+]
 
 Method = Literal["lbfgs", "cg", "gd", "owlqn"]
+HistoryDtype = Literal["auto", "float64", "float32"]
+#: The values of ``history_dtype``.
+HISTORY_DTYPE_OPTIONS: tuple[str, ...] = ("auto", "float64", "float32")
+#: Vectors an L-BFGS (OWL-QN) run keeps on a shard beside its ``2(m + 1)`` history slots: ``x`` and the
+#: trial point, their gradients, the direction and the gradient accumulator (and the pseudo-gradient's two
+#: buffers and the orthant).
+WORKING_VECTORS = {"lbfgs": 6, "owlqn": 9}
 
 #: How many times a run rolls back to its checkpoint after losing a shard before it gives up.
 MAX_RECOVERIES = 3
@@ -106,10 +120,18 @@ class SandblasterOptions:
     shard_memory: int | str | None = "auto"
     partitions: int = 1
     local: bool = False
+    history_dtype: HistoryDtype = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in ("lbfgs", "cg", "gd", "owlqn"):
             raise InvalidOptionError(f"method must be 'lbfgs', 'cg', 'gd' or 'owlqn', got {self.method!r}")
+        _check(
+            isinstance(self.history_dtype, str) and self.history_dtype in HISTORY_DTYPE_OPTIONS,
+            "history_dtype",
+            self.history_dtype,
+            "'auto' (float32 only when a float64 history would not fit the shards' memory), 'float64' or "
+            "'float32' (how the L-BFGS pairs are stored; the arithmetic is float64 either way)",
+        )
         _check(self.l2 >= 0 and math.isfinite(self.l2), "l2", self.l2, "a finite number >= 0")
         _check(self.l1 >= 0 and math.isfinite(self.l1), "l1", self.l1, "a finite number >= 0")
         _check(
@@ -196,6 +218,46 @@ class SandblasterOptions:
             self.shard_memory,
             "bytes per shard (an int >= 0), 'auto' or None",
         )
+
+
+def auto_history_dtype(method: str, m: int, sizes: Sequence[int], budgets: Sequence[int | None]) -> str:
+    """``history_dtype="auto"``: ``"float32"`` when some shard's budget cannot hold a float64 history beside
+    the run's other vectors, else ``"float64"``.
+
+    A shard of ``size`` parameters keeps :data:`WORKING_VECTORS` vectors and ``2(m + 1)`` history slots;
+    at 8 bytes an element all of them must fit its memory budget (``None``: no limit). When they do not,
+    the history would spill to disk and be streamed twice an iteration (issue 29 measured 489 GB of spill
+    reads at 2^27): float32 halves that, or keeps it in RAM. When they do, float64 keeps the run bit for bit
+    what it was (and its agreement with SciPy's L-BFGS-B to ~1e-9, which a float32 history's rounding of
+    the pairs, ~6e-8 relative, need not keep). CG and gradient descent keep no history: float64.
+
+    Examples
+    --------
+    >>> auto_history_dtype("lbfgs", 10, [1000, 1000], [None, None])
+    'float64'
+    >>> auto_history_dtype("lbfgs", 10, [1 << 26], [3 << 30])      # 28 vectors of 512 MiB: 14 GiB > 3 GiB
+    'float32'
+    """
+    working = WORKING_VECTORS.get(method)
+    if working is None:
+        return "float64"
+    need = (working + 2 * (m + 1)) * 8
+    fits = [budget is None or need * size <= budget for size, budget in zip(sizes, budgets, strict=True)]
+    return "float64" if all(fits) else "float32"
+
+
+def _history_dtype(opts: SandblasterOptions, ps: ParameterServer, resumed: dict[str, Any] | None) -> str:
+    """The run's history dtype: the option's, or for ``"auto"`` the checkpoint's when resuming (a run keeps
+    its dtype), else :func:`auto_history_dtype` of the shards' budgets (one round trip, before the run)."""
+    if opts.history_dtype != "auto":
+        return opts.history_dtype
+    if resumed is not None:
+        return str(resumed.get("history_dtype", "float64"))
+    if opts.method not in WORKING_VECTORS:
+        return "float64"
+    budgets = [report["budget"] for report in ps.memory()]
+    sizes = [hi - lo for lo, hi in ps.layout.ranges()]
+    return auto_history_dtype(opts.method, opts.history, sizes, budgets)
 
 
 def _are_ranges(ranges: object) -> bool:
@@ -313,6 +375,7 @@ def minimize(
     shard_memory: int | str | None = "auto",
     partitions: int = 1,
     local: bool = False,
+    history_dtype: HistoryDtype = "auto",
 ) -> OptimizeResult:
     """Minimize ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2 + l1 ||w||_1`` with Sandblaster on Dask.
 
@@ -398,6 +461,19 @@ def minimize(
         cluster's round trips (~2-11 ms each) would cost more than the work; the estimators choose it for
         small data given without a ``client``. ``client``, ``store``, shards, replicas, portions,
         partitions and checkpoints have no meaning then and are refused.
+    history_dtype : {"auto", "float64", "float32"}
+        How the shards store the L-BFGS (and OWL-QN) pairs ``s_i``, ``y_i``: in RAM, in spill files and in
+        checkpoints. The arithmetic is float64 either way: each pair is formed in float64 and rounded once
+        when stored, the dot products accumulate in float64 over the stored values and the direction is a
+        float64 combination of them. ``"float32"`` halves the history's memory and the bytes its passes
+        read (the history is most of a wide model's vectors: 22 of 28 at ``history=10``); the iterates
+        differ from float64's by that rounding (``benchmarks/history_dtype.py``): on the peer problems
+        the same iteration counts and final objectives within 1e-10, on the ill-conditioned scale set
+        within 5e-8 after 12 iterations, but long runs there drift apart as they do under any
+        perturbation (float64 with ``l2`` changed by 1e-12 too: ~1e-3 at a few hundred iterations). ``"auto"``
+        (default): float32 only when a float64 history would not fit a shard's memory budget
+        (:func:`auto_history_dtype`; ``local=True``: float64), so small and medium runs stay bit for bit as
+        they were. ``stats["history_dtype"]`` says which one ran. CG and GD keep no history.
 
     Returns
     -------
@@ -438,6 +514,7 @@ def minimize(
         shard_memory=shard_memory,
         partitions=partitions,
         local=local,
+        history_dtype=history_dtype,
     )
     if local:
         if client is not None or store is not None or not isinstance(data, tuple):
@@ -692,6 +769,7 @@ def _run(
         resume_meta: dict[str, Any] | None = None
         if opts.resume:
             resume_meta = coord.resume_from(ps.checkpoint_meta)
+        opts = replace(opts, history_dtype=_history_dtype(opts, ps, resume_meta))  # type: ignore[arg-type]
         ps.stats.reset()
         attempt: dict[str, Any] = {"resume": resume_meta}
 
@@ -722,6 +800,7 @@ def _run(
             "portions": scheduler.n_portions,
             "recoveries": recovery.recoveries,
             "portions_per_replica": list(scheduler.portions_done),
+            "history_dtype": opts.history_dtype,
         }
         stats.update(_bytes_moved(scheduler.replicas, coord.state.nfev))
         x = ps.gather(coord.state.x)
@@ -769,6 +848,8 @@ def _run_local(
 
     space = InProcessSpace(fun_and_grad, x_start)
     space.start()
+    if opts.history_dtype == "auto":
+        opts = replace(opts, history_dtype="float64")  # no shard budget: the history is in this process
     try:
         success, message = _run_method(space, opts, x_start.size, callback, None)
     except StopIteration:
@@ -785,7 +866,7 @@ def _run_local(
         message=message,
         history=_history(st.records),
         store="",
-        stats={"local": True, "wall_s": time.perf_counter() - t_start},
+        stats={"local": True, "wall_s": time.perf_counter() - t_start, "history_dtype": opts.history_dtype},
     )
 
 
@@ -797,15 +878,17 @@ def _run_method(
     resume: dict[str, Any] | None,
 ) -> tuple[bool, str]:
     gtol, ftol, maxiter, maxfev = opts.gtol, opts.ftol, opts.maxiter, opts.maxfev
+    dtype = opts.history_dtype
     if opts.method == "lbfgs":
         return _minimize_lbfgs(
             coord, m=opts.history, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=opts.maxls,
-            callback=callback, resume=resume,
+            callback=callback, resume=resume, history_dtype=dtype,
         )  # fmt: skip
     if opts.method == "owlqn":
         return _minimize_owlqn(
             coord, l1=opts.l1, m=opts.history, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev,
             maxls=opts.maxls, callback=callback, resume=resume, l1_exclude=opts.l1_exclude,
+            history_dtype=dtype,
         )  # fmt: skip
     if opts.method == "cg":
         return _minimize_cg(

@@ -47,7 +47,7 @@ from ._space import (
     reference_result,
     stop_test,
 )
-from ._vlbfgs import VLBFGSHistory, _minimize_lbfgs, resumed_history
+from ._vlbfgs import VLBFGSHistory, _checkpoint_extra, _minimize_lbfgs, history_ops, resumed_history
 
 __all__ = ["OWLQN_C1", "OWLQN_SHRINK", "_minimize_owlqn", "check_l1", "minimize_owlqn_reference"]
 
@@ -104,6 +104,7 @@ def _backtrack(
     maxls: int,
     maxfev: int,
     free: tuple[Any, ...] = (),
+    store: tuple[str, ...] = (),
 ) -> _Trial:
     """Andrew & Gao's backtracking search along the projected path, every op riding on the evaluations."""
     st = space.state
@@ -124,13 +125,13 @@ def _backtrack(
             *setup,
             ("lincomb", x_t, [1.0, t], [x, "d"]),
             ("project_orthant", x_t, "xi", *free),
-            ("lincomb", s_name, [1.0, -1.0], [x_t, x]),
+            ("lincomb", s_name, [1.0, -1.0], [x_t, x], *store),
             ("dot", v, s_name),
             ("norm1", x_t, *free),
             ("nnz", x_t),
         ]
         suffix: list[Op] = [
-            ("lincomb", y_name, [1.0, -1.0], [g_t, g]),
+            ("lincomb", y_name, [1.0, -1.0], [g_t, g], *store),
             ("pseudo_grad", _pseudo(x_t), g_t, x_t, l1, *free),
             ("norm_inf", _pseudo(x_t)),
             ("dots", spec.dot_requests(_pseudo(x_t))),
@@ -167,6 +168,7 @@ def _minimize_owlqn(
     callback: Callable[[IterationRecord], None] | None = None,
     resume: Mapping[str, Any] | None = None,
     l1_exclude: Sequence[tuple[int, int]] = (),
+    history_dtype: str = "float64",
 ) -> tuple[bool, str]:
     """Vector-free OWL-QN in ``space``: minimize ``F(x) = f(x) + l1 ||x||_1`` (Andrew & Gao 2007).
 
@@ -197,6 +199,8 @@ def _minimize_owlqn(
     l1_exclude : sequence of (start, stop)
         Ranges of ``x`` the L1 term leaves out (intercepts): there the pseudo-gradient is the gradient and
         the step is not projected (``storage._l1``'s ``free``).
+    history_dtype : {"float64", "float32"}
+        How the pairs are stored (as in :func:`~sandblaster._vlbfgs._minimize_lbfgs`).
 
     Returns
     -------
@@ -215,12 +219,13 @@ def _minimize_owlqn(
     (array([2., 2.]), 10.0)
     """
     l1 = check_l1(l1)
+    store = history_ops(history_dtype)
     # The ops carry the ranges only when there are some: the messages of a plain run stay as they were.
     free: tuple[Any, ...] = (tuple((int(a), int(b)) for a, b in l1_exclude),) if l1_exclude else ()
     if l1 == 0.0:
         return _minimize_lbfgs(
             space, m=m, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls,
-            callback=callback, resume=resume,
+            callback=callback, resume=resume, history_dtype=history_dtype,
         )  # fmt: skip
     st = space.state
     hist = VLBFGSHistory(m, prefix="h")
@@ -239,7 +244,7 @@ def _minimize_owlqn(
             return True, "pseudo-gradient inf-norm <= gtol at x0"
         pending = (hist, list(values), None)
     else:
-        pending = resumed_history(resume, m)
+        pending = resumed_history(resume, m, history_dtype)
     while True:
         descent: float | None = None
         if pending is None:
@@ -251,7 +256,7 @@ def _minimize_owlqn(
         # Without pairs d = -v (the alignment keeps all of it): scale the first trial to move x by one unit.
         vv = hist.dot_matrix()[-1, -1]
         step = 1.0 / math.sqrt(vv) if hist.n_pairs == 0 and vv > 0.0 else 1.0
-        found = _backtrack(space, hist, l1=l1, step=step, maxls=maxls, maxfev=maxfev, free=free)
+        found = _backtrack(space, hist, l1=l1, step=step, maxls=maxls, maxfev=maxfev, free=free, store=store)
         if found.over_budget:
             return False, found.message
         if not found.ok:
@@ -265,8 +270,7 @@ def _minimize_owlqn(
         kept = [name for names in found.spec.pair_names for name in names]
         close_iteration(
             space, found.step, callback, [st.x, st.g, _pseudo(st.x), *kept, *found.names],
-            {"hist": found.spec.to_state(), "next_values": found.values, "descent": -found.vs},
-            {"nnz": found.nnz},
+            _checkpoint_extra(found.spec, found.values, -found.vs, history_dtype), {"nnz": found.nnz},
         )  # fmt: skip
         stop = stop_test(st, f_old, gtol=gtol, ftol=ftol, maxiter=maxiter)
         if stop is not None:
@@ -285,6 +289,7 @@ def minimize_owlqn_reference(
     maxfev: int = 15000,
     maxls: int = 20,
     l1_exclude: Sequence[tuple[int, int]] = (),
+    history_dtype: str = "float64",
 ) -> ReferenceResult:
     """:func:`_minimize_owlqn` in an :class:`InProcessSpace`: minimize ``f(x) + l1 ||x||_1``.
 
@@ -296,7 +301,7 @@ def minimize_owlqn_reference(
         Starting point (copied, float64).
     l1 : float
         L1 strength (``>= 0``).
-    m, gtol, ftol, maxiter, maxfev, maxls, l1_exclude : int, float or ranges
+    m, gtol, ftol, maxiter, maxfev, maxls, l1_exclude, history_dtype : int, float, ranges or str
         As :func:`_minimize_owlqn`'s.
 
     Returns
@@ -317,6 +322,6 @@ def minimize_owlqn_reference(
     space.start()
     success, message = _minimize_owlqn(
         space, l1=l1, m=m, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls,
-        l1_exclude=l1_exclude,
+        l1_exclude=l1_exclude, history_dtype=history_dtype,
     )  # fmt: skip
     return reference_result(space, success, message)

@@ -11,7 +11,8 @@ as SciPy has one private ``_minimize_*`` per method, and run in either implement
 * :class:`sandblaster._coordinator.Coordinator` holds them on the shards and evaluates with the replicas.
 
 An op is a tuple in the shards' language (:data:`distbelief.storage.OPS`): ``("dot", a, b)``,
-``("dots", [(a, b), ...])``, ``("lincomb", out, coeffs, names)``, ``("copy", src, out)``,
+``("dots", [(a, b), ...])``, ``("lincomb", out, coeffs, names)`` (``("lincomb", out, coeffs, names,
+"float32")``: ``out`` stored as float32, the sum float64 rounded once), ``("copy", src, out)``,
 ``("norm_inf", name)``. :meth:`ParameterSpace.run` runs a list of them (one round trip on the shards).
 :meth:`ParameterSpace.evaluate` forms a trial point ``x + t*d`` and evaluates F and its gradient there; it
 takes ops to run before (``prefix_ops``) and after (``suffix_ops``) the evaluation, which is how the
@@ -392,6 +393,8 @@ class InProcessSpace:
         #: The last checkpoint: copies of its vectors, and its metadata (``state`` and the method's own).
         self.saved: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None
         self._t0 = time.perf_counter()
+        #: Whether some vector is stored as float32 (dot products then go through kernels.dots_mixed).
+        self._narrow = False
 
     def vector(self, name: str) -> np.ndarray:
         """The vector called ``name`` (not a copy)."""
@@ -408,7 +411,7 @@ class InProcessSpace:
     def _op(self, op: Op) -> Any:
         kind, *args = op
         if kind == "dots":
-            return kernels.dots(self._pairs(args[0]))
+            return self._dots(self._pairs(args[0]))
         if kind == "lincomb":
             self._lincomb(*args)
             return None
@@ -461,12 +464,20 @@ class InProcessSpace:
             return [(self.vector(a), self.vector(b)) for a, b in pairs]
 
     def _dot(self, a: str, b: str) -> float:
-        return kernels.dots(self._pairs([(a, b)]))[0]
+        return self._dots(self._pairs([(a, b)]))[0]
 
-    def _lincomb(self, dst: str, coeffs: Sequence[float], names: Sequence[str]) -> None:
-        # The shard's kernel (storage/_shard.py), so both spaces round alike.
+    def _dots(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+        # Once a vector is stored as float32 (a float32 history), every dot product is a float64 one.
+        return (kernels.dots_mixed if self._narrow else kernels.dots)(pairs)
+
+    def _lincomb(
+        self, dst: str, coeffs: Sequence[float], names: Sequence[str], dtype: str | None = None
+    ) -> None:
+        # The shard's kernel (storage/_shard.py), so both spaces round alike; ``dtype`` as on a shard.
         if len(coeffs) != len(names) or not names:
             raise InvalidOptionError("lincomb needs as many coefficients as vectors, and at least one")
+        if dtype not in (None, "float64", "float32"):
+            raise InvalidOptionError(f"lincomb stores a vector as 'float64' or 'float32', got {dtype!r}")
         values = [float(c) for c in coeffs]
         vectors = self._vectors(names)
         if dst in names:
@@ -474,7 +485,11 @@ class InProcessSpace:
             rest = [(c, v) for c, v, n in zip(values, vectors, names, strict=True) if n != dst]
             kernels.lincomb(self.vector(dst), [c for c, _ in rest], [v for _, v in rest], own=own)
         else:
-            out = np.empty_like(vectors[0])
+            # float64 unless told otherwise (not the first term's dtype: a direction that starts with a
+            # float32 history vector is float64).
+            out = np.empty(vectors[0].size, dtype=dtype or np.float64)
+            if dtype == "float32":
+                self._narrow = True
             kernels.lincomb(out, values, vectors)
             self.vectors[dst] = out
 
@@ -545,5 +560,6 @@ class InProcessSpace:
             raise ProtocolError("no checkpoint to restore: run with checkpoint_every >= 1 first")
         vectors, meta = self.saved
         self.vectors = {name: vec.copy() for name, vec in vectors.items()}
+        self._narrow = any(vec.dtype != np.float64 for vec in self.vectors.values())
         self.state = RunState.from_meta(meta["state"])
         return meta

@@ -14,6 +14,13 @@ check and the recursion. :func:`_minimize_lbfgs` is the method, written once aga
 :class:`sandblaster._space.ParameterSpace` (on the shards or in process); it reproduces SciPy's
 ``L-BFGS-B`` on unconstrained problems (same line search, initial step, stopping rules, and restart after a
 failed line search; Byrd, Lu, Nocedal & Zhu 1995). :func:`minimize_lbfgs_reference` runs it in process.
+
+``history_dtype="float32"`` (issue 29) stores the pairs ``s``, ``y`` as float32 on the shards: each is
+formed in float64 and rounded once when stored; the Gram entries are float64 dot products of the stored
+(rounded) vectors, so the recursion is the exact two-loop recursion of the pairs as stored, and the
+direction is a float64 combination of their upcast elements. Half the history's RAM, spill and checkpoint
+bytes; the iterates differ from float64 history's by the rounding of the pairs (``benchmarks/
+history_dtype.py`` measures it).
 """
 
 from __future__ import annotations
@@ -51,8 +58,10 @@ from ._space import (
 
 __all__ = [
     "CURVATURE_EPS",
+    "HISTORY_DTYPES",
     "VLBFGSHistory",
     "_minimize_lbfgs",
+    "history_ops",
     "minimize_lbfgs_reference",
     "resumed_history",
     "two_loop_reference",
@@ -61,6 +70,24 @@ __all__ = [
 
 #: Default relative threshold of the curvature check ``s.y > eps * y.y``.
 CURVATURE_EPS = float(np.finfo(np.float64).eps)
+
+#: How the shards may store the pairs ``s``, ``y`` (the arithmetic is float64 either way).
+HISTORY_DTYPES = ("float64", "float32")
+
+
+def history_ops(history_dtype: str) -> tuple[str, ...]:
+    """The trailing element of a ``lincomb`` that stores a pair: none for float64 (the ops, and so the
+    messages, of a float64 history are those of before the option), ``("float32",)`` for float32.
+
+    Examples
+    --------
+    >>> history_ops("float64"), history_ops("float32")
+    ((), ('float32',))
+    """
+    if history_dtype not in HISTORY_DTYPES:
+        raise InvalidOptionError(f"history_dtype must be one of {HISTORY_DTYPES} here, got {history_dtype!r}")
+    return () if history_dtype == "float64" else (history_dtype,)
+
 
 DotKey = tuple[str, str]
 
@@ -526,10 +553,13 @@ class VLBFGSHistory:
         gram[:, y] = np.nan
 
 
-def resumed_history(resume: Mapping[str, Any], m: int) -> tuple[VLBFGSHistory, list[float], float | None]:
+def resumed_history(
+    resume: Mapping[str, Any], m: int, history_dtype: str = "float64"
+) -> tuple[VLBFGSHistory, list[float], float | None]:
     """The history a checkpoint saved, its pending Gram entries and ``-g.s`` of its pair (``descent``).
 
-    Shared by L-BFGS and OWL-QN, whose checkpoints hold ``hist``, ``next_values`` and ``descent``.
+    Shared by L-BFGS and OWL-QN, whose checkpoints hold ``hist``, ``next_values``, ``descent`` and, for a
+    float32 history, ``history_dtype`` (the stored pairs and their Gram entries are those of that dtype).
 
     Examples
     --------
@@ -541,12 +571,22 @@ def resumed_history(resume: Mapping[str, Any], m: int) -> tuple[VLBFGSHistory, l
     if resume["hist"]["m"] != m:
         started = resume["hist"]["m"]
         raise InvalidOptionError(f"the run was started with history={started}; resume with it")
+    started_dtype = resume.get("history_dtype", "float64")
+    if started_dtype != history_dtype:
+        raise InvalidOptionError(
+            f"the run was started with history_dtype={started_dtype!r}; resume with it (or 'auto')"
+        )
     return VLBFGSHistory.from_state(resume["hist"]), list(resume["next_values"]), resume.get("descent")
 
 
-def _checkpoint_extra(spec: VLBFGSHistory, values: list[float], descent: float) -> dict[str, Any]:
+def _checkpoint_extra(
+    spec: VLBFGSHistory, values: list[float], descent: float, history_dtype: str = "float64"
+) -> dict[str, Any]:
     """L-BFGS's scalars in a checkpoint (made only when one is due: the snapshot is not free)."""
-    return {"hist": spec.to_state(), "next_values": values, "descent": descent}
+    extra = {"hist": spec.to_state(), "next_values": values, "descent": descent}
+    if history_dtype != "float64":
+        extra["history_dtype"] = history_dtype  # only then: a float64 run's checkpoint is as before
+    return extra
 
 
 class _SpeculativePair:
@@ -557,17 +597,18 @@ class _SpeculativePair:
     the last trial's pair pending, :attr:`names` that pair's slot names.
     """
 
-    def __init__(self, hist: VLBFGSHistory, grad: str, trial_grad: str) -> None:
+    def __init__(self, hist: VLBFGSHistory, grad: str, trial_grad: str, store: tuple[str, ...] = ()) -> None:
         self.hist, self.grad, self.trial_grad = hist, grad, trial_grad
         self.spec = hist
         self.names = ("", "")
+        self.store = store  # history_ops(history_dtype): how the shards store the pair
 
     def __call__(self, step: float) -> list[tuple[Any, ...]]:
         self.spec = self.hist.copy()
         s_name, y_name = self.names = self.spec.push_pair()
         return [
-            ("lincomb", s_name, [step], ["d"]),
-            ("lincomb", y_name, [1.0, -1.0], [self.trial_grad, self.grad]),
+            ("lincomb", s_name, [step], ["d"], *self.store),
+            ("lincomb", y_name, [1.0, -1.0], [self.trial_grad, self.grad], *self.store),
             ("dots", self.spec.dot_requests(self.trial_grad)),
         ]
 
@@ -583,6 +624,7 @@ def _minimize_lbfgs(
     maxls: int = 20,
     callback: Callable[[IterationRecord], None] | None = None,
     resume: Mapping[str, Any] | None = None,
+    history_dtype: str = "float64",
 ) -> tuple[bool, str]:
     """Vector-free L-BFGS in ``space``, as SciPy's ``L-BFGS-B`` does it without bounds.
 
@@ -610,6 +652,8 @@ def _minimize_lbfgs(
         Called with each iteration's record.
     resume : mapping, optional
         The metadata of a checkpoint of this method (``hist``, ``next_values``) to continue from.
+    history_dtype : {"float64", "float32"}
+        How the pairs are stored (see the module's docstring); the arithmetic is float64 either way.
 
     Returns
     -------
@@ -625,6 +669,7 @@ def _minimize_lbfgs(
     >>> _minimize_lbfgs(space, m=5, gtol=1e-5, ftol=0.0, maxiter=10, maxfev=100)
     (True, 'gradient inf-norm <= gtol')
     """
+    store = history_ops(history_dtype)
     st = space.state
     if st.g_inf <= gtol:
         return True, "gradient inf-norm <= gtol at x0"
@@ -633,7 +678,7 @@ def _minimize_lbfgs(
     # ``-g.s`` of its pair (for the curvature check).
     next_dots: tuple[VLBFGSHistory, list[float], float | None] | None = None
     if resume is not None:
-        next_dots = resumed_history(resume, m)
+        next_dots = resumed_history(resume, m, history_dtype)
     while True:
         descent: float | None = None
         if next_dots is None:
@@ -650,7 +695,7 @@ def _minimize_lbfgs(
         # caps it at 1e10, which below ||g|| = 1e-10 (F scaled down) would move x by less: the cap widens.
         stpmax = LBFGSB_STPMAX * max(1.0, 1.0 / d_norm) if st.nit == 0 else LBFGSB_STPMAX
         step0 = lbfgsb_initial_step(st.nit, d_norm, stpmax=stpmax) if st.nit == 0 else 1.0
-        pair = _SpeculativePair(hist, st.g, other_buffer(st.g))
+        pair = _SpeculativePair(hist, st.g, other_buffer(st.g), store)
         found = wolfe_search(
             space, step=step0, setup=[direction_op], speculate=pair, maxfev=maxfev, c1=LBFGSB_C1,
             c2=LBFGSB_C2, xtol=LBFGSB_XTOL, stpmax=stpmax, max_evals=maxls,
@@ -671,7 +716,7 @@ def _minimize_lbfgs(
         kept = [name for names in spec.pair_names for name in names]
         close_iteration(
             space, res.step, callback, [st.x, st.g, *kept, *pair.names],
-            functools.partial(_checkpoint_extra, spec, list(values), next_dots[2]),
+            functools.partial(_checkpoint_extra, spec, list(values), next_dots[2], history_dtype),
         )  # fmt: skip
         stop = stop_test(st, f_old, gtol=gtol, ftol=ftol, maxiter=maxiter)
         if stop is not None:
@@ -688,6 +733,7 @@ def minimize_lbfgs_reference(
     maxiter: int = 15000,
     maxfev: int = 15000,
     maxls: int = 20,
+    history_dtype: str = "float64",
 ) -> ReferenceResult:
     """:func:`_minimize_lbfgs` in an :class:`InProcessSpace`: SciPy's ``L-BFGS-B`` without bounds.
 
@@ -703,6 +749,8 @@ def minimize_lbfgs_reference(
     m, gtol, ftol, maxiter, maxfev, maxls : int or float
         Memory size, gradient and relative-decrease tolerances, iteration, evaluation and line-search
         budgets.
+    history_dtype : {"float64", "float32"}
+        How the pairs are stored (float64 arithmetic either way).
 
     Returns
     -------
@@ -719,6 +767,7 @@ def minimize_lbfgs_reference(
     space = InProcessSpace(fun_and_grad, x0)
     space.start()
     success, message = _minimize_lbfgs(
-        space, m=m, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls
-    )
+        space, m=m, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls,
+        history_dtype=history_dtype,
+    )  # fmt: skip
     return reference_result(space, success, message)

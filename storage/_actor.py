@@ -14,11 +14,13 @@ import asyncio
 import functools
 import pickle
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
+
+from distbelief.errors import InvalidOptionError
 
 from ._direct import install as install_direct_calls
 from ._layout import Layout
@@ -27,7 +29,7 @@ from ._monitor import install_worker as install_metrics_page
 from ._rounds import RoundOrder
 from ._shard import Shard
 from ._store import open_group
-from ._vectorstore import default_budget
+from ._vectorstore import default_budget, storage_dtype
 from ._wire import pack_if_small
 
 __all__ = [
@@ -64,19 +66,36 @@ def keep_loop_responsive() -> None:
 
 
 def write_checkpoint(
-    url: str, slot: str, lo: int, hi: int, vectors: dict[str, np.ndarray], cache: dict[str, Any] | None = None
+    url: str,
+    slot: str,
+    lo: int,
+    hi: int,
+    vectors: dict[str, np.ndarray],
+    cache: dict[str, Any] | None = None,
+    narrow: Mapping[str, str] | None = None,
 ) -> None:
     """Write one shard's slices into ``lo:hi`` of the arrays ``{slot}/{name}`` (already created by the
-    server; ``lo`` is the shard's stored offset, :meth:`Layout.offsets`).
+    server; ``lo`` is the shard's stored offset, :meth:`Layout.offsets`). ``narrow`` names the arrays the
+    server made float32 (the others are float64).
 
-    ``cache`` keeps the opened arrays between checkpoints: opening costs metadata reads per array.
+    ``cache`` keeps the opened arrays between checkpoints: opening costs metadata reads per array. An
+    array the server made anew in another dtype is opened again.
     """
     cache = {} if cache is None else cache
+    narrow = narrow or {}
+    for name, values in vectors.items():
+        if np.dtype(narrow.get(name, "float64")).itemsize < values.dtype.itemsize:
+            # Refused before anything is written (the slot is the one that is not current anyway).
+            raise InvalidOptionError(
+                f"checkpoint: vector {name!r} is stored as {values.dtype} but its checkpoint array as "
+                f"{narrow[name]}, which would round it; pass dtypes={{{name!r}: '{values.dtype}'}} to "
+                "ParameterServer.checkpoint"
+            )
     group = None
     for name, values in vectors.items():
         key = f"{slot}/{name}"
         array = cache.get(key)
-        if array is None:
+        if array is None or array.dtype != np.dtype(narrow.get(name, "float64")):
             group = open_group(url, mode="r+") if group is None else group
             array = cache[key] = group[key]
         array[lo:hi] = values
@@ -84,9 +103,13 @@ def write_checkpoint(
 
 def read_checkpoint(url: str, slot: str, lo: int, hi: int, names: Sequence[str]) -> dict[str, np.ndarray]:
     """Read one shard's slices of ``names`` from checkpoint slot ``slot`` (``lo:hi`` in the stored arrays,
-    see :meth:`Layout.offsets`)."""
+    see :meth:`Layout.offsets`), each in its stored dtype (float32 history stays float32)."""
     group = open_group(url, mode="r")
-    return {name: np.ascontiguousarray(group[f"{slot}/{name}"][lo:hi], dtype=np.float64) for name in names}
+    out = {}
+    for name in names:
+        array = group[f"{slot}/{name}"]
+        out[name] = np.ascontiguousarray(array[lo:hi], dtype=storage_dtype(array.dtype))
+    return out
 
 
 def read_stored_vector(url: str, slot: str, layout: Layout, name: str) -> np.ndarray:
@@ -379,8 +402,11 @@ class ShardActor:
         """Forward to :meth:`Shard.final_results`."""
         return await self._do(self.core.final_results, name, epoch)
 
-    async def checkpoint(self, slot: str, names: Sequence[str]) -> dict[str, Any]:
-        """Write this shard's vectors ``names`` to ``slot``; return its scalar state."""
+    async def checkpoint(
+        self, slot: str, names: Sequence[str], narrow: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
+        """Write this shard's vectors ``names`` to ``slot`` (``narrow``: the float32 arrays among them);
+        return its scalar state."""
 
         def _snapshot() -> tuple[dict[str, np.ndarray], dict[str, Any]]:
             # Copies, so that ops arriving while the write is in flight cannot tear the checkpoint.
@@ -388,13 +414,15 @@ class ShardActor:
 
         if self._executor is None:
             vectors, state = _snapshot()
-            await asyncio.to_thread(write_checkpoint, self.url, slot, *self.stored, vectors, self._arrays)
+            await asyncio.to_thread(
+                write_checkpoint, self.url, slot, *self.stored, vectors, self._arrays, narrow
+            )
             return state
 
         def _write() -> dict[str, Any]:
             # Large shard: ops are serialized on its one thread, so writing in place is consistent.
             vectors = {n: self.core.vector(n) for n in names}
-            write_checkpoint(self.url, slot, *self.stored, vectors, self._arrays)
+            write_checkpoint(self.url, slot, *self.stored, vectors, self._arrays, narrow)
             return self.core.state()
 
         return await self._do(_write)

@@ -20,6 +20,13 @@ ufuncs compute the same bits.
 term once and writes ``out`` once, instead of reading and writing ``out`` once per term; the rounding per
 element is that of the unfused loop (``((c_0 v_0 + c_1 v_1) + c_2 v_2) + ...``).
 
+Mixed precision (L-BFGS history stored as float32, issue 29): a float32 operand is read as it is stored
+(half the bytes of float64) and each element is upcast exactly where it is used, so every product and sum
+is a float64 one. :func:`dots_mixed` accumulates such a pair in float64 (:func:`dot_mixed`), :func:`axpy` and
+:func:`lincomb` take float32 terms, and a float32 destination of :func:`lincomb` receives the float64
+result rounded once per element (computed block by block in a float64 scratch block, never a whole-vector
+temporary).
+
 Examples
 --------
 >>> y = np.ones(3); axpy(0.5, np.arange(3.0), y); y
@@ -50,7 +57,9 @@ __all__ = [
     "axpy",
     "axpy_at",
     "compiled",
+    "dot_mixed",
     "dots",
+    "dots_mixed",
     "lincomb",
     "norm_inf",
     "scale",
@@ -61,6 +70,8 @@ logger = logging.getLogger(__name__)
 
 #: Elements per block of :func:`lincomb` (1 MiB of float64: in a core's L2 cache with a term's block).
 BLOCK = 1 << 17
+
+_F64 = np.dtype(np.float64)
 
 #: Vectors of at least this many elements use the compiled loops (once numba is imported); shorter ones
 #: use numpy's ufuncs, which give the same bits.
@@ -154,6 +165,28 @@ def _add_at_positions_loop(
             out[p] = out[p] + values[i]
 
 
+def _dot_mixed_loop(a: np.ndarray, b: np.ndarray) -> float:  # pragma: no cover - compiled
+    # Eight partial sums in a fixed pattern (element i goes to sum i % 8, the tail to its own), combined in
+    # a fixed order: the same bits on every run, and eight independent chains instead of one long one, which
+    # LLVM packs into SIMD lanes without reassociating anything (no fastmath): ~3x one accumulator's speed.
+    n = a.size
+    m = n - n % 8
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    for i in range(0, m, 8):
+        s0 += np.float64(a[i]) * np.float64(b[i])
+        s1 += np.float64(a[i + 1]) * np.float64(b[i + 1])
+        s2 += np.float64(a[i + 2]) * np.float64(b[i + 2])
+        s3 += np.float64(a[i + 3]) * np.float64(b[i + 3])
+        s4 += np.float64(a[i + 4]) * np.float64(b[i + 4])
+        s5 += np.float64(a[i + 5]) * np.float64(b[i + 5])
+        s6 += np.float64(a[i + 6]) * np.float64(b[i + 6])
+        s7 += np.float64(a[i + 7]) * np.float64(b[i + 7])
+    tail = 0.0
+    for i in range(m, n):
+        tail += np.float64(a[i]) * np.float64(b[i])
+    return (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) + tail
+
+
 _lock = threading.Lock()
 #: Compiled dispatchers by plain function; None for every function once numba turned out unusable.
 _compiled: dict[Callable[..., Any], Any] = {}
@@ -211,6 +244,7 @@ def _loops() -> dict[str, Any] | None:
             "adagrad": compiled(_adagrad_loop),
             "scaled_gradient": compiled(_scaled_gradient_loop),
             "accrue": compiled(_accrue_loop),
+            "dot_mixed": compiled(_dot_mixed_loop),
         }
         _module_loops.append(None if any(f is None for f in loops.values()) else loops)
     return _module_loops[0]
@@ -234,7 +268,8 @@ def axpy(a: float, x: np.ndarray, y: np.ndarray) -> None:
     if loops is not None and x.flags.c_contiguous and y.flags.c_contiguous:
         loops["axpy"](float(a), np.asarray(x), np.asarray(y))  # a memmap as a plain view
     else:
-        np.add(y, np.multiply(x, a), out=y)
+        # dtype: a float32 x (a stored history vector) is upcast, never ``a`` rounded to float32 (NEP 50).
+        np.add(y, np.multiply(x, a, dtype=np.float64), out=y)
 
 
 def scale(a: float, x: np.ndarray) -> None:
@@ -251,7 +286,7 @@ def scale(a: float, x: np.ndarray) -> None:
     if loops is not None and x.flags.c_contiguous:
         loops["scale"](float(a), np.asarray(x))
     else:
-        np.multiply(x, a, out=x)
+        np.multiply(x, a, out=x, dtype=np.float64)  # a float32 x: the product in float64, rounded once
 
 
 def _scaled_into(out: np.ndarray, a: float, x: np.ndarray) -> None:
@@ -259,7 +294,7 @@ def _scaled_into(out: np.ndarray, a: float, x: np.ndarray) -> None:
     if loops is not None and x.flags.c_contiguous and out.flags.c_contiguous:
         loops["scaled_into"](np.asarray(out), float(a), np.asarray(x))
     else:
-        np.multiply(x, a, out=out)
+        np.multiply(x, a, out=out, dtype=np.float64)
 
 
 def lincomb(
@@ -282,18 +317,22 @@ def lincomb(
         return
     if own is None and not vectors:
         raise ValueError("lincomb without the destination among its terms needs at least one term")
+    if out.dtype != np.float64:
+        _lincomb_narrow(out, coeffs, vectors, own)
+        return
     if n < COMPILED_FROM:
         # One block, and numpy's ufuncs (as axpy, scale and _scaled_into below COMPILED_FROM), without
-        # their per-term checks: a small in-process fit runs ~20 terms an iteration.
+        # their per-term checks: a small in-process fit runs ~20 terms an iteration. ``dtype``: a float32
+        # term (a stored history vector) is upcast, never its coefficient rounded to float32 (NEP 50).
         start = 0
         if own is None:
-            np.multiply(vectors[0], float(coeffs[0]), out=out)
+            np.multiply(vectors[0], float(coeffs[0]), out=out, dtype=np.float64)
             start = 1
         elif own != 1.0:
             np.multiply(out, own, out=out)
         for c, v in zip(coeffs[start:], vectors[start:], strict=True):
             if c != 0.0:
-                np.add(out, np.multiply(v, float(c)), out=out)
+                np.add(out, np.multiply(v, float(c), dtype=np.float64), out=out)
         return
     for a in range(0, n, BLOCK):
         b = min(n, a + BLOCK)
@@ -308,6 +347,26 @@ def lincomb(
         for c, v in zip(coeffs[start:], vectors[start:], strict=True):
             if c != 0.0:
                 axpy(float(c), v[a:b], block)
+
+
+def _lincomb_narrow(
+    out: np.ndarray, coeffs: Sequence[float], vectors: Sequence[np.ndarray], own: float | None
+) -> None:
+    """:func:`lincomb` into a float32 ``out``: each block is formed in a float64 scratch block exactly as
+    :func:`lincomb` forms a float64 one, then rounded to ``out``'s dtype once per element.
+
+    Rounding once matters: ``y = g_new - g`` formed in ``out`` itself would round ``g_new`` to float32 first,
+    and the difference of two close gradients would lose most of its digits to that rounding.
+    """
+    n = out.size
+    scratch = np.empty(min(n, BLOCK))
+    for a in range(0, n, BLOCK):
+        b = min(n, a + BLOCK)
+        block = scratch[: b - a]
+        if own is not None:
+            block[:] = out[a:b]  # upcast: exact
+        lincomb(block, coeffs, [v[a:b] for v in vectors], own=own)
+        out[a:b] = block  # round to nearest, once
 
 
 def add_at(out: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
@@ -380,6 +439,17 @@ def dots(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         # ``ndarray.dot`` is ``np.dot`` (the same routine, the same bits) without its dispatch: a small
         # in-process fit asks for ~60 products an iteration.
         return [float(a.dot(b)) for a, b in pairs]
+    return _blocked(pairs, n, _dot_f64)
+
+
+def _dot_f64(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a, b))
+
+
+def _blocked(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], n: int, dot: Callable[[np.ndarray, np.ndarray], float]
+) -> list[float]:
+    """Each pair's product as the sum of ``dot`` of its blocks of :data:`DOT_BLOCK`, in block order."""
     # The vectors in most pairs stay in cache; pairs are ordered by their other vector, so that each
     # other vector's block is used by all its pairs in a row.
     uses: dict[int, int] = {}
@@ -392,8 +462,60 @@ def dots(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
         hi = min(n, lo + DOT_BLOCK)
         for i in order:
             a, b = pairs[i]
-            totals[i] += float(np.dot(a[lo:hi], b[lo:hi]))
+            totals[i] += dot(a[lo:hi], b[lo:hi])
     return totals
+
+
+def dot_mixed(a: np.ndarray, b: np.ndarray) -> float:
+    """``a . b`` accumulated in float64 for operands of any float dtype (float32 elements upcast exactly).
+
+    ``np.dot`` of two float32 vectors would accumulate in float32, and of a float32 and a float64 one would
+    first copy the float32 one to float64. Compiled (numba) from :data:`COMPILED_FROM` elements on: the
+    float32 operand is read at half the bytes, eight partial sums in a fixed order (the same bits on every
+    run; not those of ``np.dot``). Shorter vectors: ``np.dot`` of float64 copies.
+
+    Examples
+    --------
+    >>> a = np.array([1.0, 2.0 ** -15], dtype=np.float32)
+    >>> dot_mixed(a, a), float(np.dot(a, a))  # float32 accumulation loses 2**-30 beside 1
+    (1.0000000009313226, 1.0)
+    """
+    if not a.size:
+        return 0.0
+    loops = _compiled_for(a.size)
+    if loops is not None and a.flags.c_contiguous and b.flags.c_contiguous:
+        return float(loops["dot_mixed"](np.asarray(a), np.asarray(b)))
+    return float(np.dot(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)))
+
+
+def dots_mixed(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+    """:func:`dots` for vectors of which some are float32 (a float32 L-BFGS history), all in float64.
+
+    The blocks and their order are :func:`dots`'s, each pair's blocks added in block order: a pair of
+    float64 vectors gets the bits :func:`dots` gives it, a pair with a float32 vector is
+    :func:`dot_mixed`'s, block by block (the float32 vector read at half the bytes, no float64 copy of
+    it). Callers that may hold float32 vectors call this one (a shard whose store holds some, an
+    in-process space that made some); :func:`dots` itself checks no dtype (a small fit's ~60 products an
+    iteration would pay for it).
+
+    Examples
+    --------
+    >>> s = np.array([1.0, 2.0 ** -15], dtype=np.float32)
+    >>> dots_mixed([(s, s), (s, np.ones(2))])
+    [1.0000000009313226, 1.000030517578125]
+    """
+    if not pairs:
+        return []
+    n = pairs[0][0].size
+    if n <= DOT_BLOCK:
+        return [_dot_block(a, b) for a, b in pairs]
+    return _blocked(pairs, n, _dot_block)
+
+
+def _dot_block(a: np.ndarray, b: np.ndarray) -> float:
+    if a.dtype == _F64 and b.dtype == _F64:
+        return float(a.dot(b)) if a.size else 0.0  # dots' own routine and bits
+    return dot_mixed(a, b)
 
 
 def norm_inf(x: np.ndarray) -> float:

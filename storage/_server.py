@@ -8,7 +8,8 @@ Store layout (zarr v3, no compressor: random floats barely compress and compress
 
     <store>/                 group; attrs["distbelief_ps"] = layout, current slot, names, shard states, meta
     <store>/slot0/<name>     float64 (layout.stored_size,), chunked on the layout's chunk grid; shard i
-                             at ``layout.offsets()[i]`` (its place in the vector unless the layout pads)
+                             at ``layout.offsets()[i]`` (its place in the vector unless the layout pads);
+                             float32 for a vector the shards store as float32 (checkpoint's ``dtypes``)
     <store>/slot1/<name>     the other half of a double buffer: a checkpoint writes the slot that is *not*
                              current and flips ``current`` only when every shard has written, so a crash in
                              the middle of a checkpoint leaves the previous one intact.
@@ -378,7 +379,7 @@ class ParameterServer:
         self.timeout = scaled_timeout(timeout, layout) or timeout
         self.stats = ServerStats()
         self._meta = meta  # what the store's attributes hold now (written or read by the caller)
-        self._slot_arrays: dict[str, set[str]] = {}
+        self._slot_arrays: dict[str, dict[str, str]] = {}  # slot -> {array name: its dtype}
         self._group: Any = None
         #: Per-shard RAM budget the shards were made with (see :meth:`create`), reused for rebuilt shards.
         self.memory_budget: int | str | None = "auto"
@@ -556,6 +557,12 @@ class ParameterServer:
         return dict(self._meta.get("meta") or {})
 
     @property
+    def checkpoint_dtypes(self) -> dict[str, str]:
+        """``{name: dtype}`` of the last checkpoint's vectors that are not float64 (shard 0's state says)."""
+        states = self._meta.get("states") or [{}]
+        return {str(k): str(v) for k, v in dict(states[0].get("dtypes", {})).items()}
+
+    @property
     def checkpoint_id(self) -> int:
         """How many checkpoints this store has taken (0: none)."""
         return int(self._meta.get("checkpoint_id") or 0)
@@ -579,6 +586,12 @@ class ParameterServer:
         round's fetches with the round start's parameters (``downpour.train(deterministic=True)``,
         :mod:`storage._rounds`)."""
         self._call_all("begin_rounds", [(int(replicas),)] * self.shards)
+
+    def memory(self) -> list[dict[str, Any]]:
+        """Every shard's memory report, in one round trip: ``ram_bytes``, ``budget`` (bytes, or None for no
+        limit), ``spilled`` names and the spill files' bytes and seconds (``ShardActor.memory``)."""
+        out: list[dict[str, Any]] = self._call_all("memory", [()] * self.shards)
+        return out
 
     def counters(self) -> list[dict[str, Any]]:
         """Every shard's Downpour counters (:meth:`Shard.counters`): updates applied, in one round trip."""
@@ -829,14 +842,33 @@ class ParameterServer:
         return self.get(name, 0, self.n)
 
     # -- persistence -----------------------------------------------------------------------------------
-    def checkpoint(self, names: Sequence[str] | None = None, *, meta: dict[str, Any] | None = None) -> int:
+    def checkpoint(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        meta: dict[str, Any] | None = None,
+        dtypes: Mapping[str, str] | None = None,
+    ) -> int:
         """Write ``names`` (default: every vector) of every shard to zarr; returns the checkpoint number.
 
         Shards write the slot that is not current, each only its own chunks; the slot becomes current only
         after every shard has written, so an interrupted checkpoint leaves the previous one intact.
         ``meta`` (JSON-able) is saved with it and read back by :attr:`checkpoint_meta`.
+
+        ``dtypes`` (``{name: "float32"}``) names the vectors the shards store as float32 (an L-BFGS history
+        with ``history_dtype="float32"``): their arrays are float32, half the bytes. Those of the last
+        checkpoint are known without it. A float32 vector written to a float64 array anyway is restored as
+        float32 (the shards' states list their dtypes), with the same values.
         """
+        if dtypes is not None:
+            for name, dtype in dtypes.items():
+                if dtype not in ("float64", "float32"):
+                    raise InvalidOptionError(
+                        f"checkpoint dtypes: {name!r} as {dtype!r}; vectors are stored as 'float64' or "
+                        "'float32'"
+                    )
         names = sorted(self.names()) if names is None else sorted(set(names))
+        known = {**self.checkpoint_dtypes, **(dtypes or {})}
         # This handle is the store's only writer: its own copy of the attributes is current.
         current = self._meta.get("current")
         target = 0 if current != 0 else 1
@@ -849,18 +881,25 @@ class ParameterServer:
         sub = group.require_group(slot)
         existing = self._slot_arrays.get(slot)
         if existing is None:
-            existing = self._slot_arrays[slot] = set(sub.array_keys())
-        for name in (n for n in names if n not in existing):
-            existing.add(name)
+            existing = self._slot_arrays[slot] = {key: str(a.dtype) for key, a in sub.arrays()}
+        for name in names:
+            dtype = known.get(name, "float64")
+            if existing.get(name) == dtype:
+                continue
+            existing[name] = dtype
             sub.create_array(
                 name,
                 shape=(self.layout.stored_size,),
                 chunks=(self.layout.chunk,),
-                dtype="float64",
+                dtype=dtype,
                 compressors=None,
                 fill_value=0.0,
+                overwrite=True,  # an array of this name in another dtype (a run resumed with another one)
             )
-        states = self._call_all("checkpoint", [(slot, names)] * self.shards)
+        narrow = {name: existing[name] for name in names if existing[name] != "float64"}
+        # The float32 arrays ride along only when there are some: a float64 run's messages are as before.
+        args = (slot, names, narrow) if narrow else (slot, names)
+        states = self._call_all("checkpoint", [args] * self.shards)
         checkpoint_id = int(self._meta.get("checkpoint_id") or 0) + 1
         new = dict(self._meta)
         new.update(

@@ -9,6 +9,12 @@ Large-vector arithmetic goes through :mod:`storage._kernels` (``axpy``, ``scale`
 than numpy expressions, which would allocate a temporary per op (~4x slower on 1e7 elements), or BLAS, whose
 ``daxpy``/``dscal`` round an element differently in a vector's body and tail on some CPUs; dot products are
 ``np.dot`` (reductions carry no bit promise across cuts of a vector).
+
+Vectors are float64, except those a ``lincomb`` asks to be stored as float32 (its optional fifth element,
+``("lincomb", dst, coeffs, names, "float32")``: the L-BFGS history with ``history_dtype="float32"``, issue
+29). The arithmetic stays float64: the terms of the combination are added in float64 and the destination
+receives the result rounded once per element; a dot product with a float32 vector upcasts its elements
+(:func:`storage._kernels.dot_mixed`). Half the RAM, spill bytes and checkpoint bytes per history vector.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from distbelief.errors import InvalidOptionError, ProtocolError
 from . import _exactsum, _kernels, _l1
 from ._keys import decode_signs
 from ._rules import adagrad_update, check_rule, sgd_update
-from ._vectorstore import VectorStore, op_operands, run_chunked
+from ._vectorstore import DTYPES, VectorStore, op_operands, run_chunked
 
 __all__ = ["OPS", "Shard"]
 
@@ -160,11 +166,16 @@ class Shard:
                 "create it first with scatter/fill/copy"
             ) from None
 
-    def _target(self, name: str) -> np.ndarray:
-        """The slice of ``name`` to overwrite, created (uninitialised) if it does not exist yet."""
+    def _target(self, name: str, dtype: str | None = None) -> np.ndarray:
+        """The slice of ``name`` to overwrite, created (uninitialised) if it does not exist yet; with
+        ``dtype`` (``"float64"`` or ``"float32"``), made anew when it is stored in another one."""
         vec = self.vectors.get(name)
+        if vec is not None and dtype is not None and vec.dtype != _dtype(dtype):
+            del self.vectors[name]  # its RAM or its file goes before the new one is placed
+            vec = None
         if vec is None:
-            vec = self.vectors.create(name)  # in RAM or spilled, by the memory budget
+            # In RAM or spilled, by the memory budget.
+            vec = self.vectors.create(name, np.float64 if dtype is None else _dtype(dtype))
         return vec
 
     def get(self, name: str, lo: int | None = None, hi: int | None = None) -> np.ndarray:
@@ -203,12 +214,19 @@ class Shard:
             if handler is None or op[0] not in OPS:
                 raise ProtocolError(f"unknown shard op {op[0]!r}; known ops: {sorted(OPS)}")
             t0 = time.perf_counter()
+            # A destination stored as float32 exists before the op streams into it chunk by chunk (made
+            # only once every term is there: else the op's own code says what is missing, nothing touched).
+            if op[0] == "lincomb" and len(op) > 4 and op[1] not in op[3] and self._has_all(op[3]):
+                self._target(op[1], op[4])
             if self._streams(op):
                 out.append(run_chunked(self.vectors, op, functools.partial(self._on_chunk, op)))
             else:
                 out.append(handler(*op[1:]))
             self._count(op[0], t0)
         return out
+
+    def _has_all(self, names: Sequence[str]) -> bool:
+        return all(n in self.vectors for n in names)
 
     def _count(self, kind: str, t0: float) -> None:
         """Add the seconds since ``t0`` to :attr:`op_seconds` and one op to :attr:`op_counts` under
@@ -252,19 +270,32 @@ class Shard:
             raise InvalidOptionError(f"axpy: {x!r} has {xv.size} elements and {y!r} {yv.size}")
         _kernels.axpy(alpha, xv, yv)
 
-    def _op_lincomb(self, dst: str, coeffs: Sequence[float], names: Sequence[str]) -> None:
-        """``dst = sum_i coeffs[i] * names[i]``; ``dst`` may be among ``names`` (updated in place)."""
+    def _op_lincomb(
+        self, dst: str, coeffs: Sequence[float], names: Sequence[str], dtype: str | None = None
+    ) -> None:
+        """``dst = sum_i coeffs[i] * names[i]``; ``dst`` may be among ``names`` (updated in place).
+
+        ``dtype`` (``"float64"`` or ``"float32"``): how ``dst`` is stored when this op writes it anew; the
+        sum is float64 either way, rounded once per element into a float32 ``dst``.
+        """
         if len(coeffs) != len(names) or not names:
             raise InvalidOptionError("lincomb needs as many coefficients as vectors, and at least one")
+        if dtype is not None:
+            _dtype(dtype)  # refused before any vector is touched
         terms = [(float(c), self.vector(n), n) for c, n in zip(coeffs, names, strict=True)]
         if names.count(dst) > 1:
             raise InvalidOptionError(f"lincomb: destination {dst!r} appears more than once among the terms")
+        if dtype is not None and dst in names and self.vector(dst).dtype != _dtype(dtype):
+            raise InvalidOptionError(
+                f"lincomb: destination {dst!r} is one of the terms and stored as {self.vector(dst).dtype}, "
+                f"not {dtype}; combine into another vector to store it as {dtype}"
+            )
         if dst in names:
             own = next(c for c, _, n in terms if n == dst)
             rest = [(c, v) for c, v, n in terms if n != dst]
             _kernels.lincomb(self.vector(dst), [c for c, _ in rest], [v for _, v in rest], own=own)
         else:
-            out = self._target(dst)
+            out = self._target(dst, dtype)
             _kernels.lincomb(out, [c for c, _, _ in terms], [v for _, v, _ in terms])
 
     def _op_mul(self, x: str, y: str, dst: str) -> None:
@@ -294,7 +325,8 @@ class Shard:
         # Blocks of np.dot: the same OpenBLAS ddot, which releases the GIL (scipy.linalg.blas's f2py wrappers
         # hold it for the whole call and block the worker's event loop: benchmarks/shard_ops.py), one pass
         # over the distinct vectors (storage._kernels.dots).
-        return _kernels.dots([(self.vector(a), self.vector(b)) for a, b in pairs])
+        dots = _kernels.dots_mixed if self.vectors.holds_narrow else _kernels.dots  # float32 history
+        return dots([(self.vector(a), self.vector(b)) for a, b in pairs])
 
     def _op_norm2(self, name: str) -> float:
         # The partial *squared* norm: the caller sums over shards and takes one square root.
@@ -304,7 +336,7 @@ class Shard:
         return _kernels.norm_inf(self.vector(name))
 
     def _op_sum(self, name: str) -> float:
-        return float(self.vector(name).sum())
+        return float(self.vector(name).sum(dtype=np.float64))  # a float32 vector too: summed in float64
 
     # -- OWL-QN (Andrew & Gao 2007; the kernels are storage._l1's) --------------------------------------
     def _op_pseudo_grad(
@@ -773,7 +805,33 @@ class Shard:
         from it (a new one, or this one rolled back) leaves out the same updates as this shard does now.
         """
         own = {src: list(versions) for src, versions in self._own_versions.items()}
-        return {**self.counters(), "last_seq": dict(self.last_seq), "own_versions": own}
+        state = {**self.counters(), "last_seq": dict(self.last_seq), "own_versions": own}
+        narrow = self.narrow_dtypes()
+        if narrow:
+            state["dtypes"] = narrow  # only then: a float64 shard's state is as it always was
+        return state
+
+    def narrow_dtypes(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """``{name: dtype}`` of the vectors (of ``names``, default all) not stored as float64.
+
+        Examples
+        --------
+        >>> s = Shard(0, 0, 2); s.set("x", 0, 2, np.ones(2))
+        >>> s.run([("lincomb", "s0", [0.5], ["x"], "float32")]); s.narrow_dtypes()
+        [None]
+        {'s0': 'float32'}
+        """
+        vs = self.vectors
+        return {
+            n: str(vs.dtype_of(n)) for n in (vs if names is None else names) if vs.dtype_of(n) != DTYPES[0]
+        }
+
+    def restore_dtypes(self, state: dict[str, Any]) -> None:
+        """Store the vectors a checkpoint's ``state`` lists under ``dtypes`` in those dtypes again (a
+        checkpoint array of another dtype holds their values exactly: float32 values upcast)."""
+        for name, dtype in dict(state.get("dtypes", {})).items():
+            if name in self.vectors and self.vectors.dtype_of(name) != _dtype(dtype):
+                self.vectors[name] = np.asarray(self.vectors[name], dtype=_dtype(dtype))
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Inverse of :meth:`state`.
@@ -790,6 +848,17 @@ class Shard:
         self.applied = int(state.get("applied", 0))
         self.applied_weight = float(state.get("applied_weight", 0.0))
         self.applied_steps_sq = int(state.get("applied_steps_sq", 0))
+        self.restore_dtypes(state)
+
+
+def _dtype(name: object) -> np.dtype[Any]:
+    """The storage dtype called ``name`` (``"float64"`` or ``"float32"``); anything else is refused."""
+    for dt in DTYPES:
+        if name == dt.name:
+            return dt
+    raise InvalidOptionError(
+        f"a vector is stored as 'float64' or 'float32', got {name!r}; use one of these (history_dtype)"
+    )
 
 
 def _check_keys(index: int, keys: np.ndarray, size: int) -> None:

@@ -17,10 +17,14 @@ Spilled vectors are read and written two ways:
 * ``store[name]`` of a spilled vector returns a ``numpy.memmap`` of its file, for everything else (a
   checkpoint write, a fetch, an op this module does not know): correct, paged in by the kernel.
 
+Vectors are float64, or float32 when an op asks for it (the L-BFGS history with ``history_dtype="float32"``,
+issue 29): a float32 vector takes half the RAM of the budget, and spills to a raw float32 file that the
+chunked ops read into float32 buffers, at half the bytes.
+
 Placement: a new vector goes to RAM while the RAM vectors fit the budget. A *cold* one (by name,
-:data:`COLD_NAME`: the L-BFGS history slots ``s0..sm``, ``y0..ym``) beyond the budget is spilled; a hot one
-beyond the budget first evicts cold RAM vectors to disk, and is itself spilled only when no cold vector is
-left in RAM.
+:data:`COLD_NAME`: the L-BFGS history slots ``hs0..hsm``, ``hy0..hym``) beyond the budget is spilled; a hot
+one beyond the budget first evicts cold RAM vectors to disk, and is itself spilled only when no cold vector
+is left in RAM.
 """
 
 from __future__ import annotations
@@ -39,19 +43,40 @@ from distbelief.errors import InvalidOptionError
 
 __all__ = [
     "COLD_NAME",
+    "DTYPES",
     "SHARD_MEMORY_FRACTION",
     "SPILL_CHUNK",
     "VectorStore",
     "default_budget",
     "op_operands",
     "run_chunked",
+    "storage_dtype",
 ]
 
-#: Names of vectors spilled first: the L-BFGS history slots (``s3``, ``y10``, ``lbfgs.s0`` ...).
-COLD_NAME = re.compile(r"(^|[._])[sy]\d+$")
+#: Names of vectors spilled first: the L-BFGS history slots (Sandblaster's ``hs3``, ``hy10``; ``s3``,
+#: ``lbfgs.s0`` ...). Sandblaster's slots are named ``h...`` (``VLBFGSHistory(prefix="h")``): without them
+#: here its history counted as hot, and a shard restored from a checkpoint (vectors read in name order,
+#: ``hs*`` before ``xa``) kept the history in RAM and spilled ``x``.
+COLD_NAME = re.compile(r"(^h?|[._])[sy]\d+$")
 
 #: Elements per chunk when streaming a spilled vector (4 Mi float64 = 32 MiB per operand buffer).
 SPILL_CHUNK = 1 << 22
+
+#: The dtypes a vector may be stored in; anything else is stored as float64.
+DTYPES = (np.dtype(np.float64), np.dtype(np.float32))
+
+
+def storage_dtype(dtype: Any) -> np.dtype[Any]:
+    """The dtype a vector of ``dtype`` is kept in: float32 stays float32, everything else is float64.
+
+    Examples
+    --------
+    >>> storage_dtype(np.float32), storage_dtype(np.int64)
+    (dtype('float32'), dtype('float64'))
+    """
+    dt = np.dtype(dtype)
+    return dt if dt in DTYPES else DTYPES[0]
+
 
 #: Share of a worker's ``memory_limit`` its shards may keep in RAM by default (the rest is for the
 #: replicas' rows, their copies of ``x`` and gradient, and Dask's own buffers).
@@ -89,7 +114,7 @@ _OPERANDS: dict[str, Callable[..., tuple[list[str], list[str]]]] = {
     "copy": lambda src, dst: ([src], [dst]),
     "scale": lambda alpha, name: ([name], [name]),
     "axpy": lambda alpha, x, y: ([x, y], [y]),
-    "lincomb": lambda dst, coeffs, names: (_names(names), [dst]),
+    "lincomb": lambda dst, coeffs, names, dtype=None: (_names(names), [dst]),
     "mul": lambda x, y, dst: ([x, y], [dst]),
     "dot": lambda a, b: ([a, b], []),
     "dots": lambda pairs: (_names(pairs), []),
@@ -114,7 +139,8 @@ def op_operands(op: Sequence[Any]) -> tuple[list[str], list[str]] | None:
 
 
 class VectorStore(MutableMapping[str, np.ndarray]):
-    """Named float64 vectors of ``size`` elements, kept in RAM up to ``budget`` bytes, the rest on disk.
+    """Named vectors of ``size`` elements (float64, or float32), kept in RAM up to ``budget`` bytes, the
+    rest on disk.
 
     Parameters
     ----------
@@ -134,6 +160,8 @@ class VectorStore(MutableMapping[str, np.ndarray]):
     >>> vs["x"] = np.arange(4.0); vs["s0"] = np.ones(4)
     >>> sorted(vs.spilled), float(vs["s0"].sum())
     (['s0'], 4.0)
+    >>> vs["y0"] = np.ones(4, dtype=np.float32); vs["y0"].dtype   # spilled as float32
+    dtype('float32')
     >>> vs.close()
     """
 
@@ -152,6 +180,8 @@ class VectorStore(MutableMapping[str, np.ndarray]):
         self._cold = cold or (lambda name: COLD_NAME.search(name) is not None)
         self._ram: dict[str, np.ndarray] = {}
         self._files: dict[str, str] = {}  # spilled name -> path
+        self._file_dtypes: dict[str, np.dtype[Any]] = {}  # spilled name -> its file's dtype
+        self._narrow: set[str] = set()  # names of the vectors not stored as float64
         self._maps: dict[str, np.memmap] = {}  # opened whole-vector maps, so one name keeps one object
         self._dir = spill_dir
         self._own_dir = False
@@ -171,25 +201,36 @@ class VectorStore(MutableMapping[str, np.ndarray]):
             raise KeyError(name)
         mapped = self._maps.get(name)
         if mapped is None:
-            mapped = self._maps[name] = np.memmap(self._files[name], dtype=np.float64, mode="r+")
+            path, dtype = self._files[name], self._file_dtypes[name]
+            mapped = self._maps[name] = np.memmap(path, dtype=dtype, mode="r+")
         return mapped
 
     def __setitem__(self, name: str, values: np.ndarray) -> None:
-        """Keep ``values`` (the array itself when it stays in RAM, as a dict would) under ``name``."""
+        """Keep ``values`` (the array itself when it stays in RAM, as a dict would) under ``name``.
+
+        A float32 array stays float32; an array of another dtype goes to disk as float64.
+        """
+        dtype = storage_dtype(values.dtype)
         if name in self._files:
-            self._write_file(name, values)
-            return
+            if self._file_dtypes[name] != dtype:
+                del self[name]  # another dtype: a file of its own
+            else:
+                self._write_file(name, values)
+                return
         self._ram.pop(name, None)
-        if self._place_in_ram(name):
+        if self._place_in_ram(name, dtype.itemsize):
             self._ram[name] = values
         else:
             self._write_file(name, values)
+        self._note_dtype(name, dtype)
 
     def __delitem__(self, name: str) -> None:
+        self._narrow.discard(name)
         if name in self._ram:
             del self._ram[name]
             return
         path = self._files.pop(name)  # KeyError when absent, as a dict
+        del self._file_dtypes[name]
         self._maps.pop(name, None)
         os.remove(path)
 
@@ -218,18 +259,38 @@ class VectorStore(MutableMapping[str, np.ndarray]):
         """Whether ``name`` lives on disk."""
         return name in self._files
 
-    def create(self, name: str) -> np.ndarray:
-        """A new uninitialised vector ``name`` (in RAM or on disk, by the budget), returned for writing."""
-        if self._place_in_ram(name):
-            vec = self._ram[name] = np.empty(self.size)
+    def dtype_of(self, name: str) -> np.dtype[Any]:
+        """The dtype vector ``name`` is stored in (KeyError when there is none)."""
+        vec = self._ram.get(name)
+        return vec.dtype if vec is not None else self._file_dtypes[name]
+
+    def create(self, name: str, dtype: Any = np.float64) -> np.ndarray:
+        """A new uninitialised vector ``name`` of ``dtype`` (float64 or float32; in RAM or on disk, by the
+        budget), returned for writing."""
+        dt = storage_dtype(dtype)
+        self._note_dtype(name, dt)
+        if self._place_in_ram(name, dt.itemsize):
+            vec = self._ram[name] = np.empty(self.size, dtype=dt)
             return vec
-        self._new_file(name)
+        self._new_file(name, dt)
         return self[name]
 
-    def _place_in_ram(self, name: str) -> bool:
+    def _note_dtype(self, name: str, dtype: np.dtype[Any]) -> None:
+        if dtype == DTYPES[0]:
+            self._narrow.discard(name)
+        else:
+            self._narrow.add(name)
+
+    @property
+    def holds_narrow(self) -> bool:
+        """Whether some vector is stored as float32 (its dot products then go through
+        :func:`storage._kernels.dots_mixed`)."""
+        return bool(self._narrow)
+
+    def _place_in_ram(self, name: str, itemsize: int = 8) -> bool:
         if self.budget is None:
             return True
-        need = 8 * self.size
+        need = itemsize * self.size
         if self.ram_bytes + need <= self.budget:
             return True
         if self._cold(name):
@@ -247,7 +308,7 @@ class VectorStore(MutableMapping[str, np.ndarray]):
             self._write_file(name, vec)
 
     # -- files -----------------------------------------------------------------------------------------
-    def _new_file(self, name: str) -> str:
+    def _new_file(self, name: str, dtype: np.dtype[Any]) -> str:
         if self._dir is None:
             self._dir = tempfile.mkdtemp(prefix="shard-spill-")
             self._own_dir = True
@@ -255,17 +316,18 @@ class VectorStore(MutableMapping[str, np.ndarray]):
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
         # A name of its own, made atomically: the shards of one worker may share a spill directory, and
         # names can sanitize alike ("a b", "a_b"); two vectors in one file would overwrite each other.
-        fd, path = tempfile.mkstemp(prefix=f"{safe}-", suffix=".f64", dir=self._dir)
+        fd, path = tempfile.mkstemp(prefix=f"{safe}-", suffix=f".f{8 * dtype.itemsize}", dir=self._dir)
         with os.fdopen(fd, "wb") as f:
-            f.truncate(8 * self.size)  # sparse file: no disk written until the op fills it
+            f.truncate(dtype.itemsize * self.size)  # sparse file: no disk written until the op fills it
         self._files[name] = path
+        self._file_dtypes[name] = dtype
         return path
 
     def _write_file(self, name: str, values: np.ndarray) -> None:
-        values = np.ascontiguousarray(values, dtype=np.float64)
+        values = np.ascontiguousarray(values, dtype=self._file_dtypes.get(name, storage_dtype(values.dtype)))
         if values.shape != (self.size,):
             raise InvalidOptionError(f"vector {name!r} needs {self.size} values, got shape {values.shape}")
-        path = self._files.get(name) or self._new_file(name)
+        path = self._files.get(name) or self._new_file(name, values.dtype)
         mapped = self._maps.get(name)
         if mapped is not None and np.shares_memory(mapped, values):
             return
@@ -282,7 +344,7 @@ class VectorStore(MutableMapping[str, np.ndarray]):
         view = np.ascontiguousarray(chunk).data.cast("B")
         done = 0
         while done < view.nbytes:
-            done += os.pwrite(fd, view[done:], 8 * start + done)
+            done += os.pwrite(fd, view[done:], chunk.itemsize * start + done)
         self.bytes_written += view.nbytes
         self.seconds_written += time.perf_counter() - t0
 
@@ -291,7 +353,7 @@ class VectorStore(MutableMapping[str, np.ndarray]):
         view = out.data.cast("B")  # out is a contiguous buffer: read straight into it
         done = 0
         while done < view.nbytes:
-            got = os.preadv(fd, [view[done:]], 8 * start + done)
+            got = os.preadv(fd, [view[done:]], out.itemsize * start + done)
             if got == 0:
                 raise OSError(f"spill file ended early at element {start}")
             done += got
@@ -305,6 +367,8 @@ class VectorStore(MutableMapping[str, np.ndarray]):
             if os.path.exists(path):
                 os.remove(path)
         self._files.clear()
+        self._file_dtypes.clear()
+        self._narrow.clear()
         if self._own_dir and self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -336,7 +400,7 @@ def run_chunked(
     names = list(dict.fromkeys(reads + writes))
     read_set = set(reads)
     chunk = min(SPILL_CHUNK, max(1, store.size))
-    buffers = {n: np.empty(chunk) for n in names if store.is_spilled(n)}
+    buffers = {n: np.empty(chunk, dtype=store.dtype_of(n)) for n in names if store.is_spilled(n)}
     fds = {n: os.open(store._files[n], os.O_RDWR) for n in buffers}
     partials: list[Any] = []
     try:

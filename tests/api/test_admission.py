@@ -40,6 +40,11 @@ def test_the_estimate_counts_the_parameters_the_model_has(spec: dict[str, Any]) 
     cost = estimate_cost(spec, "sandblaster-lbfgs", {}, n_rows=100, portion_rows=50, n_workers=2)
     assert cost.n_params == models.from_spec(spec).n_params
     assert cost.bytes_per_shard == cost.n_params * (2 * 10 + 6) * 8  # one shard below 128 Ki parameters
+    for dtype, history_bytes in (("auto", 8), ("float64", 8), ("float32", 4)):
+        options = {"history_dtype": dtype, "history": 5}
+        for algorithm, working in (("sandblaster-lbfgs", 6), ("sandblaster-owlqn", 9)):
+            cost = estimate_cost(spec, algorithm, options, n_rows=100, portion_rows=50, n_workers=2)
+            assert cost.bytes_per_shard == cost.n_params * (2 * 5 * history_bytes + working * 8)
 
 
 @pytest.mark.anyio

@@ -109,6 +109,12 @@ JOB_CASES: list[tuple[str, dict[str, Any], int, tuple[str, ...]]] = [
         (),
     ),
     ("history=0", {"json": _spec(options={"history": 0})}, 422, ("history", "greater than or equal to 1")),
+    (
+        "a history dtype numpy has but the shards do not store",
+        {"json": _spec(options={"history_dtype": "float16"})},
+        422,
+        ("'history_dtype'", "'auto', 'float64' or 'float32'"),
+    ),
     ("negative lr", {"json": {**DOWNPOUR, "options": {"lr": -1}}}, 422, ("'lr'", "greater than 0")),
     (
         "a billion replicas",

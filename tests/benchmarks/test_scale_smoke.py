@@ -38,6 +38,7 @@ def test_quick_run_writes_json_and_png_with_both_methods_and_both_modes(tmp_path
         assert {"coordinator"} < set(ours["processes"]) and len(ours["processes"]) == 3
         assert all(p["rss_peak_sampled"] > 10 * 2**20 for p in ours["processes"].values())
         assert ours["shard_op_seconds"]  # where the shards' time went
+        assert ours["history_dtype"] == "float64"  # "auto": a tiny model's history fits
     # Measured (keys included): dense pulls x whole at every fetch; sparse sends per shard whichever of
     # keys and the whole slice is smaller, so it never moves more per message.
     assert dense["pull_bytes_per_eval"] == dense["dense_pull_bytes_per_eval_model"]
@@ -56,3 +57,11 @@ def test_scipy_out_of_memory_is_recorded_not_fatal() -> None:
     X, y = scale.hashed_csr(500, 10)
     row = scale.run_scipy(X, y, maxiter=2, memory_gb=0.05, timeout=60)
     assert row["status"] != "ok"
+
+
+def test_the_history_dtype_is_passed_on_and_bad_ones_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert scale.parse([]).history_dtype == "auto"
+    assert scale.parse(["--history-dtype", "float32"]).history_dtype == "float32"
+    with pytest.raises(SystemExit):
+        scale.parse(["--history-dtype", "float16"])
+    assert "invalid choice: 'float16'" in capsys.readouterr().err

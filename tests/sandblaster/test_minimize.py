@@ -323,9 +323,14 @@ def test_bad_options_are_refused_with_a_message(
 ) -> None:
     problem = logistic_digits
     ds = dataset(problem, tmp_path / "data", 512)
-    for bad in [{"method": "newton"}, {"l2": -1.0}, {"history": 0}, {"maxiter": 0}, {"slowdown": {0: 0.5}}]:
+    for bad in [
+        {"method": "newton"}, {"l2": -1.0}, {"history": 0}, {"maxiter": 0}, {"slowdown": {0: 0.5}},
+        {"history_dtype": "float16"}, {"history_dtype": "double"}, {"history_dtype": None},
+    ]:  # fmt: skip
         with pytest.raises(InvalidOptionError, match=r"method|l2|history|maxiter|slowdown"):
             sandblaster.minimize(problem.model, ds, client=client, **bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidOptionError, match=r"history_dtype='half' is invalid: expected 'auto'"):
+        sandblaster.minimize(problem.model, (problem.X, problem.y), local=True, history_dtype="half")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         sandblaster.minimize(problem.model, ds, client=client, learning_rate=0.1)  # type: ignore[call-arg]
     with pytest.raises(InvalidOptionError, match=r"x0 has 3 values"):
@@ -509,3 +514,14 @@ def test_a_model_that_reuses_its_gradient_buffer_is_summed_right(
             np.testing.assert_array_equal(g, e)
     finally:
         asyncio.run(replica.close())
+
+
+def test_auto_history_dtype_is_float32_only_when_a_float64_history_does_not_fit() -> None:
+    auto = minimize_module.auto_history_dtype
+    # 6 working vectors and 2(m + 1) = 22 slots of 8 bytes: 224 bytes a parameter at m = 10.
+    assert auto("lbfgs", 10, [1000, 1000], [224_000, None]) == "float64"
+    assert auto("lbfgs", 10, [1000, 1001], [224_000, 224_000]) == "float32"  # the wider shard is short
+    assert auto("owlqn", 10, [1000], [224_000]) == "float32"  # 3 vectors more
+    assert auto("lbfgs", 1, [1000], [10 * 8 * 1000]) == "float64"
+    assert auto("cg", 10, [1000], [0]) == "float64"  # no history
+    assert SandblasterOptions().history_dtype == "auto"

@@ -356,3 +356,15 @@ def test_minimize_with_l1_exclude_on_shards_matches_the_in_process_run(
     assert res.x[64] != 0.0  # the intercept of an unbalanced problem, not shrunk to zero
     with pytest.raises(InvalidOptionError, match="l1_exclude"):
         sandblaster.minimize(model, ds, method="owlqn", l1=l1, l1_exclude=[(64, 66)], client=client)
+
+
+def test_a_float32_history_ends_within_1e_6_of_float64(elastic_digits: Problem) -> None:
+    problem = elastic_digits
+    common: dict[str, Any] = {"l1": 2e-3, "m": 10, "gtol": 1e-7}
+    f64 = minimize_owlqn_reference(problem.fun_and_grad, problem.x0, history_dtype="float64", **common)
+    f32 = minimize_owlqn_reference(problem.fun_and_grad, problem.x0, history_dtype="float32", **common)
+    assert f64.success and f32.success, (f64.message, f32.message)
+    assert f32.nit == f64.nit
+    assert abs(f32.fun - f64.fun) <= 1e-6 * abs(f64.fun)
+    np.testing.assert_array_equal(f32.x == 0.0, f64.x == 0.0)  # the same sparsity pattern
+    assert not np.array_equal(f32.x, f64.x)

@@ -104,3 +104,27 @@ def test_a_run_that_loses_a_replica_equals_the_uninterrupted_run(
     hurt = _run_with(problem, ds, client, tmp_path / "hurt", callback=kill_replica_1, **common)
     assert hurt.stats["lost_replicas"] == [1]
     assert_same_run(hurt, whole)
+
+
+def test_a_float32_history_is_reproducible_through_stragglers_budgets_and_resumes(
+    client: Client, tmp_path: Path, logistic_digits: Problem
+) -> None:
+    """Issue 29, item 3: the history stored as float32 changes no promise of this module."""
+    problem = logistic_digits
+    ds = dataset(problem, tmp_path / "data", 256)
+    plain = _run_with(problem, ds, client, tmp_path / "plain", maxiter=8, history_dtype="float32")
+    assert plain.stats["history_dtype"] == "float32" and plain.nit == 8
+    # "auto" under a budget that cannot hold a float64 history (28 vectors of 65 values) picks float32,
+    # with a 5x straggler whose portions the other replica steals and backs up.
+    tight = _run_with(
+        problem, ds, client, tmp_path / "tight", maxiter=8, shard_memory=65 * 8 * 20, slowdown={0: 5.0}
+    )
+    assert tight.stats["history_dtype"] == "float32"
+    assert_same_run(tight, plain)
+    first = _run_with(
+        problem, ds, client, tmp_path / "run", maxiter=4, checkpoint_every=2, history_dtype="float32"
+    )
+    assert first.nit == 4
+    resumed = _run_with(problem, ds, client, tmp_path / "run", maxiter=8, checkpoint_every=2, resume=True)
+    assert resumed.stats["history_dtype"] == "float32"  # "auto" resumes in the checkpoint's dtype
+    assert_same_run(resumed, plain)

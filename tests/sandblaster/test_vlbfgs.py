@@ -5,6 +5,7 @@ against SciPy's L-BFGS-B."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,8 +15,12 @@ from scipy.optimize import minimize
 from threadpoolctl import threadpool_limits
 
 from distbelief.errors import DatasetError, InvalidOptionError, ProtocolError
+from distbelief.sandblaster._space import InProcessSpace
 from distbelief.sandblaster._vlbfgs import (
     VLBFGSHistory,
+    _minimize_lbfgs,
+    _SpeculativePair,
+    history_ops,
     minimize_lbfgs_reference,
     two_loop_reference,
     vlbfgs_coefficients,
@@ -381,3 +386,84 @@ def test_a_state_that_is_not_a_historys_is_refused() -> None:
     short = VLBFGSHistory.from_state({**state, "dots": state["dots"][1:]})
     with pytest.raises(ProtocolError, match="missing"):
         short.dot_matrix()
+
+
+# -- history stored as float32 (issue 29, item 3) ------------------------------------------------------------
+
+
+class _Spy(InProcessSpace):
+    """An in-process space that keeps, per direction it forms, the history it was formed from."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.directions: list[tuple[np.ndarray, list[np.ndarray], list[np.ndarray], np.ndarray]] = []
+
+    def _lincomb(self, dst: str, coeffs: Any, names: Any, dtype: str | None = None) -> None:
+        super()._lincomb(dst, coeffs, names, dtype)
+        if dst == "d" and len(names) > 1:
+            k = (len(names) - 1) // 2
+            s = [self.vector(n).copy() for n in names[:k]]
+            y = [self.vector(n).copy() for n in names[k : 2 * k]]
+            self.directions.append((self.vector(names[-1]).copy(), s, y, self.vector("d").copy()))
+
+
+def test_a_float32_history_is_the_exact_recursion_of_its_stored_pairs() -> None:
+    fg, x0 = logistic_digits()
+    space = _Spy(fg, x0)
+    space.start()
+    _minimize_lbfgs(space, m=4, gtol=1e-8, ftol=0.0, maxiter=12, maxfev=200, history_dtype="float32")
+    assert len(space.directions) >= 8
+    for g, s, y, d in space.directions:
+        # Stored as float32, each rounded once from its float64 value; the direction is float64.
+        assert all(v.dtype == np.float32 for v in s + y) and d.dtype == g.dtype == np.float64
+        # The oracle: the classic two-loop recursion in float64 on the pairs as stored (upcast exactly).
+        want = two_loop_reference(g, [v.astype(np.float64) for v in s], [v.astype(np.float64) for v in y])
+        np.testing.assert_allclose(d, want, rtol=1e-10, atol=1e-12 * float(np.abs(want).max()))
+    # Every kept pair is in float32; x, the gradients and the direction are not.
+    stored = {n: v.dtype for n, v in space.vectors.items()}
+    assert {t for n, t in stored.items() if n.startswith(("hs", "hy"))} == {np.dtype(np.float32)}
+    assert {t for n, t in stored.items() if not n.startswith(("hs", "hy"))} == {np.dtype(np.float64)}
+
+
+@pytest.mark.parametrize(("name", "make"), [("logistic_digits", logistic_digits)])
+def test_a_float32_history_ends_within_1e_6_of_float64(name: str, make: Callable[[], tuple]) -> None:
+    fg, x0 = make()
+    f64 = minimize_lbfgs_reference(fg, x0, history_dtype="float64")
+    f32 = minimize_lbfgs_reference(fg, x0, history_dtype="float32")
+    assert f64.success and f32.success, (f64.message, f32.message)
+    assert f32.nit == f64.nit
+    assert abs(f32.fun - f64.fun) <= 1e-6 * abs(f64.fun)
+    assert not np.array_equal(f32.x, f64.x)  # it did run with another history
+
+
+def test_a_float64_history_sends_the_ops_it_always_sent() -> None:
+    hist = VLBFGSHistory(3, prefix="h")
+    hist.update_dots([1.0] * len(hist.dot_requests("ga")))
+    ops64 = _SpeculativePair(hist, "ga", "gb", history_ops("float64"))(0.5)
+    ops32 = _SpeculativePair(hist, "ga", "gb", history_ops("float32"))(0.5)
+    assert ops64[:2] == [("lincomb", "hs0", [0.5], ["d"]), ("lincomb", "hy0", [1.0, -1.0], ["gb", "ga"])]
+    assert [op[:4] for op in ops32[:2]] == ops64[:2] and [op[4:] for op in ops32[:2]] == [("float32",)] * 2
+    for bad in ("float16", "auto", "", None):
+        with pytest.raises(InvalidOptionError, match="history_dtype"):
+            history_ops(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidOptionError, match="history_dtype"):
+            minimize_lbfgs_reference(*logistic_digits(), history_dtype=bad)  # type: ignore[arg-type]
+
+
+def test_a_float32_run_resumes_from_its_checkpoint_exactly_and_refuses_another_dtype() -> None:
+    fg, x0 = logistic_digits()
+    common: dict[str, Any] = {"m": 5, "gtol": 1e-10, "ftol": 0.0, "maxfev": 1000, "history_dtype": "float32"}
+    full = InProcessSpace(fg, x0)
+    full.start()
+    _minimize_lbfgs(full, maxiter=14, **common)
+    part = InProcessSpace(fg, x0, checkpoint_every=4)
+    part.start()
+    _minimize_lbfgs(part, maxiter=10, **common)
+    meta = part.restore()
+    assert meta["history_dtype"] == "float32" and part.state.nit == 8
+    assert {part.vectors[n].dtype for n in part.vectors if n.startswith("h")} == {np.dtype(np.float32)}
+    with pytest.raises(InvalidOptionError, match="started with history_dtype='float32'"):
+        _minimize_lbfgs(part, maxiter=14, resume=meta, **{**common, "history_dtype": "float64"})
+    _minimize_lbfgs(part, maxiter=14, resume=meta, **common)
+    assert [r.objective for r in part.state.records] == [r.objective for r in full.state.records]
+    np.testing.assert_array_equal(part.vector(part.state.x), full.vector(full.state.x))

@@ -281,3 +281,98 @@ def test_keyed_adagrad_and_axpy_round_as_the_whole_vector_kernels_at_those_keys(
     y_want = w0.copy()
     _kernels.axpy(-0.3, g_full, y_want)
     np.testing.assert_array_equal(y, y_want)
+
+
+# -- mixed precision (float32 L-BFGS history, issue 29) ----------------------------------------------------
+
+
+def _upcast(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float64)
+
+
+@pytest.mark.parametrize("n", [*SIZES, 2 * _kernels.DOT_BLOCK + 17])
+def test_mixed_dots_accumulate_the_upcast_values_in_float64(n: int) -> None:
+    rng = np.random.default_rng(9)
+    s, y = (rng.normal(size=n).astype(np.float32) for _ in range(2))
+    g, d = rng.normal(size=n), rng.normal(size=n)
+    pairs = [(s, g), (g, y), (s, y), (s, s), (g, g), (g, d)]
+    got = _kernels.dots_mixed(pairs)
+    for (a, b), value in zip(pairs, got, strict=True):
+        # The oracle: numpy's float64 dot of the upcast vectors. The compiled loop sums in another order.
+        assert value == pytest.approx(float(np.dot(_upcast(a), _upcast(b))), rel=1e-12, abs=1e-12 * n)
+    # A pair of float64 vectors gets the bits it gets without float32 company (the same code path).
+    assert got[4:] == _kernels.dots([(g, g), (g, d)])
+    assert _kernels.dots_mixed(pairs) == got  # the same bits again
+    # Each mixed pair is the sum of its blocks' dot_mixed, in block order.
+    blocks = range(0, n, _kernels.DOT_BLOCK) if n > _kernels.DOT_BLOCK else [0]
+    total = 0.0
+    for lo in blocks:
+        total += _kernels.dot_mixed(s[lo : lo + _kernels.DOT_BLOCK], g[lo : lo + _kernels.DOT_BLOCK])
+    assert got[0] == (total if n > _kernels.DOT_BLOCK else _kernels.dot_mixed(s, g))
+
+
+@pytest.mark.parametrize("n", [8, _kernels.COMPILED_FROM + 8])
+def test_a_float32_dot_does_not_accumulate_in_float32(n: int) -> None:
+    # Every product after the first, 2**-30, is below float32's resolution next to 1.
+    a = np.full(n, 2.0**-15, dtype=np.float32)
+    a[0] = 1.0
+    want = 1.0 + (n - 1) * 2.0**-30
+    assert _kernels.dots_mixed([(a, a)]) == [want]
+    assert float(np.dot(a, a)) != want  # what numpy's float32 dot gives
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_float32_terms_and_destinations_round_once(n: int) -> None:
+    vs = _vectors(n, 4, seed=10)
+    narrow = [v.astype(np.float32) for v in vs[:2]]
+    coeffs = [0.5, -2.25, 1e-3, 3.0]
+    terms = [narrow[0], vs[2], narrow[1], vs[3]]
+    want = 0.5 * _upcast(terms[0])
+    for c, v in zip(coeffs[1:], terms[1:], strict=True):
+        want = want + c * _upcast(v)  # numpy elementwise in float64: the oracle, bit for bit
+    out = np.empty(n)
+    _kernels.lincomb(out, coeffs, terms)
+    np.testing.assert_array_equal(out, want)
+    # A float32 destination gets the float64 result rounded once, not its partial sums rounded.
+    out32 = np.empty(n, dtype=np.float32)
+    _kernels.lincomb(out32, coeffs, terms)
+    np.testing.assert_array_equal(out32, want.astype(np.float32))
+    own = narrow[1].copy()
+    _kernels.lincomb(own, [2.0], [vs[0]], own=-1.5)
+    np.testing.assert_array_equal(own, (-1.5 * _upcast(narrow[1]) + 2.0 * vs[0]).astype(np.float32))
+    # y = g_new - g of two close gradients: rounding g_new to float32 first would lose most digits.
+    g_new = vs[0] + 1e-6 * vs[1]
+    y = np.empty(n, dtype=np.float32)
+    _kernels.lincomb(y, [1.0, -1.0], [g_new, vs[0]])
+    np.testing.assert_array_equal(y, (g_new - vs[0]).astype(np.float32))
+    got = vs[1].copy()
+    _kernels.axpy(0.37, narrow[0], got)
+    np.testing.assert_array_equal(got, vs[1] + 0.37 * _upcast(narrow[0]))
+    got32 = narrow[0].copy()
+    _kernels.scale(-1.3, got32)
+    np.testing.assert_array_equal(got32, (_upcast(narrow[0]) * -1.3).astype(np.float32))
+
+
+def test_mixed_precision_makes_no_temporary_of_a_whole_vector() -> None:
+    import tracemalloc
+
+    n = 8 * _kernels.BLOCK  # 8 Mi bytes a float64 vector, 4 Mi a float32 one
+    rng = np.random.default_rng(11)
+    s = rng.normal(size=n).astype(np.float32)
+    g = rng.normal(size=n)
+    out32 = np.empty(n, dtype=np.float32)
+    out = np.empty(n)
+    pairs = [(s, g), (s, s), (g, g)]
+    _kernels.dots_mixed(pairs)  # compiled before the count
+    _kernels.lincomb(out32, [1.0, -1.0], [g, s])
+    _kernels.lincomb(out, [2.0], [s])
+    tracemalloc.start()
+    try:
+        _kernels.dots_mixed(pairs)
+        _kernels.lincomb(out32, [1.0, -1.0], [g, s])
+        _kernels.lincomb(out, [2.0, 1.0], [s, g])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # A block of scratch (1 MiB) at most, not a float64 copy of s (8 MiB) nor a float32 one (4 MiB).
+    assert peak <= 8 * _kernels.BLOCK + 65536, peak

@@ -77,6 +77,39 @@ def test_unknown_vector_and_op_are_refused_with_advice() -> None:
         shard.run([("explode", "a")])
 
 
+def test_a_lincomb_stores_its_destination_as_float32_and_refuses_other_dtypes() -> None:
+    shard, ref = make(5)
+    shard.run([("lincomb", "s0", [1.0, -1.0], ["a", "b"], "float32")])
+    s0 = (ref["a"] - ref["b"]).astype(np.float32)
+    np.testing.assert_array_equal(shard.get("s0"), s0)
+    # Its dot products accumulate in float64 (float32's would be ~1e-7 off).
+    (ss, sa), up = shard.run([("dots", [("s0", "s0"), ("s0", "a")])])[0], s0.astype(np.float64)
+    assert ss == pytest.approx(float(up @ up), rel=1e-14) and sa == pytest.approx(
+        float(up @ ref["a"]), rel=1e-14
+    )
+    assert shard.state()["dtypes"] == {"s0": "float32"} and shard.narrow_dtypes(["a", "s0"]) == {
+        "s0": "float32"
+    }
+    # Written again as float64: a float64 vector again.
+    shard.run([("lincomb", "s0", [2.0], ["a"], "float64")])
+    assert shard.get("s0").dtype == np.float64 and "dtypes" not in shard.state()
+    assert not shard.vectors.holds_narrow
+    before = {name: shard.get(name) for name in shard.vectors}
+    with pytest.raises(InvalidOptionError, match="no vector 'zz'"):  # b is not made anew as float32 first
+        shard.run([("lincomb", "b", [1.0, 2.0], ["a", "zz"], "float32")])
+    for bad in ("float16", "double", "", 32):
+        for dst in ("y0", "a", "b"):  # a new vector, a term, an existing vector
+            with pytest.raises(InvalidOptionError, match="'float64' or 'float32'"):
+                shard.run([("lincomb", dst, [1.0, 2.0], ["a", "c"], bad)])
+    shard.run([("lincomb", "c", [1.0], ["b"], "float32")])
+    with pytest.raises(InvalidOptionError, match="is one of the terms and stored as float32"):
+        shard.run([("lincomb", "c", [0.5, 1.0], ["c", "a"], "float64")])
+    before["c"] = ref["b"].astype(np.float32)
+    assert sorted(shard.vectors) == sorted(before)  # nothing created by the refused ops
+    for name, values in before.items():
+        np.testing.assert_array_equal(shard.get(name), values)
+
+
 @pytest.mark.parametrize("rule", ["sgd", "adagrad"])
 def test_push_applies_rule_once_per_token(rule: str) -> None:
     shard, ref = make(5)
