@@ -37,7 +37,7 @@ BIN = Path(sys.executable).parent
 TOKEN = "compose-token-0123456789abcdef"
 SOFTMAX = {"kind": "softmax", "n_features": 64, "n_classes": 10}
 LBFGS = {"gtol": 0.0, "ftol": 0.0, "maxiter": 120, "checkpoint_every": 5, "l2": 1e-3}
-DOWNPOUR = {"epochs": 1200, "lr": 0.3, "checkpoint_every_s": 0.2, "replicas": 2}
+DOWNPOUR = {"epochs": 300, "lr": 0.3, "checkpoint_every_s": 0.2, "replicas": 2}
 
 
 class _NoPoint:
@@ -301,7 +301,7 @@ def test_the_compose_commands_run_a_job_end_to_end_and_survive_an_api_crash(depl
             np.testing.assert_array_equal(w_long, refs[0].x)
         else:
             np.testing.assert_allclose(w_long, refs[0].x, rtol=1e-9, atol=1e-12)
-        # A Downpour job (~56 steps an epoch: 1200 epochs run well past the checkpoint awaited), killed once
+        # A Downpour job (~56 steps an epoch: 300 epochs run well past the checkpoint awaited), killed once
         # its shards have a checkpoint past step 3000.
         down = api.submit(
             {"algorithm": "downpour-sgd", "dataset": "digits", "model": SOFTMAX, "options": DOWNPOUR}
@@ -315,7 +315,7 @@ def test_the_compose_commands_run_a_job_end_to_end_and_survive_an_api_crash(depl
     d.stop("api", signal.SIGKILL)
     # What the Downpour job left: its last shard checkpoint, far from the start.
     point = resume_point(down_run)
-    assert point is not None and 3000 <= point.step < 1200 * 56
+    assert point is not None and 3000 <= point.step < DOWNPOUR["epochs"] * 56
     x_ckpt = checkpoint_vector(down_run)
     f0 = models.objective(softmax, softmax.init_params(0), X, y)[0]
     f_ckpt = models.objective(softmax, x_ckpt, X, y)[0]
