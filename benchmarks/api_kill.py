@@ -58,20 +58,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def job_body(epochs: int) -> dict[str, Any]:
-    """The Downpour job: an MLP on the digits, 2 replicas, the service's defaults but ``epochs``.
+def job_body(epochs: int, lr: float | None = None) -> dict[str, Any]:
+    """The Downpour job: an MLP on the digits, 2 replicas, the service's defaults but ``epochs`` (and ``lr``
+    when given).
 
     Examples
     --------
-    >>> job_body(3)["options"]
-    {'epochs': 3, 'replicas': 2}
+    >>> job_body(3)["options"], job_body(3, lr=0.05)["options"]["lr"]
+    ({'epochs': 3, 'replicas': 2}, 0.05)
     """
+    options: dict[str, Any] = {"epochs": epochs, "replicas": 2}
+    if lr is not None:
+        options["lr"] = lr
     return {
         "name": "kill -9 measurement",
         "algorithm": "downpour-sgd",
         "dataset": "digits",
         "model": {"kind": "mlp", "layer_sizes": [64, 256, 256, 10]},
-        "options": {"epochs": epochs, "replicas": 2},
+        "options": options,
     }
 
 
@@ -174,7 +178,9 @@ def _upload_digits(http: httpx.Client) -> None:
     ).raise_for_status()
 
 
-def measure(dask: Any, epochs: int, fractions: list[float], timeout: float) -> dict[str, Any]:
+def measure(
+    dask: Any, epochs: int, fractions: list[float], timeout: float, lr: float | None = None
+) -> dict[str, Any]:
     """The reference run and one killed run a fraction, on the cluster of the Dask client ``dask``."""
     with tempfile.TemporaryDirectory(prefix="api-kill-") as tmp:
         service = Service(Path(tmp) / "store", dask.scheduler.address)
@@ -183,7 +189,7 @@ def measure(dask: Any, epochs: int, fractions: list[float], timeout: float) -> d
             with service.http() as http:
                 _upload_digits(http)
                 started = time.monotonic()
-                job_id = http.post("/api/jobs", json=job_body(epochs)).json()["id"]
+                job_id = http.post("/api/jobs", json=job_body(epochs, lr)).json()["id"]
                 reference = _wait_final(http, job_id, timeout)
                 wall = time.monotonic() - started
             if reference["status"] != "succeeded":
@@ -192,7 +198,7 @@ def measure(dask: Any, epochs: int, fractions: list[float], timeout: float) -> d
             kills = []
             for fraction in fractions:
                 with service.http() as http:
-                    job_id = http.post("/api/jobs", json=job_body(epochs)).json()["id"]
+                    job_id = http.post("/api/jobs", json=job_body(epochs, lr)).json()["id"]
                     deadline = time.monotonic() + timeout
                     while (done := sum(dask.run(replica_steps).values())) < fraction * total:
                         if time.monotonic() > deadline:
@@ -219,7 +225,7 @@ def measure(dask: Any, epochs: int, fractions: list[float], timeout: float) -> d
             service.stop()
     worst = max(k["lost_share"] for k in kills)
     return {
-        "job": job_body(epochs),
+        "job": job_body(epochs, lr),
         "reference": {
             "steps": total,
             "wall_s": round(wall, 2),
@@ -261,14 +267,18 @@ def main(argv: list[str] | None = None, scheduler: str | None = None) -> dict[st
         "--kill-at", default="0.3,0.6,0.9", help="kill points, as fractions of the run's steps (0.3,0.6,0.9)"
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a job (600)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 20 epochs, one kill at 0.5")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 20 epochs at lr 0.05, one kill at 0.5"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "api_kill.json"))
     args = parser.parse_args(argv)
     epochs = 20 if args.quick else args.epochs
     fractions = [0.5] if args.quick else [float(f) for f in args.kill_at.split(",")]
     before = os.getloadavg()
     with dask_client(scheduler) as dask:
-        result = measure(dask, epochs, fractions, args.timeout)
+        # The smoke run at a smaller rate than the service's default (0.2): a quick run of the default
+        # diverged once in CI, in its first epochs (the objective from 2.4 to 50); the full runs have not.
+        result = measure(dask, epochs, fractions, args.timeout, lr=0.05 if args.quick else None)
     result["load_average_before"], result["load_average_after"] = before, os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
