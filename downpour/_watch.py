@@ -63,8 +63,8 @@ STALL_WINDOW = 1 / 3
 STALL_FLAT = 0.01
 #: The gradient counts as not small while its norm is above this fraction of the starting one. Mini-batch
 #: Adagrad at its noise floor leaves it at 2.5-7.5% (the demo's Downpour job on the digits, 24 runs of 600 and
-#: 1000 epochs, objective within 1-4% of the optimum: at 5% the warning fired in 2 of them), a stalled
-#: rule at ~30% (tests/downpour/test_robustness.py).
+#: 1000 epochs, objective within 1-4% of the optimum: at 5% the warning fired in 2 of them); the stalled
+#: rule of tests/downpour/test_robustness.py is still warned at this bound.
 STALL_GRAD = 0.1
 
 
