@@ -620,12 +620,7 @@ class ReplicaCore:
             self.diverged = True
             return mean_loss
         self.apply(g)
-        c = self.counters
-        c.rows += rows
-        c.loss_sum += float(loss)
-        if self.trace:
-            self.losses.append(mean_loss)
-        return mean_loss
+        return self._count_rows(rows, float(loss))
 
     def compute_at(self, model: Any, keys: np.ndarray, X: Any, y: np.ndarray) -> float:
         """:meth:`compute` for a step whose rows touch only the parameters ``keys`` (sorted, global):
@@ -643,9 +638,14 @@ class ReplicaCore:
             self.diverged = True
             return mean_loss
         self._accrue_at(keys, g)
+        return self._count_rows(rows, float(loss))
+
+    def _count_rows(self, rows: int, loss: float) -> float:
+        """Count a step's rows and loss (kept per step with ``trace``); returns its mean loss."""
         c = self.counters
         c.rows += rows
-        c.loss_sum += float(loss)
+        c.loss_sum += loss
+        mean_loss = loss / rows
         if self.trace:
             self.losses.append(mean_loss)
         return mean_loss
