@@ -319,6 +319,9 @@ def run_distbelief(
     out["peak_rss_workers_max"] = max(
         (p["rss_peak_sampled"] for k, p in out["processes"].items() if k != "coordinator"), default=0
     )
+    # The peaks summed: an upper bound on what all processes (the coordinator, which also runs the
+    # scheduler, and every worker) held at once; the memory target is on this figure.
+    out["peak_rss_total"] = sum(p["rss_peak_sampled"] for p in out["processes"].values())
     return out
 
 
@@ -679,7 +682,7 @@ def _verdict(met: bool | None) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'params':>10} {'method':>15} {'comm':>6} {'status':>12} {'s/iter':>8} {'MB/eval':>9} "
-        f"{'dense MB':>9} {'peak GiB':>8} {'worker GiB':>10} {'objective':>12}"
+        f"{'dense MB':>9} {'peak GiB':>8} {'worker GiB':>10} {'all GiB':>8} {'objective':>12}"
     )
     lines = [head]
     for r in rows:
@@ -690,10 +693,11 @@ def table(rows: list[dict[str, Any]]) -> str:
         ) / 1e6
         peak = (r.get("peak_rss_max") or float("nan")) / 2**30
         worker = (r.get("peak_rss_workers_max") or float("nan")) / 2**30
+        total = (r.get("peak_rss_total") or float("nan")) / 2**30
         lines.append(
             f"{r['n_params']:>10} {r['method']:>15} {r.get('communication', '-'):>6} "
             f"{str(r.get('status'))[:12]:>12} {r.get('s_per_iter', float('nan')):8.3f} {mb:9.1f} "
-            f"{dense:9.1f} {peak:8.2f} {worker:10.2f} {r.get('fun', float('nan')):12.6g}"
+            f"{dense:9.1f} {peak:8.2f} {worker:10.2f} {total:8.2f} {r.get('fun', float('nan')):12.6g}"
         )
     comparisons = compare(rows)
     if comparisons:
