@@ -623,14 +623,23 @@ class ReplicaCore:
         return self._count_rows(rows, float(loss))
 
     def compute_at(self, model: Any, keys: np.ndarray, X: Any, y: np.ndarray) -> float:
-        """:meth:`compute` for a step whose rows touch only the parameters ``keys`` (sorted, global):
+        """:meth:`compute` for a step whose rows touch only the parameters ``keys`` (distinct, global):
         ``model`` and ``X`` are narrowed to them (``storage.internal.compact_rows``), so the gradient and
         every update cost the step's keys, not the model's width (windowed mode, :meth:`use_windows`).
         The same floats as :meth:`compute` on the whole rows: the compact gradient is the whole one's at
         ``keys`` and zero elsewhere, and every update is elementwise.
         """
-        rows = int(X.shape[0])
         loss, grad = model.loss_and_grad(self.x[keys], X, y)
+        return self.accrue_summed_at(keys, grad, loss, int(X.shape[0]))
+
+    def accrue_summed_at(self, keys: np.ndarray, grad: np.ndarray, loss: float, rows: int) -> float:
+        """The end of :meth:`compute_at` for a step whose summed loss and gradient (at ``keys``, distinct
+        global parameters; zero elsewhere) were computed on the local copy :attr:`x` already (e.g. by a
+        model's ``rows_loss_and_grad``): accrue their mean and take the local step.
+
+        Returns the mini-batch mean loss. A non-finite loss or gradient is not applied and sets
+        :attr:`diverged`.
+        """
         with np.errstate(over="ignore", invalid="ignore"):  # judged below
             g = np.multiply(np.asarray(grad, dtype=np.float64).reshape(-1), 1.0 / rows)
         mean_loss = float(loss) / rows
@@ -667,7 +676,7 @@ class ReplicaCore:
         self._count_step()
 
     def _accrue_at(self, keys: np.ndarray, g: np.ndarray) -> None:
-        """:meth:`apply` of a gradient whose nonzero entries are ``g`` at ``keys`` (sorted, unique)."""
+        """:meth:`apply` of a gradient whose nonzero entries are ``g`` at ``keys`` (distinct, any order)."""
         self._begin_accrual()
         a = -self.local_rate
         if not a:

@@ -46,6 +46,7 @@ from distbelief.storage.internal import (
     compact_batch,
     install_worker,
     param_keys,
+    rows_keys,
     sparse_layout_of,
     split_keys,
     union_keys,
@@ -237,7 +238,9 @@ class DownpourReplica:
         self._ahead_first = 0
         self._stream: Iterator[tuple[int, int, np.ndarray]] | None = None
         self._layout: tuple[int, int, bool] | None = None
-        self._table = np.zeros(0, dtype=np.int64)
+        self._table = np.zeros(0, dtype=np.int32)
+        self._mask = np.zeros(0, dtype=bool)
+        self._direct = False
         self._unions: dict[tuple[int, int], np.ndarray] = {}
 
     # -- actor methods (event loop) ----------------------------------------------------------------------
@@ -553,19 +556,35 @@ class DownpourReplica:
         return keys
 
     def _union_of(self, start: int, end: int) -> np.ndarray:
-        parts = []
+        items = []
         for step in range(start, end):
             item = self._step_at(step)
             if item is None:
                 break
-            parts.append(self._compact(item).keys)
+            items.append(item)
+        assert self._layout is not None
+        if not items:
+            return np.zeros(0, dtype=np.int64)  # past the last step: no keys (not even the intercepts)
+        if self._direct:
+            # The columns the steps' rows touch, marked in one pass (no step's rows narrowed for it).
+            keys = rows_keys(self._layout, [(self._segment(it[1])[0], it[2]) for it in items], self._mask)
+            if keys is not None:
+                return keys
+        parts = [self._compact(item).keys for item in items]
+        if len(parts) == 1:
+            return np.sort(parts[0])  # a step's keys are distinct but in the order its rows touch them
         return union_keys(parts, self.model.n_params)
 
     def _use_windows(self) -> None:
         """Windowed key-value communication (:meth:`ReplicaCore.use_windows`): each fetch asks for the keys
         of the steps ahead, and each step computes on its rows narrowed to their keys."""
         self._layout = sparse_layout_of(self.model)
-        self._table = np.full(self._layout[0] if self._layout is not None else 0, -1, dtype=np.int32)
+        width = self._layout[0] if self._layout is not None else 0
+        self._table = np.full(width, -1, dtype=np.int32)
+        self._mask = np.zeros(width, dtype=bool)
+        # A built-in linear model computes a step on the rows as they are, its gradient at the keys they
+        # touch (models' rows_loss_and_grad): no narrowed copy of the rows, no narrowed model a step.
+        self._direct = callable(getattr(self.model, "rows_loss_and_grad", None))
         self._stream = self._batches()
         self._ahead_first = self.core.counters.steps
         self.core.use_windows(self._window_keys)
@@ -604,7 +623,7 @@ class DownpourReplica:
             # first read opens the store on its worker: 30-100 ms at load average ~15) made the gradient
             # stale: a replica's first step ran at x0 while the shard had applied 7 pushes of another,
             # and its lone ln 2 mini-batch loss in a history row read as divergence.
-            part = self._compact(item) if windowed else None
+            part = self._compact(item) if windowed and not self._direct else None
             X, y = self._segment(item[1]) if part is None else (part.X, part.y)
             core.begin_step()
             self._maybe_fetch()
@@ -627,7 +646,17 @@ class DownpourReplica:
                 if msg is not None:
                     self._send_push(msg)
             t_compute = time.perf_counter()
-            if part is not None:
+            if windowed and part is None:
+                rows = item[2]
+                got = self.model.rows_loss_and_grad(core.x, X, y, rows, self._table)
+                if got is not None:
+                    loss, keys, grad = got
+                    core.accrue_summed_at(keys, grad, loss, int(rows.size))
+                else:  # rows the compiled pass does not take: narrow them, from now on
+                    self._direct = False
+                    part = self._compact(item)
+                    core.compute_at(part.model, part.keys, part.X, part.y)
+            elif part is not None:
                 core.compute_at(part.model, part.keys, X, y)
             else:
                 rows = item[2]

@@ -382,6 +382,56 @@ def _glm_csr_pass(
     return loss, r_sum
 
 
+def _glm_rows_pass(
+    indptr: IntArray,
+    indices: IntArray,
+    data: FloatArray,
+    rows: IntArray,
+    y: FloatArray,
+    coef: FloatArray,
+    intercept: float,
+    table: IntArray,
+    cols: IntArray,
+    grad: FloatArray,
+    logistic: bool,
+) -> tuple[float, float, int]:
+    """:func:`_glm_csr_pass` on rows ``rows`` of a CSR matrix, its gradient kept at the columns they touch.
+
+    Row ``rows[i]`` (target ``y[i]``): its ``z`` gathers straight from the full-width ``coef``; its residual
+    is scattered into ``grad[j]``, ``j`` being the column's number in the order the rows first touch them
+    (``cols[j]`` is that column; ``table``, full-width and all negative on entry and again on return, holds
+    the numbers meanwhile). Returns ``(loss, residual_sum, number of distinct columns)``. Every product is
+    added in the order :func:`_glm_csr_pass` adds it on the rows gathered and renumbered, so the floats are
+    its floats: this is that pass without building the compact rows first (a Downpour step on a wide model,
+    issue 29).
+    """
+    loss = 0.0
+    r_sum = 0.0
+    k = 0
+    for i in range(rows.shape[0]):
+        row = rows[i]
+        a, b = indptr[row], indptr[row + 1]
+        z = 0.0
+        for t in range(a, b):
+            z += data[t] * coef[indices[t]]
+        li, ri = _glm_row(z + intercept, y[i], logistic)
+        loss += li
+        r_sum += ri
+        for t in range(a, b):
+            c = indices[t]
+            j = table[c]
+            if j < 0:
+                j = k
+                table[c] = k
+                cols[k] = c
+                grad[k] = 0.0
+                k += 1
+            grad[j] += ri * data[t]
+    for j in range(k):
+        table[cols[j]] = -1
+    return loss, r_sum, k
+
+
 def _softmax_csr_pass(
     indptr: IntArray,
     indices: IntArray,
@@ -443,13 +493,14 @@ _PY_FUNCS: dict[str, Callable[..., Any]] = {
         _softmax_block,
         _softmax_pass,
         _glm_csr_pass,
+        _glm_rows_pass,
         _softmax_csr_pass,
     )
 }
 
 _lock = threading.Lock()
-#: Built kernels by family ("glm", "softmax", "glm_csr", "softmax_csr"); None once building failed or numba
-#: is unavailable.
+#: Built kernels by family ("glm", "softmax", "glm_csr", "glm_rows", "softmax_csr"); None once building
+#: failed or numba is unavailable.
 _built: dict[str, Any] = {}
 
 
@@ -496,6 +547,16 @@ def _build(nb: Any, family: str, cache: bool) -> Any:
         # a buffer by a Dask worker) are taken as they are, by the one compiled version.
         return array(dtype, ndim, layout, readonly=True)
 
+    if family == "glm_rows":
+        _jit(nb, "_glm_row", cache=cache)
+        sigs = [
+            nb.types.Tuple((f8, f8, i8))(
+                given(it, 1, "C"), given(it, 1, "C"), given(f8, 1, "C"), given(nb.int64, 1, "C"),
+                given(f8, 1, "A"), given(f8, 1, "A"), f8, nb.int32[::1], nb.int64[::1], f8[::1], nb.boolean,
+            )
+            for it in (nb.uint32, nb.uint64)
+        ]  # fmt: skip
+        return _jit(nb, "_glm_rows_pass", sigs, cache=cache)
     if family in ("glm_csr", "softmax_csr"):
         # One version for 32-bit and one for 64-bit indices (scipy picks int32 while they fit), unsigned.
         if family == "glm_csr":
@@ -652,13 +713,65 @@ _CSR_FUSED_MAX_BYTES = 2 << 20
 def _unsigned(X: Any) -> tuple[IntArray, IntArray]:
     """``X.indptr`` and ``X.indices`` viewed as unsigned (no copy): numba skips wraparound checks then."""
     kind = {4: np.uint32, 8: np.uint64}[X.indices.dtype.itemsize]
-    return X.indptr.astype(kind, copy=False), X.indices.view(kind)
+    # A view where the widths agree (astype with copy=False still copies to another dtype: a whole
+    # segment's indptr a Downpour step, when a step passes only some of its rows).
+    indptr = X.indptr.view(kind) if X.indptr.dtype.itemsize == kind().itemsize else X.indptr.astype(kind)
+    return indptr, X.indices.view(kind)
 
 
 #: ``kernel(X, y, coef, intercept, grad_coef) -> (loss, residual_sum)`` with ``X`` a CSR matrix.
 CSRGLMKernel = Callable[[Any, FloatArray, FloatArray, float, FloatArray], tuple[float, float]]
 #: ``kernel(X, labels, W, intercept, grad_W, grad_b, rows) -> loss`` with ``X`` a CSR matrix.
 CSRSoftmaxKernel = Callable[[Any, IntArray, FloatArray, FloatArray, FloatArray, FloatArray, int], float]
+
+
+#: ``kernel(X, rows, y, coef, intercept, table, logistic) -> (loss, residual_sum, cols, grad_at_cols)``.
+RowsKernel = Callable[
+    [Any, IntArray, FloatArray, FloatArray, float, IntArray, bool], tuple[float, float, IntArray, FloatArray]
+]
+
+
+def rows_kernel() -> RowsKernel | None:
+    """The compiled least squares / logistic pass over chosen rows of a CSR matrix, its gradient kept at
+    the columns those rows touch (:func:`_glm_rows_pass`), or None without numba.
+
+    ``kernel(X, rows, y, coef, intercept, table, logistic)``: ``y`` the rows' float64 targets (``y[i]`` of
+    row ``rows[i]``), ``coef`` the full-width coefficients, ``table`` int32 scratch of ``X.shape[1]``
+    entries, all negative (and so again on return). Returns the summed loss, the residual sum (the
+    intercept's gradient), the distinct columns in the order the rows first touch them, and the gradient
+    at them.
+
+    Examples
+    --------
+    >>> import numpy as np, scipy.sparse as sp
+    >>> kernel = rows_kernel()
+    >>> X = sp.csr_array(np.array([[1.0, 0.0, 2.0], [0.0, 4.0, 0.0]]))
+    >>> table = np.full(3, -1, dtype=np.int32)
+    >>> if kernel is not None:  # numba is installed
+    ...     loss, r_sum, cols, grad = kernel(X, np.array([1]), np.array([1.0]), np.ones(3), 0.0, table, False)
+    ...     assert (loss, r_sum, cols.tolist(), grad.tolist()) == (4.5, 3.0, [1], [12.0])
+    """
+    glm = _family_kernel("glm_rows")
+    if glm is None:
+        return None
+
+    def kernel(
+        X: Any,
+        rows: IntArray,
+        y: FloatArray,
+        coef: FloatArray,
+        intercept: float,
+        table: IntArray,
+        logistic: bool,
+    ) -> tuple[float, float, IntArray, FloatArray]:
+        indptr, indices = _unsigned(X)
+        nnz = int((X.indptr[rows + 1] - X.indptr[rows]).sum())
+        cols = np.empty(nnz, dtype=np.int64)
+        grad = np.empty(nnz)
+        loss, r_sum, k = glm(indptr, indices, X.data, rows, y, coef, intercept, table, cols, grad, logistic)
+        return float(loss), float(r_sum), cols[:k], grad[:k]
+
+    return kernel
 
 
 @overload

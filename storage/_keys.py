@@ -64,6 +64,7 @@ __all__ = [
     "encode_signs",
     "kv_bytes",
     "param_keys",
+    "rows_keys",
     "sorted_unique",
     "sparse_layout_of",
     "split_keys",
@@ -216,8 +217,9 @@ def _gather_rows_loop(
     out_data: np.ndarray,
     cols: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
-    """Copy ``rows`` of a CSR matrix into the ``out_*`` arrays and list each distinct column once in
-    ``cols`` (marking it in ``table``, all negative on entry); returns how many distinct columns."""
+    """Copy ``rows`` of a CSR matrix into the ``out_*`` arrays, each column renumbered by first sight
+    (``cols[j]`` is the column numbered ``j``); returns how many distinct columns. ``table`` (all negative
+    on entry, and so again on return) holds the numbers while the rows are read."""
     nnz = 0
     k = 0
     out_indptr[0] = 0
@@ -225,28 +227,38 @@ def _gather_rows_loop(
         row = rows[r]
         for p in range(indptr[row], indptr[row + 1]):
             c = indices[p]
-            out_indices[nnz] = c
-            out_data[nnz] = data[p]
-            nnz += 1
-            if table[c] < 0:
-                table[c] = 0
+            j = table[c]
+            if j < 0:
+                j = k
+                table[c] = k
                 cols[k] = c
                 k += 1
+            out_indices[nnz] = j
+            out_data[nnz] = data[p]
+            nnz += 1
         out_indptr[r + 1] = nnz
+    for j in range(k):
+        table[cols[j]] = -1
     return k
 
 
 def compact_batch(
     layout: tuple[int, int, bool], X: Any, y: np.ndarray, rows: np.ndarray, table: np.ndarray
 ) -> SparsePortion:
-    """``compact_rows(layout, X[rows], y[rows])`` in one pass over the rows' nonzeros: the mini-batch of a
-    Downpour step on a wide model (issue 29), where scipy's row indexing, a sort of every nonzero and a
-    search cost ~0.6 ms a 256-row batch at 2^20 columns (the gradient itself ~0.1 ms).
+    """``compact_rows(layout, X[rows], y[rows])`` in one pass over the rows' nonzeros, up to the order of
+    the columns: the mini-batch of a Downpour step on a wide model (issue 29), where scipy's row indexing,
+    a sort of every nonzero and a search cost ~0.6 ms a 256-row batch at 2^20 columns (the gradient itself
+    ~0.1 ms).
+
+    The columns are numbered in the order the rows first touch them, not sorted (sorting the distinct
+    columns and renumbering again took over half of this function's time): ``keys`` are distinct but not
+    sorted, and ``X``'s column ``j`` is the column of key ``keys[j]`` (times the outputs, intercepts last),
+    as in :func:`compact_rows`. Every row keeps its nonzeros in their order, so the compact kernels add the
+    same products in the same order as the full ones.
 
     ``table`` is scratch space owned by the caller: ``X.shape[1]`` integers (int32 where a batch has fewer
-    than 2^31 distinct columns), all negative (e.g. ``-1``) on entry, and so again on return. Only the
-    distinct columns are sorted. Without numba, or for rows that are not a CSR array, it is
-    :func:`compact_rows` itself.
+    than 2^31 distinct columns), all negative (e.g. ``-1``) on entry, and so again on return. Without numba,
+    or for rows that are not a CSR array, it is :func:`compact_rows` itself (sorted keys).
 
     Examples
     --------
@@ -261,24 +273,59 @@ def compact_batch(
     if loop is None or not sp.issparse(X) or X.format != "csr" or table.size < d:
         return compact_rows(layout, X[rows], y[rows])
     rows = np.asarray(rows, dtype=np.int64)
-    starts, ends = X.indptr[rows], X.indptr[rows + 1]
-    nnz = int((ends - starts).sum())
+    nnz = int((X.indptr[rows + 1] - X.indptr[rows]).sum())
     if nnz == 0:
         return compact_rows(layout, X[rows], y[rows])
-    out_indptr = np.empty(rows.size + 1, dtype=np.int64)
-    out_indices = np.empty(nnz, dtype=np.int64)
+    idx_dtype = np.int32 if nnz <= _INT32_MAX else np.int64
+    out_indptr = np.empty(rows.size + 1, dtype=idx_dtype)
+    out_indices = np.empty(nnz, dtype=idx_dtype)
     out_data = np.empty(nnz, dtype=X.data.dtype)
     cols = np.empty(nnz, dtype=np.int64)
     k = int(loop(X.indptr, X.indices, X.data, rows, table, out_indptr, out_indices, out_data, cols))
-    cols = np.sort(cols[:k])
-    table[cols] = np.arange(k)
-    idx_dtype = np.int32 if k <= _INT32_MAX and nnz <= _INT32_MAX else np.int64
-    renumbered = table[out_indices].astype(idx_dtype)
-    table[cols] = -1
-    Xc = sp.csr_array((out_data, renumbered, out_indptr.astype(idx_dtype)), shape=(rows.size, k))
+    Xc = sp.csr_array((out_data, out_indices, out_indptr), shape=(rows.size, k))
     return SparsePortion(
-        keys=_expand(cols, layout), X=Xc, y=np.asarray(y)[rows], model=None, layout=layout, n_columns=k
+        keys=_expand(cols[:k], layout), X=Xc, y=np.asarray(y)[rows], model=None, layout=layout, n_columns=k
     )
+
+
+def _mark_columns_loop(
+    indptr: np.ndarray, indices: np.ndarray, rows: np.ndarray, mask: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """``mask[c] = True`` for every column ``c`` of the rows ``rows`` of a CSR matrix."""
+    for r in range(rows.size):
+        row = rows[r]
+        for p in range(indptr[row], indptr[row + 1]):
+            mask[indices[p]] = True
+
+
+def rows_keys(
+    layout: tuple[int, int, bool], batches: Sequence[tuple[Any, np.ndarray]], mask: np.ndarray
+) -> IntArray | None:
+    """The sorted parameter keys that the rows of ``batches`` (``(X, rows)`` pairs, CSR ``X``) touch, by
+    marking their columns in ``mask`` (``n_features`` booleans, all False on entry and again on return):
+    the keys of a Downpour window's steps, one pass over their nonzeros and none narrowing the rows
+    (issue 29). None without numba or for rows that are not CSR arrays: then unite :func:`compact_batch`'s
+    keys.
+
+    Examples
+    --------
+    >>> X = sp.csr_array(np.array([[0.0, 2.0, 0.0, 1.0], [5.0, 0.0, 0.0, 0.0]]))
+    >>> mask = np.zeros(4, dtype=bool)
+    >>> keys = rows_keys((4, 1, True), [(X, np.array([0])), (X, np.array([0, 1]))], mask)
+    >>> keys is None or (keys.tolist(), bool(mask.any())) == ([0, 1, 3, 4], False)
+    True
+    """
+    loop = compiled(_mark_columns_loop)
+    if loop is None or any(not sp.issparse(X) or X.format != "csr" for X, _ in batches):
+        return None
+    for X, rows in batches:
+        # Unsigned views: numba then spares a wraparound branch on every index.
+        unsigned = {4: np.uint32, 8: np.uint64}
+        indptr = X.indptr.view(unsigned[X.indptr.dtype.itemsize])
+        loop(indptr, X.indices.view(unsigned[X.indices.dtype.itemsize]), np.asarray(rows, np.int64), mask)
+    cols = np.flatnonzero(mask)
+    mask[cols] = False
+    return _expand(cols, layout)
 
 
 def compact_model(model: Any, n_features: int, keys: IntArray) -> Any:
@@ -350,7 +397,8 @@ class _DropFirst:
 
 
 def _expand(cols: np.ndarray, layout: tuple[int, int, bool]) -> IntArray:
-    """Parameter keys of sorted columns ``cols``: ``c * k + j`` for every output ``j``, intercepts last."""
+    """Parameter keys of columns ``cols``: ``c * k + j`` for every output ``j``, intercepts last (sorted
+    when ``cols`` are)."""
     d, k, intercept = layout
     keys = (cols.astype(np.int64)[:, None] * k + np.arange(k)).ravel()
     if intercept:

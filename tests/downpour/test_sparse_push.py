@@ -34,6 +34,28 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> tuple[Dataset, Any, np.nda
     return Dataset.from_arrays(X, y, path=path, portion_rows=512), X, y
 
 
+@pytest.mark.parametrize("kind", ["least_squares", "softmax"])
+def test_windowed_steps_of_other_linear_models_are_sequential_too(
+    client: Client, wide: tuple[Dataset, Any, np.ndarray], kind: str
+) -> None:
+    # Least squares takes the compiled pass on the rows as they are; a softmax narrows every step's rows.
+    ds, X, y = wide
+    model = (
+        models.LeastSquares(ds.n_features) if kind == "least_squares" else models.Softmax(ds.n_features, 3)
+    )
+    steps = 40
+    res = downpour.train(
+        model, ds, replicas=1, shards=2, rule="adagrad", lr=0.1, max_steps=steps, max_staleness=0,
+        communication="sparse", client=client,
+    )  # fmt: skip
+    plan = BatchPlan.for_rows(ds, 0, ds.n_rows, batch_size=32, seed=0, replica=0)
+    batches = list(itertools.islice(plan.global_batches(10_000), steps))
+    ref = sequential_sgd(model, X, y, model.init_params(0), batches, rule="adagrad", lr=0.1)
+    assert res.stats["communication"] == "sparse" and res.steps == steps
+    np.testing.assert_allclose(res.x, ref.x, rtol=1e-12, atol=1e-14)
+    assert np.abs(ref.x).max() > 0.05  # it moved
+
+
 @pytest.mark.parametrize("rule", ["sgd", "adagrad"])
 @pytest.mark.parametrize("mode", ["sparse", "dense"])
 def test_one_replica_with_max_staleness_0_is_sequential(

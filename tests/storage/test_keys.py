@@ -282,8 +282,16 @@ def test_compact_batch_is_compact_rows_of_the_batch(
     table = np.full(width, -1, dtype=np.int32)
     got = compact_batch(layout, X, y, rows, table)
     want = compact_rows(layout, X[rows], y[rows])
-    np.testing.assert_array_equal(got.keys, want.keys)
+    # The same keys, each distinct, in the order the rows first touch their columns (not sorted); column j
+    # of X holds the key keys[j]'s column: scattered back to the full width, both are the rows themselves.
+    np.testing.assert_array_equal(np.sort(got.keys), want.keys)
+    assert np.unique(got.keys).size == got.keys.size
     assert got.n_columns == want.n_columns and got.X.shape == want.X.shape
-    np.testing.assert_array_equal(got.X.toarray(), want.X.toarray())
+    k = outputs[0]
+    full = np.zeros((rows.size, width))
+    full[:, got.keys[: got.n_columns * k : k] // k] = got.X.toarray()[:, : got.n_columns]
+    np.testing.assert_array_equal(full, X[rows].toarray())
     np.testing.assert_array_equal(got.y, want.y)
+    # Each row keeps its nonzeros in their order (the compact kernels add the same products in that order).
+    np.testing.assert_array_equal(got.X.data, X[rows].data)
     assert (table == -1).all()  # the scratch table is handed back clean
