@@ -295,3 +295,29 @@ def test_compact_batch_is_compact_rows_of_the_batch(
     # Each row keeps its nonzeros in their order (the compact kernels add the same products in that order).
     np.testing.assert_array_equal(got.X.data, X[rows].data)
     assert (table == -1).all()  # the scratch table is handed back clean
+
+
+@given(
+    n_rows=st.integers(1, 30),
+    width=st.integers(1, 300),
+    density=st.floats(0.0, 0.4),
+    outputs=st.sampled_from([(1, False), (1, True), (3, True)]),
+    n_batches=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=60, deadline=None)
+def test_rows_keys_are_the_sorted_union_of_the_batches_keys(
+    n_rows: int, width: int, density: float, outputs: tuple[int, bool], n_batches: int, seed: int
+) -> None:
+    from distbelief.storage.internal import rows_keys
+
+    rng = np.random.default_rng(seed)
+    X = sp.random_array((n_rows, width), density=density, random_state=rng, format="csr")
+    batches = [(X, rng.permutation(n_rows)[: rng.integers(1, n_rows + 1)]) for _ in range(n_batches)]
+    layout = (width, outputs[0], outputs[1])
+    mask = np.zeros(width, dtype=bool)
+    got = rows_keys(layout, batches, mask)
+    want = union_keys([compact_rows(layout, X[rows], np.zeros(rows.size)).keys for _, rows in batches])
+    assert got is not None
+    np.testing.assert_array_equal(got, want)
+    assert not mask.any()  # handed back clean
