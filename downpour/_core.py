@@ -77,7 +77,15 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import InvalidOptionError
-from distbelief.storage import accrue_at, accrue_step, add_at_positions, axpy, check_rule, scaled_gradient
+from distbelief.storage import (
+    accrue_at,
+    accrue_step,
+    add_at_positions,
+    axpy,
+    check_rule,
+    scaled_gradient,
+    take_at,
+)
 from distbelief.storage.internal import kv_bytes, split_keys
 
 from ._compress import Compression, ThresholdCompressor, encode, signed_bytes
@@ -374,9 +382,8 @@ class ReplicaCore:
         #: by landed ones (windowed mode only).
         self._requested_until = 0
         self._landed_until = 0
-        #: The step the accrued sum starts at, and (windowed mode) the keys the last push reset.
+        #: The step the accrued sum starts at.
         self._accrued_from = 0
-        self._touched_keys = np.zeros(0, dtype=np.int64)
         #: Position tables of settled windowed fetches, for the next ones (see ``_Fetch.positions``).
         self._tables: list[np.ndarray] = []
 
@@ -746,13 +753,14 @@ class ReplicaCore:
             if self.window_keys is not None:
                 # The keys the steps since the last push moved: those steps' keys (the window's, mostly
                 # already united for its fetch), not a scan of the whole vector.
+                # Taken and cleared (with the unsent local steps) in one pass over those keys.
                 touched = self.window_keys(self._accrued_from, self.counters.steps)
-                nonzero = touched[self.accrued[touched] != 0]
-                self._touched_keys = touched
+                nonzero, values = take_at(touched, self.accrued, self._unsent_dx)
             else:
                 nonzero = np.flatnonzero(self.accrued)
+                values = self.accrued[nonzero]
             keys = tuple(split_keys(self._bounds, nonzero))
-            msg = dataclasses.replace(msg, grad=self.accrued[nonzero], keys=keys)
+            msg = dataclasses.replace(msg, grad=values, keys=keys)
             self.counters.bytes_pushed += kv_bytes(*keys, msg.grad)
         else:
             self.counters.bytes_pushed += msg.grad.nbytes
@@ -762,12 +770,7 @@ class ReplicaCore:
         own = tuple(self.seq - sent for sent in self._accrued_base_sent)
         self._pending[self.seq] = (set(range(self.n_shards)), self.accrued_steps, own)
         self.seq += 1
-        if self.window_keys is not None:
-            # The push holds copies of its entries: reset only what the steps since the last one moved.
-            touched = self._touched_keys
-            self.accrued[touched] = 0.0
-            self._unsent_dx[touched] = 0.0
-        else:
+        if self.window_keys is None:  # windowed: take_at reset what the steps since the last push moved
             self.accrued = np.zeros(self.n)
             self._unsent_dx.fill(0.0)
         self.accrued_steps = 0

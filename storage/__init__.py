@@ -15,7 +15,7 @@ from ._actor import keep_loop_responsive
 from ._dataset import Dataset
 from ._dataset_location import resolve_name
 from ._digits import digits_dataset, load_digits, train_test_split_digits
-from ._kernels import accrue_at, accrue_step, add_at_positions, axpy, scaled_gradient
+from ._kernels import accrue_at, accrue_step, add_at_positions, axpy, scaled_gradient, take_at
 from ._layout import Layout
 from ._malloc import reuse_freed_memory
 from ._partition_layout import partition_layout, partition_shards
@@ -66,6 +66,7 @@ __all__ = [
     "scheduler_identity",
     "sgd_update",
     "start_vector",
+    "take_at",
     "train_test_split_digits",
     "worker_addresses",
 ]

@@ -64,6 +64,7 @@ __all__ = [
     "norm_inf",
     "scale",
     "scaled_gradient",
+    "take_at",
 ]
 
 logger = logging.getLogger(__name__)
@@ -635,6 +636,50 @@ def accrue_step(g: np.ndarray, acc: np.ndarray, a: float, x: np.ndarray, dx: np.
     axpy(1.0, g, acc)
     axpy(a, g, x)
     axpy(a, g, dx)
+
+
+def _take_at_loop(
+    keys: np.ndarray, acc: np.ndarray, dx: np.ndarray, out_keys: np.ndarray, out_values: np.ndarray
+) -> int:  # pragma: no cover - compiled
+    k = 0
+    for i in range(keys.size):
+        key = keys[i]
+        v = acc[key]
+        if v != 0.0:
+            out_keys[k] = key
+            out_values[k] = v
+            k += 1
+        acc[key] = 0.0
+        dx[key] = 0.0
+    return k
+
+
+def take_at(keys: np.ndarray, acc: np.ndarray, dx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The nonzero entries of ``acc`` at ``keys`` (unique), as ``(keys, values)`` in the order of ``keys``;
+    ``acc`` and ``dx`` are zeroed at every one of ``keys``. One pass over the keys: a Downpour replica's
+    push of what its steps since the last one accrued (:meth:`downpour._core.ReplicaCore.take_push`),
+    where a compare, two gathers and two scatters cost five passes.
+
+    Examples
+    --------
+    >>> acc, dx = np.array([0.0, 2.0, 0.0, 3.0]), np.ones(4)
+    >>> take_at(np.array([0, 1, 3]), acc, dx)
+    (array([1, 3]), array([2., 3.]))
+    >>> acc.tolist(), dx.tolist()
+    ([0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0])
+    """
+    loop = compiled(_take_at_loop) if keys.size >= ACCRUE_AT_COMPILED_FROM else None
+    if loop is not None and all(v.flags.c_contiguous and v.dtype == np.float64 for v in (acc, dx)):
+        keys = np.asarray(keys, dtype=np.int64)
+        out_keys, out_values = np.empty(keys.size, np.int64), np.empty(keys.size)
+        k = loop(keys, acc, dx, out_keys, out_values)
+        return out_keys[:k], out_values[:k]
+    keys = np.asarray(keys, dtype=np.int64)
+    nonzero = keys[acc[keys] != 0]
+    values = acc[nonzero]
+    acc[keys] = 0.0
+    dx[keys] = 0.0
+    return nonzero, values
 
 
 #: Keys from which :func:`accrue_at` runs its compiled loop (below, numpy's fancy indexing is as quick).

@@ -376,3 +376,25 @@ def test_mixed_precision_makes_no_temporary_of_a_whole_vector() -> None:
         tracemalloc.stop()
     # A block of scratch (1 MiB) at most, not a float64 copy of s (8 MiB) nor a float32 one (4 MiB).
     assert peak <= 8 * _kernels.BLOCK + 65536, peak
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**16), density=st.floats(0.0, 1.0))
+def test_take_at_returns_the_nonzero_entries_at_the_keys_and_clears_them(
+    n: int, seed: int, density: float
+) -> None:
+    # Past ACCRUE_AT_COMPILED_FROM keys the compiled loop runs, below it numpy: both against numpy by hand.
+    rng = np.random.default_rng(seed)
+    acc = np.where(rng.random(n) < density, rng.normal(size=n), 0.0)
+    dx = rng.normal(size=n)
+    keys = rng.permutation(n)[: rng.integers(0, n + 1)]
+    want_keys = keys[acc[keys] != 0]
+    want_values = acc[want_keys].copy()
+    want_acc, want_dx = acc.copy(), dx.copy()
+    want_acc[keys] = 0.0
+    want_dx[keys] = 0.0
+    got_keys, got_values = _kernels.take_at(keys, acc, dx)
+    np.testing.assert_array_equal(got_keys, want_keys)
+    np.testing.assert_array_equal(got_values, want_values)
+    np.testing.assert_array_equal(acc, want_acc)
+    np.testing.assert_array_equal(dx, want_dx)
