@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from distbelief import downpour, models, sandblaster
 from distbelief.options import REST_MAX_ACTORS, rest_model
 from distbelief.storage import resolve_name
+from distbelief.storage.internal import DATASET_NAME_PATTERN, DATASET_NAME_RULE
 
 __all__ = [
     "ALGORITHMS",
@@ -76,10 +77,9 @@ MAX_REPLICAS = MAX_SHARDS = MAX_PARTITIONS = REST_MAX_ACTORS
 
 _Finite = Annotated[float, Field(allow_inf_nan=False)]
 
-#: The rule of :func:`storage.resolve_name` for dataset names, as a regular expression for the OpenAPI
-#: schema (the validators below apply the rule itself, with messages that say what to fix).
-DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-NAME_DOC = "1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+#: The rule of :func:`storage.resolve_name` for dataset names, for the OpenAPI schema (the validators below
+#: apply the rule itself, with messages that say what to fix).
+NAME_DOC = DATASET_NAME_RULE
 NAME_SCHEMA: dict[str, Any] = {"pattern": DATASET_NAME_PATTERN, "minLength": 1, "maxLength": 128}
 #: A registered URL holds no control characters (a NUL byte cannot be in any path).
 URL_PATTERN = r"^[^\x00-\x1f\x7f]+$"

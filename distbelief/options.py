@@ -52,6 +52,7 @@ __all__ = [
     "refuse_unknown",
     "rest_model",
     "unknown_option",
+    "worker_tuple",
 ]
 
 #: More replicas, shards or partitions than this in a REST job is a typo, not a plan: each is a Dask actor.
@@ -260,6 +261,23 @@ def refuse_unknown(fn: Callable[P, R]) -> Callable[P, R]:
         return fn(*args, **kwargs)
 
     return checked
+
+
+def worker_tuple(value: object) -> object:
+    """A sequence of worker addresses as a tuple; anything else (a single string too) as it is, for
+    :func:`check_fields`'s callers to refuse (``tuple("tcp://...")`` would be its characters).
+
+    Examples
+    --------
+    >>> worker_tuple(["tcp://a:1"]), worker_tuple("tcp://a:1")
+    (('tcp://a:1',), 'tcp://a:1')
+    """
+    if value is None or isinstance(value, str | bytes):
+        return value
+    try:
+        return tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        return value
 
 
 def rest_model(

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from distbelief.errors import InvalidOptionError
-from distbelief.options import REST_MAX_ACTORS, REST_MAX_ITER, check_fields, option
+from distbelief.options import REST_MAX_ACTORS, REST_MAX_ITER, check_fields, option, worker_tuple
 from distbelief.storage import Rule
 from distbelief.storage.internal import Communication
 
@@ -34,23 +34,6 @@ DEFAULT_LR: dict[str, float] = {"sgd": 0.1, "adagrad": 0.2}
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
         raise InvalidOptionError(f"option {name}={value!r} is invalid: expected {expected}")
-
-
-def worker_tuple(value: object) -> object:
-    """A sequence of worker addresses as a tuple; anything else (a single string too) as it is, for
-    :class:`DownpourOptions` to refuse (``tuple("tcp://...")`` would be its characters).
-
-    Examples
-    --------
-    >>> worker_tuple(["tcp://a:1"]), worker_tuple("tcp://a:1")
-    (('tcp://a:1',), 'tcp://a:1')
-    """
-    if value is None or isinstance(value, str | bytes):
-        return value
-    try:
-        return tuple(value)  # type: ignore[arg-type]
-    except TypeError:
-        return value
 
 
 def check_workers(name: str, given: Sequence[str] | None, known: Sequence[str]) -> None:

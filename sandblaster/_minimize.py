@@ -25,6 +25,7 @@ from distbelief.options import (
     option,
     options_of,
     refuse_unknown,
+    worker_tuple,
 )
 from distbelief.storage import (
     Dataset,
@@ -169,9 +170,7 @@ class SandblasterOptions:
         if _are_ranges(self.l1_exclude):
             object.__setattr__(self, "l1_exclude", tuple(tuple(r) for r in self.l1_exclude))
         for name in ("shard_workers", "replica_workers"):
-            workers = getattr(self, name)
-            if not isinstance(workers, str):
-                object.__setattr__(self, name, tuple(workers) if workers else None)
+            object.__setattr__(self, name, worker_tuple(getattr(self, name)) or None)
         object.__setattr__(self, "slowdown", dict(self.slowdown or {}))
         check_fields(self)
         _check(
@@ -218,7 +217,7 @@ class SandblasterOptions:
         for name in ("shard_workers", "replica_workers"):
             workers = getattr(self, name)
             _check(
-                workers is None or all(isinstance(w, str) for w in workers),
+                workers is None or (isinstance(workers, tuple) and all(isinstance(w, str) for w in workers)),
                 name,
                 workers,
                 "None or a list of worker addresses",
