@@ -13,7 +13,7 @@ Examples
 >>> from dataclasses import dataclass
 >>> @dataclass(frozen=True, kw_only=True)
 ... class Opts:
-...     steps: int = option(10, ge=1, doc="How many steps")
+...     steps: int = option(10, ge=1)
 ...     def __post_init__(self) -> None:
 ...         check_fields(self)
 >>> Opts(steps=0)
@@ -34,13 +34,14 @@ import math
 import numbers
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, ParamSpec, TypeVar
 
 from distbelief.errors import InvalidOptionError
 
 __all__ = [
+    "PARTITIONS_DOC",
     "REST_MAX_ACTORS",
     "REST_MAX_ITER",
     "OptionSpec",
@@ -51,7 +52,6 @@ __all__ = [
     "options_of",
     "refuse_unknown",
     "rest_model",
-    "unknown_option",
     "worker_tuple",
 ]
 
@@ -59,55 +59,51 @@ __all__ = [
 REST_MAX_ACTORS = 64
 #: The REST service's cap on iteration and evaluation counts (the library takes any).
 REST_MAX_ITER = 1_000_000
+#: The REST description of both algorithms' ``partitions``.
+PARTITIONS_DOC = (
+    "Model parallelism (paper, section 3): split every replica into this many partition actors, each on its "
+    "own worker with its own parameter shards (kinds mlp, locally_connected, locally_connected_2d; at most "
+    "the model's narrowest layer, or shortest map). 1 (the default) keeps one process per replica."
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptionSpec:
     """What :func:`option` records in a field's metadata (``field.metadata["option"]``).
 
     ``ge``, ``gt`` and ``le`` bind the library and the service; ``rest_le`` is the service's tighter
-    upper bound against absurd requests (a billion replicas). ``expected`` replaces the generated "expected
+    upper bound against absurd requests (a billion replicas); ``doc`` is the service's description (the
+    front door's docstring explains every option at length). ``expected`` replaces the generated "expected
     ..." of the error message; ``check=False`` leaves the field to its class's ``__post_init__`` (types
     the generic check does not know, such as tuples of ranges).
     """
 
-    doc: str
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
     rest: bool = False
     rest_le: float | None = None
+    doc: str = ""
     expected: str | None = None
     check: bool = True
 
 
 def option(
-    default: Any = dataclasses.MISSING,
-    *,
-    doc: str,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    rest: bool = False,
-    rest_le: float | None = None,
-    expected: str | None = None,
-    check: bool = True,
-    factory: Callable[[], Any] | None = None,
+    default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | None = None, **spec: Any
 ) -> Any:
-    """A dataclass field that is an option: its default, bounds, one-line doc and REST exposure.
+    """A dataclass field that is an option: its default (or ``factory``) and its :class:`OptionSpec`.
 
     Examples
     --------
-    >>> option(1, ge=0, doc="d").metadata["option"].ge
+    >>> option(1, ge=0).metadata["option"].ge
     0
     """
-    spec = OptionSpec(doc, ge, gt, le, rest, rest_le, expected, check)
     if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata={"option": spec})
-    return dataclasses.field(default=default, metadata={"option": spec})
+        return dataclasses.field(default_factory=factory, metadata={"option": OptionSpec(**spec)})
+    return dataclasses.field(default=default, metadata={"option": OptionSpec(**spec)})
 
 
 def _options(cls: Any) -> list[tuple[dataclasses.Field[Any], OptionSpec]]:
@@ -220,22 +216,9 @@ def check_fields(opts: Any) -> None:
         raise InvalidOptionError(f"option {f.name}={value!r} is invalid: expected {expected}")
 
 
-def unknown_option(name: str, valid: Iterable[str], where: str) -> InvalidOptionError:
-    """The error for an unknown option ``name``: the closest valid one (difflib), or all of them.
-
-    Examples
-    --------
-    >>> print(unknown_option("max_iter", ["maxiter", "gtol"], "minimize()"))
-    unknown option 'max_iter' for minimize(); did you mean 'maxiter'?
-    """
-    valid = sorted(valid)
-    close = difflib.get_close_matches(name, valid, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"valid options: {', '.join(valid)}"
-    return InvalidOptionError(f"unknown option {name!r} for {where}; {hint}")
-
-
 def refuse_unknown(fn: Callable[P, R]) -> Callable[P, R]:
-    """``fn`` refusing an unknown keyword with :func:`unknown_option` (not Python's bare ``TypeError``).
+    """``fn`` refusing an unknown keyword with an error naming the closest valid one (difflib), or all of
+    them, rather than Python's bare ``TypeError``.
 
     The signature stays ``fn``'s (``inspect.signature`` follows ``__wrapped__``), so IDEs and mypy
     still see every option with its type.
@@ -251,13 +234,15 @@ def refuse_unknown(fn: Callable[P, R]) -> Callable[P, R]:
     distbelief.errors.InvalidOptionError: unknown option 'maxitr' for run(); did you mean 'maxiter'?
     """
     params = inspect.signature(fn).parameters
-    keywords = frozenset(n for n, p in params.items() if p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+    keywords = sorted(n for n, p in params.items() if p.kind is not inspect.Parameter.POSITIONAL_ONLY)
 
     @functools.wraps(fn)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R:
         for name in kwargs:
             if name not in keywords:
-                raise unknown_option(name, keywords, f"{fn.__name__}()")
+                close = difflib.get_close_matches(name, keywords, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"valid options: {', '.join(keywords)}"
+                raise InvalidOptionError(f"unknown option {name!r} for {fn.__name__}(); {hint}")
         return fn(*args, **kwargs)
 
     return checked
@@ -291,8 +276,8 @@ def rest_model(
     """The pydantic model of ``cls``'s REST options: every one optional (unset takes the default).
 
     Each option declared with ``rest=True`` becomes ``Annotated[T, Field(ge, gt, le, description)] |
-    None`` with ``T`` its type without ``None`` (``float`` finite), ``le`` the tighter of ``le`` and
-    ``rest_le``; ``types_`` replaces ``T`` where the JSON form differs (an object for a dataclass).
+    None`` with ``T`` its type without ``None`` (``float`` finite), ``le`` its ``rest_le`` if it has one;
+    ``types_`` replaces ``T`` where the JSON form differs (an object for a dataclass).
     ``base`` brings the config (strict, ``extra="forbid"``) and validators between fields.
     """
     from pydantic import Field, create_model

@@ -10,7 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from distbelief.errors import InvalidOptionError
-from distbelief.options import REST_MAX_ACTORS, REST_MAX_ITER, check_fields, option, worker_tuple
+from distbelief.options import (
+    PARTITIONS_DOC,
+    REST_MAX_ACTORS,
+    REST_MAX_ITER,
+    check_fields,
+    option,
+    worker_tuple,
+)
 from distbelief.storage import Rule
 from distbelief.storage.internal import Communication
 
@@ -19,12 +26,6 @@ from ._core import ADAGRAD_MAX_COALESCE
 
 __all__ = ["DEFAULT_LR", "DownpourOptions", "Rule", "check_workers", "worker_tuple"]
 
-#: What ``partitions`` does, for the REST schema.
-PARTITIONS_DOC = (
-    "Model parallelism (paper, section 3): split every replica into this many partition actors, each on its "
-    "own worker with its own parameter shards (kinds mlp, locally_connected, locally_connected_2d; at most "
-    "the model's narrowest layer, or shortest map). None or 1 (the default): one process per replica."
-)
 #: Learning rates used when ``lr`` is not given: good on the built-in models with standardized inputs and
 #: mini-batches of a few dozen rows (the gradient is the mini-batch *mean*, so the rate does not depend on
 #: the batch size).
@@ -71,50 +72,50 @@ class DownpourOptions:
     distbelief.errors.InvalidOptionError: option n_fetch=0 is invalid: expected an int >= 1
     """
 
-    replicas: int | None = option(None, ge=1, rest=True, rest_le=REST_MAX_ACTORS, doc="")
+    replicas: int | None = option(None, ge=1, rest=True, rest_le=REST_MAX_ACTORS)
     partitions: int | None = option(
         None, ge=1, rest=True, rest_le=REST_MAX_ACTORS, doc=PARTITIONS_DOC,
         expected="None or an int >= 1 (partition actors per model replica; 1: the whole model in one "
         "replica)",
     )  # fmt: skip
-    shards: int | None = option(None, ge=1, rest=True, rest_le=REST_MAX_ACTORS, doc="")
-    rule: Rule = option("adagrad", rest=True, doc="")
-    lr: float | None = option(None, gt=0, rest=True, rest_le=1e3, doc="", expected="a finite number > 0")
+    shards: int | None = option(None, ge=1, rest=True, rest_le=REST_MAX_ACTORS)
+    rule: Rule = option("adagrad", rest=True)
+    lr: float | None = option(None, gt=0, rest=True, rest_le=1e3, expected="a finite number > 0")
     local_lr: float | None = option(
-        None, ge=0, rest=True, rest_le=1e3, doc="",
+        None, ge=0, rest=True, rest_le=1e3,
         expected="None (the same as lr) or a finite number >= 0 (0: no local step)",
     )  # fmt: skip
-    batch_size: int = option(32, ge=1, rest=True, rest_le=1_000_000, doc="")
-    n_fetch: int = option(1, ge=1, rest=True, rest_le=REST_MAX_ITER, doc="")
-    n_push: int = option(1, ge=1, rest=True, rest_le=REST_MAX_ITER, doc="")
-    warmstart_steps: int = option(0, ge=0, rest=True, rest_le=100 * REST_MAX_ITER, doc="")
-    epochs: int | None = option(None, ge=1, rest=True, rest_le=100_000, doc="")
-    max_steps: int | None = option(None, ge=1, rest=True, rest_le=100 * REST_MAX_ITER, doc="")
+    batch_size: int = option(32, ge=1, rest=True, rest_le=1_000_000)
+    n_fetch: int = option(1, ge=1, rest=True, rest_le=REST_MAX_ITER)
+    n_push: int = option(1, ge=1, rest=True, rest_le=REST_MAX_ITER)
+    warmstart_steps: int = option(0, ge=0, rest=True, rest_le=100 * REST_MAX_ITER)
+    epochs: int | None = option(None, ge=1, rest=True, rest_le=100_000)
+    max_steps: int | None = option(None, ge=1, rest=True, rest_le=100 * REST_MAX_ITER)
     time_limit: float | None = option(None, gt=0, rest=True, rest_le=7 * 86400, doc="seconds")
     eval_every: float = option(1.0, gt=0, rest=True, rest_le=86400, doc="seconds between history rows")
-    l2: float = option(0.0, ge=0, rest=True, rest_le=1e6, doc="")
+    l2: float = option(0.0, ge=0, rest=True, rest_le=1e6)
     staleness_scale: bool | None = option(
-        None, rest=True, doc="", expected="None (on for rule='sgd' with more than one replica), True or False"
+        None, rest=True, expected="None (on for rule='sgd' with more than one replica), True or False"
     )
     max_loss_growth: float | None = option(
-        10.0, gt=1, doc="", expected="None (only NaN / inf is divergence) or a finite number > 1"
+        10.0, gt=1, expected="None (only NaN / inf is divergence) or a finite number > 1"
     )
     max_staleness: int | None = option(
-        None, ge=0, rest=True, rest_le=REST_MAX_ITER, doc="", expected="None (no bound) or an int >= 0"
+        None, ge=0, rest=True, rest_le=REST_MAX_ITER, expected="None (no bound) or an int >= 0"
     )
     checkpoint_every_s: float = option(
-        5.0, ge=0, rest=True, rest_le=86400, doc="", expected="a number of seconds >= 0 (0: only the initial "
+        5.0, ge=0, rest=True, rest_le=86400, expected="a number of seconds >= 0 (0: only the initial "
         "checkpoint)",
     )  # fmt: skip
-    seed: int = option(0, ge=0, rest=True, rest_le=2**32 - 1, doc="")
-    shuffle: bool = option(True, rest=True, doc="")
-    poll_every: float = option(0.05, gt=0, doc="")
-    call_timeout: float = option(30.0, gt=0, doc="")
-    shard_workers: tuple[str, ...] | None = option(None, check=False, doc="")
-    replica_workers: tuple[str, ...] | None = option(None, check=False, doc="")
-    trace: bool = option(False, doc="")
-    resume: bool = option(False, doc="")
-    communication: Communication = option("auto", doc="")
+    seed: int = option(0, ge=0, rest=True, rest_le=2**32 - 1)
+    shuffle: bool = option(True, rest=True)
+    poll_every: float = option(0.05, gt=0)
+    call_timeout: float = option(30.0, gt=0)
+    shard_workers: tuple[str, ...] | None = option(None, check=False)
+    replica_workers: tuple[str, ...] | None = option(None, check=False)
+    trace: bool = option(False)
+    resume: bool = option(False)
+    communication: Communication = option("auto")
     fuse: bool = option(
         True, rest=True,
         doc="Send each push and the next fetch as one message per shard when n_push == n_fetch (default "

@@ -19,6 +19,7 @@ from distbelief.errors import DatasetError, InvalidOptionError, ShardLostError
 from distbelief.models import objective
 from distbelief.models.internal import FittedMixin
 from distbelief.options import (
+    PARTITIONS_DOC,
     REST_MAX_ACTORS,
     REST_MAX_ITER,
     check_fields,
@@ -96,12 +97,6 @@ SPARSE_NONZERO_WORK = 5
 #: (:meth:`storage.ShardActor.hand_out`) rather than every replica fetching and pushing by itself; off
 #: only to measure the difference (benchmarks) and to test the other path.
 HAND_OUT = True
-#: What ``partitions`` does, for the REST schema.
-PARTITIONS_DOC = (
-    "Model parallelism (paper, section 3): split every replica into this many partition actors, each on its "
-    "own worker with its own parameter shards (kinds mlp, locally_connected, locally_connected_2d; at most "
-    "the model's narrowest layer, or shortest map). 1 (the default) keeps one process per replica."
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,14 +117,12 @@ class SandblasterOptions:
     distbelief.errors.InvalidOptionError: option maxls=0 is invalid: expected an int >= 1
     """
 
-    method: Method = option("lbfgs", doc="The method")
+    method: Method = option("lbfgs")
     l2: float = option(0.0, ge=0, rest=True, rest_le=1e6, doc="L2 strength")
     l1: float = option(0.0, ge=0, rest=True, rest_le=1e6, doc="L1 strength (sandblaster-owlqn only)")
-    l1_exclude: tuple[tuple[int, int], ...] = option(
-        (), check=False, doc="Ranges (start, stop) of parameters the L1 term leaves out"
-    )
-    shards: int | None = option(None, ge=1, rest=True, rest_le=REST_MAX_ACTORS, doc="")
-    replicas: int | None = option(None, ge=1, rest=True, rest_le=REST_MAX_ACTORS, doc="")
+    l1_exclude: tuple[tuple[int, int], ...] = option((), check=False)
+    shards: int | None = option(None, ge=1, rest=True, rest_le=REST_MAX_ACTORS)
+    replicas: int | None = option(None, ge=1, rest=True, rest_le=REST_MAX_ACTORS)
     partitions: int = option(
         1, ge=1, rest=True, rest_le=REST_MAX_ACTORS, doc=PARTITIONS_DOC,
         expected="an int >= 1 (partition actors per model replica; 1: the whole model in one replica)",
@@ -141,29 +134,29 @@ class SandblasterOptions:
         doc="how the shards store the L-BFGS pairs (float64 arithmetic either way): 'auto' (default) takes "
         "float32 only when a float64 history would not fit a shard's memory",
     )
-    gtol: float = option(1e-5, ge=0, rest=True, doc="")
-    ftol: float = option(LBFGSB_FTOL, ge=0, rest=True, doc="")
-    maxiter: int = option(15000, ge=1, rest=True, rest_le=REST_MAX_ITER, doc="")
-    maxfev: int = option(15000, ge=1, rest=True, rest_le=REST_MAX_ITER, doc="")
-    maxls: int = option(20, ge=1, doc="Most evaluations of one line search")
-    portions: int | None = option(None, ge=1, rest=True, rest_le=100_000, doc="")
-    push_every: int = option(4, ge=1, rest=True, rest_le=100_000, doc="")
-    backups: bool = option(True, rest=True, doc="")
-    in_flight: int = option(2, ge=1, doc="Portions a replica is given ahead")
-    slowdown: dict[int, float] = option(factory=dict, check=False, doc="Fault injection")
-    shard_workers: tuple[str, ...] | None = option(None, check=False, doc="")
-    replica_workers: tuple[str, ...] | None = option(None, check=False, doc="")
-    step: float = option(1.0, gt=0, doc="Gradient descent's first trial step")
-    restart_every: int | None = option(None, ge=1, doc="CG's restart period (None: n)")
-    seed: int | None = option(0, ge=0, rest=True, rest_le=2**32 - 1, doc="")
+    gtol: float = option(1e-5, ge=0, rest=True)
+    ftol: float = option(LBFGSB_FTOL, ge=0, rest=True)
+    maxiter: int = option(15000, ge=1, rest=True, rest_le=REST_MAX_ITER)
+    maxfev: int = option(15000, ge=1, rest=True, rest_le=REST_MAX_ITER)
+    maxls: int = option(20, ge=1)
+    portions: int | None = option(None, ge=1, rest=True, rest_le=100_000)
+    push_every: int = option(4, ge=1, rest=True, rest_le=100_000)
+    backups: bool = option(True, rest=True)
+    in_flight: int = option(2, ge=1)
+    slowdown: dict[int, float] = option(factory=dict, check=False)
+    shard_workers: tuple[str, ...] | None = option(None, check=False)
+    replica_workers: tuple[str, ...] | None = option(None, check=False)
+    step: float = option(1.0, gt=0)
+    restart_every: int | None = option(None, ge=1)
+    seed: int | None = option(0, ge=0, rest=True, rest_le=2**32 - 1)
     checkpoint_every: int = option(
         0, ge=0, rest=True, rest_le=REST_MAX_ITER, expected="an int >= 0 (0: never)",
         doc="0: never; default from the server settings",
     )  # fmt: skip
-    resume: bool = option(False, doc="")
-    communication: Communication = option("auto", doc="")
-    shard_memory: int | str | None = option("auto", check=False, doc="")
-    local: bool = option(False, doc="")
+    resume: bool = option(False)
+    communication: Communication = option("auto")
+    shard_memory: int | str | None = option("auto", check=False)
+    local: bool = option(False)
 
     def __post_init__(self) -> None:
         # Sequences as the tuples (and a dict) the fields hold; anything else stays for the checks to refuse.

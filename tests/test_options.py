@@ -71,11 +71,11 @@ def test_the_options_that_were_not_settable_are_keywords_that_are_checked(name: 
 
 @dataclass(frozen=True, kw_only=True)
 class _Example:
-    count: int = option(1, ge=1, le=10, doc="")
-    rate: float | None = option(None, gt=0, doc="")
-    kind: Literal["a", "b"] = option("a", doc="")
-    flag: bool = option(False, doc="")
-    pairs: tuple[int, ...] = option((), doc="")  # not a type the generic check knows: left to the class
+    count: int = option(1, ge=1, le=10)
+    rate: float | None = option(None, gt=0)
+    kind: Literal["a", "b"] = option("a")
+    flag: bool = option(False)
+    pairs: tuple[int, ...] = option(())  # not a type the generic check knows: left to the class
     internal: int = -1
 
     def __post_init__(self) -> None:
