@@ -122,7 +122,7 @@ class CompressionOptions(_Options):
 
 
 class _DownpourRules(_Options):
-    """The rules between ``downpour-sgd`` options that JSON adds to :class:`downpour.DownpourOptions`'."""
+    """The rules between ``downpour-sgd`` options that JSON adds to :class:`downpour.DownpourOptions`."""
 
     @field_validator("compression", mode="before", check_fields=False)
     @classmethod
