@@ -20,7 +20,7 @@ from starlette.datastructures import State
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from distbelief.api.schemas import JobPublic
-from distbelief.api.settings import tokens_equal
+from distbelief.api.settings import bearer_token, tokens_equal
 
 __all__ = ["StatusReadFastPath", "job_body"]
 
@@ -105,12 +105,9 @@ class StatusReadFastPath:
                 authorization = value.decode("latin-1")  # the first one counts, as in Starlette
         settings = self.state.settings
         if settings.api_token is not None:
-            # As FastAPI's HTTPBearer and require_token read it; anything else is the stack's 401.
-            scheme, _, credentials = (authorization or "").partition(" ")
-            credentials = credentials.strip()
-            if scheme.lower() != "bearer" or not credentials:
-                return None
-            if not tokens_equal(credentials, settings.api_token):
+            # As require_token reads it; anything else is the stack's 401.
+            token = bearer_token(authorization)
+            if token is None or not tokens_equal(token, settings.api_token):
                 return None
         runner = getattr(self.state, "runner", None)
         if runner is None:

@@ -728,22 +728,16 @@ class JobRunner:
             options.setdefault("checkpoint_every", self.settings.checkpoint_every)
             from distbelief import sandblaster
 
-            # The algorithm's own checks, now rather than when the job starts ("partitions" was checked by
-            # JobCreate against the front door, which takes it whether or not its options class lists it).
-            known = {f.name for f in dataclasses.fields(sandblaster.SandblasterOptions)}
-            skip = {"seed"} | ({"partitions"} - known)
+            # The algorithm's own checks, now rather than when the job starts.
             sandblaster.SandblasterOptions(
                 method=create.algorithm.removeprefix("sandblaster-"),  # type: ignore[arg-type]
-                **{k: v for k, v in options.items() if k not in skip},
+                **options,
             )
         else:
             with contextlib.suppress(ImportError, AttributeError):  # no Downpour: the job fails, saying so
                 from distbelief import downpour
 
-                downpour.DownpourOptions(
-                    **{k: v for k, v in downpour_kwargs(options).items() if k != "partitions"},
-                    has_callback=True,
-                )
+                downpour.DownpourOptions(**downpour_kwargs(options), has_callback=True)
                 if options.get("replicas") is not None:  # every replica needs rows of its own
                     downpour.split_rows(data.n_rows, int(options["replicas"]))
         queued = sum(1 for j in list(self._jobs.values()) if j.record["status"] == "queued")

@@ -18,8 +18,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from distbelief import models
+from distbelief import downpour, models, sandblaster
+from distbelief.options import REST_MAX_ACTORS, rest_model
 from distbelief.storage import resolve_name
+from distbelief.storage.internal import DATASET_NAME_PATTERN, DATASET_NAME_RULE
 
 __all__ = [
     "ALGORITHMS",
@@ -70,25 +72,14 @@ JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 JOB_STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
 FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 
-#: More replicas or shards than this is a typo, not a plan: each is a Dask actor with its own state.
-MAX_REPLICAS = 64
-MAX_SHARDS = 64
-#: Partitions per replica (model parallelism): each is a Dask actor; the model may allow fewer.
-MAX_PARTITIONS = 64
-_PARTITIONS_DOC = (
-    "Model parallelism (paper, section 3): split every replica into this many partition actors, each on its "
-    "own worker with its own parameter shards (kinds mlp, locally_connected, locally_connected_2d; at most "
-    "the model's narrowest layer, or shortest map). 1 (the default) keeps one process per replica."
-)
-_Partitions = Annotated[int, Field(ge=1, le=MAX_PARTITIONS, description=_PARTITIONS_DOC)]
-_MAX_ITER = 1_000_000
+#: More replicas, shards or partitions than this is a typo, not a plan: each is a Dask actor with state.
+MAX_REPLICAS = MAX_SHARDS = MAX_PARTITIONS = REST_MAX_ACTORS
 
 _Finite = Annotated[float, Field(allow_inf_nan=False)]
 
-#: The rule of :func:`storage.resolve_name` for dataset names, as a regular expression for the OpenAPI
-#: schema (the validators below apply the rule itself, with messages that say what to fix).
-DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-NAME_DOC = "1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+#: The rule of :func:`storage.resolve_name` for dataset names, for the OpenAPI schema (the validators below
+#: apply the rule itself, with messages that say what to fix).
+NAME_DOC = DATASET_NAME_RULE
 NAME_SCHEMA: dict[str, Any] = {"pattern": DATASET_NAME_PATTERN, "minLength": 1, "maxLength": 128}
 #: A registered URL holds no control characters (a NUL byte cannot be in any path).
 URL_PATTERN = r"^[^\x00-\x1f\x7f]+$"
@@ -99,45 +90,14 @@ class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class SandblasterJobOptions(_Options):
-    """Options of ``sandblaster-*`` jobs (see :func:`sandblaster.minimize`); unset ones take its defaults.
-
-    Examples
-    --------
-    >>> SandblasterJobOptions(maxiter=20, l2=1e-3).model_dump(exclude_none=True)
-    {'l2': 0.001, 'maxiter': 20}
-    """
-
-    l2: Annotated[_Finite, Field(ge=0, le=1e6)] | None = None
-    l1: Annotated[_Finite, Field(ge=0, le=1e6, description="L1 strength (sandblaster-owlqn only)")] | None = (
-        None
-    )
-    shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] | None = None
-    replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] | None = None
-    partitions: _Partitions | None = None
-    history: Annotated[int, Field(ge=1, le=1000, description="L-BFGS memory m")] | None = None
-    history_dtype: (
-        Annotated[
-            Literal["auto", "float64", "float32"],
-            Field(
-                description="how the shards store the L-BFGS pairs (float64 arithmetic either way): 'auto' "
-                "(default) takes float32 only when a float64 history would not fit a shard's memory"
-            ),
-        ]
-        | None
-    ) = None
-    gtol: Annotated[_Finite, Field(ge=0)] | None = None
-    ftol: Annotated[_Finite, Field(ge=0)] | None = None
-    maxiter: Annotated[int, Field(ge=1, le=_MAX_ITER)] | None = None
-    maxfev: Annotated[int, Field(ge=1, le=_MAX_ITER)] | None = None
-    portions: Annotated[int, Field(ge=1, le=100_000)] | None = None
-    push_every: Annotated[int, Field(ge=1, le=100_000)] | None = None
-    backups: bool | None = None
-    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
-    checkpoint_every: (
-        Annotated[int, Field(ge=0, le=_MAX_ITER, description="0: never; default from the server settings")]
-        | None
-    ) = None
+#: Options of ``sandblaster-*`` jobs: those of :class:`sandblaster.SandblasterOptions` declared ``rest=True``,
+#: each optional (unset ones take :func:`sandblaster.minimize`'s defaults).
+SandblasterJobOptions: type[_Options] = rest_model(
+    sandblaster.SandblasterOptions,
+    "SandblasterJobOptions",
+    base=_Options,
+    doc="Options of ``sandblaster-*`` jobs (see :func:`sandblaster.minimize`); unset ones take its defaults.",
+)
 
 
 #: Largest ``compression.tau`` accepted: the threshold is in units of the mini-batch mean gradient, so a
@@ -161,85 +121,10 @@ class CompressionOptions(_Options):
     tau: Annotated[_Finite, Field(gt=0, le=MAX_TAU, description=_TAU_DOC)]
 
 
-class DownpourJobOptions(_Options):
-    """Options of ``downpour-sgd`` jobs (see :func:`downpour.train`); unset ones take its defaults.
+class _DownpourRules(_Options):
+    """The rules between ``downpour-sgd`` options that JSON adds to :class:`downpour.DownpourOptions`."""
 
-    A job must stop by itself: set at least one of ``epochs``, ``max_steps`` and ``time_limit``.
-
-    Examples
-    --------
-    >>> DownpourJobOptions(rule="adagrad", lr=0.05, epochs=3).model_dump(exclude_none=True)
-    {'rule': 'adagrad', 'lr': 0.05, 'epochs': 3}
-    """
-
-    replicas: Annotated[int, Field(ge=1, le=MAX_REPLICAS)] | None = None
-    partitions: _Partitions | None = None
-    shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] | None = None
-    rule: Literal["adagrad", "sgd"] | None = None
-    lr: Annotated[_Finite, Field(gt=0, le=1e3)] | None = None
-    local_lr: Annotated[_Finite, Field(ge=0, le=1e3)] | None = None
-    batch_size: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    n_fetch: Annotated[int, Field(ge=1, le=_MAX_ITER)] | None = None
-    n_push: Annotated[int, Field(ge=1, le=_MAX_ITER)] | None = None
-    warmstart_steps: Annotated[int, Field(ge=0, le=100 * _MAX_ITER)] | None = None
-    epochs: Annotated[int, Field(ge=1, le=100_000)] | None = None
-    max_steps: Annotated[int, Field(ge=1, le=100 * _MAX_ITER)] | None = None
-    time_limit: Annotated[_Finite, Field(gt=0, le=7 * 86400, description="seconds")] | None = None
-    eval_every: (
-        Annotated[_Finite, Field(gt=0, le=86400, description="seconds between history rows")] | None
-    ) = None
-    l2: Annotated[_Finite, Field(ge=0, le=1e6)] | None = None
-    staleness_scale: bool | None = None
-    max_staleness: Annotated[int, Field(ge=0, le=_MAX_ITER)] | None = None
-    checkpoint_every_s: Annotated[_Finite, Field(ge=0, le=86400)] | None = None
-    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
-    shuffle: bool | None = None
-    fuse: (
-        Annotated[
-            bool,
-            Field(
-                description="Send each push and the next fetch as one message per shard when n_push == "
-                "n_fetch (default true)"
-            ),
-        ]
-        | None
-    ) = None
-    compression: (
-        Annotated[
-            CompressionOptions,
-            Field(
-                description='Compressed pushes (Strom 2015): {"tau": threshold}; null or absent: '
-                "uncompressed. Not with partitions > 1"
-            ),
-        ]
-        | None
-    ) = None
-    max_coalesce: (
-        Annotated[
-            int,
-            Field(
-                ge=0,
-                le=_MAX_ITER,
-                description="Most steps a push may sum while all of a replica's pushes are outstanding; "
-                "0: no limit; absent: 8 for rule adagrad, no limit for sgd. Not with partitions > 1",
-            ),
-        ]
-        | None
-    ) = None
-    deterministic: (
-        Annotated[
-            bool,
-            Field(
-                description="The same parameters, bit for bit, on every rerun: replicas work in rounds of "
-                "n_fetch (= n_push) steps and the shards apply each round's pushes in replica order; "
-                "replicas wait for each other at every round start. A job restarted with the service "
-                "starts over. Not with partitions > 1 or warmstart_steps"
-            ),
-        ]
-        | None
-    ) = None
-
-    @field_validator("compression", mode="before")
+    @field_validator("compression", mode="before", check_fields=False)
     @classmethod
     def _compression_object(cls, value: Any) -> Any:
         # A bare number is the likely mistake (downpour.Compression(tau) takes its threshold by name).
@@ -251,10 +136,22 @@ class DownpourJobOptions(_Options):
         return value
 
     @model_validator(mode="after")
-    def _stops(self) -> DownpourJobOptions:
-        if self.epochs is None and self.max_steps is None and self.time_limit is None:
+    def _stops(self) -> _DownpourRules:
+        if all(getattr(self, name) is None for name in ("epochs", "max_steps", "time_limit")):
             raise ValueError("a downpour-sgd job needs a limit: set epochs, max_steps or time_limit")
         return self
+
+
+#: Options of ``downpour-sgd`` jobs: those of :class:`downpour.DownpourOptions` declared ``rest=True``, each
+#: optional (unset ones take :func:`downpour.train`'s defaults); ``compression`` as ``{"tau": ...}``.
+DownpourJobOptions: type[_Options] = rest_model(
+    downpour.DownpourOptions,
+    "DownpourJobOptions",
+    base=_DownpourRules,
+    types_={"compression": CompressionOptions},
+    doc="Options of ``downpour-sgd`` jobs (see :func:`downpour.train`); unset ones take its defaults.\n\n"
+    "A job must stop by itself: set at least one of ``epochs``, ``max_steps`` and ``time_limit``.",
+)
 
 
 def _object_of(annotation: Any) -> Any:

@@ -12,7 +12,15 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from distbelief.errors import InvalidOptionError
 from distbelief.storage import is_loopback
 
-__all__ = ["MIN_TOKEN_LENGTH", "Settings", "check_exposure", "is_loopback", "tokens_equal", "version"]
+__all__ = [
+    "MIN_TOKEN_LENGTH",
+    "Settings",
+    "bearer_token",
+    "check_exposure",
+    "is_loopback",
+    "tokens_equal",
+    "version",
+]
 
 #: A shorter bearer token is refused: it could be guessed.
 MIN_TOKEN_LENGTH = 16
@@ -165,6 +173,21 @@ def check_exposure(settings: Settings, host: str | None = None) -> None:
             "DISTBELIEF_API_TOKEN (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))') "
             "or listen on 127.0.0.1"
         )
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization`` header's value ``Bearer <token>`` (the scheme in any case, the
+    token stripped, as FastAPI's ``HTTPBearer`` reads it), or None: the one parser of the service's routes
+    (:func:`api.deps.require_token`) and of its fast path (``api._fastpath``).
+
+    Examples
+    --------
+    >>> bearer_token("bearer  abc "), bearer_token("Basic abc"), bearer_token("Bearer"), bearer_token(None)
+    ('abc', None, None, None)
+    """
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
 
 
 def tokens_equal(given: str, expected: SecretStr) -> bool:

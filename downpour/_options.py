@@ -6,20 +6,25 @@ the shards, a learning rate for Adagrad about an order of magnitude above the be
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from distbelief.errors import InvalidOptionError
-from distbelief.storage import RULES
+from distbelief.options import (
+    PARTITIONS_DOC,
+    REST_MAX_ACTORS,
+    REST_MAX_ITER,
+    check_fields,
+    option,
+    worker_tuple,
+)
+from distbelief.storage import Rule
+from distbelief.storage.internal import Communication
 
 from ._compress import Compression, check_compression
 from ._core import ADAGRAD_MAX_COALESCE
 
 __all__ = ["DEFAULT_LR", "DownpourOptions", "Rule", "check_workers", "worker_tuple"]
-
-Rule = Literal["sgd", "adagrad"]
 
 #: Learning rates used when ``lr`` is not given: good on the built-in models with standardized inputs and
 #: mini-batches of a few dozen rows (the gradient is the mini-batch *mean*, so the rate does not depend on
@@ -27,34 +32,9 @@ Rule = Literal["sgd", "adagrad"]
 DEFAULT_LR: dict[str, float] = {"sgd": 0.1, "adagrad": 0.2}
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
         raise InvalidOptionError(f"option {name}={value!r} is invalid: expected {expected}")
-
-
-def worker_tuple(value: object) -> object:
-    """A sequence of worker addresses as a tuple; anything else (a single string too) as it is, for
-    :class:`DownpourOptions` to refuse (``tuple("tcp://...")`` would be its characters).
-
-    Examples
-    --------
-    >>> worker_tuple(["tcp://a:1"]), worker_tuple("tcp://a:1")
-    (('tcp://a:1',), 'tcp://a:1')
-    """
-    if value is None or isinstance(value, str | bytes):
-        return value
-    try:
-        return tuple(value)  # type: ignore[arg-type]
-    except TypeError:
-        return value
 
 
 def check_workers(name: str, given: Sequence[str] | None, known: Sequence[str]) -> None:
@@ -92,97 +72,83 @@ class DownpourOptions:
     distbelief.errors.InvalidOptionError: option n_fetch=0 is invalid: expected an int >= 1
     """
 
-    replicas: int | None = None
-    shards: int | None = None
-    rule: Rule = "adagrad"
-    lr: float | None = None
-    local_lr: float | None = None
-    batch_size: int = 32
-    n_fetch: int = 1
-    n_push: int = 1
-    warmstart_steps: int = 0
-    epochs: int | None = None
-    max_steps: int | None = None
-    time_limit: float | None = None
-    eval_every: float = 1.0
-    l2: float = 0.0
-    staleness_scale: bool | None = None
-    max_loss_growth: float | None = 10.0
-    max_staleness: int | None = None
-    checkpoint_every_s: float = 5.0
-    seed: int = 0
-    shuffle: bool = True
-    poll_every: float = 0.05
-    call_timeout: float = 30.0
-    shard_workers: tuple[str, ...] | None = None
-    replica_workers: tuple[str, ...] | None = None
-    trace: bool = False
-    resume: bool = False
+    replicas: int | None = option(None, ge=1, rest=True, rest_le=REST_MAX_ACTORS)
+    partitions: int | None = option(
+        None, ge=1, rest=True, rest_le=REST_MAX_ACTORS, doc=PARTITIONS_DOC,
+        expected="None or an int >= 1 (partition actors per model replica; 1: the whole model in one "
+        "replica)",
+    )  # fmt: skip
+    shards: int | None = option(None, ge=1, rest=True, rest_le=REST_MAX_ACTORS)
+    rule: Rule = option("adagrad", rest=True)
+    lr: float | None = option(None, gt=0, rest=True, rest_le=1e3, expected="a finite number > 0")
+    local_lr: float | None = option(
+        None, ge=0, rest=True, rest_le=1e3,
+        expected="None (the same as lr) or a finite number >= 0 (0: no local step)",
+    )  # fmt: skip
+    batch_size: int = option(32, ge=1, rest=True, rest_le=1_000_000)
+    n_fetch: int = option(1, ge=1, rest=True, rest_le=REST_MAX_ITER)
+    n_push: int = option(1, ge=1, rest=True, rest_le=REST_MAX_ITER)
+    warmstart_steps: int = option(0, ge=0, rest=True, rest_le=100 * REST_MAX_ITER)
+    epochs: int | None = option(None, ge=1, rest=True, rest_le=100_000)
+    max_steps: int | None = option(None, ge=1, rest=True, rest_le=100 * REST_MAX_ITER)
+    time_limit: float | None = option(None, gt=0, rest=True, rest_le=7 * 86400, doc="seconds")
+    eval_every: float = option(1.0, gt=0, rest=True, rest_le=86400, doc="seconds between history rows")
+    l2: float = option(0.0, ge=0, rest=True, rest_le=1e6)
+    staleness_scale: bool | None = option(
+        None, rest=True, expected="None (on for rule='sgd' with more than one replica), True or False"
+    )
+    max_loss_growth: float | None = option(
+        10.0, gt=1, expected="None (only NaN / inf is divergence) or a finite number > 1"
+    )
+    max_staleness: int | None = option(
+        None, ge=0, rest=True, rest_le=REST_MAX_ITER, expected="None (no bound) or an int >= 0"
+    )
+    checkpoint_every_s: float = option(
+        5.0, ge=0, rest=True, rest_le=86400, expected="a number of seconds >= 0 (0: only the initial "
+        "checkpoint)",
+    )  # fmt: skip
+    seed: int = option(0, ge=0, rest=True, rest_le=2**32 - 1)
+    shuffle: bool = option(True, rest=True)
+    poll_every: float = option(0.05, gt=0)
+    call_timeout: float = option(30.0, gt=0)
+    shard_workers: tuple[str, ...] | None = option(None, check=False)
+    replica_workers: tuple[str, ...] | None = option(None, check=False)
+    trace: bool = option(False)
+    resume: bool = option(False)
+    communication: Communication = option("auto")
+    fuse: bool = option(
+        True, rest=True,
+        doc="Send each push and the next fetch as one message per shard when n_push == n_fetch (default "
+        "true)",
+    )  # fmt: skip
+    compression: Compression | None = option(
+        None,
+        rest=True,
+        doc='Compressed pushes (Strom 2015): {"tau": threshold}; null or absent: uncompressed. Not with '
+        "partitions > 1",
+    )
+    max_coalesce: int | None = option(
+        None, ge=0, rest=True, rest_le=REST_MAX_ITER,
+        expected="None (8 for rule='adagrad', no limit for 'sgd'), 0 (no limit) or an int >= 1",
+        doc="Most steps a push may sum while all of a replica's pushes are outstanding; 0: no limit; absent: "
+        "8 for rule adagrad, no limit for sgd. Not with partitions > 1",
+    )  # fmt: skip
+    deterministic: bool = option(
+        False, rest=True,
+        doc="The same parameters, bit for bit, on every rerun: replicas work in rounds of n_fetch (= n_push) "
+        "steps and the shards apply each round's pushes in replica order; replicas wait for each other at "
+        "every round start. A job restarted with the service starts over. Not with partitions > 1 or "
+        "warmstart_steps",
+    )  # fmt: skip
+    #: Not an option: whether :func:`downpour.train` was given a callback (then a way to stop).
     has_callback: bool = False
-    communication: str = "auto"
-    fuse: bool = True
-    compression: Compression | None = None
-    max_coalesce: int | None = None
-    deterministic: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.rule in RULES, "rule", self.rule, "'sgd' or 'adagrad'")
+        for name in ("shard_workers", "replica_workers"):
+            object.__setattr__(self, name, worker_tuple(getattr(self, name)))
+        check_fields(self)
         if self.lr is None:
             object.__setattr__(self, "lr", DEFAULT_LR[self.rule])
-        _check(_is_number(self.lr) and float(self.lr or 0) > 0, "lr", self.lr, "a finite number > 0")
-        _check(
-            self.local_lr is None or (_is_number(self.local_lr) and self.local_lr >= 0),
-            "local_lr",
-            self.local_lr,
-            "None (the same as lr) or a finite number >= 0 (0: no local step)",
-        )
-        for name in ("batch_size", "n_fetch", "n_push"):
-            value = getattr(self, name)
-            _check(_is_int(value) and value >= 1, name, value, "an int >= 1")
-        _check(
-            self.max_coalesce is None or (_is_int(self.max_coalesce) and self.max_coalesce >= 0),
-            "max_coalesce",
-            self.max_coalesce,
-            "None (8 for rule='adagrad', no limit for 'sgd'), 0 (no limit) or an int >= 1",
-        )
-        for name in ("replicas", "shards", "epochs", "max_steps"):
-            value = getattr(self, name)
-            _check(value is None or (_is_int(value) and value >= 1), name, value, "None or an int >= 1")
-        _check(
-            _is_int(self.warmstart_steps) and self.warmstart_steps >= 0,
-            "warmstart_steps",
-            self.warmstart_steps,
-            "an int >= 0",
-        )
-        _check(
-            self.max_staleness is None or (_is_int(self.max_staleness) and self.max_staleness >= 0),
-            "max_staleness",
-            self.max_staleness,
-            "None (no bound) or an int >= 0",
-        )
-        _check(
-            self.time_limit is None or (_is_number(self.time_limit) and self.time_limit > 0),
-            "time_limit",
-            self.time_limit,
-            "None or a number of seconds > 0",
-        )
-        for name in ("eval_every", "poll_every", "call_timeout"):
-            value = getattr(self, name)
-            _check(_is_number(value) and value > 0, name, value, "a number of seconds > 0")
-        _check(
-            _is_number(self.checkpoint_every_s) and self.checkpoint_every_s >= 0,
-            "checkpoint_every_s",
-            self.checkpoint_every_s,
-            "a number of seconds >= 0 (0: only the initial checkpoint)",
-        )
-        _check(_is_number(self.l2) and self.l2 >= 0, "l2", self.l2, "a finite number >= 0")
-        _check(_is_int(self.seed) and self.seed >= 0, "seed", self.seed, "an int >= 0")
-        _check(
-            self.communication in ("auto", "dense", "sparse"),
-            "communication",
-            self.communication,
-            "'auto', 'dense' or 'sparse'",
-        )
         _check(
             not (self.communication == "sparse" and self.l2),
             "communication",
@@ -210,21 +176,6 @@ class DownpourOptions:
                 "False with deterministic=True (the shards' push order starts with the run)",
             )
         check_compression(self.compression)
-        for name in ("shuffle", "trace", "resume", "fuse", "deterministic"):
-            value = getattr(self, name)
-            _check(isinstance(value, bool), name, value, "True or False")
-        _check(
-            self.staleness_scale is None or isinstance(self.staleness_scale, bool),
-            "staleness_scale",
-            self.staleness_scale,
-            "None (on for rule='sgd' with more than one replica), True or False",
-        )
-        _check(
-            self.max_loss_growth is None or (_is_number(self.max_loss_growth) and self.max_loss_growth > 1),
-            "max_loss_growth",
-            self.max_loss_growth,
-            "None (only NaN / inf is divergence) or a finite number > 1",
-        )
         for name in ("shard_workers", "replica_workers"):
             value = getattr(self, name)
             _check(

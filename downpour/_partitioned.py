@@ -35,6 +35,7 @@ from distributed.utils import sync
 from distbelief.errors import ClusterError, InvalidOptionError, ShardLostError
 from distbelief.models import partition_plan
 from distbelief.models.internal import PartitionPlan
+from distbelief.options import defaults
 from distbelief.storage import (
     Dataset,
     Layout,
@@ -1140,22 +1141,16 @@ def _history(rows: Sequence[Any], first: tuple[float, int], last: tuple[float, i
 _SUPPORTED = ("replicas", "rule", "lr", "l2", "batch_size", "epochs", "max_steps", "seed", "x0", "shuffle",
               "client", "store", "trace", "call_timeout", "n_fetch", "n_push", "local_lr",
               "shard_workers", "checkpoint_every_s", "callback", "resume")  # fmt: skip
+# staleness_scale's default turns it on for multi-replica SGD elsewhere: partitions run unscaled. The last
+# five are taken by downpour.train but not by a partitioned run (it has no history cadence, driver poll, loss
+# watchdog, fused messages or key-value communication): refused rather than ignored.
+_UNSUPPORTED = ("shards", "warmstart_steps", "time_limit", "compression", "max_coalesce", "deterministic",
+                "staleness_scale", "eval_every", "poll_every", "max_loss_growth", "fuse",
+                "communication")  # fmt: skip
+#: Their defaults, from the options' one definition (and eval_data, a keyword of train() only).
 _UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "shards": None,
-    "warmstart_steps": 0,
-    "time_limit": None,
+    **{name: default for name, default in defaults(DownpourOptions).items() if name in _UNSUPPORTED},
     "eval_data": None,
-    "staleness_scale": None,  # the default (on for multi-replica SGD elsewhere): partitions run unscaled
-    "compression": None,
-    "max_coalesce": None,
-    "deterministic": False,
-    # Taken by downpour.train but not by a partitioned run (it has no history cadence, driver poll, loss
-    # watchdog, fused messages or key-value communication): refused rather than ignored.
-    "eval_every": 1.0,
-    "poll_every": 0.05,
-    "max_loss_growth": 10.0,
-    "fuse": True,
-    "communication": "auto",
 }
 
 

@@ -47,6 +47,7 @@ from threadpoolctl import threadpool_limits
 from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
 from distbelief.models import objective
 from distbelief.models.internal import FittedMixin
+from distbelief.options import refuse_unknown
 from distbelief.storage import (
     Dataset,
     ParameterServer,
@@ -56,6 +57,7 @@ from distbelief.storage import (
     worker_addresses,
 )
 from distbelief.storage.internal import (
+    Communication,
     ShardRecovery,
     actor_gone,
     as_csr,
@@ -246,6 +248,7 @@ class TrainResult(FittedMixin):
         )
 
 
+@refuse_unknown
 def train(
     model: Any,
     data: Dataset | tuple[np.ndarray, np.ndarray],
@@ -282,7 +285,7 @@ def train(
     poll_every: float = 0.05,
     call_timeout: float = 30.0,
     partitions: int | None = None,
-    communication: str = "auto",
+    communication: Communication = "auto",
     fuse: bool = True,
     compression: Compression | None = None,
     max_coalesce: int | None = None,

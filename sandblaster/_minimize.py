@@ -6,10 +6,10 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import xarray as xr
@@ -18,6 +18,16 @@ from distributed import Client
 from distbelief.errors import DatasetError, InvalidOptionError, ShardLostError
 from distbelief.models import objective
 from distbelief.models.internal import FittedMixin
+from distbelief.options import (
+    PARTITIONS_DOC,
+    REST_MAX_ACTORS,
+    REST_MAX_ITER,
+    check_fields,
+    option,
+    options_of,
+    refuse_unknown,
+    worker_tuple,
+)
 from distbelief.storage import (
     Dataset,
     ParameterServer,
@@ -28,7 +38,7 @@ from distbelief.storage import (
     start_vector,
     worker_addresses,
 )
-from distbelief.storage.internal import COMMUNICATION, Communication, ShardRecovery, run_store, use_sparse
+from distbelief.storage.internal import Communication, ShardRecovery, run_store, use_sparse
 
 from ._cg import _minimize_cg
 from ._coordinator import Coordinator, IterationRecord, RunState
@@ -57,7 +67,7 @@ __all__ = [
 Method = Literal["lbfgs", "cg", "gd", "owlqn"]
 HistoryDtype = Literal["auto", "float64", "float32"]
 #: The values of ``history_dtype``.
-HISTORY_DTYPE_OPTIONS: tuple[str, ...] = ("auto", "float64", "float32")
+HISTORY_DTYPE_OPTIONS: tuple[str, ...] = get_args(HistoryDtype)
 #: Vectors an L-BFGS (OWL-QN) run keeps on a shard beside its ``2(m + 1)`` history slots: ``x`` and the
 #: trial point, their gradients, the direction and the gradient accumulator (and the pseudo-gradient's two
 #: buffers and the orthant).
@@ -91,49 +101,71 @@ HAND_OUT = True
 
 @dataclass(frozen=True, kw_only=True)
 class SandblasterOptions:
-    """Every option of :func:`minimize`, validated (see :func:`minimize` for their meaning)."""
+    """Every option of :func:`minimize`, validated: the one definition of their types, defaults and bounds.
 
-    method: Method = "lbfgs"
-    l2: float = 0.0
-    l1: float = 0.0
-    l1_exclude: tuple[tuple[int, int], ...] = ()
-    shards: int | None = None
-    replicas: int | None = None
-    history: int = 10
-    gtol: float = 1e-5
-    ftol: float = LBFGSB_FTOL
-    maxiter: int = 15000
-    maxfev: int = 15000
-    maxls: int = 20
-    portions: int | None = None
-    push_every: int = 4
-    backups: bool = True
-    in_flight: int = 2
-    slowdown: dict[int, float] = field(default_factory=dict)
-    shard_workers: tuple[str, ...] | None = None
-    replica_workers: tuple[str, ...] | None = None
-    step: float = 1.0
-    restart_every: int | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    communication: str = "auto"
-    shard_memory: int | str | None = "auto"
-    partitions: int = 1
-    local: bool = False
-    history_dtype: HistoryDtype = "auto"
+    :func:`minimize`'s keywords take their defaults from here, the REST service's ``SandblasterJobOptions``
+    is made from the fields declared with ``rest=True`` (:func:`distbelief.options.rest_model`), and
+    :func:`minimize`'s docstring explains each at length.
+
+    Examples
+    --------
+    >>> SandblasterOptions(method="cg", restart_every=5).restart_every
+    5
+    >>> SandblasterOptions(maxls=0)
+    Traceback (most recent call last):
+    ...
+    distbelief.errors.InvalidOptionError: option maxls=0 is invalid: expected an int >= 1
+    """
+
+    method: Method = option("lbfgs")
+    l2: float = option(0.0, ge=0, rest=True, rest_le=1e6, doc="L2 strength")
+    l1: float = option(0.0, ge=0, rest=True, rest_le=1e6, doc="L1 strength (sandblaster-owlqn only)")
+    l1_exclude: tuple[tuple[int, int], ...] = option((), check=False)
+    shards: int | None = option(None, ge=1, rest=True, rest_le=REST_MAX_ACTORS)
+    replicas: int | None = option(None, ge=1, rest=True, rest_le=REST_MAX_ACTORS)
+    partitions: int = option(
+        1, ge=1, rest=True, rest_le=REST_MAX_ACTORS, doc=PARTITIONS_DOC,
+        expected="an int >= 1 (partition actors per model replica; 1: the whole model in one replica)",
+    )  # fmt: skip
+    history: int = option(10, ge=1, le=1000, rest=True, doc="L-BFGS memory m")
+    history_dtype: HistoryDtype = option(
+        "auto",
+        rest=True,
+        doc="how the shards store the L-BFGS pairs (float64 arithmetic either way): 'auto' (default) takes "
+        "float32 only when a float64 history would not fit a shard's memory",
+    )
+    gtol: float = option(1e-5, ge=0, rest=True)
+    ftol: float = option(LBFGSB_FTOL, ge=0, rest=True)
+    maxiter: int = option(15000, ge=1, rest=True, rest_le=REST_MAX_ITER)
+    maxfev: int = option(15000, ge=1, rest=True, rest_le=REST_MAX_ITER)
+    maxls: int = option(20, ge=1)
+    portions: int | None = option(None, ge=1, rest=True, rest_le=100_000)
+    push_every: int = option(4, ge=1, rest=True, rest_le=100_000)
+    backups: bool = option(True, rest=True)
+    in_flight: int = option(2, ge=1)
+    slowdown: dict[int, float] = option(factory=dict, check=False)
+    shard_workers: tuple[str, ...] | None = option(None, check=False)
+    replica_workers: tuple[str, ...] | None = option(None, check=False)
+    step: float = option(1.0, gt=0)
+    restart_every: int | None = option(None, ge=1)
+    seed: int | None = option(0, ge=0, rest=True, rest_le=2**32 - 1)
+    checkpoint_every: int = option(
+        0, ge=0, rest=True, rest_le=REST_MAX_ITER, expected="an int >= 0 (0: never)",
+        doc="0: never; default from the server settings",
+    )  # fmt: skip
+    resume: bool = option(False)
+    communication: Communication = option("auto")
+    shard_memory: int | str | None = option("auto", check=False)
+    local: bool = option(False)
 
     def __post_init__(self) -> None:
-        if self.method not in ("lbfgs", "cg", "gd", "owlqn"):
-            raise InvalidOptionError(f"method must be 'lbfgs', 'cg', 'gd' or 'owlqn', got {self.method!r}")
-        _check(
-            isinstance(self.history_dtype, str) and self.history_dtype in HISTORY_DTYPE_OPTIONS,
-            "history_dtype",
-            self.history_dtype,
-            "'auto' (float32 only when a float64 history would not fit the shards' memory), 'float64' or "
-            "'float32' (how the L-BFGS pairs are stored; the arithmetic is float64 either way)",
-        )
-        _check(self.l2 >= 0 and math.isfinite(self.l2), "l2", self.l2, "a finite number >= 0")
-        _check(self.l1 >= 0 and math.isfinite(self.l1), "l1", self.l1, "a finite number >= 0")
+        # Sequences as the tuples (and a dict) the fields hold; anything else stays for the checks to refuse.
+        if _are_ranges(self.l1_exclude):
+            object.__setattr__(self, "l1_exclude", tuple(tuple(r) for r in self.l1_exclude))
+        for name in ("shard_workers", "replica_workers"):
+            object.__setattr__(self, name, worker_tuple(getattr(self, name)) or None)
+        object.__setattr__(self, "slowdown", dict(self.slowdown or {}))
+        check_fields(self)
         _check(
             _are_ranges(self.l1_exclude),
             "l1_exclude",
@@ -145,22 +177,6 @@ class SandblasterOptions:
                 f"l1={self.l1!r} makes F nonsmooth, which method={self.method!r} cannot minimize; "
                 'use method="owlqn" (L1 / elastic-net L-BFGS)'
             )
-        for name in ("history", "maxiter", "maxfev", "maxls", "push_every", "in_flight"):
-            value = getattr(self, name)
-            _check(
-                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-                name,
-                value,
-                "an int >= 1",
-            )
-        _check(
-            isinstance(self.partitions, int | np.integer)
-            and not isinstance(self.partitions, bool)
-            and self.partitions >= 1,
-            "partitions",
-            self.partitions,
-            "an int >= 1 (partition actors per model replica; 1: the whole model in one replica)",
-        )
         if self.partitions > 1:
             if self.communication == "sparse":
                 raise InvalidOptionError(
@@ -177,22 +193,6 @@ class SandblasterOptions:
                     f"shards={self.shards} with partitions={self.partitions}: the shards are aligned to the "
                     "partitions, so give a multiple of partitions (or None: one shard per partition)"
                 )
-        for name in ("shards", "replicas", "portions", "restart_every"):
-            value = getattr(self, name)
-            _check(
-                value is None or (isinstance(value, int) and value >= 1), name, value, "None or an int >= 1"
-            )
-        _check(self.gtol >= 0 and self.ftol >= 0, "gtol/ftol", (self.gtol, self.ftol), "numbers >= 0")
-        _check(self.step > 0 and math.isfinite(self.step), "step", self.step, "a finite number > 0")
-        _check(self.history <= 1000, "history", self.history, "at most 1000 pairs")
-        _check(
-            isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
-            "checkpoint_every",
-            self.checkpoint_every,
-            "an int >= 0 (0: never)",
-        )
-        _check(self.communication in COMMUNICATION, "communication", self.communication, str(COMMUNICATION))
-        _check(isinstance(self.local, bool), "local", self.local, "True or False")
         if self.local:
             # In this process there are no shards, replicas, portions or checkpoints to set.
             cluster_only: dict[str, object] = {
@@ -207,6 +207,14 @@ class SandblasterOptions:
                     )
         for r, factor in self.slowdown.items():
             _check(factor >= 1.0, f"slowdown[{r}]", factor, "a factor >= 1")
+        for name in ("shard_workers", "replica_workers"):
+            workers = getattr(self, name)
+            _check(
+                workers is None or (isinstance(workers, tuple) and all(isinstance(w, str) for w in workers)),
+                name,
+                workers,
+                "None or a list of worker addresses",
+            )
         _check(
             self.shard_memory in (None, "auto")
             or (
@@ -343,39 +351,48 @@ def _status_of(success: bool, message: str) -> int:
     return 2
 
 
+#: Every option at its default: :func:`minimize`'s keywords take theirs from here (written once).
+_DEFAULT = SandblasterOptions()
+
+
+@refuse_unknown
 def minimize(
     model: Any,
     data: Dataset | tuple[np.ndarray, np.ndarray],
     *,
-    method: Method = "lbfgs",
     x0: np.ndarray | None = None,
-    l2: float = 0.0,
-    l1: float = 0.0,
-    l1_exclude: Sequence[tuple[int, int]] = (),
-    shards: int | None = None,
-    replicas: int | None = None,
-    history: int = 10,
-    gtol: float = 1e-5,
-    ftol: float = LBFGSB_FTOL,
-    maxiter: int = 15000,
-    maxfev: int = 15000,
     client: Client | str | None = None,
     store: str | os.PathLike[str] | None = None,
     callback: Callable[[IterationRecord], None] | None = None,
-    portions: int | None = None,
-    push_every: int = 4,
-    backups: bool = True,
-    slowdown: dict[int, float] | None = None,
-    shard_workers: Sequence[str] | None = None,
-    replica_workers: Sequence[str] | None = None,
-    seed: int | None = 0,
-    checkpoint_every: int = 0,
-    resume: bool = False,
-    communication: Communication = "auto",
-    shard_memory: int | str | None = "auto",
-    partitions: int = 1,
-    local: bool = False,
-    history_dtype: HistoryDtype = "auto",
+    method: Method = _DEFAULT.method,
+    l2: float = _DEFAULT.l2,
+    l1: float = _DEFAULT.l1,
+    l1_exclude: Sequence[tuple[int, int]] = _DEFAULT.l1_exclude,
+    shards: int | None = _DEFAULT.shards,
+    replicas: int | None = _DEFAULT.replicas,
+    partitions: int = _DEFAULT.partitions,
+    history: int = _DEFAULT.history,
+    history_dtype: HistoryDtype = _DEFAULT.history_dtype,
+    gtol: float = _DEFAULT.gtol,
+    ftol: float = _DEFAULT.ftol,
+    maxiter: int = _DEFAULT.maxiter,
+    maxfev: int = _DEFAULT.maxfev,
+    maxls: int = _DEFAULT.maxls,
+    portions: int | None = _DEFAULT.portions,
+    push_every: int = _DEFAULT.push_every,
+    backups: bool = _DEFAULT.backups,
+    in_flight: int = _DEFAULT.in_flight,
+    slowdown: Mapping[int, float] = _DEFAULT.slowdown,
+    shard_workers: Sequence[str] | None = _DEFAULT.shard_workers,
+    replica_workers: Sequence[str] | None = _DEFAULT.replica_workers,
+    step: float = _DEFAULT.step,
+    restart_every: int | None = _DEFAULT.restart_every,
+    seed: int | None = _DEFAULT.seed,
+    checkpoint_every: int = _DEFAULT.checkpoint_every,
+    resume: bool = _DEFAULT.resume,
+    communication: Communication = _DEFAULT.communication,
+    shard_memory: int | str | None = _DEFAULT.shard_memory,
+    local: bool = _DEFAULT.local,
 ) -> OptimizeResult:
     """Minimize ``F(w) = (1/N) sum_i loss_i(w) + (l2/2)||w||^2 + l1 ||w||_1`` with Sandblaster on Dask.
 
@@ -408,6 +425,9 @@ def minimize(
     gtol, ftol, maxiter, maxfev : float, float, int, int
         Stop when ``max|g_i| <= gtol``, when the relative decrease of F is ``<= ftol`` (as SciPy's
         L-BFGS-B), or after ``maxiter`` iterations / ``maxfev`` evaluations.
+    maxls : int
+        Most evaluations of ``F`` one line search may take (every method) before the iteration fails with
+        a line search failure (``status=2``).
     client : distributed.Client or str, optional
         The cluster: a ``Client`` (the default one or not), or a scheduler address such as
         ``'tcp://10.0.0.1:8786'``. ``None``: the default Dask client if one runs, else this process's one
@@ -423,10 +443,19 @@ def minimize(
         Replicas push their accumulated gradient every this many portions.
     backups : bool
         Give idle replicas backup copies of outstanding portions at the end of a batch.
+    in_flight : int
+        Portions each replica is given ahead (queued behind the one it computes), so it never waits for the
+        coordinator between two; 1: one at a time.
     slowdown : dict, optional
         Fault injection: ``{replica: factor}`` makes a replica ``factor`` times slower.
     shard_workers, replica_workers : list of str, optional
         Worker addresses to place shards and replicas on (default: all workers).
+    step : float
+        Gradient descent (``method="gd"``): the first iteration's trial step along ``-g`` (the later ones
+        start at the Barzilai-Borwein step).
+    restart_every : int, optional
+        CG (``method="cg"``): restart from steepest descent every this many iterations (default: ``n``,
+        the number of parameters; 1 is steepest descent with CG's line search).
     seed : int, optional
         Seed of ``model.init_params`` when ``x0`` is not given.
     checkpoint_every : int
@@ -488,34 +517,8 @@ def minimize(
     >>> res.success                                                           # doctest: +SKIP
     True
     """
-    # Pairs as tuples; anything else goes to the options' check, which says what is expected.
-    exclude: Any = tuple(tuple(r) for r in l1_exclude) if _are_ranges(l1_exclude) else l1_exclude
-    opts = SandblasterOptions(
-        method=method,
-        l2=l2,
-        l1=l1,
-        l1_exclude=exclude,
-        shards=shards,
-        replicas=replicas,
-        history=history,
-        gtol=gtol,
-        ftol=ftol,
-        maxiter=maxiter,
-        maxfev=maxfev,
-        portions=portions,
-        push_every=push_every,
-        backups=backups,
-        slowdown=dict(slowdown or {}),
-        shard_workers=tuple(shard_workers) if shard_workers else None,
-        replica_workers=tuple(replica_workers) if replica_workers else None,
-        checkpoint_every=checkpoint_every,
-        resume=resume,
-        communication=communication,
-        shard_memory=shard_memory,
-        partitions=partitions,
-        local=local,
-        history_dtype=history_dtype,
-    )
+    # Every keyword after callback is an option: their one definition (and check) is SandblasterOptions.
+    opts = options_of(SandblasterOptions, locals())
     if local:
         if client is not None or store is not None or not isinstance(data, tuple):
             raise InvalidOptionError(
@@ -896,8 +899,9 @@ def _run_method(
             restart_every=opts.restart_every or n, callback=callback,
         )  # fmt: skip
     return _minimize_gd(
-        coord, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, step=opts.step, callback=callback
-    )
+        coord, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, step=opts.step, maxls=opts.maxls,
+        callback=callback,
+    )  # fmt: skip
 
 
 def _bytes_moved(replicas: Sequence[Any], nfev: int) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from distbelief.storage import (
     reuse_freed_memory,
 )
 from distbelief.storage.internal import (
+    HandedPush,
     Sample,
     SparsePortion,
     compact_rows,
@@ -485,7 +486,8 @@ class Replica:
         """:meth:`work` handed out by the shard (:meth:`storage.ShardActor.hand_out`).
 
         ``request`` is a pickled ``(encoded WorkCall, [x], the shard's prep results)``; the answer a pickled
-        ``(encoded WorkReport, pushes)``, where ``pushes`` are the last group's gradients for the shard to
+        ``(encoded WorkReport, pushes)``, where ``pushes`` are the last group's gradients (:class:`storage.
+        internal.HandedPush`) for the shard to
         accumulate itself (its answer to the coordinator then says the call is on the shard). A dense model
         on one shard only.
         """
@@ -505,7 +507,9 @@ class Replica:
             call.push_every,
             given=given,
         )
-        pushes = [(call.acc_name, grad, portions, call.eval_id, call.solo) for portions, grad in held]
+        pushes = [
+            HandedPush(call.acc_name, grad, portions, call.eval_id, call.solo) for portions, grad in held
+        ]
         return pickle.dumps((encode(report), pushes), protocol=pickle.HIGHEST_PROTOCOL)
 
     async def compute(

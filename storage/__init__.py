@@ -20,7 +20,7 @@ from ._layout import Layout
 from ._malloc import reuse_freed_memory
 from ._partition_layout import partition_layout, partition_shards
 from ._rowcache import ROW_CACHE_ENV, RowCache, default_row_cache
-from ._rules import RULES, adagrad_update, check_rule, sgd_update
+from ._rules import RULES, Rule, adagrad_update, check_rule, sgd_update
 from ._server import Batch, ParameterServer, ServerStats, ShardMap, reduce_results
 from ._session import (
     as_dataset,
@@ -41,6 +41,7 @@ __all__ = [
     "Layout",
     "ParameterServer",
     "RowCache",
+    "Rule",
     "ServerStats",
     "Shard",
     "ShardMap",

@@ -16,7 +16,7 @@ import pickle
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -35,6 +35,8 @@ from ._wire import pack_if_small
 __all__ = [
     "INLINE_MAX_ELEMENTS",
     "LOOP_SWITCH_INTERVAL",
+    "HandOut",
+    "HandedPush",
     "ShardActor",
     "keep_loop_responsive",
     "read_checkpoint",
@@ -50,6 +52,31 @@ INLINE_MAX_ELEMENTS = 1 << 16
 LOOP_SWITCH_INTERVAL = 0.0005
 
 T = TypeVar("T")
+
+
+class HandOut(NamedTuple):
+    """What :meth:`ShardActor.hand_out` is asked (pickled): run ``ops`` once for ``epoch``, read ``names``
+    and call ``method`` of the actor ``key`` at ``address`` with ``payload`` and them."""
+
+    epoch: int
+    ops: list[Any]
+    names: list[str]
+    key: str
+    address: str
+    method: str
+    payload: bytes
+
+
+class HandedPush(NamedTuple):
+    """A gradient the target of a :class:`HandOut` gives back for the shard to accumulate: ``values`` (or
+    each portion's own ``(keys or None, values)`` pairs, a list) of ``portions``, as :meth:`ShardActor.
+    accumulate` takes them."""
+
+    name: str
+    values: Any
+    portions: list[int]
+    epoch: int
+    solo: bool
 
 
 def keep_loop_responsive() -> None:
@@ -193,12 +220,11 @@ class ShardActor:
         """Prepare, hand the parameters to a worker actor with its work, and take its gradient back.
 
         One message from the coordinator does what a fetch, a push and their answers did: ``request`` is a
-        pickled ``(epoch, ops, names, key, address, method, payload)``. This shard runs ``ops`` once for
-        ``epoch`` (:meth:`Shard.prepare`), reads ``names``, and calls ``method`` of the actor ``key`` on the
-        worker at ``address`` (in-process when it lives here) with one pickled frame ``(payload, slices,
-        op results)``. That actor answers ``(answer, pushes)``: its own answer (bytes, passed back as
-        they are) and gradients to accumulate here, each ``(name, values, portions, epoch, solo)`` as
-        :meth:`accumulate` takes them. Returns a pickled ``(answer, finalized)``: the finalize ops' results
+        pickled :class:`HandOut`. This shard runs its ``ops`` once for its ``epoch`` (:meth:`Shard.prepare`),
+        reads ``names``, and calls ``method`` of the actor ``key`` on the worker at ``address`` (in-process
+        when it lives here) with one pickled frame ``(payload, slices, op results)``. That actor answers
+        ``(answer, pushes)``: its own answer (bytes, passed back as they are) and the :class:`HandedPush`
+        gradients to accumulate here. Returns a pickled ``(answer, finalized)``: the finalize ops' results
         if one of those pushes completed this shard's batch, else None.
 
         For a model on one shard, the parameters then travel with the work and the gradient with the
@@ -210,16 +236,18 @@ class ShardActor:
 
         from ._direct import call_from_worker
 
-        epoch, ops, names, key, address, method, payload = pickle.loads(request)
-        _, slices, results = await self.prepare_and_fetch(epoch, ops, names)
-        frame = pickle.dumps((payload, slices, results), protocol=pickle.HIGHEST_PROTOCOL)
-        answer, pushes = pickle.loads(await call_from_worker(get_worker(), address, key, method, frame))
+        call: HandOut = pickle.loads(request)
+        _, slices, results = await self.prepare_and_fetch(call.epoch, call.ops, call.names)
+        frame = pickle.dumps((call.payload, slices, results), protocol=pickle.HIGHEST_PROTOCOL)
+        reply = await call_from_worker(get_worker(), call.address, call.key, call.method, frame)
+        answer, pushes = pickle.loads(reply)
         finalized = None
-        for name, values, portions, push_epoch, solo in pushes:
-            if isinstance(values, list):  # each portion's own gradient: (keys or None, values) pairs
-                _, done = await self.accumulate_parts(name, values, portions, push_epoch)
+        push: HandedPush
+        for push in pushes:
+            if isinstance(push.values, list):  # each portion's own gradient: (keys or None, values) pairs
+                _, done = await self.accumulate_parts(push.name, push.values, push.portions, push.epoch)
             else:
-                _, done = await self.accumulate(name, values, portions, push_epoch, solo)
+                _, done = await self.accumulate(push.name, push.values, push.portions, push.epoch, push.solo)
             if done is not None:
                 finalized = done
         return pickle.dumps((answer, finalized), protocol=pickle.HIGHEST_PROTOCOL)

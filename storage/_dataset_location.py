@@ -19,7 +19,11 @@ from distbelief.errors import DatasetError, InvalidOptionError
 from ._dataset_meta import FORMAT_NAME
 
 PathLike = str | os.PathLike[str]
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+#: The one rule for dataset names (no separators, no "..", a safe alphabet): the regular expression the API
+#: schema publishes (the routes apply :func:`resolve_name` itself, with messages that say what to fix).
+DATASET_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+DATASET_NAME_RULE = "1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+_NAME_RE = re.compile(DATASET_NAME_PATTERN)
 
 
 # --------------------------------------------------------------------------------------------- locations
@@ -179,7 +183,7 @@ def resolve_name(root: PathLike, name: str) -> str:
     ------
     DatasetError
         If the name is empty, contains a path separator, is ``.``/``..`` or otherwise does not match
-        ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``.
+        :data:`DATASET_NAME_PATTERN`.
 
     Examples
     --------
@@ -192,7 +196,7 @@ def resolve_name(root: PathLike, name: str) -> str:
     """
     if not isinstance(name, str):
         raise DatasetError(f"dataset name must be a string, got {type(name).__name__}")
-    rule = "use 1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+    rule = f"use {DATASET_NAME_RULE}"
     if not name:
         raise DatasetError(f"dataset name is empty; {rule}")
     if "/" in name or "\\" in name or os.sep in name or (os.altsep and os.altsep in name):

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 Communication = Literal["auto", "dense", "sparse"]
-COMMUNICATION: tuple[str, ...] = ("auto", "dense", "sparse")
+COMMUNICATION: tuple[str, ...] = get_args(Communication)
 _INT32_MAX = 2**31 - 1
 IntArray = npt.NDArray[np.int64]
 

@@ -6,13 +6,15 @@ reused by single-process references. They update ``w`` (and the Adagrad accumula
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import numpy as np
 
 from distbelief.errors import InvalidOptionError
 
 from . import _kernels
 
-__all__ = ["ADAGRAD_EPS", "RULES", "adagrad_update", "check_rule", "sgd_update"]
+__all__ = ["ADAGRAD_EPS", "RULES", "Rule", "adagrad_update", "check_rule", "sgd_update"]
 
 #: Added under the square root so the very first Adagrad step is finite; the paper's rule has no epsilon
 #: because its accumulators start after at least one gradient. 1e-8 keeps the first step ~= lr * sign(g).
@@ -56,8 +58,10 @@ def adagrad_update(
         _kernels.adagrad_step_at(w, g, accumulator, keys, lr=lr, eps=ADAGRAD_EPS)
 
 
-#: The update rules a shard applies to Downpour pushes (and the single-process reference, by name).
-RULES = ("sgd", "adagrad")
+#: The update rules a shard applies to Downpour pushes (and the single-process reference, by name): the one
+#: registry, which ``downpour.DownpourOptions.rule`` and the REST schema's ``rule`` are typed with.
+Rule = Literal["sgd", "adagrad"]
+RULES: tuple[str, ...] = get_args(Rule)
 
 
 def check_rule(rule: object) -> None:

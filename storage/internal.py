@@ -9,7 +9,7 @@ stable API: it changes with the packages that use it.
 from . import _exactsum as exactsum
 from . import _kernels as kernels
 from . import _l1 as l1_ops
-from ._actor import read_stored_vector
+from ._actor import HandedPush, HandOut, read_stored_vector
 from ._calls import (
     DEAD_STATES,
     POLL,
@@ -23,7 +23,7 @@ from ._calls import (
 )
 from ._cluster import resolve_client
 from ._dataset_frames import dataset_from_frame
-from ._dataset_location import list_datasets
+from ._dataset_location import DATASET_NAME_PATTERN, DATASET_NAME_RULE, list_datasets
 from ._dataset_sources import dataset_from_dask
 from ._direct import direct_call
 from ._direct import install as install_direct_calls
@@ -53,9 +53,13 @@ from ._store import normalize_url
 
 __all__ = [
     "COMMUNICATION",
+    "DATASET_NAME_PATTERN",
+    "DATASET_NAME_RULE",
     "DEAD_STATES",
     "POLL",
     "Communication",
+    "HandOut",
+    "HandedPush",
     "PartitionPeer",
     "PassAborted",
     "Sample",

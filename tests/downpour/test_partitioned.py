@@ -245,7 +245,7 @@ def test_a_second_run_on_the_same_store_starts_over(client: Client, digits: Data
         ({"call_timeout": 0.0}, "call_timeout=0.0 is invalid"),
         ({"shuffle": "yes"}, "shuffle='yes' is invalid"),
         ({"trace": 1}, "trace=1 is invalid"),
-        ({"partitions": True}, "partitions must be a positive integer"),
+        ({"partitions": True}, "partitions=True is invalid: expected None or an int >= 1"),
         # Options a partitioned run would otherwise ignore without a word.
         ({"resume": True}, "holds no Downpour checkpoint"),  # resume needs one in the store
         ({"eval_every": 0.5}, "eval_every=0.5 is not supported with partitions=2"),

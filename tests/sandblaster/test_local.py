@@ -13,6 +13,8 @@ from distributed import Client
 
 from distbelief import models, sandblaster
 from distbelief.errors import InvalidOptionError
+from distbelief.sandblaster._cg import minimize_cg_reference
+from distbelief.sandblaster._gd import minimize_gd_reference
 from distbelief.storage import Dataset, train_test_split_digits
 from tests.sandblaster.conftest import Problem
 
@@ -86,3 +88,31 @@ def test_a_client_or_a_dataset_is_refused(client: Client, tmp_path: Path) -> Non
     ds = Dataset.from_arrays(X, y, path=tmp_path / "d", label_kind="classes", n_classes=10)
     with pytest.raises(InvalidOptionError, match=r"give data as \(X, y\) arrays"):
         sandblaster.minimize(models.Softmax(64, 10), ds, local=True)
+
+
+def test_restart_every_and_maxls_reach_cg(logistic_digits: Problem) -> None:
+    # The numpy oracle restarted every iteration (beta = 0: steepest descent with CG's line search), with
+    # the same cap on line-search evaluations; plain CG takes another path.
+    p = logistic_digits
+    kw: dict[str, Any] = {"x0": p.x0, "l2": p.l2, "method": "cg", "local": True, "maxiter": 15}
+    ref = minimize_cg_reference(p.fun_and_grad, p.x0, restart_every=1, maxls=30, maxiter=15)
+    restarted = sandblaster.minimize(p.model, (p.X, p.y), restart_every=1, maxls=30, **kw)
+    assert restarted.nit == ref.nit == 15
+    np.testing.assert_allclose(restarted.x, ref.x, rtol=1e-9, atol=1e-12)
+    plain = sandblaster.minimize(p.model, (p.X, p.y), maxls=30, **kw)
+    assert np.abs(plain.x - restarted.x).max() > 1e-3
+
+
+def test_step_and_maxls_reach_gradient_descent(logistic_digits: Problem) -> None:
+    p = logistic_digits
+    kw: dict[str, Any] = {"x0": p.x0, "l2": p.l2, "method": "gd", "local": True}
+    # A first trial step of 1e3 needs ~10 halvings: the oracle with the same step and cap, step for step.
+    ref = minimize_gd_reference(p.fun_and_grad, p.x0, step=1e3, max_evals=12, maxiter=5)
+    res = sandblaster.minimize(p.model, (p.X, p.y), step=1e3, maxls=12, maxiter=5, **kw)
+    assert (res.nit, res.nfev) == (ref.nit, ref.nfev)
+    np.testing.assert_allclose(res.x, ref.x, rtol=1e-9, atol=1e-12)
+    assert res.nfev > sandblaster.minimize(p.model, (p.X, p.y), maxls=12, maxiter=5, **kw).nfev
+    # Capped at 2 evaluations, the first search cannot shrink 1e3 far enough: a line search failure.
+    capped = sandblaster.minimize(p.model, (p.X, p.y), step=1e3, maxls=2, **kw)
+    assert (capped.success, capped.status, capped.nit) == (False, 2, 0), capped.message
+    assert "line search" in capped.message

@@ -331,8 +331,6 @@ def test_bad_options_are_refused_with_a_message(
             sandblaster.minimize(problem.model, ds, client=client, **bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidOptionError, match=r"history_dtype='half' is invalid: expected 'auto'"):
         sandblaster.minimize(problem.model, (problem.X, problem.y), local=True, history_dtype="half")  # type: ignore[arg-type]
-    with pytest.raises(TypeError):
-        sandblaster.minimize(problem.model, ds, client=client, learning_rate=0.1)  # type: ignore[call-arg]
     with pytest.raises(InvalidOptionError, match=r"x0 has 3 values"):
         sandblaster.minimize(problem.model, ds, client=client, x0=np.zeros(3))
     with pytest.raises(InvalidOptionError, match="store"):

@@ -10,7 +10,7 @@ import pytest
 from distributed import Client
 
 from distbelief.errors import ClusterError
-from distbelief.storage._actor import ShardActor
+from distbelief.storage._actor import HandedPush, HandOut, ShardActor
 from distbelief.storage._direct import HANDLER, _call_method, direct_call, direct_call_to, install
 from distbelief.storage._wire import unpack
 
@@ -74,7 +74,7 @@ class _HandOutTarget:
             raise ValueError("the work itself failed")
         (x,) = slices
         epoch = int(payload.decode())
-        pushes = [("acc", 2.0 * x, [0], epoch, False), ("acc", x + 1.0, [1], epoch, False)]
+        pushes = [HandedPush("acc", 2.0 * x, [0], epoch, False), HandedPush("acc", x + 1, [1], epoch, False)]
         return pickle.dumps((payload[::-1], pushes))
 
     async def log(self) -> list[tuple[bytes, list[np.ndarray], list[object]]]:
@@ -82,7 +82,7 @@ class _HandOutTarget:
 
 
 def _hand_out(client: Client, shard: object, epoch: int, ops: list[tuple], target: object, payload: bytes):
-    message = pickle.dumps((epoch, ops, ["x"], target.key, target._address, "take", payload))
+    message = pickle.dumps(HandOut(epoch, ops, ["x"], target.key, target._address, "take", payload))
 
     async def call() -> object:
         return pickle.loads(await direct_call(client.rpc, shard, "hand_out", message))
