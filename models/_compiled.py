@@ -715,7 +715,8 @@ def _unsigned(X: Any) -> tuple[IntArray, IntArray]:
     kind = {4: np.uint32, 8: np.uint64}[X.indices.dtype.itemsize]
     # A view where the widths agree (astype with copy=False still copies to another dtype: a whole
     # segment's indptr a Downpour step, when a step passes only some of its rows).
-    indptr = X.indptr.view(kind) if X.indptr.dtype.itemsize == kind().itemsize else X.indptr.astype(kind)
+    width = X.indices.dtype.itemsize
+    indptr = X.indptr.view(kind) if X.indptr.dtype.itemsize == width else X.indptr.astype(kind)
     return indptr, X.indices.view(kind)
 
 
@@ -727,7 +728,8 @@ CSRSoftmaxKernel = Callable[[Any, IntArray, FloatArray, FloatArray, FloatArray, 
 
 #: ``kernel(X, rows, y, coef, intercept, table, logistic) -> (loss, residual_sum, cols, grad_at_cols)``.
 RowsKernel = Callable[
-    [Any, IntArray, FloatArray, FloatArray, float, IntArray, bool], tuple[float, float, IntArray, FloatArray]
+    [Any, IntArray, FloatArray, FloatArray, float, NDArray[np.int32], bool],
+    tuple[float, float, IntArray, FloatArray],
 ]
 
 
@@ -761,7 +763,7 @@ def rows_kernel() -> RowsKernel | None:
         y: FloatArray,
         coef: FloatArray,
         intercept: float,
-        table: IntArray,
+        table: NDArray[np.int32],
         logistic: bool,
     ) -> tuple[float, float, IntArray, FloatArray]:
         indptr, indices = _unsigned(X)
