@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from distbelief.models import Model
 from distbelief.storage import Dataset, ShardMap, reuse_freed_memory
 from distbelief.storage.internal import (
     Sample,
@@ -158,7 +159,7 @@ class DownpourReplica:
     def __init__(
         self,
         index: int,
-        model: Any,
+        model: Model,
         dataset: Dataset,
         lo: int,
         hi: int,
