@@ -467,6 +467,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
     C: float
     fit_intercept: bool
     downpour_options: dict[str, Any] | None
+    n_iter_: NDArray[np.int32]  # set by fit: one entry, as scikit-learn's linear classifiers
 
     def __init__(
         self,
