@@ -151,7 +151,7 @@ class JobStore:
         self.datasets_version = 0
         self._version_lock = threading.Lock()
         self._writing: set[str] = set()
-        self.root = os.path.abspath(root) if self.local else root.rstrip("/")
+        self.root: str = os.path.abspath(root) if self.local else root.rstrip("/")
         try:
             self.fs.makedirs(self._path("jobs"), exist_ok=True)
             self.fs.makedirs(self._path("datasets"), exist_ok=True)

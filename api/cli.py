@@ -25,9 +25,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distbelief.errors import InvalidOptionError
+
+if TYPE_CHECKING:  # the models (numpy) load only in the commands that use them: `distbelief status` is quick
+    from distbelief.models.internal import BuiltIn
 
 __all__ = ["main"]
 
@@ -588,7 +591,9 @@ def _seconds(start: str | None, end: str | None) -> float:
     return (dt.datetime.fromisoformat(end) - dt.datetime.fromisoformat(start)).total_seconds()
 
 
-def _print_table(rows: list[Any], model: Any, X_tr: Any, y_tr: Any, X_te: Any, y_te: Any, l2: float) -> None:
+def _print_table(
+    rows: list[Any], model: BuiltIn, X_tr: Any, y_tr: Any, X_te: Any, y_te: Any, l2: float
+) -> None:
     import numpy as np
 
     from distbelief import models

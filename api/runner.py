@@ -37,6 +37,7 @@ from distbelief import models
 from distbelief.api.schemas import FINAL_STATUSES, JobCreate, JobPublic
 from distbelief.api.settings import Settings
 from distbelief.errors import DatasetError, DistbeliefError, InvalidOptionError, StoreError
+from distbelief.models.internal import BuiltIn
 from distbelief.storage import Dataset, resolve_name
 from distbelief.storage.internal import task_result
 
@@ -121,7 +122,7 @@ class RunContext:
 
     job_id: str
     algorithm: str
-    model: Any
+    model: BuiltIn
     data: Dataset
     eval_data: Dataset | None
     options: dict[str, Any]
@@ -242,7 +243,7 @@ def _summary(result: Any, *fields: str) -> dict[str, Any]:
     return {name: getattr(result, name) for name in fields}
 
 
-def evaluate_rows(model: Any, x: np.ndarray, datasets: Mapping[str, Dataset | None]) -> dict[str, float]:
+def evaluate_rows(model: BuiltIn, x: np.ndarray, datasets: Mapping[str, Dataset | None]) -> dict[str, float]:
     """Mean data loss (and accuracy, for classifiers) of ``x`` on each dataset, read portion by portion.
 
     Runs as a task on a worker (see :meth:`JobRunner._evaluate`): the rows are read there, never by the
@@ -351,7 +352,7 @@ class _Job:
     last_flush: float = 0.0
     dirty_metrics: bool = False
     stopped: bool = False  # the callback stopped the run (cancel or shutdown)
-    model: Any = None  # built once from record["model"] (see JobRunner._model)
+    model: BuiltIn | None = None  # built once from record["model"] (see JobRunner._model)
 
     @classmethod
     def of(cls, record: dict[str, Any], **kwargs: Any) -> _Job:
@@ -948,7 +949,7 @@ class JobRunner:
         return any(j.record["status"] == "queued" for j in list(self._jobs.values()))
 
     @staticmethod
-    def _model(job: _Job) -> Any:
+    def _model(job: _Job) -> BuiltIn:
         """The job's model, built from its spec once (at submission, or on its first run after a restart)."""
         if job.model is None:
             job.model = models.from_spec(job.record["model"])
@@ -1020,7 +1021,7 @@ class JobRunner:
                 )
 
     def _finish(
-        self, job: _Job, outcome: RunOutcome, model: Any, data: Dataset, eval_data: Dataset | None
+        self, job: _Job, outcome: RunOutcome, model: BuiltIn, data: Dataset, eval_data: Dataset | None
     ) -> None:
         """Save the parameters, evaluate the result, keep the full history as the metrics, close the job.
 
@@ -1077,7 +1078,7 @@ class JobRunner:
                 rec.update(status="succeeded", finished_at=_now(), message=summary.get("message"))
 
     def _evaluate(
-        self, model: Any, x: np.ndarray, data: Dataset, eval_data: Dataset | None
+        self, model: BuiltIn, x: np.ndarray, data: Dataset, eval_data: Dataset | None
     ) -> dict[str, Any]:
         """Mean data loss (and accuracy, for classifiers) on the training and held-out rows, computed by a
         task on a worker: the rows are read where the cluster can read them, not into the web process."""

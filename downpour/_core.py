@@ -77,6 +77,7 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import InvalidOptionError
+from distbelief.models import Model
 from distbelief.storage import (
     accrue_at,
     accrue_step,
@@ -610,7 +611,7 @@ class ReplicaCore:
             f.positions = None
 
     # -- compute -----------------------------------------------------------------------------------------
-    def compute(self, model: Any, X: np.ndarray, y: np.ndarray) -> float:
+    def compute(self, model: Model, X: np.ndarray, y: np.ndarray) -> float:
         """One step: the mini-batch mean gradient at the local copy, accrued, and the local step.
 
         Returns the mini-batch mean loss. A non-finite loss or gradient is not applied and sets
@@ -629,7 +630,7 @@ class ReplicaCore:
         self.apply(g)
         return self._count_rows(rows, float(loss))
 
-    def compute_at(self, model: Any, keys: np.ndarray, X: Any, y: np.ndarray) -> float:
+    def compute_at(self, model: Model, keys: np.ndarray, X: Any, y: np.ndarray) -> float:
         """:meth:`compute` for a step whose rows touch only the parameters ``keys`` (distinct, global):
         ``model`` and ``X`` are narrowed to them (``storage.internal.compact_rows``), so the gradient and
         every update cost the step's keys, not the model's width (windowed mode, :meth:`use_windows`).

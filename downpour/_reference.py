@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
+from distbelief.models import Model
 from distbelief.storage import adagrad_update, axpy, check_rule, sgd_update
 
 __all__ = ["ReferenceResult", "sequential_sgd"]
@@ -56,7 +56,7 @@ class ReferenceResult:
 
 
 def sequential_sgd(
-    model: Any,
+    model: Model,
     X: np.ndarray,
     y: np.ndarray,
     x0: np.ndarray,

@@ -30,7 +30,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from distbelief.models import Model
 from distbelief.storage import Dataset, ShardMap, reuse_freed_memory
 from distbelief.storage.internal import (
     Sample,
@@ -159,7 +160,7 @@ class DownpourReplica:
     def __init__(
         self,
         index: int,
-        model: Any,
+        model: Model,
         dataset: Dataset,
         lo: int,
         hi: int,
@@ -240,7 +241,8 @@ class DownpourReplica:
         self._layout: tuple[int, int, bool] | None = None
         self._table = np.zeros(0, dtype=np.int32)
         self._mask = np.zeros(0, dtype=bool)
-        self._direct = False
+        #: A built-in linear model's ``rows_loss_and_grad`` (windowed mode), None once it declined a step.
+        self._rows_step: Callable[..., Any] | None = None
         self._unions: dict[tuple[int, int], np.ndarray] = {}
 
     # -- actor methods (event loop) ----------------------------------------------------------------------
@@ -565,7 +567,7 @@ class DownpourReplica:
         assert self._layout is not None
         if not items:
             return np.zeros(0, dtype=np.int64)  # past the last step: no keys (not even the intercepts)
-        if self._direct:
+        if self._rows_step is not None:
             # The columns the steps' rows touch, marked in one pass (no step's rows narrowed for it).
             keys = rows_keys(self._layout, [(self._segment(it[1])[0], it[2]) for it in items], self._mask)
             if keys is not None:
@@ -584,7 +586,8 @@ class DownpourReplica:
         self._mask = np.zeros(width, dtype=bool)
         # A built-in linear model computes a step on the rows as they are, its gradient at the keys they
         # touch (models' rows_loss_and_grad): no narrowed copy of the rows, no narrowed model a step.
-        self._direct = callable(getattr(self.model, "rows_loss_and_grad", None))
+        rows_step = getattr(self.model, "rows_loss_and_grad", None)
+        self._rows_step = rows_step if callable(rows_step) else None
         self._stream = self._batches()
         self._ahead_first = self.core.counters.steps
         self.core.use_windows(self._window_keys)
@@ -623,7 +626,7 @@ class DownpourReplica:
             # first read opens the store on its worker: 30-100 ms at load average ~15) made the gradient
             # stale: a replica's first step ran at x0 while the shard had applied 7 pushes of another,
             # and its lone ln 2 mini-batch loss in a history row read as divergence.
-            part = self._compact(item) if windowed and not self._direct else None
+            part = self._compact(item) if windowed and self._rows_step is None else None
             X, y = self._segment(item[1]) if part is None else (part.X, part.y)
             core.begin_step()
             self._maybe_fetch()
@@ -648,12 +651,13 @@ class DownpourReplica:
             t_compute = time.perf_counter()
             if windowed and part is None:
                 rows = item[2]
-                got = self.model.rows_loss_and_grad(core.x, X, y, rows, self._table)
+                assert self._rows_step is not None
+                got = self._rows_step(core.x, X, y, rows, self._table)
                 if got is not None:
                     loss, keys, grad = got
                     core.accrue_summed_at(keys, grad, loss, int(rows.size))
                 else:  # rows the compiled pass does not take: narrow them, from now on
-                    self._direct = False
+                    self._rows_step = None
                     part = self._compact(item)
                     core.compute_at(part.model, part.keys, part.X, part.y)
             elif part is not None:

@@ -21,6 +21,8 @@ from numpy.typing import ArrayLike, NDArray
 
 from distbelief.errors import InvalidOptionError, StoreError
 
+from ._base import Model
+
 __all__ = ["RESULT_FORMAT", "FittedMixin", "model_spec"]
 
 RESULT_FORMAT = "distbelief.result"
@@ -28,7 +30,7 @@ RESULT_FORMAT = "distbelief.result"
 T = TypeVar("T", bound="FittedMixin")
 
 
-def model_spec(model: Any) -> dict[str, Any] | None:
+def model_spec(model: object) -> dict[str, Any] | None:
     """The JSON-able spec of ``model`` (built-ins, or a wrapper with a ``model`` that has one), or None."""
     for candidate in (model, getattr(model, "model", None)):
         spec = getattr(candidate, "spec", None)
@@ -56,7 +58,7 @@ class FittedMixin:
     """``predict`` through the run's model, and ``to_zarr`` / ``from_zarr`` with the model spec."""
 
     x: NDArray[np.float64]
-    model: Any
+    model: Model | None
 
     def _fitted_model(self, what: str) -> Any:
         method = getattr(self.model, what, None)
@@ -147,7 +149,7 @@ class FittedMixin:
 
     @classmethod
     def from_zarr(
-        cls: type[T], url: str, *, model: Any = None, storage_options: dict[str, Any] | None = None
+        cls: type[T], url: str, *, model: Model | None = None, storage_options: dict[str, Any] | None = None
     ) -> T:
         """Load a result saved by :meth:`to_zarr`; its model is rebuilt from the spec (or pass ``model=``).
 

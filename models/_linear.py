@@ -114,10 +114,10 @@ def _block_rows(X: FloatArray, n_outputs: int) -> int:
         or not X.flags.c_contiguous
     ):
         return 0
-    row_bytes = X.shape[1] * X.itemsize
-    rows = max(1, _BLOCK_BYTES // row_bytes)
+    n_cols = int(X.shape[1])
+    rows = max(1, _BLOCK_BYTES // (n_cols * X.itemsize))
     if n_outputs > 1:
-        cap = _SMALL_GEMM_MNK // (X.shape[1] * n_outputs)
+        cap = _SMALL_GEMM_MNK // (n_cols * n_outputs)
         if cap >= _MIN_CAPPED_ROWS:
             rows = min(rows, cap)
     return rows
@@ -841,7 +841,8 @@ class Logistic(_Linear):
         array([0.5])
         """
         z = self.decision_function(w, X)
-        return expit(z, out=z)
+        expit(z, out=z)
+        return z
 
     def predict(self, w: ArrayLike, X: ArrayLike) -> NDArray[np.int64]:
         """Predicted labels 0/1 (int64), 1 where ``P(y = 1 | x) > 0.5``.
@@ -1026,7 +1027,8 @@ class Softmax(_Linear):
         >>> Softmax(1, 3, fit_intercept=False).predict([1.0, 0.0, -1.0], [[2.0], [-2.0]])
         array([0, 2])
         """
-        return np.argmax(self.decision_function(w, X), axis=1).astype(np.int64)
+        labels: NDArray[np.int64] = np.argmax(self.decision_function(w, X), axis=1).astype(np.int64)
+        return labels
 
     def accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
         """Fraction of rows whose predicted class equals ``y``.

@@ -292,7 +292,8 @@ class MLP(ModelBase):
         >>> m.predict([1.0, -1.0, 0.0, 0.0], [[2.0], [-2.0]])
         array([0, 1])
         """
-        return np.argmax(self._forward(w, X)[1][-1], axis=1).astype(np.int64)
+        labels: NDArray[np.int64] = np.argmax(self._forward(w, X)[1][-1], axis=1).astype(np.int64)
+        return labels
 
     def accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
         """Fraction of rows whose predicted class equals ``y``.

@@ -38,6 +38,7 @@ from numpy.typing import NDArray
 from distbelief.errors import InvalidOptionError, ProtocolError
 
 from . import _checks
+from ._base import Model
 from ._linear import softmax_xent_
 from ._local import (
     LocallyConnected,
@@ -360,9 +361,9 @@ class _SpatialPlan(_PlanBase):
     give the geometry and the block computation of a layer.
     """
 
-    model: Any
+    model: LocallyConnected | LocallyConnected2D
 
-    def __init__(self, model: Any, partitions: int) -> None:
+    def __init__(self, model: LocallyConnected | LocallyConnected2D, partitions: int) -> None:
         super().__init__(partitions)
         self.model = model
         self._units = [_split(self._n_units(layer), self._k) for layer in range(1, self._n_layers + 1)]
@@ -678,7 +679,7 @@ class LocallyConnected2DPlan(_SpatialPlan):
 AnyPlan = MLPPlan | LocallyConnectedPlan | LocallyConnected2DPlan
 
 
-def max_partitions(model: Any) -> int:
+def max_partitions(model: Model) -> int:
     """The most partitions ``model`` can be split into with every partition owning a unit of every layer.
 
     An MLP: its narrowest layer after the input; a locally connected network: its narrowest local layer
@@ -698,7 +699,7 @@ def max_partitions(model: Any) -> int:
     return 1
 
 
-def partition_plan(model: Any, partitions: int) -> AnyPlan:
+def partition_plan(model: Model, partitions: int) -> AnyPlan:
     """The partition plan of a built-in model that can be split by units.
 
     Raises

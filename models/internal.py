@@ -4,7 +4,8 @@ Users import from :mod:`distbelief.models`. The other packages of distbelief rea
 only through this module (docs/architecture.md, "Imports"); nothing here is a stable API.
 """
 
+from ._factory import BuiltIn
 from ._fitted import FittedMixin
 from ._partitioned import AnyPlan, PartitionPlan
 
-__all__ = ["AnyPlan", "FittedMixin", "PartitionPlan"]
+__all__ = ["AnyPlan", "BuiltIn", "FittedMixin", "PartitionPlan"]

@@ -42,7 +42,7 @@ import scipy.sparse
 from distributed import Client, Future
 
 from distbelief.errors import ClusterError, InvalidOptionError
-from distbelief.models import partition_plan
+from distbelief.models import Model, partition_plan
 from distbelief.models.internal import AnyPlan, PartitionPlan
 from distbelief.storage import Dataset, ShardMap, default_row_cache, keep_loop_responsive, reuse_freed_memory
 from distbelief.storage import reduce_results as _reduce_results
@@ -439,7 +439,7 @@ class ReplicaGroup:
     'finished'
     """
 
-    def __init__(self, futures: Sequence[Future], actors: Sequence[Any], places: Sequence[str]) -> None:
+    def __init__(self, futures: Sequence[Future[Any]], actors: Sequence[Any], places: Sequence[str]) -> None:
         self.futures, self.actors, self.places = list(futures), list(actors), list(places)
 
     @property
@@ -486,7 +486,7 @@ def start_replicas(
 ) -> list[tuple[Any, ReplicaGroup]]:
     """Start ``n_replicas`` replicas of K partition actors each and connect them; ``[(head, group)]``."""
     K = plan.partitions
-    futures: list[list[Future]] = []
+    futures: list[list[Future[Any]]] = []
     places: list[list[str]] = []
     for r in range(n_replicas):
         where = place_partitions(r, K, workers)
@@ -613,7 +613,7 @@ class PartitionedScheduler(PortionScheduler):
         return ReplicaGroup(futures, actors, places)
 
 
-def check_partitioned(model: Any, data: Any, partitions: int) -> AnyPlan:
+def check_partitioned(model: Model, data: Any, partitions: int) -> AnyPlan:
     """The plan of ``model`` in ``partitions`` partitions, or a clear error (before anything is stored).
 
     Raises

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from distbelief.errors import ClusterError
+from distbelief.models import Model
 from distbelief.storage import (
     Dataset,
     ShardMap,
@@ -132,7 +133,7 @@ class Replica:
     def __init__(
         self,
         index: int,
-        model: Any,
+        model: Model,
         dataset: Dataset,
         shard_map: ShardMap | None,
         preload: Sequence[int] = (),

@@ -70,7 +70,7 @@ class PortionScheduler:
     def __init__(
         self,
         client: Client,
-        replicas: list[tuple[Any, Future]],
+        replicas: list[tuple[Any, Future[Any]]],
         n_portions: int,
         *,
         push_every: int = 4,

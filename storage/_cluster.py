@@ -139,7 +139,7 @@ def resolve_client(client: Client | str | None) -> Client:
     from distributed import default_client
 
     try:
-        found = default_client()
+        found: Client = default_client()
     except ValueError:
         return shared_embedded_client()
     if found.status in ("running", "connecting") and not found.asynchronous:

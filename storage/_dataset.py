@@ -133,7 +133,7 @@ class Dataset:
         self._meta = meta
         self._portion_rows = portion_rows
         self._lock = threading.Lock()
-        self._arrays: tuple[zarr.Array, ...] | None = None
+        self._arrays: tuple[zarr.Array[Any], ...] | None = None
         self._direct = False
         #: All labels, read once (read-only): every run's model check needs them, and on 200,000 rows
         #: reading them took ~8 ms of each run's setup. Not pickled: a worker never needs them.
@@ -1117,19 +1117,19 @@ class Dataset:
             state["portion_rows"],
         )
 
-    def _set_arrays(self, arrays: tuple[zarr.Array, ...]) -> None:
+    def _set_arrays(self, arrays: tuple[zarr.Array[Any], ...]) -> None:
         self._arrays = arrays
         c, d = self.chunk_rows, self.n_features
         self._direct = self._loc.local and _plain_layout(arrays[0], (c, d)) and _plain_layout(arrays[1], (c,))
 
-    def _get_arrays(self) -> tuple[zarr.Array, ...]:
+    def _get_arrays(self) -> tuple[zarr.Array[Any], ...]:
         arrays = self._arrays
         if arrays is None:
             with self._lock:
                 if self._arrays is None:
                     _, arrays = _open_checked(self._loc, expected_id=self._meta.dataset_id)
                     self._set_arrays(arrays)
-                arrays = cast(tuple[zarr.Array, ...], self._arrays)
+                arrays = cast("tuple[zarr.Array[Any], ...]", self._arrays)
         return arrays
 
     def _check_rows(self, start: int, stop: int) -> tuple[int, int]:
@@ -1181,7 +1181,7 @@ class Dataset:
 # ------------------------------------------------------------------------------------- store helpers
 
 
-def _create_arrays(group: zarr.Group, meta: _Meta) -> tuple[zarr.Array, zarr.Array]:
+def _create_arrays(group: zarr.Group, meta: _Meta) -> tuple[zarr.Array[Any], zarr.Array[Any]]:
     """The dataset's empty arrays ``X`` and ``y`` in ``group``, chunked along rows."""
     n, d, c = meta.n_rows, meta.n_features, meta.chunk_rows
     # No compressor: random floats barely compress, and raw chunks read at disk speed. write_empty_chunks

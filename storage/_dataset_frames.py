@@ -43,8 +43,10 @@ import numpy as np
 
 from distbelief.errors import DatasetError, InvalidOptionError
 
-from ._dataset import Dataset, _precheck
+from ._dataset import Dataset, _commit, _precheck
 from ._dataset_location import PathLike, _location
+from ._dataset_meta import _Meta
+from ._dataset_validation import _detect_labels
 
 __all__ = ["Encoding", "dataset_from_frame", "dataset_from_parquet"]
 
@@ -460,7 +462,6 @@ def _write_hashed(
     """
     import dask
 
-    from . import _dataset as _d
     from . import _sparse
 
     def compute(value: Any) -> Any:
@@ -468,9 +469,9 @@ def _write_hashed(
             return client.compute(value, sync=True)
         return dask.compute(value)[0]
 
-    loc = _d._location(path, kw.get("storage_options"))
+    loc = _location(path, kw.get("storage_options"))
     overwrite = kw.get("overwrite", False)
-    _d._precheck(loc, overwrite)
+    _precheck(loc, overwrite)
     counts = compute([dask.delayed(_hashed_counts)(p, enc) for p in parts])
     n = sum(c[0] for c in counts)
     nnz = sum(c[1] for c in counts)
@@ -479,7 +480,7 @@ def _write_hashed(
     d = enc.n_features
     c, p, chunk_nnz = _sparse.sparse_layout(n, nnz, d, kw.get("portion_rows"), kw.get("chunk_rows"))
     meta = _sparse._new_meta(n, d, c, p, "real", None)
-    final: list[_d._Meta] = []
+    final: list[_Meta] = []
 
     def blocks() -> Iterator[_sparse._Block]:
         futures: deque[Any] = deque()
@@ -499,12 +500,12 @@ def _write_hashed(
     def write(group: Any) -> None:
         _sparse._write_csr(group, blocks(), meta, nnz, chunk_nnz)
         y = np.asarray(group["y"][:], dtype=np.float64)
-        kind, k = _d._detect_labels(y, kw.get("label_kind"), kw.get("n_classes"))
+        kind, k = _detect_labels(y, kw.get("label_kind"), kw.get("n_classes"))
         done = _named_meta(meta, enc, kind, k)
         group.attrs.update(done.to_attrs())
         final.append(done)
 
-    _d._commit(loc, meta, write, overwrite=bool(overwrite))
+    _commit(loc, meta, write, overwrite=bool(overwrite))
     return _sparse.SparseDataset(loc, final[0], final[0].portion_rows)
 
 

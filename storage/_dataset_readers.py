@@ -6,6 +6,7 @@ Part of :mod:`storage._dataset` (split by concern: metadata, location, validatio
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
 import zarr
@@ -19,7 +20,7 @@ from ._dataset_meta import _Meta
 # ------------------------------------------------------------------------------------------- readers
 
 
-def _plain_layout(arr: zarr.Array, chunk_shape: tuple[int, ...], dtype: str = "<f8") -> bool:
+def _plain_layout(arr: zarr.Array[Any], chunk_shape: tuple[int, ...], dtype: str = "<f8") -> bool:
     """True when chunks are raw little-endian ``dtype`` at the standard keys, so they can be read directly."""
     try:
         # zarr's internals may move between versions: on any surprise, use zarr's own reader instead.
@@ -64,7 +65,7 @@ def _read_exact(path: str, offset: int, buf: memoryview) -> None:
         raise _ShortReadError(path) from exc
 
 
-def _open_checked(loc: _Location, *, expected_id: str | None) -> tuple[_Meta, tuple[zarr.Array, ...]]:
+def _open_checked(loc: _Location, *, expected_id: str | None) -> tuple[_Meta, tuple[zarr.Array[Any], ...]]:
     where = loc.url
     hint = "build one with Dataset.from_arrays / from_npz / from_csv, or check the path"
     try:

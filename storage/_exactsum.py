@@ -380,7 +380,7 @@ def value(state: np.ndarray) -> np.ndarray:
     >>> value(deposit(zeros(2), np.array([2.0, -0.5]))).tolist()
     [2.0, -0.5]
     """
-    out = state[1].copy()
+    out: np.ndarray = state[1].copy()
     for k in range(2, BINS + 1):
         out += state[k]
     return out

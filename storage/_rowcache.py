@@ -113,7 +113,8 @@ class RowCache:
         key = (str(dataset.dataset_id), start, stop, tag)
         with self._lock:
             if key in self._derived:
-                return self._derived[key]
+                hit: T = self._derived[key]
+                return hit
         X, y = self.rows(dataset, start, stop)
         value = make(X, y)
         with self._lock:

@@ -365,7 +365,7 @@ class ParameterServer:
         client: Client,
         url: str,
         layout: Layout,
-        futures: list[Future],
+        futures: list[Future[Any]],
         *,
         timeout: float,
         meta: dict[str, Any],
@@ -958,7 +958,7 @@ class ParameterServer:
         return f"ParameterServer(n={self.n}, shards={self.shards}, store={self.url!r})"
 
 
-def _release(futures: Sequence[Future]) -> None:
+def _release(futures: Sequence[Future[Any]]) -> None:
     """Let go of shard actors (the server's at close, or those of a server that was never made)."""
     for f in futures:
         with contextlib.suppress(Exception):
@@ -1044,7 +1044,7 @@ def _submit_shard(
     budget: dict[str, Any],
     vectors: dict[str, np.ndarray] | None = None,
     restore: tuple[str, Sequence[str], Any] | None = None,
-) -> Future:
+) -> Future[Any]:
     """Start shard ``index`` (``[lo, hi)``) as a :class:`ShardActor` on ``worker``: new (with ``vectors``, or
     empty), or restored from a checkpoint, ``restore = (slot, names, scalar state)``. The one place a shard
     actor is built (create, open and recovery)."""

@@ -540,7 +540,8 @@ class Shard:
         keys = np.asarray(keys)
         if keys.size and (int(keys.min()) < 0 or int(keys.max()) >= vec.size):
             raise InvalidOptionError(f"shard {self.index}: keys outside its slice of {vec.size}")
-        return vec[keys]
+        picked: np.ndarray = vec[keys]
+        return picked
 
     def push_parts(
         self,

@@ -201,7 +201,7 @@ class _Appender:
     rewrite a chunk once per batch that touches it; buffering up to a chunk writes each chunk once.
     """
 
-    def __init__(self, arr: zarr.Array) -> None:
+    def __init__(self, arr: zarr.Array[Any]) -> None:
         self.arr = arr
         self.chunk = int(arr.chunks[0])
         self.pos = 0
@@ -238,7 +238,7 @@ class _Appender:
             )
 
 
-def _create(group: zarr.Group, name: str, size: int, chunk: int, dtype: Any) -> zarr.Array:
+def _create(group: zarr.Group, name: str, size: int, chunk: int, dtype: Any) -> zarr.Array[Any]:
     # The options of the dense arrays (storage/_dataset.py _write_arrays): raw chunks, no empty-chunk scan.
     return group.create_array(
         name,
@@ -601,7 +601,7 @@ def from_svmlight(
 
     def write(group: zarr.Group) -> None:
         _write_csr(group, blocks(), meta, scan.nnz, chunk_nnz)
-        y = np.asarray(cast(zarr.Array, group["y"])[:], dtype=np.float64)
+        y = np.asarray(cast("zarr.Array[Any]", group["y"])[:], dtype=np.float64)
         kind, k = _detect_labels(y, label_kind, n_classes)
         done = dataclasses.replace(meta, label_kind=kind, n_classes=k)
         group.attrs.update(done.to_attrs())
@@ -614,7 +614,7 @@ def from_svmlight(
 # ---------------------------------------------------------------------------------------------- reading
 
 
-def checked_arrays(group: zarr.Group, meta: _Meta, where: str) -> tuple[zarr.Array, ...]:
+def checked_arrays(group: zarr.Group, meta: _Meta, where: str) -> tuple[zarr.Array[Any], ...]:
     """The arrays ``(indptr, y, indices, data)`` of a sparse dataset, checked against its metadata."""
     try:
         arrays = tuple(group[name] for name in ("indptr", "y", "indices", "data"))
@@ -622,7 +622,7 @@ def checked_arrays(group: zarr.Group, meta: _Meta, where: str) -> tuple[zarr.Arr
         raise StoreError(f"{where}: the sparse dataset is damaged (missing array {exc}); rebuild it") from exc
     if not all(isinstance(a, zarr.Array) for a in arrays):
         raise StoreError(f"{where}: the sparse dataset is damaged (not an array); rebuild it")
-    indptr, y, indices, data = cast(tuple[zarr.Array, ...], arrays)
+    indptr, y, indices, data = cast("tuple[zarr.Array[Any], ...]", arrays)
     n, c = meta.n_rows, meta.chunk_rows
     ok = (
         indptr.shape == (n + 1,)
@@ -671,7 +671,7 @@ class SparseDataset(Dataset):
         """Number of stored nonzeros."""
         return int(self._get_arrays()[2].shape[0])
 
-    def _set_arrays(self, arrays: tuple[zarr.Array, ...]) -> None:
+    def _set_arrays(self, arrays: tuple[zarr.Array[Any], ...]) -> None:
         self._arrays = arrays
         names = ("indptr", "y", "indices", "data")
         self._plain = {
@@ -700,7 +700,7 @@ class SparseDataset(Dataset):
         X.has_canonical_format = True  # written canonical: saves scipy a pass to find out
         return X, self._read("y", start, stop)
 
-    def _read_range(self, name: str, arr: zarr.Array, a: int, b: int) -> np.ndarray[Any, Any]:
+    def _read_range(self, name: str, arr: zarr.Array[Any], a: int, b: int) -> np.ndarray[Any, Any]:
         out = np.empty(b - a, dtype=arr.dtype)
         if a == b:
             return out

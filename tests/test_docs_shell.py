@@ -100,7 +100,8 @@ def test_blocks_that_run_elsewhere(first: str) -> None:
 
 
 def _block(kind: str) -> str:
-    (block,) = [b for _, b in SHELL_BLOCKS if HERE.get(_kind(b, HERE) or "") == kind]
+    blocks: list[str] = [b for _, b in SHELL_BLOCKS if HERE.get(_kind(b, HERE) or "") == kind]
+    (block,) = blocks
     return block
 
 

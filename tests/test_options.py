@@ -59,7 +59,7 @@ def test_every_option_a_front_door_is_given_reaches_its_options_object(
     # door forgot to pass would arrive as the class's default, not as what the caller gave.
     built: dict[str, Any] = {}
 
-    class StandIn(options):  # type: ignore[valid-type,misc]
+    class StandIn(options):  # type: ignore[misc]
         def __post_init__(self) -> None:  # records the fields as given, checks nothing
             built.update({name: getattr(self, name) for name in option_names(options)})
             raise _Built
@@ -94,7 +94,7 @@ def test_an_unknown_keyword_names_the_closest_option(front_door: Callable[..., A
 @pytest.mark.parametrize("name", ["maxls", "in_flight", "step", "restart_every"])
 def test_the_options_that_were_not_settable_are_keywords_that_are_checked(name: str) -> None:
     with pytest.raises(InvalidOptionError, match=rf"option {name}=0 is invalid"):
-        sandblaster.minimize(None, None, **{name: 0})
+        sandblaster.minimize(None, None, **{name: 0})  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, kw_only=True)

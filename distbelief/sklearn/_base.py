@@ -39,6 +39,7 @@ from sklearn.base import clone
 from sklearn.exceptions import ConvergenceWarning
 
 from distbelief.errors import DatasetError, InvalidOptionError
+from distbelief.models import Model
 from distbelief.storage import Dataset
 from distbelief.storage.internal import run_store
 
@@ -808,7 +809,7 @@ class FitProgress:
 
 
 def fit_model(
-    model: Any,
+    model: Model,
     data: Dataset | tuple[FloatArray, FloatArray],
     *,
     l2: float,
@@ -859,7 +860,7 @@ def fit_model(
 
 
 def _solve(
-    run_model: Any,
+    run_model: Model,
     data: Any,
     *,
     l2: float,
@@ -936,7 +937,7 @@ LOCAL_MAX_WORK = 2e7
 LOCAL_MAX_PARAMS = 1 << 17
 
 
-def fits_in_process(data: Any, model: Any) -> bool:
+def fits_in_process(data: Any, model: Model) -> bool:
     """Whether ``data`` is rows in memory small enough to fit ``model`` in this process (see
     :data:`LOCAL_MAX_WORK` and :data:`LOCAL_MAX_PARAMS`).
 

@@ -353,7 +353,7 @@ class _Distbelief(BaseEstimator):
         self._nit = nit
         return w
 
-    def _warm_x0(self, model: Any, x0: FloatArray | None) -> FloatArray | None:
+    def _warm_x0(self, model: models.Model, x0: FloatArray | None) -> FloatArray | None:
         """The previous fit's parameters with ``warm_start`` (if there was one), else ``x0``.
 
         The previous model must be the same (same features, classes and layout), else there is nothing
@@ -450,7 +450,7 @@ def _csr(X: Any) -> sp.csr_array:
     return out
 
 
-def _free_linear(model: Any) -> list[tuple[int, int]]:
+def _free_linear(model: models.LeastSquares | models.Logistic | models.Softmax) -> list[tuple[int, int]]:
     """The intercept range of a built-in linear model (empty without an intercept)."""
     if not model.fit_intercept:
         return []
@@ -467,6 +467,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
     C: float
     fit_intercept: bool
     downpour_options: dict[str, Any] | None
+    n_iter_: NDArray[np.int32]  # set by fit: one entry, as scikit-learn's linear classifiers
 
     def __init__(
         self,
@@ -535,7 +536,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
             k = len(self.classes_)
             d = int(self.n_features_in_)
             fit_intercept = bool(self.fit_intercept)
-            model: Any
+            model: models.Logistic | models.Softmax
             if k == 2 and not self._always_softmax:
                 model = models.Logistic(d, fit_intercept=fit_intercept)
             else:
@@ -575,7 +576,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
             )
         return float(r)
 
-    def _set_coef(self, model: Any, w: FloatArray) -> None:
+    def _set_coef(self, model: models.Logistic | models.Softmax, w: FloatArray) -> None:
         d = model.n_features
         if isinstance(model, models.Logistic):
             self.coef_ = w[:d].reshape(1, d).copy()

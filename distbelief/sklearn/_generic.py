@@ -9,6 +9,7 @@ import numpy as np
 from sklearn.base import ClassifierMixin
 
 from distbelief.errors import InvalidOptionError
+from distbelief.models import Model
 
 from ._base import check_alpha, check_common, fit_store
 from ._estimators import _Distbelief
@@ -46,7 +47,7 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
 
     def __init__(
         self,
-        model: Any = None,
+        model: Model | None = None,
         *,
         alpha: float = 0.0,
         solver: str = "lbfgs",
@@ -130,7 +131,7 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
         return self.classes_[index]
 
 
-def _takes_sample_weight(model: Any) -> bool:
+def _takes_sample_weight(model: Model) -> bool:
     """Whether ``model.loss_and_grad`` has a ``sample_weight`` keyword (or takes any keyword)."""
     try:
         params = inspect.signature(model.loss_and_grad).parameters.values()

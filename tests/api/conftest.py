@@ -30,7 +30,7 @@ from distbelief.storage import load_digits
 TOKEN = "test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 FINAL = ("succeeded", "failed", "cancelled")
-LOGISTIC = {"kind": "logistic", "n_features": 4}
+LOGISTIC: dict[str, Any] = {"kind": "logistic", "n_features": 4}
 
 
 def tiny_xy(n: int = 240, d: int = 4, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import secrets
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -31,7 +33,7 @@ pytestmark = pytest.mark.anyio
 
 LBFGS = {"algorithm": "sandblaster-lbfgs", "dataset": "tiny", "model": LOGISTIC}
 # A job that runs until it is stopped: no convergence test can end it for hundreds of iterations.
-ENDLESS = {
+ENDLESS: dict[str, Any] = {
     "algorithm": "sandblaster-lbfgs",
     "dataset": "digits",
     "model": {"kind": "softmax", "n_features": 64, "n_classes": 10},
@@ -223,7 +225,7 @@ async def test_a_dataset_in_use_cannot_be_deleted_or_replaced(asgi: httpx.AsyncC
     r = await asgi.delete("/api/datasets/digits")
     assert r.status_code == 409 and job["id"] in r.json()["detail"]
     X, y = tiny_xy(seed=5)
-    replacement = {
+    replacement: dict[str, Any] = {
         "data": {"name": "digits", "overwrite": "true"},
         "files": {"file": ("t.npz", npz_bytes(X, y))},
     }
@@ -271,16 +273,14 @@ async def test_downpour_adagrad_job_runs_through_the_api(asgi: httpx.AsyncClient
 async def test_token_guards_every_route_but_health(
     tmp_path: Path, client: DaskClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from distbelief.api import settings as api_settings
-
     seen: list[tuple[bytes, bytes]] = []
-    real = api_settings.secrets.compare_digest
+    real = secrets.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         seen.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(api_settings.secrets, "compare_digest", spy)
+    monkeypatch.setattr(secrets, "compare_digest", spy)  # the module api.settings calls it from
     async with running_app(settings_for(tmp_path), client) as (_, http):
         anonymous = httpx.AsyncClient(transport=http._transport, base_url="http://testserver")
         async with anonymous:

@@ -21,6 +21,7 @@ def test_a_finished_job_is_a_fitted_estimator(server: str) -> None:
         w = api.params(job["id"])
     assert isinstance(est, LogisticRegression)
     model = models.from_spec(LOGISTIC)
+    assert isinstance(model, models.Logistic)
     np.testing.assert_array_equal(est.predict(X), model.predict(w, X))
     np.testing.assert_allclose(est.predict_proba(X)[:, 1], model.predict_proba(w, X))
     assert est.score(X, y) == pytest.approx(model.accuracy(w, X, y))

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TOKEN = "compose-token-0123456789abcdef"
 SOFTMAX = {"kind": "softmax", "n_features": 64, "n_classes": 10}
-LBFGS = {"gtol": 0.0, "ftol": 0.0, "maxiter": 120, "checkpoint_every": 5, "l2": 1e-3}
+LBFGS: dict[str, Any] = {"gtol": 0.0, "ftol": 0.0, "maxiter": 120, "checkpoint_every": 5, "l2": 1e-3}
 DOWNPOUR = {"epochs": 300, "lr": 0.3, "checkpoint_every_s": 0.2, "replicas": 2}
 
 

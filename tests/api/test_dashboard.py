@@ -37,7 +37,7 @@ def test_submit_from_the_page_and_watch_the_curve_grow(tmp_path: Path, client: D
 
             # Without the token the page says what to do; with it, the form fills in from the API.
             page.wait_for_selector("#banner:not([hidden])")
-            assert "token" in page.text_content("#banner")
+            assert "token" in (page.text_content("#banner") or "")
             page.fill("#token-input", TOKEN)
             page.click("#token-form button")
             page.wait_for_selector("#f-dataset option[value=digits]", state="attached")
@@ -73,8 +73,8 @@ def test_submit_from_the_page_and_watch_the_curve_grow(tmp_path: Path, client: D
             assert page.text_content("#job-title") == "from the browser"
             # The gradient-norm chart (log scale) and the job's options are on the page too.
             assert page.eval_on_selector("#chart-b polyline", "e => +e.dataset.n") == 151
-            assert "maxiter" in page.text_content("#options-table")
-            assert "eval_accuracy" in page.text_content("#result-table")
+            assert "maxiter" in (page.text_content("#options-table") or "")
+            assert "eval_accuracy" in (page.text_content("#result-table") or "")
             shot = tmp_path / "dashboard-job.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000
@@ -104,7 +104,7 @@ def test_submit_from_the_page_and_watch_the_curve_grow(tmp_path: Path, client: D
             )
             assert cells == [["0", "0"], ["0", "1"], ["1", "0"], ["1", "1"]]
             workers = [w["worker"] for g in mp["placement"] for w in g["partitions"]]
-            assert all(w and w in page.text_content("#placement-table") for w in workers)
+            assert all(w and w in (page.text_content("#placement-table") or "") for w in workers)
             assert errors == []
             # Nothing is fetched from anywhere but the service itself (no CDN).
             assert all(u.startswith(url) or u.startswith("data:") for u in requested), requested

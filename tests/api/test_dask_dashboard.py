@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 import pytest
+from pydantic import SecretStr
 
 from distbelief.api import BackgroundServer, Client, Settings, create_app
 from distbelief.api.main import dask_dashboard_address
@@ -59,5 +60,5 @@ def test_the_embedded_cluster_reports_a_working_dask_dashboard_link(tmp_path: Pa
 def test_the_dask_dashboard_binds_where_the_api_does_or_is_off(
     host: str, configured: str | None, expected: str | None
 ) -> None:
-    settings = Settings(host=host, api_token="t" * 16, dask_dashboard_address=configured)
+    settings = Settings(host=host, api_token=SecretStr("t" * 16), dask_dashboard_address=configured)
     assert dask_dashboard_address(settings) == expected

@@ -18,6 +18,7 @@ from distbelief.storage import digits_dataset
 
 def test_demo_runs_both_jobs_through_the_api(client: DaskClient, capsys: pytest.CaptureFixture[str]) -> None:
     # On the session's cluster (--scheduler) rather than an embedded one, to keep the test quick.
+    assert client.scheduler is not None and client.scheduler.address is not None
     assert main(["demo", "--no-keep", "--scheduler", client.scheduler.address]) == 0
     out = capsys.readouterr().out
     assert re.search(r"dashboard: http://127\.0\.0\.1:\d+/", out)

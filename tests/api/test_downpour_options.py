@@ -54,7 +54,7 @@ def test_the_client_sends_a_compression_object_as_its_json() -> None:
         sent.append(json.loads(request.content))
         return httpx.Response(201, json={"id": "x", "status": "queued"})
 
-    spec = {
+    spec: dict[str, Any] = {
         "algorithm": "downpour-sgd",
         "dataset": "tiny",
         "model": LOGISTIC,

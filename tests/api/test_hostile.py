@@ -9,6 +9,7 @@ import shutil
 import zipfile
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -228,7 +229,7 @@ async def test_a_huge_integer_is_a_422(small: httpx.AsyncClient) -> None:
         {"kind": "logistic", "n_features": int("9" * 400)},
         {"kind": "mlp", "layer_sizes": [4, int("9" * 400), 2]},
     ):
-        body = {"algorithm": "sandblaster-lbfgs", "dataset": "tiny", "model": model}
+        body: dict[str, Any] = {"algorithm": "sandblaster-lbfgs", "dataset": "tiny", "model": model}
         r = await small.post("/api/jobs", json=body)
         assert r.status_code == 422, r.text
     body = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from distbelief.api import Client
 from distbelief.api.cli import main
 from tests.api.conftest import LOGISTIC, TOKEN, tiny_xy
 
-JOBS = {
+JOBS: dict[str, dict[str, Any]] = {
     "sandblaster-lbfgs": {"l2": 0.05},
     "sandblaster-gd": {"l2": 0.05, "maxiter": 20},
     "sandblaster-owlqn": {"l2": 0.05, "l1": 0.01},

@@ -25,7 +25,7 @@ SOFTMAX = {"kind": "softmax", "n_features": 64, "n_classes": 10}
 # A fixed number of iterations: no convergence test may end the run early.
 # 120 iterations (the run would converge at 162): the app stops at checkpoint 6, and over 100 iterations
 # (~1 s) are left to keep the job running while it does, even on a loaded machine.
-LONG = {"gtol": 0.0, "ftol": 0.0, "maxiter": 120, "l2": 1e-3, "checkpoint_every": 3}
+LONG: dict[str, Any] = {"gtol": 0.0, "ftol": 0.0, "maxiter": 120, "l2": 1e-3, "checkpoint_every": 3}
 
 
 async def submit(http: httpx.AsyncClient, algorithm: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +103,7 @@ async def test_jobs_that_cannot_resume_are_failed_or_started_over(tmp_path: Path
         ("bbbbbbbbbbbbbbbb", "sandblaster-lbfgs", {"maxiter": 4}, "running"),
         ("dddddddddddddddd", "sandblaster-gd", {"maxiter": 2}, "queued"),
     ]:
-        record = {
+        record: dict[str, Any] = {
             **template,
             "id": job_id,
             "algorithm": algorithm,
@@ -205,7 +205,7 @@ def test_a_downpour_job_taken_up_again_keeps_its_metrics_rows_up_to_the_checkpoi
     monkeypatch.setattr(internal, "resume_point", lambda store: point)  # where the runner looks it up
     store = JobStore(str(tmp_path))
     # What a record needs to be served (one without is set aside at start).
-    record = {
+    record: dict[str, Any] = {
         "id": "bbbbbbbbbbbbbbbb", "algorithm": "downpour-sgd", "status": "running", "restarts": 0,
         "created_at": "2026-01-01T00:00:00+00:00", "model": LOGISTIC, "dataset": "tiny", "options": {},
     }  # fmt: skip
@@ -233,7 +233,7 @@ def test_a_resumed_downpour_job_ends_with_its_rows_from_before_the_checkpoint(tm
     store = JobStore(str(tmp_path))
     runner = JobRunner(settings_for(tmp_path), store, client=None)  # type: ignore[arg-type]
     runner._evaluate = lambda *args: {}  # type: ignore[method-assign]
-    record = {
+    record: dict[str, Any] = {
         "id": "cccccccccccccccc", "algorithm": "downpour-sgd", "status": "running", "options": {},
         "resumed_from": 100, "created_at": "2026-01-01T00:00:00+00:00",
     }  # fmt: skip
@@ -318,11 +318,11 @@ def test_a_job_whose_final_evaluation_fails_keeps_its_parameters_and_says_so(tmp
     store = JobStore(str(tmp_path))
     runner = JobRunner(settings_for(tmp_path), store, client=None)  # type: ignore[arg-type]
 
-    def lost(*args: object) -> dict[str, float]:
+    def lost(*args: object, **kwargs: object) -> dict[str, float]:
         raise TimeoutError("the evaluation of the final loss did not finish within 600 s")
 
     runner._evaluate = lost  # type: ignore[method-assign]
-    record = {
+    record: dict[str, Any] = {
         "id": "dddddddddddddddd", "algorithm": "sandblaster-lbfgs", "status": "running", "options": {},
         "created_at": "2026-01-01T00:00:00+00:00",
     }  # fmt: skip

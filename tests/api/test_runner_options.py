@@ -84,12 +84,16 @@ def test_a_job_carrying_a_service_option_is_refused_at_submit_and_nothing_is_sto
     Dataset.from_arrays(*tiny_xy(), path=store.url("datasets", "tiny"))
     runner = JobRunner(settings_for(tmp_path / "store"), store, client)
     try:
-        for algorithm, options in (("sandblaster-lbfgs", {}), ("downpour-sgd", {"epochs": 1})):
+        cases: tuple[tuple[Any, dict[str, Any]], ...] = (
+            ("sandblaster-lbfgs", {}),
+            ("downpour-sgd", {"epochs": 1}),
+        )
+        for algorithm, options in cases:
             for key in sorted(SERVICE_OPTIONS):
                 # model_construct skips JobCreate's own check, as a caller of the runner might.
                 create = JobCreate.model_construct(
                     algorithm=algorithm,
-                    model=LOGISTIC,
+                    model=LOGISTIC,  # type: ignore[arg-type]  # a spec dict, left as it is by model_construct
                     dataset="tiny",
                     eval_dataset=None,
                     options={**options, key: True},
@@ -135,7 +139,12 @@ async def test_the_app_freezes_once_after_its_first_job(
 ) -> None:
     freezes: list[int] = []
     freeze = gc.freeze
-    monkeypatch.setattr(gc, "freeze", lambda: (freezes.append(1), freeze())[1])
+
+    def counted() -> None:
+        freezes.append(1)
+        freeze()
+
+    monkeypatch.setattr(gc, "freeze", counted)
     async with running_app(settings_for(tmp_path / "store"), client) as (app, _):
         runner = app.state.runner
         assert freezes == [1]  # the app's own, at its start

@@ -15,6 +15,7 @@ from benchmarks import api_kill
 @pytest.mark.timeout(400)
 def test_api_kill_quick_run(client: Client, tmp_path: Path) -> None:
     out = tmp_path / "kill.json"
+    assert client.scheduler is not None
     result = api_kill.main(["--quick", "--out", str(out)], scheduler=client.scheduler.address)
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     total = result["reference"]["steps"]

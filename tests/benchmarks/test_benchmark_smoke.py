@@ -138,7 +138,7 @@ def test_sandblaster_vs_peers_marks_rows_that_miss_a_target() -> None:
 def test_sandblaster_vs_peers_floor_rows_cover_every_row_once() -> None:
     workers = ["tcp://a:1", "tcp://b:2", "tcp://c:3"]
     for n, portions in ((1797, 1), (200_000, 6), (10, 4), (7, 9)):
-        ds = SimpleNamespace(n_rows=n)
+        ds: Any = SimpleNamespace(n_rows=n)  # a fake dataset: _floor_rows reads n_rows only
         ranges = [r for w in workers for r in sandblaster_vs_peers._floor_rows(ds, workers, portions, w)]
         covered = np.concatenate([np.arange(a, b) for a, b in ranges])
         np.testing.assert_array_equal(covered, np.arange(n))
@@ -240,7 +240,11 @@ def test_downpour_figure4_issue30_problem_has_the_adagrad_floor_and_merges(
     problem = downpour_figure4.mlp30_problem(quick=True)
     original = downpour_figure4.mlp30_problem
     try:
-        downpour_figure4.mlp30_problem = lambda quick: problem  # the quick sizes, saved as a full run
+
+        def quick_sizes(quick: bool, *, seed: int = 0) -> Any:
+            return problem
+
+        downpour_figure4.mlp30_problem = quick_sizes  # the quick sizes, saved as a full run
         assert downpour_figure4.main([*argv, "--out", str(tmp_path)], client=client) == 0
     finally:
         downpour_figure4.mlp30_problem = original
@@ -253,7 +257,7 @@ def test_downpour_figure4_issue30_problem_has_the_adagrad_floor_and_merges(
 
 
 def test_downpour_figure4_flags_a_row_at_chance() -> None:
-    runs = [
+    runs: list[dict[str, Any]] = [
         {"time_to_target": 1.2, "final_accuracy": 0.96},
         {"time_to_target": math.inf, "final_accuracy": 0.10, "success": False, "message": "diverged"},
         {"time_to_target": math.inf, "final_accuracy": 0.12},
@@ -294,7 +298,7 @@ def test_api_load_quick_run(tmp_path: Path) -> None:
 
 
 def test_api_load_marks_a_slow_read_as_missed() -> None:
-    result = {
+    result: dict[str, Any] = {
         "lost": 0,
         "not_final": 1,
         "submit": {"errors": 0, "p99_ms": api_load.SUBMIT_P99_TARGET_MS},

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from distbelief.downpour import BatchPlan, FetchRequest, PushMessage, ReplicaCore
 from distbelief.storage import Layout, Shard
@@ -30,9 +31,9 @@ class ConstantGradient:
     def init_params(self, seed: int | None = None) -> np.ndarray:
         return np.zeros(self.n_params)
 
-    def loss_and_grad(self, w: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+    def loss_and_grad(self, w: ArrayLike, X: Any, y: ArrayLike) -> tuple[float, np.ndarray]:
         rows = X.shape[0]
-        return float(rows * (self.c @ w)), rows * self.c
+        return float(rows * (self.c @ np.asarray(w))), rows * self.c
 
 
 class Jittery:

@@ -241,7 +241,7 @@ def test_compressed_pushes_land_once_and_the_residual_holds_the_rest(
     )  # fmt: skip
     sim.run()
     steps = sum(len(p) for p in plans)
-    residual = sum(rep.core.compressor.residual for rep in sim.replicas)
+    residual = sum((_compressor(rep.core).residual for rep in sim.replicas), np.zeros(12))
     # lr = 1: the shards hold -(sum of +/-tau sent), exactly (dyadic values, no rounding).
     np.testing.assert_array_equal(-sim.x + residual, steps * model.c)
     # One quantum per entry per push at most (Strom: large gradients go out at rate tau, the rest waits).
@@ -289,9 +289,18 @@ def test_compression_takes_over_key_value_pushes_and_keeps_fetching_keys() -> No
     msg = core.take_push()
     assert msg is not None and msg.tau == 2.0 and msg.fetch is not None
     parts = msg.parts((0, 3, 6))
-    decoded = [decode_signs(codes) for _, codes in parts]
+    decoded = []
+    for _, codes in parts:
+        assert codes is not None
+        decoded.append(decode_signs(codes))
     assert [values for values, _ in parts] == [None, None]
     assert [k.tolist() for k, _ in decoded] == [[1, 2], [0, 1, 2]]  # |c| >= 2: global 1, 2, 3, 4, 5
     assert not any(neg.any() for _, neg in decoded)
-    np.testing.assert_array_equal(core.compressor.residual, [1, 0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(_compressor(core).residual, [1, 0, 1, 2, 3, 4])
     assert core.counters.bytes_pushed == 4 * 5 + 8 * 2
+
+
+def _compressor(core: ReplicaCore) -> ThresholdCompressor:
+    """The compressor of a core made with ``compression=``."""
+    assert core.compressor is not None
+    return core.compressor

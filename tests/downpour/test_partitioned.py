@@ -18,6 +18,7 @@ from distributed import Client
 
 from distbelief import downpour, models
 from distbelief.downpour import BatchPlan, sequential_sgd
+from distbelief.downpour._reference import ReferenceResult
 from distbelief.errors import ClusterError, DatasetError, InvalidOptionError
 from distbelief.storage import Dataset, train_test_split_digits, worker_addresses
 
@@ -30,10 +31,12 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
     return Dataset.from_arrays(X_TR, Y_TR, path=path, portion_rows=512, label_kind="classes", n_classes=10)
 
 
-def _reference(model: models.MLP | models.LocallyConnected, ds: Dataset, steps: int, **kw: Any) -> np.ndarray:
+def _reference(
+    model: models.MLP | models.LocallyConnected, ds: Dataset, steps: int, **kw: Any
+) -> ReferenceResult:
     plan = BatchPlan.for_rows(ds, 0, ds.n_rows, batch_size=32, seed=3, replica=0)
     batches = list(itertools.islice(plan.global_batches(100), steps))
-    return sequential_sgd(model, X_TR, Y_TR, model.init_params(3), batches, **kw)  # type: ignore[arg-type]
+    return sequential_sgd(model, X_TR, Y_TR, model.init_params(3), batches, **kw)
 
 
 @pytest.mark.parametrize(
@@ -88,7 +91,8 @@ def test_unsupported_options_are_refused(client: Client, digits: Dataset) -> Non
         downpour.train(model, digits, partitions=2, warmstart_steps=3, max_steps=1, client=client)
     with pytest.raises(InvalidOptionError, match="n_push"):
         downpour.train(model, digits, partitions=2, n_push=0, max_steps=1, client=client)
-    for bad in (-1.0, math.inf, "5", True):
+    bads: tuple[Any, ...] = (-1.0, math.inf, "5", True)
+    for bad in bads:
         with pytest.raises(InvalidOptionError, match=r"checkpoint_every_s=.* is invalid"):
             downpour.train(model, digits, partitions=2, checkpoint_every_s=bad, max_steps=1, client=client)
     with pytest.raises(InvalidOptionError, match="cannot be partitioned"):

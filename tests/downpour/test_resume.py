@@ -5,6 +5,7 @@ accumulators, shard clocks and the replicas' step and epoch counters, checked in
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 import numpy as np
@@ -35,8 +36,8 @@ DATA = (np.zeros((600, 1)), np.zeros(600))
 def test_a_resumed_run_continues_from_its_checkpoint(client: Client, tmp_path: Path, rule: str) -> None:
     model = ConstantGradient(N)
     # Unscaled steps: the closed form counts every applied step at the full rate.
-    opts = {"replicas": 2, "rule": rule, "lr": LR, "batch_size": 5, "epochs": 100, "client": client,
-            "staleness_scale": False}  # fmt: skip
+    opts: dict[str, Any] = {"replicas": 2, "rule": rule, "lr": LR, "batch_size": 5, "epochs": 100,
+                            "client": client, "staleness_scale": False}  # fmt: skip
     # Stopped by max_steps, which every replica counts itself (2000 of its 6000 steps): a callback's stop
     # lands whenever the driver gets to it, and on a loaded box that was after all 100 epochs.
     first = downpour.train(model, DATA, **opts, store=tmp_path, eval_every=0.01, max_steps=2000)

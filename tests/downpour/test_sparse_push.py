@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -59,7 +59,10 @@ def test_windowed_steps_of_other_linear_models_are_sequential_too(
 @pytest.mark.parametrize("rule", ["sgd", "adagrad"])
 @pytest.mark.parametrize("mode", ["sparse", "dense"])
 def test_one_replica_with_max_staleness_0_is_sequential(
-    client: Client, wide: tuple[Dataset, Any, np.ndarray], rule: str, mode: str
+    client: Client,
+    wide: tuple[Dataset, Any, np.ndarray],
+    rule: Literal["sgd", "adagrad"],
+    mode: Literal["sparse", "dense"],
 ) -> None:
     ds, X, y = wide
     model = models.Logistic(ds.n_features)

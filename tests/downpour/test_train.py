@@ -290,10 +290,12 @@ def test_worker_addresses_not_in_the_cluster_are_refused(
 ) -> None:
     model = models.MLP([64, 8, 10])
     run: dict[str, Any] = {"max_steps": 1, "partitions": partitions, "client": client, "store": tmp_path}
+    string: dict[str, Any] = {where: "tcp://127.0.0.1:1"}  # a string, not a list
     with pytest.raises(InvalidOptionError, match=f"{where}=.*list of worker addresses"):
-        downpour.train(model, digits, **run, **{where: "tcp://127.0.0.1:1"})  # a string, not a list
+        downpour.train(model, digits, **run, **string)
+    unknown: dict[str, Any] = {where: ["tcp://127.0.0.1:1"]}
     with pytest.raises(InvalidOptionError, match=r"'tcp://127\.0\.0\.1:1' is not a worker of the cluster"):
-        downpour.train(model, digits, **run, **{where: ["tcp://127.0.0.1:1"]}, call_timeout=2.0)
+        downpour.train(model, digits, **run, **unknown, call_timeout=2.0)
     assert not (tmp_path / "params").exists() and not (tmp_path / "ps").exists()
 
 

@@ -3,8 +3,11 @@ waits, the local steps a late fetch must not lose, and the pushes, against hand-
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
+from numpy.typing import ArrayLike
 
 from distbelief.downpour import ReplicaCore
 from distbelief.errors import InvalidOptionError
@@ -61,8 +64,12 @@ class _Identity:
     def __init__(self, n: int) -> None:
         self.n_params = n
 
-    def loss_and_grad(self, w: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
-        return 0.5 * float(w @ w) * X.shape[0], w * X.shape[0]
+    def init_params(self, seed: int | None = None) -> np.ndarray:
+        return np.zeros(self.n_params)
+
+    def loss_and_grad(self, w: ArrayLike, X: Any, y: ArrayLike) -> tuple[float, np.ndarray]:
+        x = np.asarray(w)
+        return 0.5 * float(x @ x) * X.shape[0], x * X.shape[0]
 
 
 def test_fetches_ask_for_the_next_window_and_a_step_waits_for_its_own() -> None:
@@ -81,13 +88,13 @@ def test_fetches_ask_for_the_next_window_and_a_step_waits_for_its_own() -> None:
         assert not core.must_wait()
         _step(core, step)
     msg = core.take_push()
-    assert msg is not None and msg.fetch is None  # not fused here
+    assert msg is not None and msg.fetch is None and msg.keys is not None  # not fused here
     # The push carries exactly the entries the window's steps moved, each shard's local offsets.
     moved = _union(0, 3)
     assert (
         np.concatenate([k + lo for k, (lo, _) in zip(msg.keys, RANGES, strict=True)]).tolist()
         == moved.tolist()
-    )  # type: ignore[arg-type]
+    )
     core.begin_step()  # step 3: the fetch due asks for the window after this one
     assert core.fetch_wanted()
     second = core.start_fetch()

@@ -179,8 +179,8 @@ def test_kernels_accept_read_only_and_strided_inputs() -> None:
 def test_kernels_release_the_gil() -> None:
     _kernel("logistic")
     _kernel("softmax")
-    assert _compiled._glm_pass.targetoptions["nogil"]
-    assert _compiled._softmax_pass.targetoptions["nogil"]
+    assert _compiled._glm_pass.targetoptions["nogil"]  # type: ignore[attr-defined]  # a numba dispatcher
+    assert _compiled._softmax_pass.targetoptions["nogil"]  # type: ignore[attr-defined]
 
 
 def test_unknown_kind() -> None:
@@ -234,7 +234,7 @@ def spy() -> Iterator[list[str]]:
     real = _compiled.fused_kernel
 
     def recording(kind: Any) -> Any:
-        kernel = real(kind)
+        kernel: Callable[..., Any] | None = real(kind)
         if kernel is None:  # pragma: no cover - numba is a dependency
             pytest.skip("numba is not usable here")
 
@@ -293,7 +293,12 @@ def test_models_on_the_compiled_path_match_oracle(
     with pytest.MonkeyPatch.context() as mp:
         kinds: list[str] = []
         real = _compiled.fused_kernel
-        mp.setattr(_compiled, "fused_kernel", lambda kind: kinds.append(kind) or real(kind))
+
+        def recording(kind: Any) -> Any:
+            kinds.append(kind)
+            return real(kind)
+
+        mp.setattr(_compiled, "fused_kernel", recording)
         mp.setattr(_linear, "_BLOCK_MIN_BYTES", 0)
         loss, grad = model.loss_and_grad(w, X, y)
     assert kinds == [model.kind]
@@ -320,7 +325,7 @@ def no_numba() -> Iterator[list[int]]:
 @pytest.mark.parametrize("index", range(4), ids=["least_squares", "logistic", "softmax", "logistic_no_b"])
 def test_without_numba_the_numpy_blocks_run(no_numba: list[int], index: int) -> None:
     model = _models(500)[index]
-    assert _compiled.fused_kernel(model.kind) is None  # type: ignore[arg-type]
+    assert _compiled.fused_kernel(model.kind) is None  # type: ignore[call-overload]
     w, X, y = _model_problem(model, 2100, seed=10 + index)
     loss, grad = model.loss_and_grad(w, X, y)
     assert no_numba == [131]
@@ -361,7 +366,8 @@ def test_uncachable_kernels_are_compiled_without_cache(monkeypatch: pytest.Monke
     monkeypatch.setattr(_compiled, "_built", {})
     monkeypatch.setattr(_compiled, "_import_numba", lambda: object())
     monkeypatch.setattr(_compiled, "_build", build)
-    assert _compiled.fused_kernel("softmax") is sum
+    kernel: object = _compiled.fused_kernel("softmax")
+    assert kernel is sum
     assert caches == [True, False]
 
 

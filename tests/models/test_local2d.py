@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -25,7 +27,9 @@ FAST = settings(max_examples=25, deadline=None)
 
 def _oracle_loss(model: LocallyConnected2D, w: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
     """The loss by explicit loops over locations, filters and patch entries (no shared code)."""
-    act = {"tanh": np.tanh, "relu": lambda z: np.maximum(z, 0), "sigmoid": lambda z: 1 / (1 + np.exp(-z))}
+    act: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+        "tanh": np.tanh, "relu": lambda z: np.maximum(z, 0), "sigmoid": lambda z: 1 / (1 + np.exp(-z))
+    }  # fmt: skip
     f = act[model.activation]
     layers = model.unpack(w)
     total = 0.0

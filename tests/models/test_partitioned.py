@@ -142,7 +142,7 @@ def test_bad_locally_connected_shapes_are_refused() -> None:
         with pytest.raises(ModelSpecError, match=f"{next(iter(bad))} must be a list"):
             LocallyConnected2D((8, 8), 2, **bad)  # type: ignore[arg-type]
     # An iterator is read once, not once for the fields and again for the default strides.
-    assert LocallyConnected(10, 2, fields=iter([3, 2])).widths == (10, 8, 7)
+    assert LocallyConnected(10, 2, fields=iter([3, 2])).widths == (10, 8, 7)  # type: ignore[arg-type]
 
 
 def test_the_docs_of_partitions_name_every_model_that_can_be_partitioned() -> None:
@@ -152,7 +152,7 @@ def test_the_docs_of_partitions_name_every_model_that_can_be_partitioned() -> No
     from distbelief import downpour, models, sandblaster
     from distbelief.downpour import _partitioned as downpour_partitioned
 
-    built_in = [
+    built_in: list[models.Model] = [
         models.LeastSquares(4),
         models.Logistic(4),
         models.Softmax(4, 3),

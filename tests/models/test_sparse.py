@@ -26,7 +26,7 @@ def _problem(
     rng = np.random.default_rng(seed)
     if kind == "least_squares":
         model: Any = LeastSquares(d, fit_intercept=intercept)
-        y = rng.normal(size=n)
+        y: np.ndarray = rng.normal(size=n)
     elif kind == "logistic":
         model = Logistic(d, fit_intercept=intercept)
         y = rng.integers(0, 2, size=n).astype(float)

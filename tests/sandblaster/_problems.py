@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from scipy.special import expit
 from sklearn.datasets import load_digits
 
+#: ``fg(x) = (F, grad F)``.
+FG = Callable[[np.ndarray], tuple[float, np.ndarray]]
+#: What a problem's ``make()`` returns: ``(fg, x0)`` (``_quadratic`` in test_cg_gd: ``(fg, x_star)``).
+Problem = tuple[FG, np.ndarray]
 
-def logistic_digits() -> tuple:
+
+def logistic_digits() -> Problem:
     features, labels = load_digits(return_X_y=True)
     x = np.hstack([features / 16.0, np.ones((features.shape[0], 1))])
     t = np.where(labels == 0, 1.0, -1.0)
@@ -21,7 +28,7 @@ def logistic_digits() -> tuple:
     return fg, np.zeros(x.shape[1])
 
 
-def ill_conditioned_lsq(n: int = 60, rows: int = 200, cond: float = 1e4) -> tuple:
+def ill_conditioned_lsq(n: int = 60, rows: int = 200, cond: float = 1e4) -> Problem:
     rng = np.random.default_rng(0)
     u, _ = np.linalg.qr(rng.standard_normal((rows, n)))
     v, _ = np.linalg.qr(rng.standard_normal((n, n)))
@@ -35,7 +42,7 @@ def ill_conditioned_lsq(n: int = 60, rows: int = 200, cond: float = 1e4) -> tupl
     return fg, np.zeros(n)
 
 
-def rosenbrock(n: int = 100) -> tuple:
+def rosenbrock(n: int = 100) -> Problem:
     def fg(x: np.ndarray) -> tuple[float, np.ndarray]:
         f = np.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2)
         g = np.zeros_like(x)

@@ -16,7 +16,7 @@ from threadpoolctl import threadpool_limits
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.sandblaster._cg import minimize_cg_reference, polak_ribiere_plus
 from distbelief.sandblaster._gd import minimize_gd_reference
-from tests.sandblaster._problems import ill_conditioned_lsq, logistic_digits, rosenbrock
+from tests.sandblaster._problems import Problem, ill_conditioned_lsq, logistic_digits, rosenbrock
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +68,7 @@ def test_polak_ribiere_plus_edge_cases() -> None:
 
 
 @pytest.mark.parametrize("make", [logistic_digits, ill_conditioned_lsq, rosenbrock])
-def test_cg_reaches_the_lbfgsb_optimum(make: Callable[[], tuple]) -> None:
+def test_cg_reaches_the_lbfgsb_optimum(make: Callable[[], Problem]) -> None:
     fg, x0 = make()
     best = minimize(
         fg, x0, jac=True, method="L-BFGS-B", options={"gtol": 1e-9, "ftol": 1e-14, "maxiter": 5000}
@@ -98,7 +98,7 @@ def test_cg_restarts_every_iteration_is_steepest_descent_with_wolfe() -> None:
     assert cg.nit < r.nit
 
 
-def _quadratic(n: int = 30, cond: float = 10.0, seed: int = 3) -> tuple:
+def _quadratic(n: int = 30, cond: float = 10.0, seed: int = 3) -> Problem:
     rng = np.random.default_rng(seed)
     q, _ = np.linalg.qr(rng.standard_normal((n, n)))
     h = (q * np.linspace(1.0, cond, n)) @ q.T

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -211,7 +212,7 @@ def test_non_finite_values_shrink_the_step() -> None:
         {"max_evals": 2.5},
     ],
 )
-def test_invalid_options(kwargs: dict) -> None:
+def test_invalid_options(kwargs: dict[str, Any]) -> None:
     with pytest.raises(InvalidOptionError):
         StrongWolfeLineSearch(1.0, -1.0, **kwargs)
 

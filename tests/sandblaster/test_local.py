@@ -4,7 +4,7 @@ memory), against SciPy and against a cluster run; and the options that have no m
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -32,7 +32,7 @@ def test_lbfgs_matches_scipy_and_a_cluster_run(client: Client, logistic_digits: 
 
 
 @pytest.mark.parametrize("method", ["cg", "gd"])
-def test_cg_and_gd_reach_scipys_objective(logistic_digits: Problem, method: str) -> None:
+def test_cg_and_gd_reach_scipys_objective(logistic_digits: Problem, method: Literal["cg", "gd"]) -> None:
     p = logistic_digits
     res = sandblaster.minimize(p.model, (p.X, p.y), x0=p.x0, l2=p.l2, method=method, local=True, maxiter=5000)
     assert res.success, res.message

@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import cloudpickle
 import numpy as np
@@ -45,7 +45,7 @@ def dataset(problem: Problem, path: Path, portion_rows: int | None = None) -> Da
     ],
 )
 def test_lbfgs_matches_scipy(
-    request: pytest.FixtureRequest, client: Client, tmp_path: Path, name: str, tolerances: dict[str, float]
+    request: pytest.FixtureRequest, client: Client, tmp_path: Path, name: str, tolerances: dict[str, Any]
 ) -> None:
     problem: Problem = request.getfixturevalue(name)
     ref = problem.scipy(m=10, **tolerances)
@@ -251,7 +251,7 @@ def test_a_one_shard_model_has_its_work_handed_out_by_the_shard_with_the_same_bi
     the replica, only its last group comes back with the answer."""
     problem = logistic_digits
     ds = dataset(problem, tmp_path / "data", portion_rows=256)  # 8 portions
-    common = dict(
+    common: dict[str, Any] = dict(
         x0=problem.x0,
         l2=problem.l2,
         client=client,
@@ -281,7 +281,7 @@ def test_a_one_shard_model_has_its_work_handed_out_by_the_shard_with_the_same_bi
 def test_cg_and_gd_run_through_the_same_framework(
     client: Client,
     tmp_path: Path,
-    method: str,
+    method: Literal["cg", "gd"],
     well_conditioned_least_squares: Problem,
     logistic_digits: Problem,
 ) -> None:
@@ -342,7 +342,7 @@ def test_resume_continues_a_checkpointed_run_exactly(
 ) -> None:
     problem = softmax_digits
     ds = dataset(problem, tmp_path / "data", 512)
-    common = {"x0": problem.x0, "l2": 1e-3, "client": client}
+    common: dict[str, Any] = {"x0": problem.x0, "l2": 1e-3, "client": client}
     full = sandblaster.minimize(problem.model, ds, store=tmp_path / "full", maxiter=20, **common)
     first = sandblaster.minimize(
         problem.model, ds, store=tmp_path / "run", maxiter=8, checkpoint_every=4, **common
@@ -397,7 +397,7 @@ def test_a_lost_shard_is_rebuilt_and_the_run_rolls_back_to_its_checkpoint(
     cluster, client, workers = three_workers
     problem = softmax_digits
     ref = problem.scipy()
-    killed = []
+    killed: list[int] = []
 
     def kill_the_shard(record: sandblaster.IterationRecord) -> None:
         if record.iteration == 7 and not killed:
@@ -422,7 +422,13 @@ def test_a_ten_times_slower_replica_does_less_work(client: Client, tmp_path: Pat
     y = (X @ rng.standard_normal(600) + rng.standard_normal(60_000) > 0).astype(float)
     problem = Problem(models.Logistic(600), X, y, 1e-3, np.zeros(601))
     ds = dataset(problem, tmp_path / "data", 5000)
-    common = {"x0": problem.x0, "l2": problem.l2, "client": client, "maxiter": 8, "portions": 12}
+    common: dict[str, Any] = {
+        "x0": problem.x0,
+        "l2": problem.l2,
+        "client": client,
+        "maxiter": 8,
+        "portions": 12,
+    }
     even = sandblaster.minimize(problem.model, ds, store=tmp_path / "even", **common)
     res = sandblaster.minimize(problem.model, ds, store=tmp_path / "slow", slowdown={0: 10.0}, **common)
     # The fast replica steals queued portions and backs up overdue ones: it ends up doing most of the work
@@ -455,7 +461,7 @@ def test_a_second_run_finds_its_rows_in_the_workers_memory(client: Client, tmp_p
     problem = Problem(models.Logistic(20), X, y, 1e-3, np.zeros(21))
     ds = dataset(problem, tmp_path / "data", 500)
     # One replica, so no stealing can make it read a portion legitimately.
-    common = {
+    common: dict[str, Any] = {
         "x0": problem.x0,
         "l2": problem.l2,
         "client": client,

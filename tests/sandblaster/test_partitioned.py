@@ -159,7 +159,7 @@ def test_a_partition_counts_the_bytes_of_a_binned_push(tmp_path: Path) -> None:
     from distbelief.storage.internal import exactsum
 
     model = models.MLP([3, 4, 2])
-    plan = _partitioned.partition_plan(model, 2)
+    plan = models.partition_plan(model, 2)
     n = plan.bounds[-1]
     ds = Dataset.from_arrays(np.ones((4, 3)), np.zeros(4), path=tmp_path / "d")
 
@@ -202,7 +202,7 @@ def test_a_partitions_shard_calls_stretch_the_timeout_once(tmp_path: Path, monke
         return True, [np.zeros(1)], []
 
     monkeypatch.setattr(_server, "await_call", await_call)
-    plan = _partitioned.partition_plan(models.MLP([3, 4, 2]), 2)
+    plan = models.partition_plan(models.MLP([3, 4, 2]), 2)
     ds = Dataset.from_arrays(np.ones((4, 3)), np.zeros(4), path=tmp_path / "d")
     shard_map = ShardMap(layout, (object(), object()))
     part = _partitioned.SandblasterPartition(0, 1, plan, ds, shard_map, [1], stretched)
@@ -238,12 +238,13 @@ def test_a_failed_rebuild_is_logged_with_its_workers_and_cause(caplog: Any, monk
         raise MemoryError("no room for the partition's rows")
 
     sched = object.__new__(_partitioned.PartitionedScheduler)
-    sched.replicas = [(None, Group())]
+    sched.replicas = [(None, Group())]  # type: ignore[list-item]  # a fake of the replica group
     sched.workers = ["tcp://w0", "tcp://w1", "tcp://w2"]
     sched.machine, sched._rebuilds, sched.max_rebuilds = Machine(), 0, 3  # type: ignore[assignment]
     monkeypatch.setattr(sched, "_rebuild", rebuild)
     with caplog.at_level(logging.WARNING, logger="distbelief.sandblaster._partitioned"):
-        assert asyncio.run(sched._replica_lost(0)) == [("lost", 0)]
+        sent: list[Any] = asyncio.run(sched._replica_lost(0))  # the fake machine's answer, passed on
+        assert sent == [("lost", 0)]
     (record,) = caplog.records
     text = record.getMessage()
     assert record.levelno == logging.WARNING and "replica 0" in text and "partition 1" in text

@@ -239,9 +239,9 @@ def simulate(
             continue
         heapq.heappop(finishing)
         now = t
-        send = calls.out.pop(c, None)  # None: cancelled when its replica was lost
-        if send is not None:
-            m.report(c, world.report(send, paces[send.replica]), now)
+        finished = calls.out.pop(c, None)  # None: cancelled when its replica was lost
+        if finished is not None:
+            m.report(c, world.report(finished, paces[finished.replica]), now)
 
 
 def run(
@@ -492,7 +492,8 @@ def test_replicas_are_balanced_when_every_live_pace_is_known_and_close(
     m.pace = {r: p for r, p in enumerate(paces) if p is not None}
     m.alive = alive
     live = [p for p, a in zip(paces, alive, strict=True) if a]
-    expected = None not in live and max(live) <= BALANCED_PACE * min(live)  # type: ignore[type-var]
+    known = [p for p in live if p is not None]
+    expected = len(known) == len(live) and max(known) <= BALANCED_PACE * min(known)
     assert m.balanced() == expected
 
 

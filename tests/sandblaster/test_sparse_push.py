@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -28,7 +28,9 @@ def _wide(n_rows: int, d: int, nnz_per_row: int, seed: int = 0) -> tuple[Any, np
     return X, y
 
 
-def _run(ds: Dataset, model: Any, client: Client, path: Path, mode: str, **kw: Any) -> Any:
+def _run(
+    ds: Dataset, model: Any, client: Client, path: Path, mode: Literal["sparse", "dense"], **kw: Any
+) -> Any:
     return sandblaster.minimize(
         model, ds, l2=1e-2, client=client, store=path / mode, communication=mode, maxiter=8, **kw
     )

@@ -25,7 +25,7 @@ from distbelief.sandblaster._vlbfgs import (
     two_loop_reference,
     vlbfgs_coefficients,
 )
-from tests.sandblaster._problems import ill_conditioned_lsq, logistic_digits, rosenbrock
+from tests.sandblaster._problems import Problem, ill_conditioned_lsq, logistic_digits, rosenbrock
 
 
 @pytest.fixture(autouse=True)
@@ -148,12 +148,15 @@ def test_two_loop_reference_is_exact_on_a_quadratic_after_n_steps() -> None:
     np.testing.assert_allclose(-two_loop_reference(y_list[-1], s_list, y_list), s_list[-1], rtol=1e-10)
 
 
-def _small_history(m: int, pairs: int, n: int = 6, seed: int = 0) -> tuple[VLBFGSHistory, dict, list, list]:
+def _small_history(
+    m: int, pairs: int, n: int = 6, seed: int = 0
+) -> tuple[VLBFGSHistory, dict[str, np.ndarray], list[np.ndarray], list[np.ndarray]]:
     rng = np.random.default_rng(seed)
     hist = VLBFGSHistory(m)
     vec: dict[str, np.ndarray] = {"g": rng.standard_normal(n)}
     _deliver(hist, vec)
-    s_list, y_list = [], []
+    s_list: list[np.ndarray] = []
+    y_list: list[np.ndarray] = []
     for _ in range(pairs):
         s_name, y_name = hist.push_pair()
         vec[s_name] = rng.standard_normal(n)
@@ -306,7 +309,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(("name", "make", "m", "tols"), CASES, ids=[c[0] for c in CASES])
-def test_reference_lbfgs_matches_scipy(name: str, make: Callable[[], tuple], m: int, tols: dict) -> None:
+def test_reference_lbfgs_matches_scipy(
+    name: str, make: Callable[[], Problem], m: int, tols: dict[str, Any]
+) -> None:
     fg, x0 = make()
     ref = minimize_lbfgs_reference(fg, x0, m=m, maxiter=5000, **tols)
     sp = minimize(fg, x0, jac=True, method="L-BFGS-B", options={"maxcor": m, "maxiter": 5000, **tols})
@@ -426,7 +431,7 @@ def test_a_float32_history_is_the_exact_recursion_of_its_stored_pairs() -> None:
 
 
 @pytest.mark.parametrize(("name", "make"), [("logistic_digits", logistic_digits)])
-def test_a_float32_history_ends_within_1e_6_of_float64(name: str, make: Callable[[], tuple]) -> None:
+def test_a_float32_history_ends_within_1e_6_of_float64(name: str, make: Callable[[], Problem]) -> None:
     fg, x0 = make()
     f64 = minimize_lbfgs_reference(fg, x0, history_dtype="float64")
     f32 = minimize_lbfgs_reference(fg, x0, history_dtype="float32")

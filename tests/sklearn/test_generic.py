@@ -51,4 +51,4 @@ def test_bad_model() -> None:
     with pytest.raises(InvalidOptionError, match="model must be a distbelief model"):
         ModelClassifier().fit(np.eye(2), [0, 1])
     with pytest.raises(InvalidOptionError, match="random_state must be None, an int >= 0"):
-        ModelClassifier(models.Logistic(2), random_state="x").fit(np.eye(2), [0, 1])
+        ModelClassifier(models.Logistic(2), random_state="x").fit(np.eye(2), [0, 1])  # type: ignore[arg-type]

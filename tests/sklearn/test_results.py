@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from distributed import Client
+from numpy.typing import ArrayLike
 from sklearn.datasets import load_iris
 from sklearn.preprocessing import StandardScaler
 
@@ -14,7 +16,7 @@ from distbelief import downpour, models, sandblaster
 from distbelief.downpour import TrainResult
 from distbelief.errors import InvalidOptionError, StoreError
 from distbelief.sandblaster import OptimizeResult
-from distbelief.sklearn import LogisticRegression, MLPClassifier, from_model
+from distbelief.sklearn import LogisticRegression, MLPClassifier, SoftmaxRegression, from_model
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +73,9 @@ def test_result_of_a_model_without_spec(tmp_path: Path, client: Client) -> None:
         def init_params(self, seed: int | None = None) -> np.ndarray:
             return np.ones(2)
 
-        def loss_and_grad(self, w: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
-            return 0.5 * len(X) * float(w @ w), len(X) * w
+        def loss_and_grad(self, w: ArrayLike, X: Any, y: ArrayLike) -> tuple[float, np.ndarray]:
+            x = np.asarray(w)
+            return 0.5 * len(X) * float(x @ x), len(X) * x
 
     res = sandblaster.minimize(Quadratic(), (np.ones((4, 1)), np.zeros(4)), client=client)
     with pytest.raises(InvalidOptionError, match="has no predict"):
@@ -99,6 +102,7 @@ def test_from_model_rebuilds_fitted_estimators(iris: tuple[np.ndarray, np.ndarra
     X, y = iris
     clf = LogisticRegression(C=10.0).fit(X, y)
     est = from_model(clf.model_.spec, clf.w_, n_iter=7)
+    assert isinstance(est, SoftmaxRegression)  # three classes: the softmax model
     np.testing.assert_array_equal(est.predict(X), clf.predict(X))
     assert est.n_iter_[0] == 7 and est.score(X, y) == clf.score(X, y)
     mlp = MLPClassifier((5,), activation="logistic", random_state=0).fit(X, y)

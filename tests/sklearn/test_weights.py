@@ -57,7 +57,8 @@ def _weights(n: int, seed: int = 0) -> np.ndarray:
 
 def _logistic_objective(est: Any, X: np.ndarray, y: np.ndarray, C: float, s: np.ndarray | None) -> float:
     """scikit-learn's LogisticRegression objective (l2) at ``est``'s coefficients, with its class weights."""
-    weights = row_weights(s, est.class_weight, est.classes_, np.searchsorted(est.classes_, y) * 1.0, "t")
+    index = np.searchsorted(est.classes_, y).astype(np.float64)
+    weights = row_weights(s, est.class_weight, est.classes_, index, "t")
     data = log_loss(y, est.predict_proba(X), sample_weight=weights, normalize=False, labels=est.classes_)
     coef = np.asarray(est.coef_)
     return float(C * data + 0.5 * np.sum(coef * coef))
@@ -150,7 +151,7 @@ def test_mlp_integer_weights_are_repeated_rows(iris: tuple[np.ndarray, np.ndarra
     """The MLP's loss weighs its rows (nonconvex: compared with repeating the rows, from the same start)."""
     X, y = iris
     counts = np.random.default_rng(6).integers(1, 3, len(y))
-    opts = dict(hidden_layer_sizes=(5,), random_state=0, max_iter=40, tol=0.0, alpha=1e-3)
+    opts: dict[str, Any] = dict(hidden_layer_sizes=(5,), random_state=0, max_iter=40, tol=0.0, alpha=1e-3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         weighted = MLPClassifier(**opts).fit(X, y, sample_weight=counts)
@@ -220,7 +221,7 @@ def test_warm_start_with_other_classes_says_what_to_do(iris: tuple[np.ndarray, n
     with pytest.raises(InvalidOptionError, match="warm_start=False"):
         est.fit(X, (y > 0).astype(int))
     with pytest.raises(InvalidOptionError, match="warm_start must be True or False"):
-        LogisticRegression(warm_start="yes").fit(X, y)
+        LogisticRegression(warm_start="yes").fit(X, y)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------ random_state
@@ -228,7 +229,7 @@ def test_warm_start_with_other_classes_says_what_to_do(iris: tuple[np.ndarray, n
 
 def test_random_state_seeds_the_mlp(iris: tuple[np.ndarray, np.ndarray]) -> None:
     X, y = iris
-    opts = dict(hidden_layer_sizes=(4,), max_iter=5)
+    opts: dict[str, Any] = dict(hidden_layer_sizes=(4,), max_iter=5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         a = MLPClassifier(random_state=1, **opts).fit(X, y)
@@ -367,7 +368,7 @@ def test_generic_model_without_weights_says_what_to_do(iris: tuple[np.ndarray, n
         InvalidOptionError, match="Add that keyword to the model, or fit without sample_weight"
     ):
         ModelClassifier(Unweighted()).fit(X, y, sample_weight=np.ones(len(y)))
-    opts = dict(alpha=1.0, tol=1e-10)
+    opts: dict[str, Any] = dict(alpha=1.0, tol=1e-10)
     weighted = ModelClassifier(models.Softmax(4, 3), **opts).fit(X, y, sample_weight=np.full(len(y), 2.0))
     plain = ModelClassifier(models.Softmax(4, 3), alpha=0.5, tol=1e-10).fit(X, y)  # the same objective / 2
     np.testing.assert_allclose(weighted.w_, plain.w_, atol=1e-6)

@@ -22,6 +22,7 @@ from hypothesis.extra import numpy as hnp
 
 import distbelief.storage._dataset as dsmod
 from distbelief.errors import DatasetError, InvalidOptionError, StoreError
+from distbelief.storage import _dataset_validation
 from distbelief.storage._dataset import Dataset
 from distbelief.storage._dataset_location import list_datasets, resolve_name
 from distbelief.storage._dataset_meta import FORMAT_NAME
@@ -125,13 +126,13 @@ def test_portions_partition_rows_and_round_trip_bit_for_bit(
     ],
 )
 def test_default_layout(n: int, d: int, chunk: int, portion: int) -> None:
-    assert dsmod._layout(n, d, None, None) == (chunk, portion)
+    assert _dataset_validation._layout(n, d, None, None) == (chunk, portion)
 
 
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 10**9), d=st.integers(1, 10**7))
 def test_default_layout_properties(n: int, d: int) -> None:
-    c, p = dsmod._layout(n, d, None, None)
+    c, p = _dataset_validation._layout(n, d, None, None)
     assert 1 <= c <= p <= n
     assert p % c == 0 or p == n
     assert p * d * 8 <= 8 * 2**20 or p == 1

@@ -6,6 +6,7 @@ import gc
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import dask
 import dask.array as da
@@ -159,7 +160,8 @@ def test_hashing_matches_scikit_learn_feature_hasher(tmp_path: Path, client: Cli
         tokens = [[f"color={c}", f"size={s}"] for c, s in zip(whole["color"], whole["size"], strict=True)]
         hashed = FeatureHasher(n_features=2**k, input_type="string").transform(tokens).toarray()
         expect = np.column_stack([whole[["x", "k", "ok"]].to_numpy(float), hashed])
-        X, y = ds.read_all()
+        X: Any
+        X, y = ds.read_all()  # X: a csr_array
         assert ds.layout == "csr" and X.shape == (100, 3 + 2**k)
         np.testing.assert_array_equal(X.toarray(), expect)
         np.testing.assert_array_equal(y, whole["t"].to_numpy(float))
@@ -198,7 +200,7 @@ def test_errors_name_the_column(tmp_path: Path) -> None:
         with pytest.raises(InvalidOptionError, match=r"unexpected options \['portion'\]"):
             Dataset.from_parquet(url, features=["k"], label="t", path=tmp_path / "a", portion=4)
         with pytest.raises(InvalidOptionError, match="categorical must be"):
-            Dataset.from_parquet(url, features=["k"], label="t", path=tmp_path / "a", categorical="ordinal")
+            Dataset.from_parquet(url, features=["k"], label="t", path=tmp_path / "a", categorical="ordinal")  # type: ignore[arg-type]
         assert not (tmp_path / "a").exists()
         other = tmp_path / "other"
         other.mkdir()
@@ -236,7 +238,8 @@ def test_dask_dataframe_source(tmp_path: Path) -> None:
         from_files = Dataset.from_parquet(
             str(root), features=["x", "color"], label="t", path=tmp_path / "hf", hash_features=64
         )
-        np.testing.assert_array_equal(hashed.read_all()[0].toarray(), from_files.read_all()[0].toarray())
+        rows: list[Any] = [hashed.read_all()[0], from_files.read_all()[0]]  # csr_arrays
+        np.testing.assert_array_equal(rows[0].toarray(), rows[1].toarray())
         assert hashed.feature_names == from_files.feature_names
         with pytest.raises(DatasetError, match="already exists; pass overwrite=True"):
             Dataset.from_dask(df, "t", path=tmp_path / "a", categorical="onehot")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,7 +34,8 @@ def test_only_listed_methods_can_be_called() -> None:
 
 
 def test_a_shard_answers_direct_calls_as_its_actor_calls(client: Client, tmp_path: object) -> None:
-    shard = client.submit(ShardActor, 0, 0, 3, str(tmp_path), actor=True, pure=False).result()
+    # An actor's proxy (typed as the class by distributed): its method calls return ActorFutures.
+    shard: Any = client.submit(ShardActor, 0, 0, 3, str(tmp_path), actor=True, pure=False).result()
     shard.set("x", 0, 3, np.arange(3.0)).result()
     installed = client.run(lambda dask_worker: HANDLER in dask_worker.handlers, workers=[shard._address])
     assert installed == {shard._address: True}  # the shard's constructor installed the handler
@@ -81,7 +83,9 @@ class _HandOutTarget:
         return self.handed
 
 
-def _hand_out(client: Client, shard: object, epoch: int, ops: list[tuple], target: object, payload: bytes):
+def _hand_out(
+    client: Client, shard: object, epoch: int, ops: list[tuple[Any, ...]], target: Any, payload: bytes
+) -> Any:
     message = pickle.dumps(HandOut(epoch, ops, ["x"], target.key, target._address, "take", payload))
 
     async def call() -> object:
@@ -96,10 +100,10 @@ def test_a_shard_hands_out_work_with_the_parameters_and_accumulates_the_gradient
 ) -> None:
     a, b = sorted(client.scheduler_info()["workers"])
     x = np.array([1.0, -2.0, 0.5, 4.0])
-    shard = client.submit(
+    shard: Any = client.submit(
         ShardActor, 0, 0, 4, str(tmp_path), vectors={"x": x}, actor=True, workers=[a], pure=False
     ).result()
-    target = client.submit(_HandOutTarget, actor=True, workers=[a if beside else b], pure=False).result()
+    target: Any = client.submit(_HandOutTarget, actor=True, workers=[a if beside else b], pure=False).result()
     # The evaluation's prep: open the accumulator for 2 portions; the push completing them runs finalize.
     prep = [("reset_acc", "acc", 1, 2, [("settle", "acc"), ("dot", "acc", "acc")]), ("dot", "x", "x")]
     answer, finalized = _hand_out(client, shard, 1, prep, target, b"1")
@@ -119,11 +123,11 @@ def test_a_shard_hands_out_work_with_the_parameters_and_accumulates_the_gradient
 
 def test_a_hand_out_reports_the_targets_failure_and_a_lost_target(client: Client, tmp_path: object) -> None:
     a, b = sorted(client.scheduler_info()["workers"])
-    shard = client.submit(
+    shard: Any = client.submit(
         ShardActor, 0, 0, 2, str(tmp_path), vectors={"x": np.ones(2)}, actor=True, workers=[a], pure=False
     ).result()
-    target = client.submit(_HandOutTarget, actor=True, workers=[b], pure=False).result()
-    prep = [("reset_acc", "acc", 1, 2, [])]
+    target: Any = client.submit(_HandOutTarget, actor=True, workers=[b], pure=False).result()
+    prep: list[tuple[Any, ...]] = [("reset_acc", "acc", 1, 2, [])]
     with pytest.raises(ValueError, match="the work itself failed"):
         _hand_out(client, shard, 1, prep, target, b"fail")
     assert shard.get("acc").result().tolist() == [0.0, 0.0]  # nothing accumulated

@@ -293,9 +293,10 @@ def _upcast(v: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("n", [*SIZES, 2 * _kernels.DOT_BLOCK + 17])
 def test_mixed_dots_accumulate_the_upcast_values_in_float64(n: int) -> None:
     rng = np.random.default_rng(9)
-    s, y = (rng.normal(size=n).astype(np.float32) for _ in range(2))
+    s = rng.normal(size=n).astype(np.float32)
+    y = rng.normal(size=n).astype(np.float32)
     g, d = rng.normal(size=n), rng.normal(size=n)
-    pairs = [(s, g), (g, y), (s, y), (s, s), (g, g), (g, d)]
+    pairs: list[tuple[np.ndarray, np.ndarray]] = [(s, g), (g, y), (s, y), (s, s), (g, g), (g, d)]
     got = _kernels.dots_mixed(pairs)
     for (a, b), value in zip(pairs, got, strict=True):
         # The oracle: numpy's float64 dot of the upcast vectors. The compiled loop sums in another order.
@@ -362,7 +363,7 @@ def test_mixed_precision_makes_no_temporary_of_a_whole_vector() -> None:
     g = rng.normal(size=n)
     out32 = np.empty(n, dtype=np.float32)
     out = np.empty(n)
-    pairs = [(s, g), (s, s), (g, g)]
+    pairs: list[tuple[np.ndarray, np.ndarray]] = [(s, g), (s, s), (g, g)]
     _kernels.dots_mixed(pairs)  # compiled before the count
     _kernels.lincomb(out32, [1.0, -1.0], [g, s])
     _kernels.lincomb(out, [2.0], [s])

@@ -73,7 +73,7 @@ def test_push_at_keys_equals_a_dense_push_with_zeros_elsewhere(
         g = rng.normal(size=k.size)
         full = np.zeros(size)
         full[k] = g
-        kw = {"source": "r", "seq": seq, "rule": rule, "lr": 0.1, "fetched_version": 0}
+        kw: dict[str, Any] = {"source": "r", "seq": seq, "rule": rule, "lr": 0.1, "fetched_version": 0}
         kw["staleness_scale"] = scale
         assert sparse.push(g, keys=k, **kw) == dense.push(full, **kw)
         np.testing.assert_array_equal(sparse.get("x"), dense.get("x"))

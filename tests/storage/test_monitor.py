@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -59,8 +60,8 @@ def _total(
     samples: list[tuple[str, dict[str, str], float]],
     name: str,
     *,
-    skip: set[str] = frozenset(),
-    **labels: str,  # type: ignore[assignment]
+    skip: AbstractSet[str] = frozenset(),
+    **labels: str,
 ) -> float:
     """The sum of ``name``'s samples with ``labels``, leaving out the actors in ``skip``."""
     return sum(
@@ -80,7 +81,7 @@ def embedded() -> Iterator[Client]:
 
 
 def _base(client: Client) -> str:
-    link = client.dashboard_link
+    link: str = client.dashboard_link
     assert link.startswith("http://127.0.0.1:")
     return link.rsplit("/", 1)[0]
 
@@ -100,7 +101,7 @@ def _watch(run: Callable[[], Any], url: str, name: str, **labels: str) -> list[f
     thread.start()
     deadline = time.monotonic() + RUN_TIMEOUT
     while thread.is_alive() and time.monotonic() < deadline:
-        seen.append(_total(_read(url), name, **labels))
+        seen.append(_total(_read(url), name, skip=frozenset(), **labels))  # named, so no label can fill skip
         time.sleep(0.05)
     thread.join(timeout=max(0.0, deadline - time.monotonic()))
     assert not thread.is_alive(), "the run did not end in time"

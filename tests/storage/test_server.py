@@ -6,6 +6,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,7 +36,12 @@ def test_ops_match_numpy_for_any_size_and_shard_count(
     a, b = rng.standard_normal(n), rng.standard_normal(n)
     # ``a`` travels with the shards' construction (no round trip of its own), ``b`` is scattered.
     ps = ParameterServer.create(
-        client, n, shards=shards, store=str(tmp_path / f"ps{seed}"), overwrite=True, vectors={"a": list(a)}
+        client,
+        n,
+        shards=shards,
+        store=str(tmp_path / f"ps{seed}"),
+        overwrite=True,
+        vectors={"a": list(a)},  # type: ignore[dict-item]  # a list is taken as an array
     )
     try:
         assert ps.stats.round_trips == 0
@@ -97,7 +103,8 @@ def test_vectors_of_the_wrong_size_are_refused_before_anything_is_stored(
     with pytest.raises(InvalidOptionError, match="has 4 values, the server holds 5"):
         ParameterServer.create(client, 5, store=str(tmp_path / "ps"), vectors={"x": np.ones(4)})
     assert not (tmp_path / "ps").exists()
-    for bad in (-1, "big", 1.5, True):
+    bads: tuple[Any, ...] = (-1, "big", 1.5, True)
+    for bad in bads:
         with pytest.raises(InvalidOptionError, match="memory_budget must be bytes"):
             ParameterServer.create(client, 5, store=str(tmp_path / "ps"), memory_budget=bad)
         assert not (tmp_path / "ps").exists()
@@ -170,9 +177,10 @@ def test_a_partitioned_server_checkpoints_in_big_chunks_and_restores_exactly(
     try:
         ps.checkpoint()
         array = zarr.open_group(store, mode="r")["slot0/x"]
+        assert isinstance(array, zarr.Array)
         assert array.chunks == (layout.chunk,) and array.shape == (layout.stored_size,)
         assert array.nchunks <= 2 * layout.shards  # was n for the MLP
-        stored = array[:]
+        stored = np.asarray(array[:])
         padding = np.ones(layout.stored_size, dtype=bool)
         for o, (lo, hi) in zip(layout.offsets(), layout.ranges(), strict=True):
             np.testing.assert_array_equal(stored[o : o + hi - lo], x[lo:hi])
@@ -186,7 +194,8 @@ def test_a_partitioned_server_checkpoints_in_big_chunks_and_restores_exactly(
         np.testing.assert_array_equal(ps.gather("x"), 3.0 * x)
     finally:
         ps.close()
-    assert zarr.open_group(store, mode="r").attrs[server_module.ATTR]["format"] == 2
+    saved: Any = zarr.open_group(store, mode="r").attrs[server_module.ATTR]  # JSON: a dict here
+    assert saved["format"] == 2
     ps2 = ParameterServer.open(client, store=store)
     try:
         assert ps2.layout == layout
@@ -201,7 +210,8 @@ def test_old_and_unknown_store_formats(client: Client, tmp_path: Path) -> None:
     ps.checkpoint()
     ps.close()
     group = zarr.open_group(store, mode="r+")
-    meta = dict(group.attrs[server_module.ATTR])
+    attrs: Any = group.attrs[server_module.ATTR]
+    meta = dict(attrs)
     assert (
         meta["format"] == 1
     )  # a chunk-aligned layout needs no padding: stored as before, old versions read it

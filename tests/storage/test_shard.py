@@ -237,7 +237,7 @@ def test_any_order_of_pushes_and_copies_sums_every_portion_once(n_portions: int,
     groups = [list(map(int, g)) for g in np.split(order, cuts) if len(g)]
     pushes: list[tuple[list[int], bool]] = [(grp, False) for grp in groups]
     pushes += [([int(p)], True) for p in rng.choice(n_portions, size=n_portions, replace=True)]
-    rng.shuffle(pushes)  # type: ignore[arg-type]
+    rng.shuffle(pushes)
     shard = Shard(0, 0, 5)
     shard.reset_accumulator("acc", epoch=7)
     for portions, solo in pushes:

@@ -22,7 +22,7 @@ from sklearn.datasets import dump_svmlight_file, load_svmlight_file
 
 import distbelief.storage._dataset as dsmod
 from distbelief.errors import DatasetError, InvalidOptionError, StoreError
-from distbelief.storage import Dataset, RowCache, _sparse
+from distbelief.storage import Dataset, RowCache, _dataset_readers, _sparse
 
 SETTINGS = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -33,6 +33,12 @@ def _matrix(n: int, d: int, density: float, seed: int) -> sp.csr_array:
     rng = np.random.default_rng(seed)
     X = sp.random_array((n, d), density=density, format="csr", rng=rng)
     X.data = rng.normal(size=X.nnz)
+    return X
+
+
+def _csr(X: object) -> Any:
+    """``X``, checked to be a CSR array (``Dataset.read_*`` are typed for dense rows)."""
+    assert isinstance(X, sp.csr_array), type(X)
     return X
 
 
@@ -72,7 +78,7 @@ def test_portions_read_back_exactly_the_rows_of_the_input(
     given_X = sp.csr_matrix(X) if fmt == "matrix" else X.asformat(fmt)
     ds = Dataset.from_arrays(given_X, y, path=tmp_path / f"s{seed}-{n}-{d}", chunk_rows=chunk,
                              portion_rows=chunk * per, overwrite=True)  # fmt: skip
-    assert ds.layout == "csr" and ds.nnz == X.nnz and isinstance(ds, _sparse.SparseDataset)
+    assert isinstance(ds, _sparse.SparseDataset) and ds.layout == "csr" and ds.nnz == X.nnz
     for i in range(ds.n_portions):
         start, stop = ds.portion_bounds(i)
         Xp, yp = ds.read_portion(i)
@@ -92,7 +98,7 @@ def test_a_portion_reads_only_its_own_bytes(tmp_path: Path, monkeypatch: pytest.
     chunk_nnz = ds._get_arrays()[2].chunks[0]
     assert 4096 <= chunk_nnz < X.nnz  # several nonzero chunks, not aligned with the portions
     reads: list[tuple[str, int, int]] = []
-    real = dsmod._read_exact
+    real = _dataset_readers._read_exact
 
     def spy(path: str, offset: int, buf: memoryview) -> None:
         reads.append((os.path.relpath(path, ds.path), offset, len(buf)))
@@ -119,6 +125,7 @@ def test_fsspec_urls_read_through_zarr(tmp_path: Path) -> None:
     ds = Dataset.from_arrays(
         X, np.ones(500), path="memory://sparse-test/ds", portion_rows=100, overwrite=True
     )
+    assert isinstance(ds, _sparse.SparseDataset)
     assert _same(ds.read_portion(1)[0], X[100:200]) and not any(ds._plain.values())  # zarr's reader
     reopened = Dataset.open("memory://sparse-test/ds")
     assert _same(reopened.read_portion(3)[0], X[300:400]) and reopened.label_kind == "binary"
@@ -128,17 +135,17 @@ def test_canonical_form_is_stored_and_the_input_is_not_changed(tmp_path: Path) -
     data, indices, indptr = np.array([1.0, 2.0, 0.0, 3.0]), np.array([2, 2, 0, 1]), np.array([0, 3, 4])
     X = sp.csr_array((data, indices, indptr), shape=(2, 3))
     ds = Dataset.from_arrays(X, [0.0, 1.0], path=tmp_path / "s")
-    got = ds.read_all()[0]
+    got = _csr(ds.read_all()[0])
     assert got.has_canonical_format and got.nnz == 2 and got.toarray().tolist() == [[0, 0, 3], [0, 3, 0]]
     assert X.indices.tolist() == [2, 2, 0, 1] and X.data.tolist() == [1.0, 2.0, 0.0, 3.0]
 
 
 def test_all_zero_rows_and_int_values(tmp_path: Path) -> None:
     ds = Dataset.from_arrays(sp.csr_array((3, 4), dtype=np.int64), [0, 1, 2], path=tmp_path / "z")
-    X, _ = ds.read_all()
+    X = _csr(ds.read_all()[0])
     assert X.nnz == 0 and X.shape == (3, 4) and ds.label_kind == "classes"
     ints = sp.csr_array(np.array([[0, 5], [7, 0]], dtype=np.int16))
-    assert Dataset.from_arrays(ints, [1, 2], path=tmp_path / "i").read_all()[0].toarray().tolist() == [
+    assert _csr(Dataset.from_arrays(ints, [1, 2], path=tmp_path / "i").read_all()[0]).toarray().tolist() == [
         [0, 5],
         [7, 0],
     ]
@@ -200,7 +207,7 @@ def test_the_row_cache_holds_sparse_rows_read_only(tmp_path: Path) -> None:
     X = _matrix(100, 20, 0.2, 2)
     ds = Dataset.from_arrays(X, np.zeros(100), path=tmp_path / "s", portion_rows=50)
     cache = RowCache(budget_bytes=1 << 20)
-    Xa, _ = cache.rows(ds, 0, 50)
+    Xa = _csr(cache.rows(ds, 0, 50)[0])
     assert (
         cache.stats()["bytes"]
         == _sparse.nbytes(Xa) + 8 * 50
@@ -315,7 +322,7 @@ def test_bad_svmlight_lines_are_refused_with_their_line_number(
     f.write_text(text)
     target = tmp_path / "ds"
     if match is None:
-        assert Dataset.from_svmlight(f, path=target, **options).read_all()[0].toarray().tolist() == [
+        assert _csr(Dataset.from_svmlight(f, path=target, **options).read_all()[0]).toarray().tolist() == [
             [0, 0, 0, 0, 1]
         ]
         return
@@ -328,7 +335,7 @@ def test_bad_svmlight_lines_are_refused_with_their_line_number(
 def test_unsorted_features_are_sorted_and_stored_zeros_dropped(tmp_path: Path) -> None:
     f = tmp_path / "u.svm"
     f.write_text("1 3:1 1:2 2:0\n0 2:5\n")
-    X, _ = Dataset.from_svmlight(f, path=tmp_path / "d", zero_based=False).read_all()
+    X = _csr(Dataset.from_svmlight(f, path=tmp_path / "d", zero_based=False).read_all()[0])
     assert X.has_canonical_format and X.nnz == 3 and X.toarray().tolist() == [[2, 0, 1], [0, 5, 0]]
 
 
@@ -402,4 +409,4 @@ def test_svmlight_memory_is_bounded_by_the_batch_not_the_file(tmp_path: Path) ->
     assert peak_big < csr_big / 2.5, (peak_small, peak_big)
     assert peak_big - peak_small < 200_000, (peak_small, peak_big)
     ds = Dataset.open(tmp_path / "b")
-    assert ds.nnz == 8_000 * 40 and ds.label_kind == "binary"
+    assert isinstance(ds, _sparse.SparseDataset) and ds.nnz == 8_000 * 40 and ds.label_kind == "binary"
