@@ -70,9 +70,10 @@ from distbelief.storage.internal import (
 
 from ._batches import BatchPlan, split_rows
 from ._compress import Compression
+from ._driver import SUCCESS, Checkpoint, DriverMachine, Measure, Poll, Probe, Release, Report
 from ._options import DownpourOptions, Rule, check_workers, worker_tuple
 from ._replica import DownpourReplica, RecordPlan, ReplicaConfig
-from ._resume import ResumePoint, checkpoint_interval, checkpoint_meta, params_store, require_resume_point
+from ._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
 from ._watch import StepRuleStallWarning, Watchdog, stall_message
 
 __all__ = ["Progress", "TrainResult", "train"]
@@ -102,8 +103,6 @@ EVAL_SHARE = 0.05
 END_EVAL_S = 1.5
 #: Below this many parameters the default is a single shard (an extra shard costs a round trip per push).
 SHARD_MIN_PARAMS = 1 << 17
-#: Stop reasons that mean the run did what it was asked.
-_SUCCESS = ("max_steps", "epochs", "time_limit", "callback")
 _PER_REPLICA = (
     "steps",
     "pushes",
@@ -672,10 +671,10 @@ class _Run:
         self.ps: ParameterServer | None = None
         self.actors: list[Any] = []
         self.futures: list[Future] = []
+        self.machine = DriverMachine(replicas=0)  # the run's, once setup() knows the replicas
         self.alive: list[bool] = []
         self.started: list[bool] = []
         self.status: dict[int, dict[str, Any]] = {}
-        self.lost_replicas: list[int] = []
         self.shard_losses: list[tuple[float, int]] = []
         self.recovery: ShardRecovery | None = None
         self.checkpoints = 0
@@ -699,8 +698,6 @@ class _Run:
         self.snapshots: list[tuple[float, int, np.ndarray]] = []
         self._planned_every: int | None = None
         self._rate_mark: tuple[float, int] | None = None  # (time, steps) at the last replan
-        self._errors_seen = 0
-        self._last_probe = -math.inf
         self._objective_rows: tuple[np.ndarray, np.ndarray] | None = None
         #: Seconds the driver spent evaluating history rows, and the rows with parameters it evaluated.
         self.eval_s = 0.0
@@ -795,8 +792,19 @@ class _Run:
                 )
             )
         self.actors = [f.result(timeout=opts.call_timeout) for f in self.futures]
-        self.alive = [True] * n_replicas
         self.started = [False] * n_replicas
+        start = self.resumed.time if self.resumed is not None else 0.0
+        self.machine = DriverMachine(
+            replicas=n_replicas,
+            start=start,
+            checkpoint_every_s=opts.checkpoint_every_s,
+            report_every=0.0,  # every poll: the rows the replicas recorded since the last
+            measure_every=opts.eval_every,
+            time_limit=opts.time_limit,
+            max_steps=opts.max_steps,
+            warm=opts.warmstart_steps > 0 and self.resumed is None,
+        )
+        self.alive = self.machine.alive  # a lost replica is dropped by the machine, the list shared
         if self.resumed is not None:
             self._resume_replicas(self.resumed)
 
@@ -873,9 +881,7 @@ class _Run:
                 raise ClusterError(f"replica {r} could not start: {value!r}")
 
     def _lose(self, r: int) -> None:
-        if self.alive[r]:
-            self.alive[r] = False
-            self.lost_replicas.append(r)
+        self.machine.lose(r)
 
     def _poll(self) -> None:
         which = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r]]
@@ -1219,25 +1225,19 @@ class _Run:
 
     # -- the loop --------------------------------------------------------------------------------------
     def drive(self) -> TrainResult:
-        opts = self.opts
-        assert self.ps is not None
+        """Poll the replicas every ``poll_every`` seconds and carry out what :class:`DriverMachine` says."""
+        opts, m = self.opts, self.machine
         n_replicas = len(self.actors)
-        warm = opts.warmstart_steps > 0 and n_replicas > 1 and self.resumed is None
         # A resumed run's clock goes on from its checkpoint's (time_limit counts the whole run).
         start = self.resumed.time if self.resumed is not None else 0.0
         self.t0 = time.perf_counter() - start
         self.t0_wall = time.time() - start
-        if warm:
+        if m.waiting:
             self._call([0], "hold", (opts.warmstart_steps,))
-        self._start([0] if warm else list(range(n_replicas)))
+        self._start([0] if m.waiting else list(range(n_replicas)))
         self._measure_applied(start)
         _diverged(self.watch, self._record(start, self.x_start), self.x_start)
-        waiting = list(range(1, n_replicas)) if warm else []
-        next_measure = start + opts.eval_every
-        ckpt_cost = 0.0
-        next_ckpt = start + checkpoint_interval(start, ckpt_cost, opts.checkpoint_every_s)
-        stop_reason: str | None = None
-        while stop_reason is None:
+        while True:
             time.sleep(opts.poll_every)
             self._replan(time.perf_counter() - self.t0)
             self._poll()
@@ -1245,59 +1245,52 @@ class _Run:
             for r, st in self.status.items():
                 if st.get("error"):
                     self._fail(r, st)
-            if waiting:
-                st0 = self.status.get(0, {})
-                if not self.alive[0] or st0.get("done") or st0.get("holding"):
-                    self._start(waiting)
+            poll = self._poll_summary()
+            for action in m.tick(now, poll):
+                if isinstance(action, Release):
+                    self._start(range(1, n_replicas))
                     self._call([0], "release")
-                    waiting = []
-            errors = sum(sum(st["fetch_errors"]) + sum(st["push_errors"]) for st in self.status.values())
-            if errors > self._errors_seen and now - self._last_probe > 1.0:
-                # Replicas cannot reach a shard: find out whether it was lost (and restore it).
-                self._errors_seen = errors
-                self._last_probe = now
-                with contextlib.suppress(ClusterError):
-                    self._probe()
-            # The rows the replicas recorded since the last poll (no round trip of their own).
-            # Evaluations take at most EVAL_SHARE of the run's time so far (the rest wait, and are thinned).
-            allowed = min(opts.poll_every, EVAL_SHARE * (time.perf_counter() - self.t0) - self.eval_s)
-            for progress, x in self._rows_from_records(self._frontier(), budget_s=allowed):
-                if self.callback is not None and stop_reason is None:
-                    try:
-                        self.callback(progress)
-                    except StopIteration:
-                        stop_reason = "callback"
-                if _diverged(self.watch, progress, x):
-                    stop_reason = stop_reason or "diverged"
-            if now >= next_measure:
-                self._measure_applied(now)
-                next_measure = now + opts.eval_every
-            if now >= next_ckpt:
-                t_ckpt = time.perf_counter()
-                with contextlib.suppress(ClusterError):
-                    self._checkpoint(now)
-                    self.checkpoints += 1
-                ckpt_cost = time.perf_counter() - t_ckpt
-                next_ckpt = now + checkpoint_interval(now, ckpt_cost, opts.checkpoint_every_s)
-            stop_reason = stop_reason or self._stop_condition(now, waiting)
-        return self._finish(stop_reason)
+                elif isinstance(action, Probe):  # replicas cannot reach a shard: was it lost (restore it)?
+                    with contextlib.suppress(ClusterError):
+                        self._probe()
+                elif isinstance(action, Report):
+                    self._report(m)
+                elif isinstance(action, Measure):
+                    self._measure_applied(now)
+                elif isinstance(action, Checkpoint):
+                    t_ckpt = time.perf_counter()
+                    with contextlib.suppress(ClusterError):
+                        self._checkpoint(now)
+                        self.checkpoints += 1
+                    m.checkpointed(now, time.perf_counter() - t_ckpt)
+            stop_reason = m.outcome(now, poll)
+            if stop_reason is not None:
+                return self._finish(stop_reason)
 
-    def _stop_condition(self, now: float, waiting: list[int]) -> str | None:
-        opts = self.opts
-        live = [r for r in range(len(self.actors)) if self.alive[r]]
-        if not live:
-            return "replicas_lost"
-        statuses = [self.status.get(r, {}) for r in live]
-        if any(st.get("diverged") for st in self.status.values()):
-            return "diverged"
-        if opts.time_limit is not None and now >= opts.time_limit:
-            return "time_limit"
-        if opts.max_steps is not None and self._totals()["steps"] >= opts.max_steps:
-            return "max_steps"
-        if not waiting and all(st.get("done") for st in statuses):
-            reasons = {str(st.get("stop_reason", "")).split(" ")[0] for st in statuses}
-            return "epochs" if reasons == {"epochs"} else "max_steps"
-        return None
+    def _report(self, m: DriverMachine) -> None:
+        """History rows for the records every replica has reported past (no round trip of their own), each
+        passed to the callback and the watchdog. Evaluations take at most EVAL_SHARE of the run's time so
+        far (the rest wait, and are thinned)."""
+        allowed = min(self.opts.poll_every, EVAL_SHARE * (time.perf_counter() - self.t0) - self.eval_s)
+        for progress, x in self._rows_from_records(self._frontier(), budget_s=allowed):
+            stop = False
+            if self.callback is not None and m.stopped is None:
+                try:
+                    self.callback(progress)
+                except StopIteration:
+                    stop = True
+            m.verdict(progress.time, callback=stop, diverged=_diverged(self.watch, progress, x))
+
+    def _poll_summary(self) -> Poll:
+        """What the replicas' latest statuses say, for :meth:`DriverMachine.tick`."""
+        status = self.status
+        return Poll(
+            steps=self._totals()["steps"],
+            errors=sum(sum(st["fetch_errors"]) + sum(st["push_errors"]) for st in status.values()),
+            done={r: str(st.get("stop_reason", "")) for r, st in status.items() if st.get("done")},
+            diverged=any(st.get("diverged") for st in status.values()),
+            holding=bool(status.get(0, {}).get("holding")),
+        )
 
     def _fail(self, r: int, st: dict[str, Any]) -> None:
         exc = st.get("error_obj")
@@ -1328,7 +1321,7 @@ class _Run:
         affordable = int(budget / per_row) if per_row > 0 else HISTORY_POINTS
         self._thin_pending(max(2, min(affordable, max(HISTORY_POINTS, 2 * HISTORY_POINTS - len(self.rows)))))
         for progress, x_row in self._rows_from_records(math.inf):
-            if _diverged(self.watch, progress, x_row) and stop_reason in _SUCCESS:
+            if _diverged(self.watch, progress, x_row) and stop_reason in SUCCESS:
                 stop_reason = "diverged"
         wall = time.perf_counter() - self.t0
         # The store ends up holding the final state (parameters, Adagrad accumulators, shard versions).
@@ -1339,14 +1332,14 @@ class _Run:
         t_last = max(wall, float(np.nextafter(self.rows[-1].time, math.inf)))
         self._measure_applied(t_last)
         last = self._record(t_last, x)
-        if stop_reason in _SUCCESS and _diverged(self.watch, last, x):
+        if stop_reason in SUCCESS and _diverged(self.watch, last, x):
             stop_reason = "diverged"
         losses: dict[int, np.ndarray] = {}
         if self.opts.trace:
             traced = self._call([r for r in range(len(self.actors)) if self.alive[r]], "losses")
             losses = {r: np.array(v) for r, (ok, v) in traced.items() if ok}
         t = self._totals()
-        success = stop_reason in _SUCCESS
+        success = stop_reason in SUCCESS
         stats = {
             "replicas": len(self.actors),
             "shards": ps.shards,
@@ -1358,7 +1351,7 @@ class _Run:
             "staleness_mean": t["staleness_sum"] / t["staleness_count"] if t["staleness_count"] else math.nan,
             "stale_waits": t["stale_waits"],
             "steps_per_s": t["steps"] / wall if wall > 0 else math.nan,
-            "lost_replicas": list(self.lost_replicas),
+            "lost_replicas": list(self.machine.lost),
             "shard_losses": list(self.shard_losses),
             "recoveries": len(self.shard_losses),
             "checkpoints": self.checkpoints,
