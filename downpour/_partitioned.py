@@ -65,8 +65,9 @@ from distbelief.storage.internal import (
 )
 
 from ._batches import BatchPlan, split_rows
+from ._driver import Abort, Checkpoint, DriverMachine, Poll, Report
 from ._options import DownpourOptions, check_workers, worker_tuple
-from ._resume import ResumePoint, checkpoint_interval, checkpoint_meta, params_store, require_resume_point
+from ._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
 
 __all__ = [
     "PartitionActor",
@@ -685,8 +686,7 @@ class _Supervisor:
         self.places, self.submit, self.call_timeout = list(places), submit, call_timeout
         self.budget = call_timeout * (1 + max_steps)
         self.generation = [0] * len(actors)
-        self.rebuilt: list[int] = []
-        self.ps, self.checkpoint_every_s = ps, checkpoint_every_s
+        self.ps = ps
         self.shard_map = ps.shard_map()
         self.recovery = ShardRecovery(ps, max_recoveries=MAX_RECOVERIES, on_restored=self._restored)
         # A resumed run's clock goes on from its checkpoint's (its progress rows continue the earlier ones).
@@ -702,8 +702,13 @@ class _Supervisor:
         self.shard_losses: list[tuple[float, int]] = []
         self.checkpoints = 1  # the initial one, taken before the run
         self.callback = callback
-        self.stopped_by_callback = False
-        self.stopped_at = math.inf
+        #: Its decisions: progress rows, checkpoints, the callback's stop, rebuilds (read at the start of the
+        #: run: the tests shorten PROGRESS_EVERY).
+        self.machine = DriverMachine(
+            replicas=len(actors), start=elapsed, checkpoint_every_s=checkpoint_every_s,
+            report_every=PROGRESS_EVERY if callback is not None else math.inf, max_rebuilds=MAX_REBUILDS,
+            settle_s=STOP_SETTLE,
+        )  # fmt: skip
         self._seen: dict[int, tuple[int, int]] = {}  # replica -> (losses, staleness) already reported
 
     async def _progress(self) -> None:
@@ -743,8 +748,7 @@ class _Supervisor:
         # In a thread: the callback is the user's code (the service writes its metrics to the store in it)
         # and must not hold up this event loop, which every actor call of the process goes through.
         if await asyncio.to_thread(_calls_back, self.callback, progress):
-            self.stopped_by_callback = True
-            self.stopped_at = time.monotonic()
+            self.machine.verdict(time.monotonic() - self.t0, callback=True)
             await self._stop_all(self.actors, after_step=True)
 
     async def _count_steps(self) -> None:
@@ -866,27 +870,29 @@ class _Supervisor:
     ) -> tuple[list[dict[str, Any]], list[int]]:
         """The supervision loop of :meth:`_run`: progress, checkpoints, lost partitions rebuilt."""
         deadline = time.monotonic() + self.budget
-        every, ckpt_cost, t_start = self.checkpoint_every_s, 0.0, time.monotonic()
-        next_ckpt = t_start + checkpoint_interval(0.0, ckpt_cost, every)
-        next_progress = time.monotonic() + PROGRESS_EVERY if self.callback is not None else math.inf
+        m = self.machine
         while tasks:
             done, _ = await asyncio.wait(list(tasks), timeout=POLL, return_when=asyncio.FIRST_COMPLETED)
-            if time.monotonic() >= next_progress and not self.stopped_by_callback:
-                await self._progress()
-                next_progress = time.monotonic() + PROGRESS_EVERY
-            if time.monotonic() >= next_ckpt:
-                t_ckpt = time.monotonic()
-                with contextlib.suppress(ClusterError):  # a failed checkpoint leaves the last one current
-                    await self.checkpoint()
-                ckpt_cost = time.monotonic() - t_ckpt
-                next_ckpt = time.monotonic() + checkpoint_interval(t_ckpt - t_start, ckpt_cost, every)
+            now = time.monotonic() - self.t0
+            for action in m.tick(now, Poll()):
+                if isinstance(action, Report):
+                    await self._progress()
+                elif isinstance(action, Checkpoint):
+                    with contextlib.suppress(ClusterError):  # a failed checkpoint leaves the last one current
+                        await self.checkpoint()
+                    m.checkpointed(now, time.monotonic() - self.t0 - now)
+                elif isinstance(action, Abort) and tasks:
+                    # A partition that began a step before it was told to stop waits for a peer's message of
+                    # a pass the peer (stopped first) will never run: a stop aborts that wait. Not sooner, so
+                    # that the steps under way are finished by every partition, not some.
+                    await self._stop_all(self.actors)
             broken: set[int] = set()
             errors: dict[int, BaseException] = {}
             for task in done:
                 r, k = tasks.pop(task)
                 if task.exception() is None:
                     statuses.append(task.result())
-                elif self.stopped_by_callback:
+                elif m.stopped is not None:
                     # Stopped by the callback, it failed on a peer stopped first: its counters as they are.
                     with contextlib.suppress(Exception):
                         got = await asyncio.wait_for(self.actors[r][k].status()._result(), self.call_timeout)
@@ -894,13 +900,8 @@ class _Supervisor:
                 else:
                     broken.add(r)
                     errors.setdefault(r, task.exception())  # type: ignore[arg-type]
-            if not self.stopped_by_callback:
+            if m.stopped is None:
                 broken |= {r for r, _ in tasks.values() if self._dead(r)}
-            elif tasks and time.monotonic() - self.stopped_at >= STOP_SETTLE:
-                # A partition that began a step before it was told to stop waits for a peer's message of a
-                # pass the peer (stopped first) will never run: a stop aborts that wait. Not sooner, so that
-                # the steps under way are finished by every partition, not some.
-                await self._stop_all(self.actors)
             for r in sorted(broken):
                 step = await self._stop(r, tasks, statuses)
                 dead = await confirm_dead_async(functools.partial(self._dead, r), ConnectionError())
@@ -918,7 +919,7 @@ class _Supervisor:
                 start(r, step)
             if time.monotonic() > deadline:
                 raise ClusterError(f"the partitions did not finish within {self.budget:.3g} s")
-        return statuses, self.rebuilt
+        return statuses, m.rebuilt
 
     async def _stop(
         self, r: int, tasks: dict[asyncio.Future[Any], tuple[int, int]], statuses: list[dict[str, Any]]
@@ -965,11 +966,7 @@ class _Supervisor:
 
     async def _rebuild(self, r: int) -> None:
         """K new partitions for replica ``r`` on the workers still alive."""
-        if len(self.rebuilt) >= MAX_REBUILDS:
-            raise ClusterError(
-                f"replica {r} lost a partition's worker after {MAX_REBUILDS} rebuilds; giving up (check the "
-                "workers' health and logs)"
-            )
+        self.machine.lose(r)  # counts the rebuild; raises past MAX_REBUILDS
         gone = {
             getattr(a, "_address", None)
             for a, f in zip(self.actors[r], self.futures[r], strict=True)
@@ -989,7 +986,6 @@ class _Supervisor:
         for f in old:
             with contextlib.suppress(Exception):
                 f.release()
-        self.rebuilt.append(r)
 
 
 def _drive(
@@ -1101,7 +1097,7 @@ def _drive(
             {k: v for k, v in st.items() if k not in ("losses", "staleness")} for st in statuses
         ],
     }
-    if supervisor.stopped_by_callback:
+    if supervisor.machine.stopped == "callback":
         stop_reason = "callback"
     messages_by_reason = {
         "max_steps": "reached max_steps",
