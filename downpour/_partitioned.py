@@ -32,13 +32,12 @@ import xarray as xr
 from distributed import Client
 from distributed.utils import sync
 
-from distbelief.errors import ClusterError, InvalidOptionError, ShardLostError
+from distbelief.errors import ClusterError, InvalidOptionError
 from distbelief.models import partition_plan
 from distbelief.models.internal import PartitionPlan
 from distbelief.options import defaults
 from distbelief.storage import (
     Dataset,
-    Layout,
     ParameterServer,
     ShardMap,
     as_dataset,
@@ -54,12 +53,9 @@ from distbelief.storage.internal import (
     POLL,
     PartitionPeer,
     PassAborted,
-    ShardRecovery,
     confirm_dead_async,
     current_worker,
     gather_calls,
-    normalize_url,
-    read_attrs,
     run_store,
     start_call,
 )
@@ -67,7 +63,8 @@ from distbelief.storage.internal import (
 from ._batches import BatchPlan, split_rows
 from ._driver import Abort, Checkpoint, DriverMachine, Poll, Report
 from ._options import DownpourOptions, check_workers, worker_tuple
-from ._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
+from ._resume import ResumePoint
+from ._shards import Shards
 
 __all__ = [
     "PartitionActor",
@@ -526,17 +523,15 @@ def train_partitioned(
         shard_places = [homes[k % len(homes)] for k in range(plan.partitions) for _ in owned[k]]
         point = None
         if resume:
-            ps, point = _reopen(c, store, plan, layout, replicas, shard_places, call_timeout)
-        else:
-            ps = ParameterServer.create(
-                c, model.n_params, store=params_store(store), workers=shard_places, layout=layout,
-                vectors={"x": x_start[plan.perm]}, timeout=call_timeout, overwrite=True,
+            ps, point = Shards.reopen(
+                c, store, replicas, model.n_params, workers=shard_places, timeout=call_timeout, layout=layout,
+                partitions=plan.partitions,
             )  # fmt: skip
-            if rule == "adagrad":
-                # The accumulators exist from the start: every checkpoint (and a restored shard) holds them.
-                ps.fill("x.adagrad", 0.0)
-            # A shard lost before the first periodic checkpoint comes back from this one.
-            ps.checkpoint(meta=checkpoint_meta(0.0, {}, replicas, partitions=plan.partitions))
+        else:
+            ps = Shards.create(
+                c, store, replicas, x_start[plan.perm], rule=rule, workers=shard_places, timeout=call_timeout,
+                layout=layout, partitions=plan.partitions,
+            )  # fmt: skip
         reason = "max_steps" if max_steps is not None and sum(limits) == max_steps else "epochs"
         try:
             args = (
@@ -559,31 +554,6 @@ def train_partitioned(
             )  # fmt: skip
         finally:
             ps.close()
-
-
-def _reopen(
-    c: Client,
-    store: str,
-    plan: PartitionPlan,
-    layout: Any,
-    replicas: int,
-    shard_places: Sequence[str],
-    call_timeout: float,
-) -> tuple[ParameterServer, ResumePoint]:
-    """``resume=True``: the shards as the run's last checkpoint left them, and its replicas' step counts."""
-    point = require_resume_point(store, replicas)
-    # Checked before any shard is rebuilt: the store's attributes say how the run was split.
-    attrs = read_attrs(normalize_url(params_store(store)))
-    saved = Layout.from_dict(attrs["layout"])
-    partitions = (attrs.get("meta") or {}).get("partitions")
-    if partitions != plan.partitions or saved.ranges() != layout.ranges():
-        raise InvalidOptionError(
-            f"the checkpoint in {params_store(store)!r} is of a run with partitions={partitions} and "
-            f"{saved.n} parameters in {saved.shards} shards; resume it with the model, partitions and "
-            "shards_per_partition of that run"
-        )
-    ps = ParameterServer.open(c, store=params_store(store), workers=shard_places, timeout=call_timeout)
-    return ps, point
 
 
 class _Objective:
@@ -631,8 +601,6 @@ class _Objective:
 
 #: Times a run may rebuild a replica that lost a partition's worker before the run fails.
 MAX_REBUILDS = 8
-#: How many lost shards a run recovers from before it gives up.
-MAX_RECOVERIES = 5
 #: Seconds a stopped partition has to end its ``run`` before its counters are read with ``status``: one
 #: blocked sending to a peer on a dead worker would otherwise hold the rebuild for the whole call timeout.
 STOP_GRACE = 2.0
@@ -687,8 +655,8 @@ class _Supervisor:
         self.budget = call_timeout * (1 + max_steps)
         self.generation = [0] * len(actors)
         self.ps = ps
-        self.shard_map = ps.shard_map()
-        self.recovery = ShardRecovery(ps, max_recoveries=MAX_RECOVERIES, on_restored=self._restored)
+        #: Its parameter-server ops, checkpoints and restored shards (partitions are repointed after the op).
+        self.shards = Shards(ps, lambda: time.monotonic() - self.t0)
         # A resumed run's clock goes on from its checkpoint's (its progress rows continue the earlier ones).
         self.t0 = time.monotonic() - elapsed
         self.started = [time.monotonic()] * len(actors)  # when each replica's current generation started
@@ -699,8 +667,6 @@ class _Supervisor:
         self.objective, self.perm = objective, perm
         #: Every Progress the callback was given: the run's history.
         self.rows: list[Any] = []
-        self.shard_losses: list[tuple[float, int]] = []
-        self.checkpoints = 1  # the initial one, taken before the run
         self.callback = callback
         #: Its decisions: progress rows, checkpoints, the callback's stop, rebuilds (read at the start of the
         #: run: the tests shorten PROGRESS_EVERY).
@@ -736,7 +702,7 @@ class _Supervisor:
         if self.objective is not None and self.perm is not None and self.objective.due():
             # The shards' parameters as they are now (the replicas' steps under way land a little later).
             with contextlib.suppress(ClusterError):
-                x_perm = await self._ps_call(lambda: self.ps.gather("x"))
+                x_perm = await self._ps_call(lambda: self.shards.run(lambda: self.ps.gather("x")))
                 value = await asyncio.to_thread(self.objective, x_perm, self.perm)
         progress = Progress(
             time=now, step=sum(self.steps), epoch=math.nan,
@@ -770,11 +736,8 @@ class _Supervisor:
             await self._count_steps()
             steps = self.counted
         counts = {r: {"steps": int(n)} for r, n in enumerate(steps)}
-        meta = checkpoint_meta(
-            time.monotonic() - self.t0, counts, len(self.actors), partitions=len(self.actors[0]), final=final
-        )
-        await self._ps_call(lambda: self.ps.checkpoint(meta=meta))
-        self.checkpoints += 1
+        now, n, k = time.monotonic() - self.t0, len(self.actors), len(self.actors[0])
+        await self._ps_call(lambda: self.shards.checkpoint(now, counts, n, partitions=k, final=final))
 
     async def _stop_all(self, actors: Sequence[Any], *, after_step: bool = False) -> None:
         """Stop ``actors`` (lists of a replica's partitions) whose workers are alive: at once, aborting the
@@ -787,34 +750,20 @@ class _Supervisor:
         ]
         await asyncio.gather(*calls, return_exceptions=True)
 
-    def _restored(self, err: ShardLostError) -> None:
-        """A shard came back from its checkpoint (called in the recovery's thread): note it."""
-        self.shard_losses.append((time.monotonic() - self.t0, err.shard))
-        self.shard_map = self.ps.shard_map()
-
-    async def _ps_call(self, fn: Any) -> Any:
-        """``fn()`` (a blocking parameter-server op) in a thread, a lost shard restored and the op retried;
-        then the partitions still alive are handed the new shard map if a shard was restored."""
-        before = len(self.shard_losses)
+    async def _ps_call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (blocking parameter-server ops through ``self.shards``) in a thread; then the partitions
+        still alive are handed the new shard map if a shard was restored."""
+        before = len(self.shards.shard_losses)
         try:
-            return await asyncio.to_thread(self.recovery.run, fn)
+            return await asyncio.to_thread(fn)
         finally:
-            if len(self.shard_losses) > before:
-                await self._repoint()
-
-    async def _probe(self) -> None:
-        """Ping every shard (a lost one is restored, the partitions repointed)."""
-        before = len(self.shard_losses)
-        try:
-            await asyncio.to_thread(self.recovery.probe)
-        finally:
-            if len(self.shard_losses) > before:
+            if len(self.shards.shard_losses) > before:
                 await self._repoint()
 
     async def _repoint(self) -> None:
         """Hand every live partition the current shard map (one that cannot be reached is left to fail)."""
         calls = [
-            asyncio.wait_for(a.set_shard_map(self.shard_map)._result(), self.call_timeout)
+            asyncio.wait_for(a.set_shard_map(self.shards.shard_map)._result(), self.call_timeout)
             for row, futs in zip(self.actors, self.futures, strict=True)
             for a, f in zip(row, futs, strict=True)
             if f.status not in DEAD_STATES
@@ -907,8 +856,8 @@ class _Supervisor:
                 dead = await confirm_dead_async(functools.partial(self._dead, r), ConnectionError())
                 # The lost worker may have held shards too (or a partition failed on a lost shard): restore
                 # them before the replica is rebuilt, so its new partitions get the new shard map.
-                await self._probe()
-                restored = any(self.t0 + t >= self.started[r] for t, _ in self.shard_losses)
+                await self._ps_call(self.shards.probe)
+                restored = any(self.t0 + t >= self.started[r] for t, _ in self.shards.shard_losses)
                 if not dead and not restored:
                     why = errors.get(r)
                     reason = f": {type(why).__name__}: {why}" if why is not None else ""
@@ -980,7 +929,7 @@ class _Supervisor:
         K = len(self.actors[r])
         old = self.futures[r]
         self.started[r] = time.monotonic()
-        self.futures[r] = [self.submit(r, k, live[k % len(live)], g, self.shard_map) for k in range(K)]
+        self.futures[r] = [self.submit(r, k, live[k % len(live)], g, self.shards.shard_map) for k in range(K)]
         self.actors[r] = [await f._result() for f in self.futures[r]]
         await asyncio.gather(*(a.connect(self.actors[r])._result() for a in self.actors[r]))
         for f in old:
@@ -1061,7 +1010,8 @@ def _drive(
     last = {r: min(n for (rr, _), n in reached.items() if rr == r) for r in sorted({r for r, _ in reached})}
     with contextlib.suppress(ClusterError):  # the previous checkpoint stays current
         supervisor.final_checkpoint([last.get(r, supervisor.counted[r]) for r in range(len(row_ranges))])
-    x_perm = supervisor.recovery.run(lambda: ps.gather("x"))
+    shards = supervisor.shards
+    x_perm = shards.run(lambda: ps.gather("x"))
     x = np.empty_like(x_perm)
     x[plan.perm] = x_perm
     steps = sum(last.values())
@@ -1082,11 +1032,11 @@ def _drive(
         "partitions": K,
         "shards": ps.shards,
         "rebuilt_replicas": rebuilt,
-        "shard_counters": supervisor.recovery.run(ps.counters),
-        "checkpoints": supervisor.checkpoints,
+        "shard_counters": shards.run(ps.counters),
+        "checkpoints": shards.checkpoints,
         "resumed_from": resumed.step if resumed is not None else None,
-        "recoveries": supervisor.recovery.recoveries,
-        "shard_losses": list(supervisor.shard_losses),
+        "recoveries": shards.recovery.recoveries,
+        "shard_losses": list(shards.shard_losses),
         "pushes": sum(len(st["staleness"]) for st in statuses),
         "staleness_mean": float(np.mean(staleness)) if staleness else math.nan,
         "steps_per_s": steps / wall if wall > 0 else math.nan,

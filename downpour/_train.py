@@ -44,13 +44,14 @@ import xarray as xr
 from distributed import Client, Future
 from threadpoolctl import threadpool_limits
 
-from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
+from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError
 from distbelief.models import objective
 from distbelief.models.internal import FittedMixin
 from distbelief.options import refuse_unknown
 from distbelief.storage import (
     Dataset,
     ParameterServer,
+    ShardMap,
     as_dataset,
     embedded_client,
     start_vector,
@@ -58,7 +59,6 @@ from distbelief.storage import (
 )
 from distbelief.storage.internal import (
     Communication,
-    ShardRecovery,
     actor_gone,
     as_csr,
     gather_calls,
@@ -73,7 +73,8 @@ from ._compress import Compression
 from ._driver import SUCCESS, Checkpoint, DriverMachine, Measure, Poll, Probe, Release, Report
 from ._options import DownpourOptions, Rule, check_workers, worker_tuple
 from ._replica import DownpourReplica, RecordPlan, ReplicaConfig
-from ._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
+from ._resume import ResumePoint
+from ._shards import Shards
 from ._watch import StepRuleStallWarning, Watchdog, stall_message
 
 __all__ = ["Progress", "TrainResult", "train"]
@@ -459,7 +460,8 @@ def train(
     if partitions is not None and not (type(partitions) is int and partitions == 1):  # True is not 1 here
         from ._partitioned import train_from_options
 
-        return train_from_options(model, data, partitions=partitions, given=locals())
+        partitioned: TrainResult = train_from_options(model, data, partitions=partitions, given=locals())
+        return partitioned
     opts = DownpourOptions(
         replicas=replicas,
         shards=shards,
@@ -670,14 +672,12 @@ class _Run:
         self.callback = callback
         self.ps: ParameterServer | None = None
         self.actors: list[Any] = []
-        self.futures: list[Future] = []
+        self.futures: list[Future[Any]] = []
         self.machine = DriverMachine(replicas=0)  # the run's, once setup() knows the replicas
         self.alive: list[bool] = []
         self.started: list[bool] = []
         self.status: dict[int, dict[str, Any]] = {}
-        self.shard_losses: list[tuple[float, int]] = []
-        self.recovery: ShardRecovery | None = None
-        self.checkpoints = 0
+        self.shards: Shards | None = None
         self.rows: list[_Row] = []
         self.t0 = 0.0
         self.stopped = False
@@ -727,25 +727,18 @@ class _Run:
         wide = use_sparse(opts.communication, self.model, self.dataset.layout == "csr")
         self.communication = "sparse" if wide and not opts.l2 else "dense"
         if opts.resume:
-            ps = self._reopen(n_replicas, shard_workers)
-        else:
-            ps = ParameterServer.create(
-                client,
-                n,
-                shards=n_shards,
-                store=params_store(self.store),
-                workers=shard_workers,
-                overwrite=True,
-                timeout=opts.call_timeout,
+            ps, self.resumed = Shards.reopen(
+                client, self.store, n_replicas, n, workers=shard_workers, timeout=opts.call_timeout
             )
-            ps.scatter("x", self.x_start)
-            if opts.rule == "adagrad":
-                # The accumulators exist from the start: every checkpoint (and a restored shard) holds them.
-                ps.fill("x.adagrad", 0.0)
-            ps.checkpoint(meta=checkpoint_meta(0.0, {}, n_replicas))
-            self.checkpoints = 1
+            self.x_start = ps.gather("x")
+        else:
+            ps = Shards.create(
+                client, self.store, n_replicas, self.x_start, rule=opts.rule, workers=shard_workers,
+                timeout=opts.call_timeout, shards=n_shards,
+            )  # fmt: skip
         self.ps = ps
-        self.recovery = ShardRecovery(ps, max_recoveries=MAX_RECOVERIES, on_restored=self._restored)
+        clock = lambda: time.perf_counter() - self.t0  # noqa: E731
+        self.shards = Shards(ps, clock, self._repoint, checkpoints=0 if opts.resume else 1)
         config = ReplicaConfig(
             run_id=uuid.uuid4().hex[:12],
             rule=opts.rule,
@@ -808,22 +801,6 @@ class _Run:
         if self.resumed is not None:
             self._resume_replicas(self.resumed)
 
-    def _reopen(self, n_replicas: int, shard_workers: list[str]) -> ParameterServer:
-        """``resume=True``: the shards as the last checkpoint left them (vectors, clocks, counters)."""
-        point = require_resume_point(self.store, n_replicas)
-        ps = ParameterServer.open(
-            self.client, store=params_store(self.store), workers=shard_workers, timeout=self.opts.call_timeout
-        )
-        if ps.n != self.x_start.size:
-            ps.close()
-            raise InvalidOptionError(
-                f"the checkpoint holds {ps.n} parameters but the model has {self.x_start.size}; resume with "
-                "the model of the interrupted run"
-            )
-        self.x_start = ps.gather("x")
-        self.resumed = point
-        return ps
-
     def _resume_replicas(self, point: ResumePoint) -> None:
         """Hand every replica its counters at the checkpoint; they are the driver's starting totals."""
         every = list(range(len(self.actors)))
@@ -837,15 +814,10 @@ class _Run:
         t = self._totals()
         self._prev = (t["rows"], t["loss_sum"], t["staleness_count"], t["staleness_sum"])
 
-    def _checkpoint(self, now: float) -> None:
-        """A periodic checkpoint of the shards, with the counters ``resume=True`` needs."""
-        assert self.ps is not None
-        ps, meta = self.ps, self._checkpoint_meta(now)
-        self._ps_call(lambda: ps.checkpoint(meta=meta))
-
-    def _checkpoint_meta(self, now: float, **extra: Any) -> dict[str, Any]:
-        """What a checkpoint saves beside the shards, for ``resume=True`` (:func:`checkpoint_meta`)."""
-        return checkpoint_meta(now, self.status, len(self.actors), **extra)
+    def _checkpoint(self, now: float, **extra: Any) -> None:
+        """A checkpoint of the shards, with the counters ``resume=True`` needs."""
+        assert self.shards is not None
+        self.shards.checkpoint(now, self.status, len(self.actors), **extra)
 
     def teardown(self) -> None:
         live = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r] and not self.stopped]
@@ -854,7 +826,7 @@ class _Run:
                 self._call(live, "stop", (1.0,), timeout=5.0)
         for f in self.futures:
             with contextlib.suppress(Exception):
-                f.release()
+                f.release()  # type: ignore[no-untyped-call, unused-ignore]
         if self.ps is not None:
             self.ps.close()
 
@@ -925,18 +897,11 @@ class _Run:
 
     def _ps_call(self, fn: Callable[[], Any]) -> Any:
         """Run a parameter-server op; a lost shard is restored (and the replicas told) and the op retried."""
-        assert self.recovery is not None
-        return self.recovery.run(fn)
+        assert self.shards is not None
+        return self.shards.run(fn)
 
-    def _probe(self) -> ShardLostError | None:
-        assert self.recovery is not None
-        return self.recovery.probe()
-
-    def _restored(self, err: ShardLostError) -> None:
+    def _repoint(self, shard_map: ShardMap) -> None:
         """A shard came back from its checkpoint: the replicas are handed the new shard map."""
-        assert self.ps is not None
-        self.shard_losses.append((time.perf_counter() - self.t0, err.shard))
-        shard_map = self.ps.shard_map()
         live = [r for r in range(len(self.actors)) if self.alive[r]]
         for r, (ok, _) in self._call(live, "set_shard_map", (shard_map,)).items():
             if not ok and self._is_dead(r):
@@ -1226,7 +1191,8 @@ class _Run:
     # -- the loop --------------------------------------------------------------------------------------
     def drive(self) -> TrainResult:
         """Poll the replicas every ``poll_every`` seconds and carry out what :class:`DriverMachine` says."""
-        opts, m = self.opts, self.machine
+        opts, m, shards = self.opts, self.machine, self.shards
+        assert shards is not None
         n_replicas = len(self.actors)
         # A resumed run's clock goes on from its checkpoint's (time_limit counts the whole run).
         start = self.resumed.time if self.resumed is not None else 0.0
@@ -1252,7 +1218,7 @@ class _Run:
                     self._call([0], "release")
                 elif isinstance(action, Probe):  # replicas cannot reach a shard: was it lost (restore it)?
                     with contextlib.suppress(ClusterError):
-                        self._probe()
+                        shards.probe()
                 elif isinstance(action, Report):
                     self._report(m)
                 elif isinstance(action, Measure):
@@ -1261,7 +1227,6 @@ class _Run:
                     t_ckpt = time.perf_counter()
                     with contextlib.suppress(ClusterError):
                         self._checkpoint(now)
-                        self.checkpoints += 1
                     m.checkpointed(now, time.perf_counter() - t_ckpt)
             stop_reason = m.outcome(now, poll)
             if stop_reason is not None:
@@ -1299,8 +1264,8 @@ class _Run:
         raise ClusterError(f"replica {r} failed; its traceback:\n{st['error']}")
 
     def _finish(self, stop_reason: str) -> TrainResult:
-        assert self.ps is not None
-        ps = self.ps
+        assert self.ps is not None and self.shards is not None
+        ps, shards = self.ps, self.shards
         live = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r]]
         stop_timeout = self.opts.call_timeout + 5.0
         finals = self._call(live, "stop", (self.opts.call_timeout,), timeout=stop_timeout)
@@ -1325,9 +1290,7 @@ class _Run:
                 stop_reason = "diverged"
         wall = time.perf_counter() - self.t0
         # The store ends up holding the final state (parameters, Adagrad accumulators, shard versions).
-        final_meta = self._checkpoint_meta(wall, final=True)
-        self._ps_call(lambda: ps.checkpoint(meta=final_meta))
-        self.checkpoints += 1
+        self._checkpoint(wall, final=True)
         x: np.ndarray = self._ps_call(lambda: ps.gather("x"))
         t_last = max(wall, float(np.nextafter(self.rows[-1].time, math.inf)))
         self._measure_applied(t_last)
@@ -1352,9 +1315,9 @@ class _Run:
             "stale_waits": t["stale_waits"],
             "steps_per_s": t["steps"] / wall if wall > 0 else math.nan,
             "lost_replicas": list(self.machine.lost),
-            "shard_losses": list(self.shard_losses),
-            "recoveries": len(self.shard_losses),
-            "checkpoints": self.checkpoints,
+            "shard_losses": list(shards.shard_losses),
+            "recoveries": len(shards.shard_losses),
+            "checkpoints": shards.checkpoints,
             "communication": self.communication,
             "bytes_fetched": t["bytes_fetched"],
             "bytes_pushed": t["bytes_pushed"],
