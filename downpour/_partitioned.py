@@ -561,11 +561,10 @@ class _Objective:
 
     The partitions hold only their slices and their mini-batch losses, so the objective needs the whole
     vector (one gather from the shards, ``8 n`` bytes) and a pass of the full model over the training rows
-    (:func:`downpour._train.objective_rows`: all of them, or a spread sample past
-    ``OBJECTIVE_MAX_VALUES``) in the driver. That is done in a thread, and not again before ``BUDGET``
-    times its last cost has passed, so it takes at most about ``1 / BUDGET`` of the driver's time; a
-    model above ``MAX_PARAMS`` parameters (one that needed partitioning for its size, whose gather would
-    weigh on the driver) gets NaN.
+    (:func:`downpour._train.objective_sample`, as for whole replicas) in the driver. That is done in a
+    thread, and not again before ``BUDGET`` times its last cost has passed, so it takes at most about
+    ``1 / BUDGET`` of the driver's time; a model above ``MAX_PARAMS`` parameters (one that needed
+    partitioning for its size, whose gather would weigh on the driver) gets NaN.
     """
 
     #: Parameters above which the objective is not computed while the run goes on.
@@ -587,11 +586,11 @@ class _Objective:
         """F at the partition-major vector ``x_perm`` (``x[perm]``); blocking (run it in a thread)."""
         from distbelief.models import objective
 
-        from ._train import objective_rows
+        from ._train import objective_sample
 
         t0 = time.monotonic()
         if self.rows is None:
-            self.rows = objective_rows(self.dataset)
+            self.rows = objective_sample(self.model, self.dataset)
         x = np.empty_like(x_perm)
         x[perm] = x_perm
         value = float(objective(self.model, x, *self.rows, l2=self.l2)[0])
