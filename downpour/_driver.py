@@ -41,6 +41,7 @@ from distbelief.errors import ClusterError
 from ._resume import checkpoint_interval
 
 __all__ = [
+    "MESSAGES",
     "SUCCESS",
     "Abort",
     "Checkpoint",
@@ -56,6 +57,15 @@ __all__ = [
 
 #: Stop reasons that mean the run did what it was asked.
 SUCCESS = ("max_steps", "epochs", "time_limit", "callback")
+#: Every stop reason in words (a diverged run's says why, from its watchdog).
+MESSAGES = {
+    "max_steps": "reached max_steps",
+    "epochs": "every replica finished its epochs",
+    "time_limit": "reached the time limit",
+    "callback": "stopped by the callback",
+    "diverged": "the training loss became NaN or infinite: lower lr (or use rule='adagrad')",
+    "replicas_lost": "every replica was lost with its worker; restart workers and train again from x",
+}
 #: Seconds between two probes of the shards prompted by new push or fetch errors.
 PROBE_GAP_S = 1.0
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -61,7 +62,7 @@ from distbelief.storage.internal import (
 )
 
 from ._batches import BatchPlan, split_rows
-from ._driver import Abort, Checkpoint, DriverMachine, Poll, Report
+from ._driver import MESSAGES, Abort, Checkpoint, DriverMachine, Poll, Report
 from ._options import DownpourOptions, check_workers, worker_tuple
 from ._resume import ResumePoint
 from ._shards import Shards
@@ -470,8 +471,6 @@ def train_partitioned(
     >>> res.stats["messages_per_step"]                                    # doctest: +SKIP
     6.0
     """
-    from ._train import TrainResult
-
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
     plan = partition_plan(model, partitions)
@@ -533,25 +532,16 @@ def train_partitioned(
                 layout=layout, partitions=plan.partitions,
             )  # fmt: skip
         reason = "max_steps" if max_steps is not None and sum(limits) == max_steps else "epochs"
+        config = PartitionConfig(
+            uuid.uuid4().hex[:12], rule, step_lr, l2, batch_size, seed, shuffle, 0, call_timeout,
+            n_fetch=n_fetch, n_push=n_push, local_lr=local_lr,
+        )  # fmt: skip
         try:
-            args = (
-                rule,
-                step_lr,
-                l2,
-                batch_size,
-                seed,
-                shuffle,
-                call_timeout,
-                trace,
-                TrainResult,
-                reason,
-            )
-            return _drive(
-                c, ps, plan, dataset, row_ranges, owned, places, limits, *args,
-                sync=(n_fetch, n_push, local_lr), checkpoint_every_s=checkpoint_every_s,
-                callback=callback, resumed=point,
-                objective=_Objective(model, dataset, l2) if callback is not None else None,
+            run = _Supervisor(
+                c, ps, plan, dataset, row_ranges, owned, places, limits, config, checkpoint_every_s, callback,
+                resumed=point, objective=_Objective(model, dataset, l2) if callback is not None else None,
             )  # fmt: skip
+            return run.result(trace, reason)
         finally:
             ps.close()
 
@@ -620,7 +610,8 @@ def _calls_back(callback: Callable[[Any], None], progress: Any) -> bool:
 
 
 class _Supervisor:
-    """Waits for every partition's ``run`` (on the client's event loop) and rebuilds a replica that lost a
+    """A partitioned run: places every replica's K partitions and connects them, waits for every
+    partition's ``run`` (on the client's event loop, :meth:`result`) and rebuilds a replica that lost a
     partition's worker: its surviving partitions are stopped, and K new ones go on from the step the
     survivors reached, on live workers (issue 14, item 4). What the lost partition had not pushed is lost,
     as a lost replica's gradient is in Downpour; the shards count what they applied (``Shard.counters``).
@@ -634,24 +625,37 @@ class _Supervisor:
     def __init__(
         self,
         client: Client,
-        futures: list[list[Any]],
-        actors: list[list[Any]],
-        places: Sequence[str],
-        submit: Any,
-        call_timeout: float,
-        max_steps: int,
         ps: ParameterServer,
+        plan: PartitionPlan,
+        dataset: Dataset,
+        row_ranges: Sequence[tuple[int, int]],
+        owned: Sequence[Sequence[int]],
+        places: Sequence[str],
+        limits: Sequence[int],
+        config: PartitionConfig,
         checkpoint_every_s: float,
-        callback: Any = None,
+        callback: Callable[[Any], None] | None = None,
         *,
-        starts: Sequence[int] | None = None,
-        elapsed: float = 0.0,
+        resumed: ResumePoint | None = None,
         objective: _Objective | None = None,
-        perm: np.ndarray | None = None,
     ) -> None:
-        self.client, self.futures, self.actors = client, futures, actors
-        self.places, self.submit, self.call_timeout = list(places), submit, call_timeout
-        self.budget = call_timeout * (1 + max_steps)
+        self.client, self.plan, self.dataset, self.call_timeout = client, plan, dataset, config.call_timeout
+        self.row_ranges, self.owned, self.places = row_ranges, owned, list(places)
+        self.configs = [dataclasses.replace(config, step_limit=n) for n in limits]
+        self.resumed, self.budget = resumed, self.call_timeout * (1 + max(limits))
+        K, shard_map = plan.partitions, ps.shard_map()
+        self.futures = [
+            [self._submit(r, k, places[k % len(places)], 0, shard_map) for k in range(K)]
+            for r in range(len(row_ranges))
+        ]
+        self.actors = actors = [[f.result() for f in row] for row in self.futures]
+        for row in actors:
+            calls = [start_call(a, "connect", row) for a in row]
+            for ok, value in gather_calls(client, calls, timeout=self.call_timeout):
+                if not ok:
+                    raise ClusterError(f"a partition could not be connected to its peers: {value!r}")
+        elapsed = resumed.time if resumed is not None else 0.0
+        starts = [p["steps"] for p in resumed.replicas] if resumed is not None else None
         self.generation = [0] * len(actors)
         self.ps = ps
         #: Its parameter-server ops, checkpoints and restored shards (partitions are repointed after the op).
@@ -663,7 +667,7 @@ class _Supervisor:
         self.steps = list(starts) if starts is not None else [0] * len(actors)
         #: Each replica's step count as its slowest partition last reported it (what checkpoints record).
         self.counted = list(self.steps)
-        self.objective, self.perm = objective, perm
+        self.objective = objective
         #: Every Progress the callback was given: the run's history.
         self.rows: list[Any] = []
         self.callback = callback
@@ -698,11 +702,11 @@ class _Supervisor:
             self.steps[r] = max(self.steps[r], int(st["steps"]))
         now = time.monotonic() - self.t0
         value = math.nan
-        if self.objective is not None and self.perm is not None and self.objective.due():
+        if self.objective is not None and self.objective.due():
             # The shards' parameters as they are now (the replicas' steps under way land a little later).
             with contextlib.suppress(ClusterError):
                 x_perm = await self._ps_call(lambda: self.shards.run(lambda: self.ps.gather("x")))
-                value = await asyncio.to_thread(self.objective, x_perm, self.perm)
+                value = await asyncio.to_thread(self.objective, x_perm, self.plan.perm)
         progress = Progress(
             time=now, step=sum(self.steps), epoch=math.nan,
             train_loss=float(np.mean(losses)) if losses else math.nan, objective=value, test_loss=math.nan,
@@ -710,6 +714,7 @@ class _Supervisor:
             staleness_max=float(max(stale)) if stale else math.nan, replicas_alive=len(rows),
         )  # fmt: skip
         self.rows.append(progress)
+        assert self.callback is not None  # progress rows are made for it only
         # In a thread: the callback is the user's code (the service writes its metrics to the store in it)
         # and must not hold up this event loop, which every actor call of the process goes through.
         if await asyncio.to_thread(_calls_back, self.callback, progress):
@@ -783,6 +788,88 @@ class _Supervisor:
         if loop is None:
             raise ClusterError("the Dask client is closed; connect a client and try again")
         sync(loop, functools.partial(self.checkpoint, final=True, steps=steps))
+
+    def _submit(self, r: int, k: int, place: str, generation: int, shard_map: ShardMap) -> Any:
+        """Partition ``k`` of replica ``r`` (its ``generation``-th build) on the worker ``place``."""
+        lo, hi = self.row_ranges[r]
+        return self.client.submit(
+            PartitionActor, r, k, self.plan, self.dataset, lo, hi, shard_map, self.owned[k], self.configs[r],
+            generation, actor=True, workers=[place], allow_other_workers=False, pure=False,
+            key=f"partition-{r}-{k}-{generation}-{self.configs[r].run_id}",
+        )  # fmt: skip
+
+    def result(self, trace: bool, stop_reason: str) -> Any:
+        """Run the partitions to their end (:meth:`run`), checkpoint, and say what the run did."""
+        from ._train import TrainResult
+
+        ps, resumed, row_ranges, K = self.ps, self.resumed, self.row_ranges, self.plan.partitions
+        elapsed = resumed.time if resumed is not None else 0.0
+        t0 = time.perf_counter()
+        statuses, rebuilt = self.run()
+        wall = time.perf_counter() - t0
+        # Steps count on across a replica's generations (a rebuilt one goes on from the stopped one's count),
+        # and a replica's partitions may have stopped a step apart: its count is its slowest partition's.
+        reached: dict[tuple[int, int], int] = {}
+        for st in statuses:
+            key = (st["replica"], st["partition"])
+            reached[key] = max(reached.get(key, 0), st["steps"])
+        last = {
+            r: min(n for (rr, _), n in reached.items() if rr == r) for r in sorted({r for r, _ in reached})
+        }
+        with contextlib.suppress(ClusterError):  # the previous checkpoint stays current
+            self.final_checkpoint([last.get(r, self.counted[r]) for r in range(len(row_ranges))])
+        shards = self.shards
+        x_perm = shards.run(lambda: ps.gather("x"))
+        x = np.empty_like(x_perm)
+        x[self.plan.perm] = x_perm
+        steps = sum(last.values())
+        messages = sum(st["messages"] for st in statuses)
+        n_bytes = sum(st["bytes"] for st in statuses)
+        by_kind: dict[str, float] = {}
+        for st in statuses:
+            for kind, count in st["by_kind"].items():
+                by_kind[kind] = by_kind.get(kind, 0) + count / max(1, steps)
+        staleness = [s for st in statuses for s in st["staleness"]]
+        losses = (
+            {st["replica"]: np.array(st["losses"]) for st in statuses if st["partition"] == 0}
+            if trace
+            else {}
+        )
+        history = _history(self.rows, (elapsed, resumed.step if resumed else 0), (elapsed + wall, steps))
+        config = self.configs[0]
+        history.attrs.update(
+            {"replicas": len(row_ranges), "partitions": K, "rule": config.rule, "lr": config.lr}
+        )
+        stats = {
+            "replicas": len(row_ranges),
+            "partitions": K,
+            "shards": ps.shards,
+            "rebuilt_replicas": rebuilt,
+            "shard_counters": shards.run(ps.counters),
+            "checkpoints": shards.checkpoints,
+            "resumed_from": resumed.step if resumed is not None else None,
+            "recoveries": shards.recovery.recoveries,
+            "shard_losses": list(shards.shard_losses),
+            "pushes": sum(len(st["staleness"]) for st in statuses),
+            "staleness_mean": float(np.mean(staleness)) if staleness else math.nan,
+            "steps_per_s": steps / wall if wall > 0 else math.nan,
+            "messages_per_step": messages / max(1, steps),
+            "bytes_per_step": n_bytes / max(1, steps),
+            "messages_by_kind": by_kind,
+            "per_partition": [
+                {k: v for k, v in st.items() if k not in ("losses", "staleness")} for st in statuses
+            ],
+        }
+        if self.machine.stopped == "callback":
+            stop_reason = "callback"
+        message = MESSAGES[stop_reason]
+        if not np.isfinite(x).all():  # no watchdog follows a partitioned run: its end is checked at least
+            stop_reason = "diverged"
+            message = "diverged: the parameters became NaN or infinite; lower lr, or use rule='adagrad'"
+        return TrainResult(
+            x=x, history=history, stop_reason=stop_reason, success=stop_reason != "diverged", message=message,
+            steps=steps, wall_time=wall, store=ps.url, stats=stats, losses=losses,
+        )  # fmt: skip
 
     def _dead(self, r: int) -> bool:
         return any(f.status in DEAD_STATES for f in self.futures[r])
@@ -928,139 +1015,14 @@ class _Supervisor:
         K = len(self.actors[r])
         old = self.futures[r]
         self.started[r] = time.monotonic()
-        self.futures[r] = [self.submit(r, k, live[k % len(live)], g, self.shards.shard_map) for k in range(K)]
+        self.futures[r] = [
+            self._submit(r, k, live[k % len(live)], g, self.shards.shard_map) for k in range(K)
+        ]
         self.actors[r] = [await f._result() for f in self.futures[r]]
         await asyncio.gather(*(a.connect(self.actors[r])._result() for a in self.actors[r]))
         for f in old:
             with contextlib.suppress(Exception):
                 f.release()
-
-
-def _drive(
-    c: Client,
-    ps: ParameterServer,
-    plan: PartitionPlan,
-    dataset: Dataset,
-    row_ranges: Sequence[tuple[int, int]],
-    owned: Sequence[Sequence[int]],
-    places: Sequence[str],
-    limits: Sequence[int],
-    rule: str,
-    lr: float,
-    l2: float,
-    batch_size: int,
-    seed: int,
-    shuffle: bool,
-    call_timeout: float,
-    trace: bool,
-    result_cls: Any,
-    stop_reason: str,
-    *,
-    sync: tuple[int, int, float | None] = (1, 1, None),
-    checkpoint_every_s: float = 5.0,
-    callback: Callable[[Any], None] | None = None,
-    resumed: ResumePoint | None = None,
-    objective: _Objective | None = None,
-) -> Any:
-    run_id = uuid.uuid4().hex[:12]
-    n_fetch, n_push, local_lr = sync
-    K = plan.partitions
-    shard_map = ps.shard_map()
-    configs = []
-    for r in range(len(row_ranges)):
-        config = PartitionConfig(
-            run_id, rule, lr, l2, batch_size, seed, shuffle, limits[r], call_timeout,
-            n_fetch=n_fetch, n_push=n_push, local_lr=local_lr,
-        )  # fmt: skip
-        configs.append(config)
-
-    def submit(r: int, k: int, place: str, generation: int, shard_map: ShardMap) -> Any:
-        lo, hi = row_ranges[r]
-        return c.submit(
-            PartitionActor, r, k, plan, dataset, lo, hi, shard_map, owned[k], configs[r], generation,
-            actor=True, workers=[place], allow_other_workers=False, pure=False,
-            key=f"partition-{r}-{k}-{generation}-{run_id}",
-        )  # fmt: skip
-
-    futures = [
-        [submit(r, k, places[k % len(places)], 0, shard_map) for k in range(K)]
-        for r in range(len(row_ranges))
-    ]
-    actors = [[f.result() for f in row] for row in futures]
-    for row in actors:
-        for ok, value in gather_calls(c, [start_call(a, "connect", row) for a in row], timeout=call_timeout):
-            if not ok:
-                raise ClusterError(f"a partition could not be connected to its peers: {value!r}")
-    t0 = time.perf_counter()
-    elapsed = resumed.time if resumed is not None else 0.0
-    supervisor = _Supervisor(
-        c, futures, actors, places, submit, call_timeout, max(limits), ps, checkpoint_every_s, callback,
-        starts=[p["steps"] for p in resumed.replicas] if resumed is not None else None, elapsed=elapsed,
-        objective=objective, perm=plan.perm,
-    )  # fmt: skip
-    statuses, rebuilt = supervisor.run()
-    wall = time.perf_counter() - t0
-    # Steps count on across a replica's generations (a rebuilt one goes on from the stopped one's count),
-    # and a replica's partitions may have stopped a step apart: its count is its slowest partition's.
-    reached: dict[tuple[int, int], int] = {}
-    for st in statuses:
-        key = (st["replica"], st["partition"])
-        reached[key] = max(reached.get(key, 0), st["steps"])
-    last = {r: min(n for (rr, _), n in reached.items() if rr == r) for r in sorted({r for r, _ in reached})}
-    with contextlib.suppress(ClusterError):  # the previous checkpoint stays current
-        supervisor.final_checkpoint([last.get(r, supervisor.counted[r]) for r in range(len(row_ranges))])
-    shards = supervisor.shards
-    x_perm = shards.run(lambda: ps.gather("x"))
-    x = np.empty_like(x_perm)
-    x[plan.perm] = x_perm
-    steps = sum(last.values())
-    messages = sum(st["messages"] for st in statuses)
-    n_bytes = sum(st["bytes"] for st in statuses)
-    by_kind: dict[str, float] = {}
-    for st in statuses:
-        for kind, count in st["by_kind"].items():
-            by_kind[kind] = by_kind.get(kind, 0) + count / max(1, steps)
-    staleness = [s for st in statuses for s in st["staleness"]]
-    losses = (
-        {st["replica"]: np.array(st["losses"]) for st in statuses if st["partition"] == 0} if trace else {}
-    )
-    history = _history(supervisor.rows, (elapsed, resumed.step if resumed else 0), (elapsed + wall, steps))
-    history.attrs.update({"replicas": len(row_ranges), "partitions": K, "rule": rule, "lr": lr})
-    stats = {
-        "replicas": len(row_ranges),
-        "partitions": K,
-        "shards": ps.shards,
-        "rebuilt_replicas": rebuilt,
-        "shard_counters": shards.run(ps.counters),
-        "checkpoints": shards.checkpoints,
-        "resumed_from": resumed.step if resumed is not None else None,
-        "recoveries": shards.recovery.recoveries,
-        "shard_losses": list(shards.shard_losses),
-        "pushes": sum(len(st["staleness"]) for st in statuses),
-        "staleness_mean": float(np.mean(staleness)) if staleness else math.nan,
-        "steps_per_s": steps / wall if wall > 0 else math.nan,
-        "messages_per_step": messages / max(1, steps),
-        "bytes_per_step": n_bytes / max(1, steps),
-        "messages_by_kind": by_kind,
-        "per_partition": [
-            {k: v for k, v in st.items() if k not in ("losses", "staleness")} for st in statuses
-        ],
-    }
-    if supervisor.machine.stopped == "callback":
-        stop_reason = "callback"
-    messages_by_reason = {
-        "max_steps": "reached max_steps",
-        "epochs": "every replica finished its epochs",
-        "callback": "stopped by the callback",
-        "diverged": "diverged: the parameters became NaN or infinite; lower lr, or use rule='adagrad'",
-    }
-    if not np.isfinite(x).all():  # no watchdog follows a partitioned run: its end is checked at least
-        stop_reason = "diverged"
-    return result_cls(
-        x=x, history=history, stop_reason=stop_reason, success=stop_reason != "diverged",
-        message=messages_by_reason[stop_reason], steps=steps, wall_time=wall, store=ps.url, stats=stats,
-        losses=losses,
-    )  # fmt: skip
 
 
 def _history(rows: Sequence[Any], first: tuple[float, int], last: tuple[float, int]) -> xr.Dataset:

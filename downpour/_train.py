@@ -70,7 +70,7 @@ from distbelief.storage.internal import (
 
 from ._batches import BatchPlan, split_rows
 from ._compress import Compression
-from ._driver import SUCCESS, Checkpoint, DriverMachine, Measure, Poll, Probe, Release, Report
+from ._driver import MESSAGES, SUCCESS, Checkpoint, DriverMachine, Measure, Poll, Probe, Release, Report
 from ._options import DownpourOptions, Rule, check_workers, worker_tuple
 from ._replica import DownpourReplica, RecordPlan, ReplicaConfig
 from ._resume import ResumePoint
@@ -114,14 +114,6 @@ _PER_REPLICA = (
     "wait_s",
     "compute_s",
 )
-_MESSAGES = {
-    "max_steps": "reached max_steps",
-    "epochs": "every replica finished its epochs",
-    "time_limit": "reached the time limit",
-    "callback": "stopped by the callback",
-    "diverged": "the training loss became NaN or infinite: lower lr (or use rule='adagrad')",
-    "replicas_lost": "every replica was lost with its worker; restart workers and train again from x",
-}
 
 
 @dataclass(frozen=True)
@@ -1342,7 +1334,7 @@ class _Run:
             "resumed_from": self.resumed.step if self.resumed is not None else None,
             "per_replica": {r: {k: st[k] for k in _PER_REPLICA} for r, st in sorted(self.status.items())},
         }
-        history, message = self._history(), _MESSAGES[stop_reason]
+        history, message = self._history(), MESSAGES[stop_reason]
         if stop_reason == "diverged" and self.watch.message:
             message = self.watch.message
         if success:
