@@ -79,8 +79,6 @@ from ._watch import StepRuleStallWarning, Watchdog, stall_message
 
 __all__ = ["Progress", "TrainResult", "train"]
 
-#: How many lost shards a run recovers from before it gives up.
-MAX_RECOVERIES = 5
 #: History entries a run aims at, whatever its length. The replicas record them at set step counts (or
 #: times) and the driver's regular polls carry them back, so an entry costs no round trip.
 HISTORY_POINTS = 100
