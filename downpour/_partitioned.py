@@ -35,7 +35,6 @@ from distbelief.storage import (
     ParameterServer,
     ShardMap,
     as_dataset,
-    check_rule,
     embedded_client,
     partition_layout,
     partition_shards,
@@ -53,7 +52,7 @@ from distbelief.storage.internal import (
 
 from ._batches import BatchPlan, split_rows
 from ._driver import MESSAGES, Abort, Checkpoint, DriverMachine, Poll, Report
-from ._options import DownpourOptions, check_workers, worker_tuple
+from ._options import DownpourOptions, Rule, check_workers, worker_tuple
 from ._partition import PartitionActor, PartitionConfig, check_memory
 from ._resume import ResumePoint
 from ._shards import Shards
@@ -67,7 +66,7 @@ def train_partitioned(
     *,
     partitions: int,
     replicas: int = 1,
-    rule: str = "adagrad",
+    rule: Rule = "adagrad",
     lr: float | None = None,
     l2: float = 0.0,
     batch_size: int = 32,
@@ -170,28 +169,14 @@ def train_partitioned(
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
     plan = partition_plan(model, partitions)
-    check_rule(rule)
     if epochs is None and max_steps is None:
         raise InvalidOptionError("give epochs or max_steps (a partitioned run needs a known length)")
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise InvalidOptionError(f"replicas must be a positive integer, got {replicas!r}")
-    for name, value in (("n_fetch", n_fetch), ("n_push", n_push)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidOptionError(f"{name} must be a positive integer, got {value!r}")
-    if local_lr is not None and (
-        isinstance(local_lr, bool) or not isinstance(local_lr, int | float) or not local_lr >= 0
-    ):
-        raise InvalidOptionError(f"local_lr must be a number >= 0 or None, got {local_lr!r}")
-    if (
-        isinstance(checkpoint_every_s, bool)
-        or not isinstance(checkpoint_every_s, int | float)
-        or not 0 <= checkpoint_every_s < math.inf
-    ):
-        raise InvalidOptionError(
-            f"checkpoint_every_s must be a finite number of seconds >= 0 (0: only the initial checkpoint), "
-            f"got {checkpoint_every_s!r}"
-        )
-    step_lr = lr if lr is not None else (0.1 if rule == "sgd" else 0.2)
+    # Checked as downpour.train checks them (the options a partitioned run takes).
+    step_lr = DownpourOptions(
+        replicas=replicas, rule=rule, lr=lr, l2=l2, batch_size=batch_size, epochs=epochs, max_steps=max_steps,
+        seed=seed, shuffle=shuffle, n_fetch=n_fetch, n_push=n_push, local_lr=local_lr,
+        checkpoint_every_s=checkpoint_every_s, call_timeout=call_timeout, trace=trace, has_callback=True,
+    ).step_size  # fmt: skip
     x_start = start_vector(model, x0, seed)
     layout = partition_layout(plan.bounds, shards_per_partition=shards_per_partition)
     owned = partition_shards(layout, plan.bounds)
