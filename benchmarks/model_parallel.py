@@ -40,7 +40,8 @@ from distributed import Client, LocalCluster
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from distbelief import models
-from distbelief.downpour._partitioned import memory_needed, train_partitioned
+from distbelief.downpour._partition import memory_needed
+from distbelief.downpour._partitioned import train_partitioned
 from distbelief.errors import InvalidOptionError
 from distbelief.storage import Dataset
 

@@ -1,30 +1,24 @@
-"""Downpour with model parallelism: R replicas x K partitions, each partition a Dask actor (section 3, 4.1).
+"""Downpour with model parallelism, the driver's side: ``downpour.train(..., partitions=K)``.
 
-Every replica of the model is split into K partitions (``models.partition_plan``); partition ``k`` of every
-replica is an actor on worker ``k % workers``, holding only its parameter slice. Partitions exchange
-activations and input-gradients directly, actor to actor (``async def`` methods only: a partition awaits
-its peers' messages on the event loop and computes its blocks in a thread, so no synchronous method ever
-waits on another actor; DESIGN.md, "deadlock"). The parameter-server shards are aligned to the partitions
-(:func:`storage.partition_layout`), so partition ``k`` fetches from and pushes to only its own shards
-(Figure 2): the parameter vector on the shards is the partition-major ``w[plan.perm]``.
-
-Each partition of a replica steps through the same mini-batches (the replica's :class:`BatchPlan`, known to
-every partition from the seed: no message). A step is: fetch its slice, run its pass, push its slice of
-``g / n + l2 * w``. A replica's next fetch goes out after its push was answered, so with one replica this is
-sequential mini-batch SGD (or Adagrad) exactly; with several, the replicas stay asynchronous.
+Every replica of the model is K partition actors (:class:`downpour._partition.PartitionActor`, section 3
+of the paper) on the shards aligned to them. :class:`_Supervisor` places and connects them, waits for their
+``run``, rebuilds a replica that lost a partition's worker, and checkpoints; its decisions are those of
+:class:`downpour._driver.DriverMachine` (as the whole-replica driver's), its parameter-server ops go
+through :class:`downpour._shards.Shards` (one checkpoint and recovery path for both).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import math
 import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -32,17 +26,15 @@ import xarray as xr
 from distributed import Client
 from distributed.utils import sync
 
-from distbelief.errors import ClusterError, InvalidOptionError, ShardLostError
+from distbelief.errors import ClusterError, InvalidOptionError
 from distbelief.models import partition_plan
 from distbelief.models.internal import PartitionPlan
 from distbelief.options import defaults
 from distbelief.storage import (
     Dataset,
-    Layout,
     ParameterServer,
     ShardMap,
     as_dataset,
-    check_rule,
     embedded_client,
     partition_layout,
     partition_shards,
@@ -52,318 +44,20 @@ from distbelief.storage import (
 from distbelief.storage.internal import (
     DEAD_STATES,
     POLL,
-    PartitionPeer,
-    PassAborted,
-    ShardRecovery,
     confirm_dead_async,
-    current_worker,
     gather_calls,
-    normalize_url,
-    read_attrs,
     run_store,
     start_call,
 )
 
 from ._batches import BatchPlan, split_rows
-from ._options import DownpourOptions, check_workers, worker_tuple
-from ._resume import ResumePoint, checkpoint_interval, checkpoint_meta, params_store, require_resume_point
+from ._driver import MESSAGES, Abort, Checkpoint, DriverMachine, Poll, Report
+from ._options import DownpourOptions, Rule, check_workers, worker_tuple
+from ._partition import PartitionActor, PartitionConfig, check_memory
+from ._resume import ResumePoint
+from ._shards import Shards
 
-__all__ = [
-    "PartitionActor",
-    "PartitionConfig",
-    "check_partitioned_options",
-    "memory_needed",
-    "train_partitioned",
-]
-
-#: Float64 copies of its parameter slice a partition costs a worker: the shard's vector and Adagrad
-#: accumulator, the partition's fetched copy and its gradient.
-COPIES_PER_PARAM = 4
-
-
-@dataclass(frozen=True)
-class PartitionConfig:
-    """The run's options a partition needs (built by :func:`train_partitioned`).
-
-    Examples
-    --------
-    >>> PartitionConfig("run", "sgd", 0.1, 0.0, 32, 0, True, 10, 30.0).rule
-    'sgd'
-    """
-
-    run_id: str
-    rule: str
-    lr: float
-    l2: float
-    batch_size: int
-    seed: int
-    shuffle: bool
-    step_limit: int
-    call_timeout: float
-    n_fetch: int = 1
-    n_push: int = 1
-    local_lr: float | None = None
-
-
-class PartitionActor(PartitionPeer):
-    """Dask actor: partition ``k`` of replica ``replica``, training on rows ``[lo, hi)``.
-
-    Parameters
-    ----------
-    replica, k : int
-        Replica and partition numbers.
-    plan : models.MLPPlan or models.LocallyConnectedPlan
-        The partitioned model.
-    dataset : storage.Dataset
-        Training rows (the partition reads only its input columns of its replica's rows).
-    lo, hi : int
-        The replica's rows.
-    shard_map : storage.ShardMap
-        The parameter server; the partition talks only to ``shards`` (inside its own range).
-    shards : list of int
-        This partition's shards.
-    config : PartitionConfig
-        The run's options.
-    generation : int
-        How many times this replica was rebuilt before (its pushes' source name has it).
-
-    Examples
-    --------
-    >>> fut = client.submit(PartitionActor, 0, 1, plan, ds, 0, ds.n_rows, ps.shard_map(), [1], config,
-    ...                     actor=True)                                   # doctest: +SKIP
-    """
-
-    ALGORITHM = "downpour"
-
-    def __init__(
-        self,
-        replica: int,
-        k: int,
-        plan: PartitionPlan,
-        dataset: Dataset,
-        lo: int,
-        hi: int,
-        shard_map: ShardMap,
-        shards: Sequence[int],
-        config: PartitionConfig,
-        generation: int = 0,
-    ) -> None:
-        super().__init__(replica, k, call_timeout=config.call_timeout)
-        self.plan, self.dataset, self.config = plan, dataset, config
-        self.batches = BatchPlan.for_rows(
-            dataset, lo, hi, batch_size=config.batch_size, seed=config.seed, replica=replica,
-            shuffle=config.shuffle,
-        )  # fmt: skip
-        self.map = shard_map
-        self.shards = list(shards)
-        self.columns = plan.input_columns(k)
-        self.losses: list[float] = []
-        self.steps = 0
-        self.pushes_sent = 0
-        self.staleness: list[int] = []
-        self.seconds.update({"fetch": 0.0, "push": 0.0})
-        self._segments: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        # A rebuilt replica's partitions push under a name of their own: their sequence numbers restart.
-        self._source = f"{config.run_id}/replica-{replica}/partition-{k}/generation-{generation}"
-        self.generation = generation
-        self.applied = 0
-        self._stopped = False
-        self._hard_stop = False
-
-    def _segment(self, s: int) -> tuple[np.ndarray, np.ndarray]:
-        if s not in self._segments:
-            lo, hi = self.batches.segments[s]
-            X, y = self.dataset.read_rows(lo, hi)
-            self._segments[s] = (np.ascontiguousarray(X[:, self.columns]), y)
-        return self._segments[s]
-
-    async def _fetch(self) -> tuple[np.ndarray, list[int]]:
-        t0 = time.perf_counter()
-        parts = await asyncio.gather(
-            *(self.map.ask(i, "fetch", ["x"], timeout=self.config.call_timeout) for i in self.shards)
-        )
-        self.seconds["fetch"] += time.perf_counter() - t0
-        return np.concatenate([p[1][0] for p in parts]), [int(p[0]) for p in parts]
-
-    async def _push(self, accrued: np.ndarray, steps: int, versions: list[int]) -> None:
-        cfg = self.config
-        t0 = time.perf_counter()
-        answers = await asyncio.gather(
-            *(
-                self.map.ask(
-                    i,
-                    "push",
-                    accrued[lo - self.base : hi - self.base],
-                    source=self._source,
-                    seq=self.pushes_sent,
-                    rule=cfg.rule,
-                    lr=cfg.lr,
-                    fetched_version=v,
-                    steps=steps,
-                    timeout=cfg.call_timeout,
-                )
-                for i, v, (lo, hi) in zip(self.shards, versions, self._ranges, strict=True)
-            )
-        )
-        self.pushes_sent += 1
-        self.seconds["push"] += time.perf_counter() - t0
-        self.staleness += [int(a[2]) for a in answers]
-        self.applied += sum(bool(a[0]) for a in answers)
-
-    async def set_shard_map(self, shard_map: ShardMap) -> None:
-        """Use ``shard_map`` from the next fetch on (a lost shard was restored on another worker)."""
-        self.map = shard_map
-
-    async def stop(self) -> None:
-        """Stop training at the next step (the replica lost a partition): passes under way are aborted."""
-        self._stopped = self._hard_stop = True
-        self.abort_all()
-
-    async def finish(self) -> None:
-        """Stop training after the step under way (the run was stopped): a pass under way goes on, and
-        what the partition accrued since its last push is pushed. A partition that started a pass its
-        peers will not run waits in it until :meth:`stop` aborts it; so every partition of a replica ends
-        with the same step count, and the shards hold exactly those steps (what a resume relies on)."""
-        self._stopped = True
-
-    async def run(self, start: int = 0) -> dict[str, Any]:
-        """Train until ``step_limit`` steps; the partition's counters.
-
-        The paper's replica loop (section 4.1, Algorithm 7.1) on this partition's slice, one step at a time:
-        fetch before every ``n_fetch``-th step, take the local step ``w -= local_lr * g``, push the gradient
-        accrued since the last push after every ``n_push``-th (and what is left at the end). A fetch lands
-        as the fetched slice *minus the local steps not pushed yet* (the shards cannot hold those), so one
-        replica with ``rule="sgd"`` and ``local_lr = lr`` is sequential mini-batch SGD whatever
-        ``n_fetch`` and ``n_push`` are. Every partition of a replica fetches and pushes at the same steps.
-
-        ``start``: a rebuilt replica goes on from this step (the mini-batches before it are skipped). A
-        stopped partition (:meth:`stop`) returns its counters with ``stopped=True``.
-        """
-        try:
-            return await self._train(start)
-        except PassAborted:
-            if not self._stopped:
-                raise
-            return self.status_now()
-
-    async def _train(self, start: int) -> dict[str, Any]:
-        cfg = self.config
-        local_lr = cfg.lr if cfg.local_lr is None else cfg.local_lr
-        epoch = 0
-        w_k = np.zeros(0)
-        versions: list[int] = []
-        accrued: np.ndarray | None = None
-        accrued_steps = 0
-        skip = self.steps = start
-        while self.steps < cfg.step_limit and not self._stopped:
-            for s, rows in self.batches.epoch(epoch):
-                if skip:
-                    skip -= 1
-                    continue
-                if self.steps >= cfg.step_limit or self._stopped:
-                    break
-                if self.steps % cfg.n_fetch == 0 or w_k.size == 0:
-                    w_k, versions = await self._fetch()
-                    if accrued is not None and local_lr:
-                        w_k -= local_lr * accrued  # read your own writes: the local steps not pushed yet
-                X_seg, y_seg = self._segment(s)
-                X_k, y = X_seg[rows], y_seg[rows]
-                loss, grad = await self.run_pass(self.steps, self.plan.partition_pass(self.k, w_k, X_k, y))
-                n = len(rows)
-                g = grad / n
-                if cfg.l2:
-                    g += cfg.l2 * w_k
-                if loss is not None:
-                    self.losses.append(float(loss) / n)
-                accrued = g if accrued is None else accrued + g
-                accrued_steps += 1
-                if local_lr and (cfg.n_fetch > 1 or cfg.n_push > 1):
-                    w_k = w_k - local_lr * g  # the local step (replaced by the next fetch when n_fetch = 1)
-                self.steps += 1
-                if self.steps % cfg.n_push == 0:
-                    await self._push(accrued, accrued_steps, versions)
-                    accrued, accrued_steps = None, 0
-            epoch += 1
-        if accrued is not None and not self._hard_stop:
-            await self._push(accrued, accrued_steps, versions)  # the last steps' gradient
-        return self.status_now()
-
-    @property
-    def _ranges(self) -> list[tuple[int, int]]:
-        return [self.map.layout.ranges()[i] for i in self.shards]
-
-    @property
-    def base(self) -> int:
-        """Where this partition's range starts in the partition-major vector."""
-        return self._ranges[0][0]
-
-    def status_now(self) -> dict[str, Any]:
-        """Counters: steps, messages and bytes sent, losses (partition 0), staleness, time split."""
-        return {
-            "replica": self.replica,
-            "partition": self.k,
-            "generation": self.generation,
-            "stopped": self._stopped,
-            "applied": self.applied,
-            "shard_ids": list(self.shards),
-            "steps": self.steps,
-            "messages": self.messages,
-            "bytes": self.bytes,
-            "by_kind": dict(self.by_kind),
-            "losses": list(self.losses),
-            "staleness": list(self.staleness),
-            "seconds": dict(self.seconds),
-            "param_bytes": 8 * sum(hi - lo for lo, hi in self._ranges),
-            "worker": getattr(current_worker(), "address", None),  # where it runs (the dashboard's groups)
-        }
-
-    async def status(self) -> dict[str, Any]:
-        """:meth:`status_now`, as an actor call."""
-        return self.status_now()
-
-    async def step_count(self) -> int:
-        """Steps taken so far (a rebuilt or resumed partition counts from the step it started at): what a
-        checkpoint records, without :meth:`status`'s loss and staleness lists."""
-        return self.steps
-
-
-def memory_needed(plan: PartitionPlan) -> int:
-    """Bytes the largest partition's parameters cost its worker (``COPIES_PER_PARAM`` float64 copies).
-
-    Examples
-    --------
-    >>> from distbelief import models
-    >>> memory_needed(models.partition_plan(models.MLP([4, 2]), 1))  # 10 parameters
-    320
-    """
-    widest = max(b - a for a, b in zip(plan.bounds[:-1], plan.bounds[1:], strict=True))
-    return 8 * COPIES_PER_PARAM * widest
-
-
-def _check_memory(client: Client, plan: PartitionPlan, workers: Sequence[str]) -> None:
-    info = (
-        client.scheduler_info(n_workers=-1)["workers"]
-        if _takes_n_workers(client)
-        else client.scheduler_info()["workers"]
-    )
-    limits = [int(info[w].get("memory_limit") or 0) for w in workers if w in info]
-    limit = min((x for x in limits if x > 0), default=0)
-    need = memory_needed(plan)
-    if limit and need > limit:
-        k = plan.partitions
-        fits = math.ceil(k * need / limit)
-        raise InvalidOptionError(
-            f"a partition of this model needs about {need / 2**20:.1f} MiB on its worker ({COPIES_PER_PARAM} "
-            f"copies of its {need // (8 * COPIES_PER_PARAM)} parameters) but a worker's memory_limit is "
-            f"{limit / 2**20:.1f} MiB; split the model into partitions={fits} or more (model parallelism), "
-            "or give the workers more memory"
-        )
-
-
-def _takes_n_workers(client: Client) -> bool:
-    import inspect
-
-    return "n_workers" in inspect.signature(client.scheduler_info).parameters
+__all__ = ["check_partitioned_options", "train_partitioned"]
 
 
 def train_partitioned(
@@ -372,7 +66,7 @@ def train_partitioned(
     *,
     partitions: int,
     replicas: int = 1,
-    rule: str = "adagrad",
+    rule: Rule = "adagrad",
     lr: float | None = None,
     l2: float = 0.0,
     batch_size: int = 32,
@@ -472,33 +166,17 @@ def train_partitioned(
     >>> res.stats["messages_per_step"]                                    # doctest: +SKIP
     6.0
     """
-    from ._train import TrainResult
-
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
     plan = partition_plan(model, partitions)
-    check_rule(rule)
     if epochs is None and max_steps is None:
         raise InvalidOptionError("give epochs or max_steps (a partitioned run needs a known length)")
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise InvalidOptionError(f"replicas must be a positive integer, got {replicas!r}")
-    for name, value in (("n_fetch", n_fetch), ("n_push", n_push)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidOptionError(f"{name} must be a positive integer, got {value!r}")
-    if local_lr is not None and (
-        isinstance(local_lr, bool) or not isinstance(local_lr, int | float) or not local_lr >= 0
-    ):
-        raise InvalidOptionError(f"local_lr must be a number >= 0 or None, got {local_lr!r}")
-    if (
-        isinstance(checkpoint_every_s, bool)
-        or not isinstance(checkpoint_every_s, int | float)
-        or not 0 <= checkpoint_every_s < math.inf
-    ):
-        raise InvalidOptionError(
-            f"checkpoint_every_s must be a finite number of seconds >= 0 (0: only the initial checkpoint), "
-            f"got {checkpoint_every_s!r}"
-        )
-    step_lr = lr if lr is not None else (0.1 if rule == "sgd" else 0.2)
+    # Checked as downpour.train checks them (the options a partitioned run takes).
+    step_lr = DownpourOptions(
+        replicas=replicas, rule=rule, lr=lr, l2=l2, batch_size=batch_size, epochs=epochs, max_steps=max_steps,
+        seed=seed, shuffle=shuffle, n_fetch=n_fetch, n_push=n_push, local_lr=local_lr,
+        checkpoint_every_s=checkpoint_every_s, call_timeout=call_timeout, trace=trace, has_callback=True,
+    ).step_size  # fmt: skip
     x_start = start_vector(model, x0, seed)
     layout = partition_layout(plan.bounds, shards_per_partition=shards_per_partition)
     owned = partition_shards(layout, plan.bounds)
@@ -507,7 +185,7 @@ def train_partitioned(
         check_workers("replica_workers", workers, known)
         check_workers("shard_workers", shard_workers, known)
         places = list(workers) if workers else known
-        _check_memory(c, plan, places)
+        check_memory(c, plan, places)
         dataset = as_dataset(data, store)
         dataset.check_model(model)  # a partition reads its input columns by index: never the wrong ones
         row_ranges = split_rows(dataset.n_rows, replicas)
@@ -525,64 +203,28 @@ def train_partitioned(
         shard_places = [homes[k % len(homes)] for k in range(plan.partitions) for _ in owned[k]]
         point = None
         if resume:
-            ps, point = _reopen(c, store, plan, layout, replicas, shard_places, call_timeout)
+            ps, point = Shards.reopen(
+                c, store, replicas, model.n_params, workers=shard_places, timeout=call_timeout, layout=layout,
+                partitions=plan.partitions,
+            )  # fmt: skip
         else:
-            ps = ParameterServer.create(
-                c, model.n_params, store=params_store(store), workers=shard_places, layout=layout,
-                vectors={"x": x_start[plan.perm]}, timeout=call_timeout, overwrite=True,
+            ps = Shards.create(
+                c, store, replicas, x_start[plan.perm], rule=rule, workers=shard_places, timeout=call_timeout,
+                layout=layout, partitions=plan.partitions,
             )  # fmt: skip
-            if rule == "adagrad":
-                # The accumulators exist from the start: every checkpoint (and a restored shard) holds them.
-                ps.fill("x.adagrad", 0.0)
-            # A shard lost before the first periodic checkpoint comes back from this one.
-            ps.checkpoint(meta=checkpoint_meta(0.0, {}, replicas, partitions=plan.partitions))
         reason = "max_steps" if max_steps is not None and sum(limits) == max_steps else "epochs"
+        config = PartitionConfig(
+            uuid.uuid4().hex[:12], rule, step_lr, l2, batch_size, seed, shuffle, 0, call_timeout,
+            n_fetch=n_fetch, n_push=n_push, local_lr=local_lr,
+        )  # fmt: skip
         try:
-            args = (
-                rule,
-                step_lr,
-                l2,
-                batch_size,
-                seed,
-                shuffle,
-                call_timeout,
-                trace,
-                TrainResult,
-                reason,
-            )
-            return _drive(
-                c, ps, plan, dataset, row_ranges, owned, places, limits, *args,
-                sync=(n_fetch, n_push, local_lr), checkpoint_every_s=checkpoint_every_s,
-                callback=callback, resumed=point,
-                objective=_Objective(model, dataset, l2) if callback is not None else None,
+            run = _Supervisor(
+                c, ps, plan, dataset, row_ranges, owned, places, limits, config, checkpoint_every_s, callback,
+                resumed=point, objective=_Objective(model, dataset, l2) if callback is not None else None,
             )  # fmt: skip
+            return run.result(trace, reason)
         finally:
             ps.close()
-
-
-def _reopen(
-    c: Client,
-    store: str,
-    plan: PartitionPlan,
-    layout: Any,
-    replicas: int,
-    shard_places: Sequence[str],
-    call_timeout: float,
-) -> tuple[ParameterServer, ResumePoint]:
-    """``resume=True``: the shards as the run's last checkpoint left them, and its replicas' step counts."""
-    point = require_resume_point(store, replicas)
-    # Checked before any shard is rebuilt: the store's attributes say how the run was split.
-    attrs = read_attrs(normalize_url(params_store(store)))
-    saved = Layout.from_dict(attrs["layout"])
-    partitions = (attrs.get("meta") or {}).get("partitions")
-    if partitions != plan.partitions or saved.ranges() != layout.ranges():
-        raise InvalidOptionError(
-            f"the checkpoint in {params_store(store)!r} is of a run with partitions={partitions} and "
-            f"{saved.n} parameters in {saved.shards} shards; resume it with the model, partitions and "
-            "shards_per_partition of that run"
-        )
-    ps = ParameterServer.open(c, store=params_store(store), workers=shard_places, timeout=call_timeout)
-    return ps, point
 
 
 class _Objective:
@@ -590,11 +232,10 @@ class _Objective:
 
     The partitions hold only their slices and their mini-batch losses, so the objective needs the whole
     vector (one gather from the shards, ``8 n`` bytes) and a pass of the full model over the training rows
-    (:func:`downpour._train.objective_rows`: all of them, or a spread sample past
-    ``OBJECTIVE_MAX_VALUES``) in the driver. That is done in a thread, and not again before ``BUDGET``
-    times its last cost has passed, so it takes at most about ``1 / BUDGET`` of the driver's time; a
-    model above ``MAX_PARAMS`` parameters (one that needed partitioning for its size, whose gather would
-    weigh on the driver) gets NaN.
+    (:func:`downpour._train.objective_sample`, as for whole replicas) in the driver. That is done in a
+    thread, and not again before ``BUDGET`` times its last cost has passed, so it takes at most about
+    ``1 / BUDGET`` of the driver's time; a model above ``MAX_PARAMS`` parameters (one that needed
+    partitioning for its size, whose gather would weigh on the driver) gets NaN.
     """
 
     #: Parameters above which the objective is not computed while the run goes on.
@@ -616,11 +257,11 @@ class _Objective:
         """F at the partition-major vector ``x_perm`` (``x[perm]``); blocking (run it in a thread)."""
         from distbelief.models import objective
 
-        from ._train import objective_rows
+        from ._train import objective_sample
 
         t0 = time.monotonic()
         if self.rows is None:
-            self.rows = objective_rows(self.dataset)
+            self.rows = objective_sample(self.model, self.dataset)
         x = np.empty_like(x_perm)
         x[perm] = x_perm
         value = float(objective(self.model, x, *self.rows, l2=self.l2)[0])
@@ -630,8 +271,6 @@ class _Objective:
 
 #: Times a run may rebuild a replica that lost a partition's worker before the run fails.
 MAX_REBUILDS = 8
-#: How many lost shards a run recovers from before it gives up.
-MAX_RECOVERIES = 5
 #: Seconds a stopped partition has to end its ``run`` before its counters are read with ``status``: one
 #: blocked sending to a peer on a dead worker would otherwise hold the rebuild for the whole call timeout.
 STOP_GRACE = 2.0
@@ -652,7 +291,8 @@ def _calls_back(callback: Callable[[Any], None], progress: Any) -> bool:
 
 
 class _Supervisor:
-    """Waits for every partition's ``run`` (on the client's event loop) and rebuilds a replica that lost a
+    """A partitioned run: places every replica's K partitions and connects them, waits for every
+    partition's ``run`` (on the client's event loop, :meth:`result`) and rebuilds a replica that lost a
     partition's worker: its surviving partitions are stopped, and K new ones go on from the step the
     survivors reached, on live workers (issue 14, item 4). What the lost partition had not pushed is lost,
     as a lost replica's gradient is in Downpour; the shards count what they applied (``Shard.counters``).
@@ -666,29 +306,41 @@ class _Supervisor:
     def __init__(
         self,
         client: Client,
-        futures: list[list[Any]],
-        actors: list[list[Any]],
-        places: Sequence[str],
-        submit: Any,
-        call_timeout: float,
-        max_steps: int,
         ps: ParameterServer,
+        plan: PartitionPlan,
+        dataset: Dataset,
+        row_ranges: Sequence[tuple[int, int]],
+        owned: Sequence[Sequence[int]],
+        places: Sequence[str],
+        limits: Sequence[int],
+        config: PartitionConfig,
         checkpoint_every_s: float,
-        callback: Any = None,
+        callback: Callable[[Any], None] | None = None,
         *,
-        starts: Sequence[int] | None = None,
-        elapsed: float = 0.0,
+        resumed: ResumePoint | None = None,
         objective: _Objective | None = None,
-        perm: np.ndarray | None = None,
     ) -> None:
-        self.client, self.futures, self.actors = client, futures, actors
-        self.places, self.submit, self.call_timeout = list(places), submit, call_timeout
-        self.budget = call_timeout * (1 + max_steps)
+        self.client, self.plan, self.dataset, self.call_timeout = client, plan, dataset, config.call_timeout
+        self.row_ranges, self.owned, self.places = row_ranges, owned, list(places)
+        self.configs = [dataclasses.replace(config, step_limit=n) for n in limits]
+        self.resumed, self.budget = resumed, self.call_timeout * (1 + max(limits))
+        K, shard_map = plan.partitions, ps.shard_map()
+        self.futures = [
+            [self._submit(r, k, places[k % len(places)], 0, shard_map) for k in range(K)]
+            for r in range(len(row_ranges))
+        ]
+        self.actors = actors = [[f.result() for f in row] for row in self.futures]
+        for row in actors:
+            calls = [start_call(a, "connect", row) for a in row]
+            for ok, value in gather_calls(client, calls, timeout=self.call_timeout):
+                if not ok:
+                    raise ClusterError(f"a partition could not be connected to its peers: {value!r}")
+        elapsed = resumed.time if resumed is not None else 0.0
+        starts = [p["steps"] for p in resumed.replicas] if resumed is not None else None
         self.generation = [0] * len(actors)
-        self.rebuilt: list[int] = []
-        self.ps, self.checkpoint_every_s = ps, checkpoint_every_s
-        self.shard_map = ps.shard_map()
-        self.recovery = ShardRecovery(ps, max_recoveries=MAX_RECOVERIES, on_restored=self._restored)
+        self.ps = ps
+        #: Its parameter-server ops, checkpoints and restored shards (partitions are repointed after the op).
+        self.shards = Shards(ps, lambda: time.monotonic() - self.t0)
         # A resumed run's clock goes on from its checkpoint's (its progress rows continue the earlier ones).
         self.t0 = time.monotonic() - elapsed
         self.started = [time.monotonic()] * len(actors)  # when each replica's current generation started
@@ -696,14 +348,17 @@ class _Supervisor:
         self.steps = list(starts) if starts is not None else [0] * len(actors)
         #: Each replica's step count as its slowest partition last reported it (what checkpoints record).
         self.counted = list(self.steps)
-        self.objective, self.perm = objective, perm
+        self.objective = objective
         #: Every Progress the callback was given: the run's history.
         self.rows: list[Any] = []
-        self.shard_losses: list[tuple[float, int]] = []
-        self.checkpoints = 1  # the initial one, taken before the run
         self.callback = callback
-        self.stopped_by_callback = False
-        self.stopped_at = math.inf
+        #: Its decisions: progress rows, checkpoints, the callback's stop, rebuilds (read at the start of the
+        #: run: the tests shorten PROGRESS_EVERY).
+        self.machine = DriverMachine(
+            replicas=len(actors), start=elapsed, checkpoint_every_s=checkpoint_every_s,
+            report_every=PROGRESS_EVERY if callback is not None else math.inf, max_rebuilds=MAX_REBUILDS,
+            settle_s=STOP_SETTLE,
+        )  # fmt: skip
         self._seen: dict[int, tuple[int, int]] = {}  # replica -> (losses, staleness) already reported
 
     async def _progress(self) -> None:
@@ -728,11 +383,11 @@ class _Supervisor:
             self.steps[r] = max(self.steps[r], int(st["steps"]))
         now = time.monotonic() - self.t0
         value = math.nan
-        if self.objective is not None and self.perm is not None and self.objective.due():
+        if self.objective is not None and self.objective.due():
             # The shards' parameters as they are now (the replicas' steps under way land a little later).
             with contextlib.suppress(ClusterError):
-                x_perm = await self._ps_call(lambda: self.ps.gather("x"))
-                value = await asyncio.to_thread(self.objective, x_perm, self.perm)
+                x_perm = await self._ps_call(lambda: self.shards.run(lambda: self.ps.gather("x")))
+                value = await asyncio.to_thread(self.objective, x_perm, self.plan.perm)
         progress = Progress(
             time=now, step=sum(self.steps), epoch=math.nan,
             train_loss=float(np.mean(losses)) if losses else math.nan, objective=value, test_loss=math.nan,
@@ -740,11 +395,11 @@ class _Supervisor:
             staleness_max=float(max(stale)) if stale else math.nan, replicas_alive=len(rows),
         )  # fmt: skip
         self.rows.append(progress)
+        assert self.callback is not None  # progress rows are made for it only
         # In a thread: the callback is the user's code (the service writes its metrics to the store in it)
         # and must not hold up this event loop, which every actor call of the process goes through.
         if await asyncio.to_thread(_calls_back, self.callback, progress):
-            self.stopped_by_callback = True
-            self.stopped_at = time.monotonic()
+            self.machine.verdict(time.monotonic() - self.t0, callback=True)
             await self._stop_all(self.actors, after_step=True)
 
     async def _count_steps(self) -> None:
@@ -766,11 +421,8 @@ class _Supervisor:
             await self._count_steps()
             steps = self.counted
         counts = {r: {"steps": int(n)} for r, n in enumerate(steps)}
-        meta = checkpoint_meta(
-            time.monotonic() - self.t0, counts, len(self.actors), partitions=len(self.actors[0]), final=final
-        )
-        await self._ps_call(lambda: self.ps.checkpoint(meta=meta))
-        self.checkpoints += 1
+        now, n, k = time.monotonic() - self.t0, len(self.actors), len(self.actors[0])
+        await self._ps_call(lambda: self.shards.checkpoint(now, counts, n, partitions=k, final=final))
 
     async def _stop_all(self, actors: Sequence[Any], *, after_step: bool = False) -> None:
         """Stop ``actors`` (lists of a replica's partitions) whose workers are alive: at once, aborting the
@@ -783,34 +435,20 @@ class _Supervisor:
         ]
         await asyncio.gather(*calls, return_exceptions=True)
 
-    def _restored(self, err: ShardLostError) -> None:
-        """A shard came back from its checkpoint (called in the recovery's thread): note it."""
-        self.shard_losses.append((time.monotonic() - self.t0, err.shard))
-        self.shard_map = self.ps.shard_map()
-
-    async def _ps_call(self, fn: Any) -> Any:
-        """``fn()`` (a blocking parameter-server op) in a thread, a lost shard restored and the op retried;
-        then the partitions still alive are handed the new shard map if a shard was restored."""
-        before = len(self.shard_losses)
+    async def _ps_call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (blocking parameter-server ops through ``self.shards``) in a thread; then the partitions
+        still alive are handed the new shard map if a shard was restored."""
+        before = len(self.shards.shard_losses)
         try:
-            return await asyncio.to_thread(self.recovery.run, fn)
+            return await asyncio.to_thread(fn)
         finally:
-            if len(self.shard_losses) > before:
-                await self._repoint()
-
-    async def _probe(self) -> None:
-        """Ping every shard (a lost one is restored, the partitions repointed)."""
-        before = len(self.shard_losses)
-        try:
-            await asyncio.to_thread(self.recovery.probe)
-        finally:
-            if len(self.shard_losses) > before:
+            if len(self.shards.shard_losses) > before:
                 await self._repoint()
 
     async def _repoint(self) -> None:
         """Hand every live partition the current shard map (one that cannot be reached is left to fail)."""
         calls = [
-            asyncio.wait_for(a.set_shard_map(self.shard_map)._result(), self.call_timeout)
+            asyncio.wait_for(a.set_shard_map(self.shards.shard_map)._result(), self.call_timeout)
             for row, futs in zip(self.actors, self.futures, strict=True)
             for a, f in zip(row, futs, strict=True)
             if f.status not in DEAD_STATES
@@ -831,6 +469,88 @@ class _Supervisor:
         if loop is None:
             raise ClusterError("the Dask client is closed; connect a client and try again")
         sync(loop, functools.partial(self.checkpoint, final=True, steps=steps))
+
+    def _submit(self, r: int, k: int, place: str, generation: int, shard_map: ShardMap) -> Any:
+        """Partition ``k`` of replica ``r`` (its ``generation``-th build) on the worker ``place``."""
+        lo, hi = self.row_ranges[r]
+        return self.client.submit(
+            PartitionActor, r, k, self.plan, self.dataset, lo, hi, shard_map, self.owned[k], self.configs[r],
+            generation, actor=True, workers=[place], allow_other_workers=False, pure=False,
+            key=f"partition-{r}-{k}-{generation}-{self.configs[r].run_id}",
+        )  # fmt: skip
+
+    def result(self, trace: bool, stop_reason: str) -> Any:
+        """Run the partitions to their end (:meth:`run`), checkpoint, and say what the run did."""
+        from ._train import TrainResult
+
+        ps, resumed, row_ranges, K = self.ps, self.resumed, self.row_ranges, self.plan.partitions
+        elapsed = resumed.time if resumed is not None else 0.0
+        t0 = time.perf_counter()
+        statuses, rebuilt = self.run()
+        wall = time.perf_counter() - t0
+        # Steps count on across a replica's generations (a rebuilt one goes on from the stopped one's count),
+        # and a replica's partitions may have stopped a step apart: its count is its slowest partition's.
+        reached: dict[tuple[int, int], int] = {}
+        for st in statuses:
+            key = (st["replica"], st["partition"])
+            reached[key] = max(reached.get(key, 0), st["steps"])
+        last = {
+            r: min(n for (rr, _), n in reached.items() if rr == r) for r in sorted({r for r, _ in reached})
+        }
+        with contextlib.suppress(ClusterError):  # the previous checkpoint stays current
+            self.final_checkpoint([last.get(r, self.counted[r]) for r in range(len(row_ranges))])
+        shards = self.shards
+        x_perm = shards.run(lambda: ps.gather("x"))
+        x = np.empty_like(x_perm)
+        x[self.plan.perm] = x_perm
+        steps = sum(last.values())
+        messages = sum(st["messages"] for st in statuses)
+        n_bytes = sum(st["bytes"] for st in statuses)
+        by_kind: dict[str, float] = {}
+        for st in statuses:
+            for kind, count in st["by_kind"].items():
+                by_kind[kind] = by_kind.get(kind, 0) + count / max(1, steps)
+        staleness = [s for st in statuses for s in st["staleness"]]
+        losses = (
+            {st["replica"]: np.array(st["losses"]) for st in statuses if st["partition"] == 0}
+            if trace
+            else {}
+        )
+        history = _history(self.rows, (elapsed, resumed.step if resumed else 0), (elapsed + wall, steps))
+        config = self.configs[0]
+        history.attrs.update(
+            {"replicas": len(row_ranges), "partitions": K, "rule": config.rule, "lr": config.lr}
+        )
+        stats = {
+            "replicas": len(row_ranges),
+            "partitions": K,
+            "shards": ps.shards,
+            "rebuilt_replicas": rebuilt,
+            "shard_counters": shards.run(ps.counters),
+            "checkpoints": shards.checkpoints,
+            "resumed_from": resumed.step if resumed is not None else None,
+            "recoveries": shards.recovery.recoveries,
+            "shard_losses": list(shards.shard_losses),
+            "pushes": sum(len(st["staleness"]) for st in statuses),
+            "staleness_mean": float(np.mean(staleness)) if staleness else math.nan,
+            "steps_per_s": steps / wall if wall > 0 else math.nan,
+            "messages_per_step": messages / max(1, steps),
+            "bytes_per_step": n_bytes / max(1, steps),
+            "messages_by_kind": by_kind,
+            "per_partition": [
+                {k: v for k, v in st.items() if k not in ("losses", "staleness")} for st in statuses
+            ],
+        }
+        if self.machine.stopped == "callback":
+            stop_reason = "callback"
+        message = MESSAGES[stop_reason]
+        if not np.isfinite(x).all():  # no watchdog follows a partitioned run: its end is checked at least
+            stop_reason = "diverged"
+            message = "diverged: the parameters became NaN or infinite; lower lr, or use rule='adagrad'"
+        return TrainResult(
+            x=x, history=history, stop_reason=stop_reason, success=stop_reason != "diverged", message=message,
+            steps=steps, wall_time=wall, store=ps.url, stats=stats, losses=losses,
+        )  # fmt: skip
 
     def _dead(self, r: int) -> bool:
         return any(f.status in DEAD_STATES for f in self.futures[r])
@@ -866,27 +586,29 @@ class _Supervisor:
     ) -> tuple[list[dict[str, Any]], list[int]]:
         """The supervision loop of :meth:`_run`: progress, checkpoints, lost partitions rebuilt."""
         deadline = time.monotonic() + self.budget
-        every, ckpt_cost, t_start = self.checkpoint_every_s, 0.0, time.monotonic()
-        next_ckpt = t_start + checkpoint_interval(0.0, ckpt_cost, every)
-        next_progress = time.monotonic() + PROGRESS_EVERY if self.callback is not None else math.inf
+        m = self.machine
         while tasks:
             done, _ = await asyncio.wait(list(tasks), timeout=POLL, return_when=asyncio.FIRST_COMPLETED)
-            if time.monotonic() >= next_progress and not self.stopped_by_callback:
-                await self._progress()
-                next_progress = time.monotonic() + PROGRESS_EVERY
-            if time.monotonic() >= next_ckpt:
-                t_ckpt = time.monotonic()
-                with contextlib.suppress(ClusterError):  # a failed checkpoint leaves the last one current
-                    await self.checkpoint()
-                ckpt_cost = time.monotonic() - t_ckpt
-                next_ckpt = time.monotonic() + checkpoint_interval(t_ckpt - t_start, ckpt_cost, every)
+            now = time.monotonic() - self.t0
+            for action in m.tick(now, Poll()):
+                if isinstance(action, Report):
+                    await self._progress()
+                elif isinstance(action, Checkpoint):
+                    with contextlib.suppress(ClusterError):  # a failed checkpoint leaves the last one current
+                        await self.checkpoint()
+                    m.checkpointed(now, time.monotonic() - self.t0 - now)
+                elif isinstance(action, Abort) and tasks:
+                    # A partition that began a step before it was told to stop waits for a peer's message of
+                    # a pass the peer (stopped first) will never run: a stop aborts that wait. Not sooner, so
+                    # that the steps under way are finished by every partition, not some.
+                    await self._stop_all(self.actors)
             broken: set[int] = set()
             errors: dict[int, BaseException] = {}
             for task in done:
                 r, k = tasks.pop(task)
                 if task.exception() is None:
                     statuses.append(task.result())
-                elif self.stopped_by_callback:
+                elif m.stopped is not None:
                     # Stopped by the callback, it failed on a peer stopped first: its counters as they are.
                     with contextlib.suppress(Exception):
                         got = await asyncio.wait_for(self.actors[r][k].status()._result(), self.call_timeout)
@@ -894,20 +616,15 @@ class _Supervisor:
                 else:
                     broken.add(r)
                     errors.setdefault(r, task.exception())  # type: ignore[arg-type]
-            if not self.stopped_by_callback:
+            if m.stopped is None:
                 broken |= {r for r, _ in tasks.values() if self._dead(r)}
-            elif tasks and time.monotonic() - self.stopped_at >= STOP_SETTLE:
-                # A partition that began a step before it was told to stop waits for a peer's message of a
-                # pass the peer (stopped first) will never run: a stop aborts that wait. Not sooner, so that
-                # the steps under way are finished by every partition, not some.
-                await self._stop_all(self.actors)
             for r in sorted(broken):
                 step = await self._stop(r, tasks, statuses)
                 dead = await confirm_dead_async(functools.partial(self._dead, r), ConnectionError())
                 # The lost worker may have held shards too (or a partition failed on a lost shard): restore
                 # them before the replica is rebuilt, so its new partitions get the new shard map.
-                await self._probe()
-                restored = any(self.t0 + t >= self.started[r] for t, _ in self.shard_losses)
+                await self._ps_call(self.shards.probe)
+                restored = any(self.t0 + t >= self.started[r] for t, _ in self.shards.shard_losses)
                 if not dead and not restored:
                     why = errors.get(r)
                     reason = f": {type(why).__name__}: {why}" if why is not None else ""
@@ -918,7 +635,7 @@ class _Supervisor:
                 start(r, step)
             if time.monotonic() > deadline:
                 raise ClusterError(f"the partitions did not finish within {self.budget:.3g} s")
-        return statuses, self.rebuilt
+        return statuses, m.rebuilt
 
     async def _stop(
         self, r: int, tasks: dict[asyncio.Future[Any], tuple[int, int]], statuses: list[dict[str, Any]]
@@ -965,11 +682,7 @@ class _Supervisor:
 
     async def _rebuild(self, r: int) -> None:
         """K new partitions for replica ``r`` on the workers still alive."""
-        if len(self.rebuilt) >= MAX_REBUILDS:
-            raise ClusterError(
-                f"replica {r} lost a partition's worker after {MAX_REBUILDS} rebuilds; giving up (check the "
-                "workers' health and logs)"
-            )
+        self.machine.lose(r)  # counts the rebuild; raises past MAX_REBUILDS
         gone = {
             getattr(a, "_address", None)
             for a, f in zip(self.actors[r], self.futures[r], strict=True)
@@ -983,139 +696,14 @@ class _Supervisor:
         K = len(self.actors[r])
         old = self.futures[r]
         self.started[r] = time.monotonic()
-        self.futures[r] = [self.submit(r, k, live[k % len(live)], g, self.shard_map) for k in range(K)]
+        self.futures[r] = [
+            self._submit(r, k, live[k % len(live)], g, self.shards.shard_map) for k in range(K)
+        ]
         self.actors[r] = [await f._result() for f in self.futures[r]]
         await asyncio.gather(*(a.connect(self.actors[r])._result() for a in self.actors[r]))
         for f in old:
             with contextlib.suppress(Exception):
                 f.release()
-        self.rebuilt.append(r)
-
-
-def _drive(
-    c: Client,
-    ps: ParameterServer,
-    plan: PartitionPlan,
-    dataset: Dataset,
-    row_ranges: Sequence[tuple[int, int]],
-    owned: Sequence[Sequence[int]],
-    places: Sequence[str],
-    limits: Sequence[int],
-    rule: str,
-    lr: float,
-    l2: float,
-    batch_size: int,
-    seed: int,
-    shuffle: bool,
-    call_timeout: float,
-    trace: bool,
-    result_cls: Any,
-    stop_reason: str,
-    *,
-    sync: tuple[int, int, float | None] = (1, 1, None),
-    checkpoint_every_s: float = 5.0,
-    callback: Callable[[Any], None] | None = None,
-    resumed: ResumePoint | None = None,
-    objective: _Objective | None = None,
-) -> Any:
-    run_id = uuid.uuid4().hex[:12]
-    n_fetch, n_push, local_lr = sync
-    K = plan.partitions
-    shard_map = ps.shard_map()
-    configs = []
-    for r in range(len(row_ranges)):
-        config = PartitionConfig(
-            run_id, rule, lr, l2, batch_size, seed, shuffle, limits[r], call_timeout,
-            n_fetch=n_fetch, n_push=n_push, local_lr=local_lr,
-        )  # fmt: skip
-        configs.append(config)
-
-    def submit(r: int, k: int, place: str, generation: int, shard_map: ShardMap) -> Any:
-        lo, hi = row_ranges[r]
-        return c.submit(
-            PartitionActor, r, k, plan, dataset, lo, hi, shard_map, owned[k], configs[r], generation,
-            actor=True, workers=[place], allow_other_workers=False, pure=False,
-            key=f"partition-{r}-{k}-{generation}-{run_id}",
-        )  # fmt: skip
-
-    futures = [
-        [submit(r, k, places[k % len(places)], 0, shard_map) for k in range(K)]
-        for r in range(len(row_ranges))
-    ]
-    actors = [[f.result() for f in row] for row in futures]
-    for row in actors:
-        for ok, value in gather_calls(c, [start_call(a, "connect", row) for a in row], timeout=call_timeout):
-            if not ok:
-                raise ClusterError(f"a partition could not be connected to its peers: {value!r}")
-    t0 = time.perf_counter()
-    elapsed = resumed.time if resumed is not None else 0.0
-    supervisor = _Supervisor(
-        c, futures, actors, places, submit, call_timeout, max(limits), ps, checkpoint_every_s, callback,
-        starts=[p["steps"] for p in resumed.replicas] if resumed is not None else None, elapsed=elapsed,
-        objective=objective, perm=plan.perm,
-    )  # fmt: skip
-    statuses, rebuilt = supervisor.run()
-    wall = time.perf_counter() - t0
-    # Steps count on across a replica's generations (a rebuilt one goes on from the stopped one's count),
-    # and a replica's partitions may have stopped a step apart: its count is its slowest partition's.
-    reached: dict[tuple[int, int], int] = {}
-    for st in statuses:
-        key = (st["replica"], st["partition"])
-        reached[key] = max(reached.get(key, 0), st["steps"])
-    last = {r: min(n for (rr, _), n in reached.items() if rr == r) for r in sorted({r for r, _ in reached})}
-    with contextlib.suppress(ClusterError):  # the previous checkpoint stays current
-        supervisor.final_checkpoint([last.get(r, supervisor.counted[r]) for r in range(len(row_ranges))])
-    x_perm = supervisor.recovery.run(lambda: ps.gather("x"))
-    x = np.empty_like(x_perm)
-    x[plan.perm] = x_perm
-    steps = sum(last.values())
-    messages = sum(st["messages"] for st in statuses)
-    n_bytes = sum(st["bytes"] for st in statuses)
-    by_kind: dict[str, float] = {}
-    for st in statuses:
-        for kind, count in st["by_kind"].items():
-            by_kind[kind] = by_kind.get(kind, 0) + count / max(1, steps)
-    staleness = [s for st in statuses for s in st["staleness"]]
-    losses = (
-        {st["replica"]: np.array(st["losses"]) for st in statuses if st["partition"] == 0} if trace else {}
-    )
-    history = _history(supervisor.rows, (elapsed, resumed.step if resumed else 0), (elapsed + wall, steps))
-    history.attrs.update({"replicas": len(row_ranges), "partitions": K, "rule": rule, "lr": lr})
-    stats = {
-        "replicas": len(row_ranges),
-        "partitions": K,
-        "shards": ps.shards,
-        "rebuilt_replicas": rebuilt,
-        "shard_counters": supervisor.recovery.run(ps.counters),
-        "checkpoints": supervisor.checkpoints,
-        "resumed_from": resumed.step if resumed is not None else None,
-        "recoveries": supervisor.recovery.recoveries,
-        "shard_losses": list(supervisor.shard_losses),
-        "pushes": sum(len(st["staleness"]) for st in statuses),
-        "staleness_mean": float(np.mean(staleness)) if staleness else math.nan,
-        "steps_per_s": steps / wall if wall > 0 else math.nan,
-        "messages_per_step": messages / max(1, steps),
-        "bytes_per_step": n_bytes / max(1, steps),
-        "messages_by_kind": by_kind,
-        "per_partition": [
-            {k: v for k, v in st.items() if k not in ("losses", "staleness")} for st in statuses
-        ],
-    }
-    if supervisor.stopped_by_callback:
-        stop_reason = "callback"
-    messages_by_reason = {
-        "max_steps": "reached max_steps",
-        "epochs": "every replica finished its epochs",
-        "callback": "stopped by the callback",
-        "diverged": "diverged: the parameters became NaN or infinite; lower lr, or use rule='adagrad'",
-    }
-    if not np.isfinite(x).all():  # no watchdog follows a partitioned run: its end is checked at least
-        stop_reason = "diverged"
-    return result_cls(
-        x=x, history=history, stop_reason=stop_reason, success=stop_reason != "diverged",
-        message=messages_by_reason[stop_reason], steps=steps, wall_time=wall, store=ps.url, stats=stats,
-        losses=losses,
-    )  # fmt: skip
 
 
 def _history(rows: Sequence[Any], first: tuple[float, int], last: tuple[float, int]) -> xr.Dataset:

@@ -44,13 +44,14 @@ import xarray as xr
 from distributed import Client, Future
 from threadpoolctl import threadpool_limits
 
-from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, ShardLostError
+from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError
 from distbelief.models import objective
 from distbelief.models.internal import FittedMixin
 from distbelief.options import refuse_unknown
 from distbelief.storage import (
     Dataset,
     ParameterServer,
+    ShardMap,
     as_dataset,
     embedded_client,
     start_vector,
@@ -58,7 +59,6 @@ from distbelief.storage import (
 )
 from distbelief.storage.internal import (
     Communication,
-    ShardRecovery,
     actor_gone,
     as_csr,
     gather_calls,
@@ -70,15 +70,15 @@ from distbelief.storage.internal import (
 
 from ._batches import BatchPlan, split_rows
 from ._compress import Compression
+from ._driver import MESSAGES, SUCCESS, Checkpoint, DriverMachine, Measure, Poll, Probe, Release, Report
 from ._options import DownpourOptions, Rule, check_workers, worker_tuple
 from ._replica import DownpourReplica, RecordPlan, ReplicaConfig
-from ._resume import ResumePoint, checkpoint_interval, checkpoint_meta, params_store, require_resume_point
+from ._resume import ResumePoint
+from ._shards import Shards
 from ._watch import StepRuleStallWarning, Watchdog, stall_message
 
 __all__ = ["Progress", "TrainResult", "train"]
 
-#: How many lost shards a run recovers from before it gives up.
-MAX_RECOVERIES = 5
 #: History entries a run aims at, whatever its length. The replicas record them at set step counts (or
 #: times) and the driver's regular polls carry them back, so an entry costs no round trip.
 HISTORY_POINTS = 100
@@ -102,8 +102,6 @@ EVAL_SHARE = 0.05
 END_EVAL_S = 1.5
 #: Below this many parameters the default is a single shard (an extra shard costs a round trip per push).
 SHARD_MIN_PARAMS = 1 << 17
-#: Stop reasons that mean the run did what it was asked.
-_SUCCESS = ("max_steps", "epochs", "time_limit", "callback")
 _PER_REPLICA = (
     "steps",
     "pushes",
@@ -114,14 +112,6 @@ _PER_REPLICA = (
     "wait_s",
     "compute_s",
 )
-_MESSAGES = {
-    "max_steps": "reached max_steps",
-    "epochs": "every replica finished its epochs",
-    "time_limit": "reached the time limit",
-    "callback": "stopped by the callback",
-    "diverged": "the training loss became NaN or infinite: lower lr (or use rule='adagrad')",
-    "replicas_lost": "every replica was lost with its worker; restart workers and train again from x",
-}
 
 
 @dataclass(frozen=True)
@@ -460,7 +450,8 @@ def train(
     if partitions is not None and not (type(partitions) is int and partitions == 1):  # True is not 1 here
         from ._partitioned import train_from_options
 
-        return train_from_options(model, data, partitions=partitions, given=locals())
+        partitioned: TrainResult = train_from_options(model, data, partitions=partitions, given=locals())
+        return partitioned
     opts = DownpourOptions(
         replicas=replicas,
         shards=shards,
@@ -615,6 +606,24 @@ def objective_rows(dataset: Dataset, max_values: int = OBJECTIVE_MAX_VALUES) -> 
     return np.concatenate([X for X, _ in parts]), np.concatenate([y for _, y in parts])
 
 
+def objective_sample(model: Any, dataset: Dataset) -> tuple[Any, np.ndarray]:
+    """The training rows a run's history objective is computed on (whole or partitioned replicas):
+    :func:`objective_rows` within ``OBJECTIVE_MAX_VALUES`` values and ``OBJECTIVE_MAX_WORK`` row-parameter
+    products (an MLP's row costs its parameters, not its features).
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from distbelief import models
+    >>> ds = Dataset.from_arrays(np.ones((10, 2)), np.zeros(10), path=tempfile.mkdtemp() + "/ds")
+    >>> objective_sample(models.LeastSquares(2), ds)[0].shape
+    (10, 2)
+    """
+    per_value = max(1.0, float(getattr(model, "n_params", dataset.n_features)) / max(1, dataset.n_features))
+    budget = min(OBJECTIVE_MAX_VALUES, max(dataset.n_features, int(OBJECTIVE_MAX_WORK / per_value)))
+    return objective_rows(dataset, max_values=budget)
+
+
 def _evaluate(model: Any, x: np.ndarray, arrays: tuple[np.ndarray, np.ndarray] | None) -> tuple[float, float]:
     if arrays is None:
         return math.nan, math.nan
@@ -671,14 +680,12 @@ class _Run:
         self.callback = callback
         self.ps: ParameterServer | None = None
         self.actors: list[Any] = []
-        self.futures: list[Future] = []
+        self.futures: list[Future[Any]] = []
+        self.machine = DriverMachine(replicas=0)  # the run's, once setup() knows the replicas
         self.alive: list[bool] = []
         self.started: list[bool] = []
         self.status: dict[int, dict[str, Any]] = {}
-        self.lost_replicas: list[int] = []
-        self.shard_losses: list[tuple[float, int]] = []
-        self.recovery: ShardRecovery | None = None
-        self.checkpoints = 0
+        self.shards: Shards | None = None
         self.rows: list[_Row] = []
         self.t0 = 0.0
         self.stopped = False
@@ -699,8 +706,6 @@ class _Run:
         self.snapshots: list[tuple[float, int, np.ndarray]] = []
         self._planned_every: int | None = None
         self._rate_mark: tuple[float, int] | None = None  # (time, steps) at the last replan
-        self._errors_seen = 0
-        self._last_probe = -math.inf
         self._objective_rows: tuple[np.ndarray, np.ndarray] | None = None
         #: Seconds the driver spent evaluating history rows, and the rows with parameters it evaluated.
         self.eval_s = 0.0
@@ -730,25 +735,18 @@ class _Run:
         wide = use_sparse(opts.communication, self.model, self.dataset.layout == "csr")
         self.communication = "sparse" if wide and not opts.l2 else "dense"
         if opts.resume:
-            ps = self._reopen(n_replicas, shard_workers)
-        else:
-            ps = ParameterServer.create(
-                client,
-                n,
-                shards=n_shards,
-                store=params_store(self.store),
-                workers=shard_workers,
-                overwrite=True,
-                timeout=opts.call_timeout,
+            ps, self.resumed = Shards.reopen(
+                client, self.store, n_replicas, n, workers=shard_workers, timeout=opts.call_timeout
             )
-            ps.scatter("x", self.x_start)
-            if opts.rule == "adagrad":
-                # The accumulators exist from the start: every checkpoint (and a restored shard) holds them.
-                ps.fill("x.adagrad", 0.0)
-            ps.checkpoint(meta=checkpoint_meta(0.0, {}, n_replicas))
-            self.checkpoints = 1
+            self.x_start = ps.gather("x")
+        else:
+            ps = Shards.create(
+                client, self.store, n_replicas, self.x_start, rule=opts.rule, workers=shard_workers,
+                timeout=opts.call_timeout, shards=n_shards,
+            )  # fmt: skip
         self.ps = ps
-        self.recovery = ShardRecovery(ps, max_recoveries=MAX_RECOVERIES, on_restored=self._restored)
+        clock = lambda: time.perf_counter() - self.t0  # noqa: E731
+        self.shards = Shards(ps, clock, self._repoint, checkpoints=0 if opts.resume else 1)
         config = ReplicaConfig(
             run_id=uuid.uuid4().hex[:12],
             rule=opts.rule,
@@ -795,26 +793,21 @@ class _Run:
                 )
             )
         self.actors = [f.result(timeout=opts.call_timeout) for f in self.futures]
-        self.alive = [True] * n_replicas
         self.started = [False] * n_replicas
+        start = self.resumed.time if self.resumed is not None else 0.0
+        self.machine = DriverMachine(
+            replicas=n_replicas,
+            start=start,
+            checkpoint_every_s=opts.checkpoint_every_s,
+            report_every=0.0,  # every poll: the rows the replicas recorded since the last
+            measure_every=opts.eval_every,
+            time_limit=opts.time_limit,
+            max_steps=opts.max_steps,
+            warm=opts.warmstart_steps > 0 and self.resumed is None,
+        )
+        self.alive = self.machine.alive  # a lost replica is dropped by the machine, the list shared
         if self.resumed is not None:
             self._resume_replicas(self.resumed)
-
-    def _reopen(self, n_replicas: int, shard_workers: list[str]) -> ParameterServer:
-        """``resume=True``: the shards as the last checkpoint left them (vectors, clocks, counters)."""
-        point = require_resume_point(self.store, n_replicas)
-        ps = ParameterServer.open(
-            self.client, store=params_store(self.store), workers=shard_workers, timeout=self.opts.call_timeout
-        )
-        if ps.n != self.x_start.size:
-            ps.close()
-            raise InvalidOptionError(
-                f"the checkpoint holds {ps.n} parameters but the model has {self.x_start.size}; resume with "
-                "the model of the interrupted run"
-            )
-        self.x_start = ps.gather("x")
-        self.resumed = point
-        return ps
 
     def _resume_replicas(self, point: ResumePoint) -> None:
         """Hand every replica its counters at the checkpoint; they are the driver's starting totals."""
@@ -829,15 +822,10 @@ class _Run:
         t = self._totals()
         self._prev = (t["rows"], t["loss_sum"], t["staleness_count"], t["staleness_sum"])
 
-    def _checkpoint(self, now: float) -> None:
-        """A periodic checkpoint of the shards, with the counters ``resume=True`` needs."""
-        assert self.ps is not None
-        ps, meta = self.ps, self._checkpoint_meta(now)
-        self._ps_call(lambda: ps.checkpoint(meta=meta))
-
-    def _checkpoint_meta(self, now: float, **extra: Any) -> dict[str, Any]:
-        """What a checkpoint saves beside the shards, for ``resume=True`` (:func:`checkpoint_meta`)."""
-        return checkpoint_meta(now, self.status, len(self.actors), **extra)
+    def _checkpoint(self, now: float, **extra: Any) -> None:
+        """A checkpoint of the shards, with the counters ``resume=True`` needs."""
+        assert self.shards is not None
+        self.shards.checkpoint(now, self.status, len(self.actors), **extra)
 
     def teardown(self) -> None:
         live = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r] and not self.stopped]
@@ -846,7 +834,7 @@ class _Run:
                 self._call(live, "stop", (1.0,), timeout=5.0)
         for f in self.futures:
             with contextlib.suppress(Exception):
-                f.release()
+                f.release()  # type: ignore[no-untyped-call, unused-ignore]
         if self.ps is not None:
             self.ps.close()
 
@@ -873,9 +861,7 @@ class _Run:
                 raise ClusterError(f"replica {r} could not start: {value!r}")
 
     def _lose(self, r: int) -> None:
-        if self.alive[r]:
-            self.alive[r] = False
-            self.lost_replicas.append(r)
+        self.machine.lose(r)
 
     def _poll(self) -> None:
         which = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r]]
@@ -919,18 +905,11 @@ class _Run:
 
     def _ps_call(self, fn: Callable[[], Any]) -> Any:
         """Run a parameter-server op; a lost shard is restored (and the replicas told) and the op retried."""
-        assert self.recovery is not None
-        return self.recovery.run(fn)
+        assert self.shards is not None
+        return self.shards.run(fn)
 
-    def _probe(self) -> ShardLostError | None:
-        assert self.recovery is not None
-        return self.recovery.probe()
-
-    def _restored(self, err: ShardLostError) -> None:
+    def _repoint(self, shard_map: ShardMap) -> None:
         """A shard came back from its checkpoint: the replicas are handed the new shard map."""
-        assert self.ps is not None
-        self.shard_losses.append((time.perf_counter() - self.t0, err.shard))
-        shard_map = self.ps.shard_map()
         live = [r for r in range(len(self.actors)) if self.alive[r]]
         for r, (ok, _) in self._call(live, "set_shard_map", (shard_map,)).items():
             if not ok and self._is_dead(r):
@@ -985,15 +964,9 @@ class _Run:
         return out
 
     def objective_sample(self) -> tuple[Any, np.ndarray]:
-        """The training rows the history's objective is computed on (read once): :func:`objective_rows`
-        within ``OBJECTIVE_MAX_VALUES`` values and ``OBJECTIVE_MAX_WORK`` row-parameter products."""
+        """The training rows the history's objective is computed on (read once): :func:`objective_sample`."""
         if self._objective_rows is None:
-            ds = self.dataset
-            per_value = max(
-                1.0, float(getattr(self.model, "n_params", ds.n_features)) / max(1, ds.n_features)
-            )
-            budget = min(OBJECTIVE_MAX_VALUES, max(ds.n_features, int(OBJECTIVE_MAX_WORK / per_value)))
-            self._objective_rows = objective_rows(ds, max_values=budget)
+            self._objective_rows = objective_sample(self.model, self.dataset)
         return self._objective_rows
 
     def _objective(self, x: np.ndarray | None) -> float:
@@ -1219,25 +1192,20 @@ class _Run:
 
     # -- the loop --------------------------------------------------------------------------------------
     def drive(self) -> TrainResult:
-        opts = self.opts
-        assert self.ps is not None
+        """Poll the replicas every ``poll_every`` seconds and carry out what :class:`DriverMachine` says."""
+        opts, m, shards = self.opts, self.machine, self.shards
+        assert shards is not None
         n_replicas = len(self.actors)
-        warm = opts.warmstart_steps > 0 and n_replicas > 1 and self.resumed is None
         # A resumed run's clock goes on from its checkpoint's (time_limit counts the whole run).
         start = self.resumed.time if self.resumed is not None else 0.0
         self.t0 = time.perf_counter() - start
         self.t0_wall = time.time() - start
-        if warm:
+        if m.waiting:
             self._call([0], "hold", (opts.warmstart_steps,))
-        self._start([0] if warm else list(range(n_replicas)))
+        self._start([0] if m.waiting else list(range(n_replicas)))
         self._measure_applied(start)
         _diverged(self.watch, self._record(start, self.x_start), self.x_start)
-        waiting = list(range(1, n_replicas)) if warm else []
-        next_measure = start + opts.eval_every
-        ckpt_cost = 0.0
-        next_ckpt = start + checkpoint_interval(start, ckpt_cost, opts.checkpoint_every_s)
-        stop_reason: str | None = None
-        while stop_reason is None:
+        while True:
             time.sleep(opts.poll_every)
             self._replan(time.perf_counter() - self.t0)
             self._poll()
@@ -1245,59 +1213,51 @@ class _Run:
             for r, st in self.status.items():
                 if st.get("error"):
                     self._fail(r, st)
-            if waiting:
-                st0 = self.status.get(0, {})
-                if not self.alive[0] or st0.get("done") or st0.get("holding"):
-                    self._start(waiting)
+            poll = self._poll_summary()
+            for action in m.tick(now, poll):
+                if isinstance(action, Release):
+                    self._start(range(1, n_replicas))
                     self._call([0], "release")
-                    waiting = []
-            errors = sum(sum(st["fetch_errors"]) + sum(st["push_errors"]) for st in self.status.values())
-            if errors > self._errors_seen and now - self._last_probe > 1.0:
-                # Replicas cannot reach a shard: find out whether it was lost (and restore it).
-                self._errors_seen = errors
-                self._last_probe = now
-                with contextlib.suppress(ClusterError):
-                    self._probe()
-            # The rows the replicas recorded since the last poll (no round trip of their own).
-            # Evaluations take at most EVAL_SHARE of the run's time so far (the rest wait, and are thinned).
-            allowed = min(opts.poll_every, EVAL_SHARE * (time.perf_counter() - self.t0) - self.eval_s)
-            for progress, x in self._rows_from_records(self._frontier(), budget_s=allowed):
-                if self.callback is not None and stop_reason is None:
-                    try:
-                        self.callback(progress)
-                    except StopIteration:
-                        stop_reason = "callback"
-                if _diverged(self.watch, progress, x):
-                    stop_reason = stop_reason or "diverged"
-            if now >= next_measure:
-                self._measure_applied(now)
-                next_measure = now + opts.eval_every
-            if now >= next_ckpt:
-                t_ckpt = time.perf_counter()
-                with contextlib.suppress(ClusterError):
-                    self._checkpoint(now)
-                    self.checkpoints += 1
-                ckpt_cost = time.perf_counter() - t_ckpt
-                next_ckpt = now + checkpoint_interval(now, ckpt_cost, opts.checkpoint_every_s)
-            stop_reason = stop_reason or self._stop_condition(now, waiting)
-        return self._finish(stop_reason)
+                elif isinstance(action, Probe):  # replicas cannot reach a shard: was it lost (restore it)?
+                    with contextlib.suppress(ClusterError):
+                        shards.probe()
+                elif isinstance(action, Report):
+                    self._report(m)
+                elif isinstance(action, Measure):
+                    self._measure_applied(now)
+                elif isinstance(action, Checkpoint):
+                    t_ckpt = time.perf_counter()
+                    with contextlib.suppress(ClusterError):
+                        self._checkpoint(now)
+                    m.checkpointed(now, time.perf_counter() - t_ckpt)
+            stop_reason = m.outcome(now, poll)
+            if stop_reason is not None:
+                return self._finish(stop_reason)
 
-    def _stop_condition(self, now: float, waiting: list[int]) -> str | None:
-        opts = self.opts
-        live = [r for r in range(len(self.actors)) if self.alive[r]]
-        if not live:
-            return "replicas_lost"
-        statuses = [self.status.get(r, {}) for r in live]
-        if any(st.get("diverged") for st in self.status.values()):
-            return "diverged"
-        if opts.time_limit is not None and now >= opts.time_limit:
-            return "time_limit"
-        if opts.max_steps is not None and self._totals()["steps"] >= opts.max_steps:
-            return "max_steps"
-        if not waiting and all(st.get("done") for st in statuses):
-            reasons = {str(st.get("stop_reason", "")).split(" ")[0] for st in statuses}
-            return "epochs" if reasons == {"epochs"} else "max_steps"
-        return None
+    def _report(self, m: DriverMachine) -> None:
+        """History rows for the records every replica has reported past (no round trip of their own), each
+        passed to the callback and the watchdog. Evaluations take at most EVAL_SHARE of the run's time so
+        far (the rest wait, and are thinned)."""
+        allowed = min(self.opts.poll_every, EVAL_SHARE * (time.perf_counter() - self.t0) - self.eval_s)
+        for progress, x in self._rows_from_records(self._frontier(), budget_s=allowed):
+            stop = False
+            if self.callback is not None and m.stopped is None:
+                try:
+                    self.callback(progress)
+                except StopIteration:
+                    stop = True
+            m.verdict(progress.time, callback=stop, diverged=_diverged(self.watch, progress, x))
+
+    def _poll_summary(self) -> Poll:
+        """What the replicas' latest statuses say, for :meth:`DriverMachine.tick`."""
+        status = self.status
+        return Poll(
+            steps=self._totals()["steps"],
+            errors=sum(sum(st["fetch_errors"]) + sum(st["push_errors"]) for st in status.values()),
+            done={r: str(st.get("stop_reason", "")) for r, st in status.items() if st.get("done")},
+            diverged=any(st.get("diverged") for st in status.values()),
+            holding=bool(status.get(0, {}).get("holding")),
+        )
 
     def _fail(self, r: int, st: dict[str, Any]) -> None:
         exc = st.get("error_obj")
@@ -1306,8 +1266,8 @@ class _Run:
         raise ClusterError(f"replica {r} failed; its traceback:\n{st['error']}")
 
     def _finish(self, stop_reason: str) -> TrainResult:
-        assert self.ps is not None
-        ps = self.ps
+        assert self.ps is not None and self.shards is not None
+        ps, shards = self.ps, self.shards
         live = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r]]
         stop_timeout = self.opts.call_timeout + 5.0
         finals = self._call(live, "stop", (self.opts.call_timeout,), timeout=stop_timeout)
@@ -1328,25 +1288,23 @@ class _Run:
         affordable = int(budget / per_row) if per_row > 0 else HISTORY_POINTS
         self._thin_pending(max(2, min(affordable, max(HISTORY_POINTS, 2 * HISTORY_POINTS - len(self.rows)))))
         for progress, x_row in self._rows_from_records(math.inf):
-            if _diverged(self.watch, progress, x_row) and stop_reason in _SUCCESS:
+            if _diverged(self.watch, progress, x_row) and stop_reason in SUCCESS:
                 stop_reason = "diverged"
         wall = time.perf_counter() - self.t0
         # The store ends up holding the final state (parameters, Adagrad accumulators, shard versions).
-        final_meta = self._checkpoint_meta(wall, final=True)
-        self._ps_call(lambda: ps.checkpoint(meta=final_meta))
-        self.checkpoints += 1
+        self._checkpoint(wall, final=True)
         x: np.ndarray = self._ps_call(lambda: ps.gather("x"))
         t_last = max(wall, float(np.nextafter(self.rows[-1].time, math.inf)))
         self._measure_applied(t_last)
         last = self._record(t_last, x)
-        if stop_reason in _SUCCESS and _diverged(self.watch, last, x):
+        if stop_reason in SUCCESS and _diverged(self.watch, last, x):
             stop_reason = "diverged"
         losses: dict[int, np.ndarray] = {}
         if self.opts.trace:
             traced = self._call([r for r in range(len(self.actors)) if self.alive[r]], "losses")
             losses = {r: np.array(v) for r, (ok, v) in traced.items() if ok}
         t = self._totals()
-        success = stop_reason in _SUCCESS
+        success = stop_reason in SUCCESS
         stats = {
             "replicas": len(self.actors),
             "shards": ps.shards,
@@ -1358,10 +1316,10 @@ class _Run:
             "staleness_mean": t["staleness_sum"] / t["staleness_count"] if t["staleness_count"] else math.nan,
             "stale_waits": t["stale_waits"],
             "steps_per_s": t["steps"] / wall if wall > 0 else math.nan,
-            "lost_replicas": list(self.lost_replicas),
-            "shard_losses": list(self.shard_losses),
-            "recoveries": len(self.shard_losses),
-            "checkpoints": self.checkpoints,
+            "lost_replicas": list(self.machine.lost),
+            "shard_losses": list(shards.shard_losses),
+            "recoveries": len(shards.shard_losses),
+            "checkpoints": shards.checkpoints,
             "communication": self.communication,
             "bytes_fetched": t["bytes_fetched"],
             "bytes_pushed": t["bytes_pushed"],
@@ -1374,7 +1332,7 @@ class _Run:
             "resumed_from": self.resumed.step if self.resumed is not None else None,
             "per_replica": {r: {k: st[k] for k in _PER_REPLICA} for r, st in sorted(self.status.items())},
         }
-        history, message = self._history(), _MESSAGES[stop_reason]
+        history, message = self._history(), MESSAGES[stop_reason]
         if stop_reason == "diverged" and self.watch.message:
             message = self.watch.message
         if success:

@@ -83,6 +83,12 @@ def test_resume_needs_a_checkpoint(client: Client, tmp_path: Path) -> None:
     downpour.train(model, DATA, replicas=2, max_steps=10, client=client, store=tmp_path)
     with pytest.raises(InvalidOptionError, match="resume it with replicas=2"):
         downpour.train(model, DATA, replicas=1, max_steps=10, client=client, store=tmp_path, resume=True)
+    # Another model: refused before the shards are opened, the checkpoint left as it was.
+    before = resume_point(tmp_path)
+    other = ConstantGradient(N + 1)
+    with pytest.raises(InvalidOptionError, match=f"holds {N} parameters but the model has {N + 1}"):
+        downpour.train(other, DATA, replicas=2, max_steps=10, client=client, store=tmp_path, resume=True)
+    assert resume_point(tmp_path) == before
 
 
 @pytest.mark.parametrize("cost", [0.0, 0.01, 0.5])
