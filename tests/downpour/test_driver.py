@@ -30,8 +30,8 @@ def test_the_warm_start_ends_when_replica_0_holds_finishes_or_is_lost() -> None:
         if ended is None:
             m.lose(0)
             ended = {}
-        assert m.tick(0.2, Poll(steps=5, **ended)) == [Release()]  # type: ignore[arg-type]
-        assert m.tick(0.3, Poll(steps=5, **ended)) == []  # once  # type: ignore[arg-type]
+        assert m.tick(0.2, Poll(steps=5, **ended)) == [Release()]
+        assert m.tick(0.3, Poll(steps=5, **ended)) == []
     # Without warm-start (or with one replica) nobody waits.
     assert not DriverMachine(replicas=1, warm=True).waiting
 
