@@ -19,7 +19,7 @@ Examples
 from ._batches import BatchPlan, split_rows
 from ._compress import Compression
 from ._core import FetchRequest, PushMessage, ReplicaCore, ReplicaCounters
-from ._options import DEFAULT_LR, DownpourOptions
+from ._options import DEFAULT_LR, DownpourOptions, auto_sync
 from ._reference import ReferenceResult, sequential_sgd
 from ._train import Progress, TrainResult, train
 from ._watch import StepRuleStallWarning
@@ -37,6 +37,7 @@ __all__ = [
     "ReplicaCounters",
     "StepRuleStallWarning",
     "TrainResult",
+    "auto_sync",
     "sequential_sgd",
     "split_rows",
     "train",

@@ -531,7 +531,7 @@ class ReplicaCore:
         local = tuple(split_keys(self._bounds, keys))
         request = FetchRequest(self._next_fid, self.fetch_names, self.gen, keys=local)
         self._next_fid += 1
-        positions = self._tables.pop() if self._tables else np.full(self.n, -1, dtype=np.int32)
+        positions = self._tables.pop() if self._tables else np.full(self.n, -1, dtype=np.int64)
         positions[keys] = np.arange(keys.size)
         self._fetches[request.fid] = _Fetch(
             request,

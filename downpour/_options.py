@@ -1,11 +1,14 @@
 """Every option of :func:`downpour.train`, validated once into a frozen dataclass.
 
-Defaults follow the DistBelief paper, section 4.1: ``n_fetch = n_push = 1`` as in its experiments, Adagrad on
-the shards, a learning rate for Adagrad about an order of magnitude above the best fixed SGD rate.
+Defaults follow the DistBelief paper, section 4.1, and this project's measurements: Adagrad on the shards, a
+learning rate for Adagrad about an order of magnitude above the best fixed SGD rate, and ``n_fetch = n_push``
+chosen from the model and the data (:func:`auto_sync`: 1, the paper's setting, for small models; more steps
+between fetches and pushes where moving the parameters costs more than a step).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +27,44 @@ from distbelief.storage.internal import Communication
 from ._compress import Compression, check_compression
 from ._core import ADAGRAD_MAX_COALESCE
 
-__all__ = ["DEFAULT_LR", "DownpourOptions", "Rule", "check_workers", "worker_tuple"]
+__all__ = ["DEFAULT_LR", "DownpourOptions", "Rule", "auto_sync", "check_workers", "worker_tuple"]
+
+#: ``n_fetch = n_push`` when neither is given, by what a run communicates (see :func:`auto_sync`).
+SYNC_WINDOWED = 50
+SYNC_LARGE = 10
+#: Dense models from this many parameters (1 MiB of float64) fetch and push every SYNC_LARGE steps.
+SYNC_LARGE_PARAMS = 1 << 17
+_SYNC_DOC = (
+    "Steps between fetches (n_fetch) and between pushes (n_push); absent: chosen from the model and the data "
+    f"({SYNC_WINDOWED} for key-value windows on sparse rows, {SYNC_LARGE} for a dense model of "
+    f"{SYNC_LARGE_PARAMS} parameters or more, else 1; the other one's value when only one is given)"
+)
+
+
+def auto_sync(n_params: int, *, windowed: bool) -> int:
+    """``n_fetch = n_push`` for a run that sets neither, from measurements on this project's benchmarks.
+
+    * Key-value windows on sparse rows (``communication`` sparse, no compression, not deterministic):
+      :data:`SYNC_WINDOWED`. A window's keys, fetch and push cost about the same for 10 steps as for 50
+      (the keys of 50 mini-batches overlap), so wider windows pay: on the 2^20-column click-through set
+      (``benchmarks/downpour_sparse.py``, quiet box), 2 replicas ran at 1.01x one numpy process with
+      n = 10, 1.15x with 20, 1.46-1.64x with 50 and 1.57-1.81x with 100, the objective after an epoch
+      +0.5%, +0.5%, +0.9% and +1.6% above the process's.
+    * A dense model of :data:`SYNC_LARGE_PARAMS` parameters or more: :data:`SYNC_LARGE`. On the MLP of
+      ``benchmarks/downpour_steps.py`` (399,370 parameters, 3.2 MB a fetch), one replica ran at 1.08x a
+      numpy process with n = 10 and 0.72x with n = 1; two replicas at 1.67x with n = 10.
+    * Smaller models: 1 (the paper's setting; each step reads the freshest parameters, and a fetch of less
+      than 1 MiB costs about an actor round trip).
+
+    Examples
+    --------
+    >>> auto_sync(650, windowed=False), auto_sync(400_000, windowed=False), auto_sync(2**20, windowed=True)
+    (1, 10, 50)
+    """
+    if windowed:
+        return SYNC_WINDOWED
+    return SYNC_LARGE if n_params >= SYNC_LARGE_PARAMS else 1
+
 
 #: Learning rates used when ``lr`` is not given: good on the built-in models with standardized inputs and
 #: mini-batches of a few dozen rows (the gradient is the mini-batch *mean*, so the rate does not depend on
@@ -69,7 +109,7 @@ class DownpourOptions:
     >>> DownpourOptions(n_fetch=0, max_steps=1)
     Traceback (most recent call last):
     ...
-    distbelief.errors.InvalidOptionError: option n_fetch=0 is invalid: expected an int >= 1
+    distbelief.errors.InvalidOptionError: option n_fetch=0 is invalid: expected None (chosen from the ...
     """
 
     replicas: int | None = option(None, ge=1, rest=True, rest_le=REST_MAX_ACTORS)
@@ -86,8 +126,14 @@ class DownpourOptions:
         expected="None (the same as lr) or a finite number >= 0 (0: no local step)",
     )  # fmt: skip
     batch_size: int = option(32, ge=1, rest=True, rest_le=1_000_000)
-    n_fetch: int = option(1, ge=1, rest=True, rest_le=REST_MAX_ITER)
-    n_push: int = option(1, ge=1, rest=True, rest_le=REST_MAX_ITER)
+    n_fetch: int | None = option(
+        None, ge=1, rest=True, rest_le=REST_MAX_ITER, doc=_SYNC_DOC,
+        expected="None (chosen from the model and the data: see auto_sync) or an int >= 1",
+    )  # fmt: skip
+    n_push: int | None = option(
+        None, ge=1, rest=True, rest_le=REST_MAX_ITER, doc=_SYNC_DOC,
+        expected="None (chosen from the model and the data: see auto_sync) or an int >= 1",
+    )  # fmt: skip
     warmstart_steps: int = option(0, ge=0, rest=True, rest_le=100 * REST_MAX_ITER)
     epochs: int | None = option(None, ge=1, rest=True, rest_le=100_000)
     max_steps: int | None = option(None, ge=1, rest=True, rest_le=100 * REST_MAX_ITER)
@@ -158,7 +204,7 @@ class DownpourOptions:
         if self.deterministic is True:
             # Rounds of n steps (storage/_rounds.py): a fetch and a push a round, all replicas from the start.
             _check(
-                self.n_fetch == self.n_push,
+                self.n_fetch is None or self.n_push is None or self.n_fetch == self.n_push,
                 "n_fetch",
                 self.n_fetch,
                 f"equal to n_push ({self.n_push}) with deterministic=True (rounds of n steps)",
@@ -195,6 +241,29 @@ class DownpourOptions:
                 "train() needs a way to stop: give epochs=, max_steps= or time_limit= "
                 "(or a callback that raises StopIteration)"
             )
+
+    def with_sync(self, n_params: int, *, windowed: bool) -> DownpourOptions:
+        """These options with ``n_fetch`` and ``n_push`` set: a missing one takes the other's value, and
+        both missing take :func:`auto_sync`'s.
+
+        Examples
+        --------
+        >>> o = DownpourOptions(max_steps=1)
+        >>> (o.n_fetch, o.n_push), o.with_sync(400_000, windowed=False).n_push
+        ((None, None), 10)
+        >>> DownpourOptions(max_steps=1, n_push=4).with_sync(650, windowed=False).n_fetch
+        4
+        """
+        n_fetch, n_push = self.n_fetch, self.n_push
+        if n_fetch is None and n_push is None:
+            n_fetch = n_push = auto_sync(n_params, windowed=windowed)
+        return dataclasses.replace(self, n_fetch=n_fetch or n_push, n_push=n_push or n_fetch)
+
+    @property
+    def sync(self) -> tuple[int, int]:
+        """``(n_fetch, n_push)`` of options that went through :meth:`with_sync`."""
+        assert self.n_fetch is not None and self.n_push is not None, "call with_sync first"
+        return self.n_fetch, self.n_push
 
     @property
     def fuses(self) -> bool:

@@ -81,8 +81,8 @@ def train_partitioned(
     workers: Sequence[str] | None = None,
     call_timeout: float = 60.0,
     trace: bool = False,
-    n_fetch: int = 1,
-    n_push: int = 1,
+    n_fetch: int | None = None,
+    n_push: int | None = None,
     local_lr: float | None = None,
     shard_workers: Sequence[str] | None = None,
     checkpoint_every_s: float = 5.0,
@@ -144,7 +144,8 @@ def train_partitioned(
     n_fetch, n_push, local_lr
         As in ``downpour.train``: every partition of a replica fetches its slice before every
         ``n_fetch``-th step and pushes its accrued gradient after every ``n_push``-th, with local steps
-        ``w -= local_lr * g`` in between (``local_lr`` defaults to ``lr``; 0: none).
+        ``w -= local_lr * g`` in between (``local_lr`` defaults to ``lr``; 0: none). ``n_fetch`` and
+        ``n_push`` default as there (:func:`downpour.auto_sync` for the whole model's parameters).
 
     Returns
     -------
@@ -172,11 +173,12 @@ def train_partitioned(
     if epochs is None and max_steps is None:
         raise InvalidOptionError("give epochs or max_steps (a partitioned run needs a known length)")
     # Checked as downpour.train checks them (the options a partitioned run takes).
-    step_lr = DownpourOptions(
+    opts = DownpourOptions(
         replicas=replicas, rule=rule, lr=lr, l2=l2, batch_size=batch_size, epochs=epochs, max_steps=max_steps,
         seed=seed, shuffle=shuffle, n_fetch=n_fetch, n_push=n_push, local_lr=local_lr,
         checkpoint_every_s=checkpoint_every_s, call_timeout=call_timeout, trace=trace, has_callback=True,
-    ).step_size  # fmt: skip
+    ).with_sync(model.n_params, windowed=False)  # fmt: skip
+    step_lr = opts.step_size
     x_start = start_vector(model, x0, seed)
     layout = partition_layout(plan.bounds, shards_per_partition=shards_per_partition)
     owned = partition_shards(layout, plan.bounds)
@@ -215,7 +217,7 @@ def train_partitioned(
         reason = "max_steps" if max_steps is not None and sum(limits) == max_steps else "epochs"
         config = PartitionConfig(
             uuid.uuid4().hex[:12], rule, step_lr, l2, batch_size, seed, shuffle, 0, call_timeout,
-            n_fetch=n_fetch, n_push=n_push, local_lr=local_lr,
+            n_fetch=opts.sync[0], n_push=opts.sync[1], local_lr=local_lr,
         )  # fmt: skip
         try:
             run = _Supervisor(

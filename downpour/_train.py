@@ -249,8 +249,8 @@ def train(
     lr: float | None = None,
     local_lr: float | None = None,
     batch_size: int = 32,
-    n_fetch: int = 1,
-    n_push: int = 1,
+    n_fetch: int | None = None,
+    n_push: int | None = None,
     warmstart_steps: int = 0,
     epochs: int | None = None,
     max_steps: int | None = None,
@@ -306,9 +306,12 @@ def train(
         the shards' rule; default ``lr`` (0: no local step).
     batch_size : int
         Rows per mini-batch; the gradient is the mini-batch mean.
-    n_fetch, n_push : int
+    n_fetch, n_push : int, optional
         Fetch the parameters every ``n_fetch`` steps; push the accrued gradient every ``n_push`` steps.
-        A push that would find two others in flight waits and goes out with the next one.
+        A push that would find two others in flight waits and goes out with the next one. Default: chosen
+        from the model and the data (:func:`downpour.auto_sync`): 50 for key-value windows on sparse rows,
+        10 for a dense model of 2^17 parameters or more, else 1 (the paper's setting); when only one is
+        given, the other takes its value.
     warmstart_steps : int
         Steps replica 0 takes alone before the others start.
     epochs : int, optional
@@ -393,7 +396,7 @@ def train(
         floats are those of ``"dense"``. ``"auto"`` (default): sparse when those hold. Bytes moved are in
         ``history.bytes_moved`` and ``stats["bytes_per_step"]``.
     fuse : bool
-        When ``n_push == n_fetch`` (the default: both 1), send each push and the next fetch as one message
+        When ``n_push == n_fetch`` (as by default), send each push and the next fetch as one message
         per shard (the shard applies the push and answers with its fresh slice), instead of two. Messages
         sent are in ``history.messages`` and ``stats["messages_per_step"]``.
     compression : downpour.Compression, optional
@@ -507,13 +510,15 @@ def train(
 
 
 def _diverged(watch: Watchdog, progress: Progress, x: np.ndarray | None) -> bool:
-    """Feed a history row to the watchdog (downpour._watch); whether the run has diverged."""
+    """Feed a history row to the watchdog (downpour._watch); whether the run has diverged. A row without
+    parameters (``x`` None: not read, or its evaluation not affordable) measured no held-out loss."""
     finite = x is None or bool(np.isfinite(x).all())
     verdict = watch.observe(
         train_loss=progress.train_loss,
         test_loss=progress.test_loss,
         x_finite=finite,
         objective=progress.objective,
+        evaluated=x is not None,
     )
     return verdict is not None
 
@@ -734,6 +739,9 @@ class _Run:
         # Key-value fetch and push (storage._keys) for sparse rows, unless l2 moves every parameter.
         wide = use_sparse(opts.communication, self.model, self.dataset.layout == "csr")
         self.communication = "sparse" if wide and not opts.l2 else "dense"
+        # n_fetch and n_push left out: chosen from what the run communicates (DownpourOptions.with_sync).
+        windowed = self.communication == "sparse" and opts.compression is None and not opts.deterministic
+        self.opts = opts = opts.with_sync(n, windowed=windowed)
         if opts.resume:
             ps, self.resumed = Shards.reopen(
                 client, self.store, n_replicas, n, workers=shard_workers, timeout=opts.call_timeout
@@ -752,8 +760,8 @@ class _Run:
             rule=opts.rule,
             lr=opts.step_size,
             local_lr=opts.local_lr,
-            n_fetch=opts.n_fetch,
-            n_push=opts.n_push,
+            n_fetch=opts.sync[0],
+            n_push=opts.sync[1],
             l2=opts.l2,
             batch_size=opts.batch_size,
             seed=opts.seed,

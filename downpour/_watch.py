@@ -107,14 +107,31 @@ class Watchdog:
     message: str | None = None
 
     def observe(
-        self, *, train_loss: float, test_loss: float, x_finite: bool = True, objective: float = math.nan
+        self,
+        *,
+        train_loss: float,
+        test_loss: float,
+        x_finite: bool = True,
+        objective: float = math.nan,
+        evaluated: bool = True,
     ) -> str | None:
         """One history row; returns the divergence message once the run has diverged, else None.
 
         ``train_loss`` is NaN when no step was taken since the previous row, ``test_loss`` NaN without
         held-out rows, and ``objective`` (the training objective at the row's parameters) NaN on a row
         recorded without them: NaN there means "not measured", except for a held-out loss once one was
-        measured, or with ``x_finite`` False (the parameters themselves hold NaN or inf).
+        measured on a row that was ``evaluated`` (a row whose parameters were not read, e.g. one a windowed
+        sparse run left to the shards' parameters when reading them was not affordable, measured nothing),
+        or with ``x_finite`` False (the parameters themselves hold NaN or inf).
+
+        Examples
+        --------
+        >>> w = Watchdog(10.0)
+        >>> w.observe(train_loss=0.7, test_loss=0.7), w.observe(train_loss=0.6, test_loss=math.nan,
+        ...                                                     evaluated=False)
+        (None, None)
+        >>> w.observe(train_loss=0.6, test_loss=math.nan)
+        "diverged: the held-out loss became nan; lower lr, ..."
         """
         if self.message is not None:
             return self.message
@@ -128,7 +145,7 @@ class Watchdog:
         for name, value in named:
             if self.message is not None:
                 break
-            if math.isnan(value) and not (name == "held-out loss" and name in self.first):
+            if math.isnan(value) and not (name == "held-out loss" and name in self.first and evaluated):
                 continue
             if not math.isfinite(value):
                 self.message = f"the {name} became {value}"

@@ -46,7 +46,7 @@ def test_windowed_steps_of_other_linear_models_are_sequential_too(
     steps = 40
     res = downpour.train(
         model, ds, replicas=1, shards=2, rule="adagrad", lr=0.1, max_steps=steps, max_staleness=0,
-        communication="sparse", client=client,
+        communication="sparse", n_fetch=1, client=client,
     )  # fmt: skip
     plan = BatchPlan.for_rows(ds, 0, ds.n_rows, batch_size=32, seed=0, replica=0)
     batches = list(itertools.islice(plan.global_batches(10_000), steps))
@@ -69,7 +69,7 @@ def test_one_replica_with_max_staleness_0_is_sequential(
     steps = 120
     res = downpour.train(
         model, ds, replicas=1, shards=2, rule=rule, lr=0.2, max_steps=steps, max_staleness=0,
-        communication=mode, client=client,
+        communication=mode, n_fetch=1, client=client,  # a fetch before every step (not auto_sync's 50)
     )  # fmt: skip
     plan = BatchPlan.for_rows(ds, 0, ds.n_rows, batch_size=32, seed=0, replica=0)
     batches = list(itertools.islice(plan.global_batches(10_000), steps))

@@ -319,7 +319,7 @@ def test_sparse_rows_train_as_their_dense_copy(client: Client, tmp_path: Path) -
     model = models.Softmax(64, 10)
     common: dict[str, Any] = {
         "replicas": 1, "shards": 2, "rule": "adagrad", "lr": 0.3, "max_steps": 150, "max_staleness": 0,
-        "client": client, "seed": 4,
+        "client": client, "seed": 4, "n_fetch": 1, "n_push": 1,  # the same steps both ways
     }  # fmt: skip
     sparse_ds = Dataset.from_arrays(
         X, Y_TR, path=tmp_path / "s", portion_rows=512, label_kind="classes", n_classes=10

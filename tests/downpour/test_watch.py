@@ -136,3 +136,16 @@ def test_options_resolve_staleness_scaling_and_refuse_a_bad_growth_bound() -> No
             DownpourOptions(max_loss_growth=bad, max_steps=1)  # type: ignore[arg-type]
     with pytest.raises(InvalidOptionError, match="staleness_scale"):
         DownpourOptions(staleness_scale="auto", max_steps=1)  # type: ignore[arg-type]
+
+
+def test_a_row_whose_parameters_were_not_read_measured_no_held_out_loss() -> None:
+    # A windowed sparse run leaves some rows without parameters (reading the shards was not affordable at
+    # that poll): their held-out loss is NaN because it was not measured, not because the run diverged.
+    from distbelief.downpour._watch import Watchdog
+
+    watch = Watchdog(10.0)
+    assert watch.observe(train_loss=0.7, test_loss=0.69) is None
+    for _ in range(5):
+        assert watch.observe(train_loss=0.6, test_loss=math.nan, evaluated=False) is None
+    assert watch.observe(train_loss=0.6, test_loss=0.6) is None
+    assert watch.observe(train_loss=0.6, test_loss=math.nan) is not None  # measured, and NaN: diverged
