@@ -27,17 +27,19 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fsspec
 import numpy as np
 import xarray as xr
+from pydantic import ValidationError
 
 from distbelief.errors import ConflictError, StoreError
 from distbelief.storage import resolve_name
 
 from ._metrics import metrics_to_dataset
+from .schemas import JobPublic
 
 __all__ = ["JobStore", "json_safe", "metrics_to_dataset"]
 
@@ -130,8 +132,9 @@ class JobStore:
     --------
     >>> import tempfile
     >>> store = JobStore(tempfile.mkdtemp())
-    >>> store.save_record({"id": "0123456789abcdef", "status": "queued"})
-    >>> [r["status"] for r in store.load_records()]
+    >>> store.save_record(JobPublic(id="0123456789abcdef", algorithm="sandblaster-lbfgs", status="queued",
+    ...     model={"kind": "logistic", "n_features": 4}, dataset="d", options={}, created_at="2026-01-01"))
+    >>> [r.status for r in store.load_records()]
     ['queued']
     """
 
@@ -231,37 +234,31 @@ class JobStore:
         return data if isinstance(data, dict) else None
 
     # -- job records --------------------------------------------------------------------------------
-    def save_record(self, record: dict[str, Any]) -> None:
-        """Write a job record (``record["id"]`` names it)."""
-        self._write_atomic(self._path("jobs", record["id"], "job.json"), _dumps(record))
+    def save_record(self, record: JobPublic) -> None:
+        """Write a job record as ``jobs/<id>/job.json``: every field of ``JobPublic``, keys sorted."""
+        self._write_atomic(self._path("jobs", record.id, "job.json"), _dumps(record.model_dump()))
 
-    def load_records(
-        self, check: Callable[[dict[str, Any]], str | None] | None = None
-    ) -> list[dict[str, Any]]:
-        """Every job record in the store; one that cannot be read, or that ``check`` finds fault with (it
-        returns why), is set aside (see :meth:`set_aside`) rather than stop the service."""
+    def load_records(self) -> list[JobPublic]:
+        """Every job record in the store. A field that an older record lacks takes its default (a record
+        written before ``placement`` existed has none); a record that cannot be read as a ``JobPublic`` is
+        set aside (see :meth:`set_aside`) rather than stop the service."""
         out = []
         for job_id in list(self._children("jobs")):
             if job_id.startswith("."):
                 continue  # set aside, or a leftover (clean_leftovers)
-            reason = None
             try:
-                record = json.loads(self.fs.cat_file(self._path("jobs", job_id, "job.json")))
+                data = json.loads(self.fs.cat_file(self._path("jobs", job_id, "job.json")))
             except FileNotFoundError:
                 continue  # no record yet (a server killed before its first write): nothing to serve
             except (ValueError, OSError) as exc:
                 reason = f"its job.json is not valid JSON ({type(exc).__name__}: {exc})"
             else:
-                if not isinstance(record, dict):
-                    reason = "its job.json holds no JSON object"
-                elif record.get("id") != job_id:
-                    reason = f"its job.json names another id ({str(record.get('id'))[:40]!r})"
-                elif check is not None:
-                    reason = check(record)
-            if reason is None:
-                out.append(record)
-            else:
-                self.set_aside(job_id, reason)
+                record = _record_of(data, job_id)
+                if isinstance(record, JobPublic):
+                    out.append(record)
+                    continue
+                reason = record
+            self.set_aside(job_id, reason)
         return out
 
     def set_aside(self, job_id: str, reason: str) -> str:
@@ -526,6 +523,27 @@ class JobStore:
         self.fs.rm(path)
         self._bump_datasets_version()
         return True
+
+
+def _record_of(data: Any, job_id: str) -> JobPublic | str:
+    """The content of ``jobs/<job_id>/job.json`` as that job's record, or why it is not one.
+
+    Examples
+    --------
+    >>> _record_of({"id": "0123456789abcdef", "status": "queued"}, "0123456789abcdef")
+    'its job.json does not hold a job record (algorithm: Field required; model: Field required; ...)'
+    """
+    if not isinstance(data, dict):
+        return "its job.json holds no JSON object"
+    if data.get("id") != job_id:
+        return f"its job.json names another id ({str(data.get('id'))[:40]!r})"
+    try:
+        return JobPublic.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)[:5]
+        )
+        return f"its job.json does not hold a job record ({problems})"
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

@@ -31,10 +31,16 @@ import dask
 import numpy as np
 import xarray as xr
 from distributed import Client
-from pydantic import ValidationError
 
 from distbelief import models
-from distbelief.api.schemas import FINAL_STATUSES, JobCreate, JobPublic
+from distbelief.api.schemas import (
+    FINAL_STATUSES,
+    JobCreate,
+    JobPublic,
+    JobStatus,
+    PartitionPublic,
+    ReplicaPlacementPublic,
+)
 from distbelief.api.settings import Settings
 from distbelief.errors import DatasetError, DistbeliefError, InvalidOptionError, StoreError
 from distbelief.models.internal import BuiltIn
@@ -111,6 +117,11 @@ def _now() -> str:
     # Microseconds: jobs are listed newest first by creation time, and two submissions can share a
     # millisecond (the id, a random tie-break, would then order them by chance).
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds")
+
+
+def _close(record: JobPublic, status: JobStatus, message: str | None) -> None:
+    """End a job: its final status, the time, and why (called with the job's lock held)."""
+    record.status, record.finished_at, record.message = status, _now(), message
 
 
 # ----------------------------------------------------------------------------------------- adapters
@@ -317,18 +328,6 @@ def _history_rows(history: xr.Dataset, index: str) -> tuple[str, list[str], list
 # ----------------------------------------------------------------------------------------- the runner
 
 
-def _record_fault(record: dict[str, Any]) -> str | None:
-    """Why a stored job record cannot be served (it does not fit ``JobPublic``), or None."""
-    try:
-        JobPublic.model_validate(record)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)[:5]
-        )
-        return f"its job.json does not hold a job record ({problems})"
-    return None
-
-
 @dataclass(eq=False)
 class Subscription:
     """A waiter on a job's changes, woken from the job's thread on the subscriber's event loop."""
@@ -340,7 +339,9 @@ class Subscription:
 
 @dataclass(eq=False)
 class _Job:
-    record: dict[str, Any]
+    # The job as GET /api/jobs/{id} shows it, kept up to date under ``lock`` and saved as its job.json: the
+    # record and the public model have the same fields, so one model is both (no second list of them).
+    record: JobPublic
     dim: str = "iteration"
     columns: list[str] = field(default_factory=list)
     rows: list[list[float]] | None = None  # None: not in memory (read the store)
@@ -352,21 +353,19 @@ class _Job:
     last_flush: float = 0.0
     dirty_metrics: bool = False
     stopped: bool = False  # the callback stopped the run (cancel or shutdown)
-    model: BuiltIn | None = None  # built once from record["model"] (see JobRunner._model)
+    model: BuiltIn | None = None  # built once from record.model (see JobRunner._model)
 
     @classmethod
-    def of(cls, record: dict[str, Any], **kwargs: Any) -> _Job:
+    def of(cls, record: JobPublic, **kwargs: Any) -> _Job:
         # Metrics rows are indexed by Sandblaster's iterations or Downpour's steps.
-        return cls(
-            record=record, dim="step" if record["algorithm"] == "downpour-sgd" else "iteration", **kwargs
-        )
+        return cls(record=record, dim="step" if record.algorithm == "downpour-sgd" else "iteration", **kwargs)
 
 
 @dataclass
 class Snapshot:
     """A consistent view of a job for one server-sent-events step."""
 
-    record: dict[str, Any]
+    record: JobPublic
     dim: str
     columns: list[str]
     rows: list[list[float]]
@@ -421,51 +420,42 @@ class JobRunner:
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Load every job from the store; queue again what was queued, resume what was running."""
-        records = sorted(self.store.load_records(check=_record_fault), key=lambda r: str(r["created_at"]))
+        records = sorted(self.store.load_records(), key=lambda r: r.created_at)
         self._aside = self.store.set_aside_jobs()
         for record in records:
             job = _Job.of(record)
-            if record.get("status") == "running":
+            if record.status == "running":
                 try:
                     self._recover(job)
                 except Exception as exc:  # one job that cannot be taken up must not keep the service down
-                    record.update(
-                        status="failed",
-                        finished_at=_now(),
-                        message=f"the server restarted and could not take this job up again: {exc}",
-                    )
+                    why = f"the server restarted and could not take this job up again: {exc}"
+                    _close(record, "failed", why)
                     with contextlib.suppress(Exception):
                         self.store.save_record(record)
             with self._jobs_lock:
-                self._jobs[record["id"]] = job
-            if job.record["status"] == "queued":
-                self._pool.submit(self._execute, record["id"])
+                self._jobs[record.id] = job
+            if record.status == "queued":
+                self._pool.submit(self._execute, record.id)
 
     def _recover(self, job: _Job) -> None:
         """A job the previous server left running: resume it from its last checkpoint, or start it again."""
         rec = job.record
-        rec["restarts"] = int(rec.get("restarts") or 0) + 1
+        rec.restarts += 1
         point = self._checkpoint_of(job)
+        rec.status = "queued"
         if point is not None:
-            resumed_from, last_row, where = point
+            rec.resumed_from, last_row, where = point
             job.resume = True
-            rec.update(
-                status="queued",
-                resumed_from=resumed_from,
-                message=f"the server restarted; resuming from the checkpoint {where}",
-            )
+            rec.message = f"the server restarted; resuming from the checkpoint {where}"
             with contextlib.suppress(StoreError):  # unreadable metrics: the resumed run writes new ones
-                stored = self.store.load_metrics(rec["id"])
+                stored = self.store.load_metrics(rec.id)
                 if stored is not None:
                     job.dim, job.columns, rows = stored
                     job.rows = [r for r in rows if r[0] <= last_row]
         else:
-            rec.update(
-                status="queued",
-                iterations=0,
-                latest={},
-                message="the server restarted before the job's first checkpoint; "
-                "running it again from the start",
+            rec.iterations, rec.latest = 0, {}
+            rec.message = (
+                "the server restarted before the job's first checkpoint; running it again from the start"
             )
         self.store.save_record(rec)
 
@@ -476,17 +466,15 @@ class JobRunner:
         job's run directory (its step count; metrics rows, indexed by step, are kept up to it).
         """
         rec = job.record
-        if rec["algorithm"] == "downpour-sgd":
+        if rec.algorithm == "downpour-sgd":
             from distbelief.downpour.internal import resume_point
 
-            point = resume_point(self.store.run_dir(rec["id"]))
+            point = resume_point(self.store.run_dir(rec.id))
             if point is None:
                 return None
             return point.step, float(point.step), f"at step {point.step} ({point.time:.3g} s into the run)"
-        if not rec.get("checkpoint_iteration"):
-            return None
-        k = int(rec["checkpoint_iteration"])
-        return k, float(k), f"of iteration {k}"
+        k = rec.checkpoint_iteration
+        return None if not k else (k, float(k), f"of iteration {k}")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop taking jobs; ask running jobs to stop at their next iteration and save what they have.
@@ -515,39 +503,39 @@ class JobRunner:
             raise JobNotFoundError(f"no job with id {job_id!r}; list the jobs with GET /api/jobs")
         return job
 
-    def get(self, job_id: str) -> dict[str, Any]:
+    def get(self, job_id: str) -> JobPublic:
         """A copy of the job's record."""
         job = self._job(job_id)
         with job.lock:
-            return dict(job.record)
+            return job.record.model_copy()
 
-    def find(self, job_id: str) -> dict[str, Any] | None:
+    def find(self, job_id: str) -> JobPublic | None:
         """A copy of the job's record, or None if there is no such job (:meth:`get` raises then)."""
         job = self._jobs.get(job_id)
         if job is None:
             return None
         with job.lock:
-            return dict(job.record)
+            return job.record.model_copy()
 
     def list_jobs(
         self, *, status: str | None = None, limit: int = 50, offset: int = 0
-    ) -> tuple[list[dict[str, Any]], int]:
+    ) -> tuple[list[JobPublic], int]:
         """Jobs (newest first) with the given status, one page of them, and how many match."""
         with self._jobs_lock:
             jobs = list(self._jobs.values())
         records = []
         for job in jobs:
             with job.lock:
-                if status is None or job.record["status"] == status:
-                    records.append(dict(job.record))
-        records.sort(key=lambda r: (str(r["created_at"]), r["id"]), reverse=True)
+                if status is None or job.record.status == status:
+                    records.append(job.record.model_copy())
+        records.sort(key=lambda r: (r.created_at, r.id), reverse=True)
         return records[offset : offset + limit], len(records)
 
     def counts(self) -> dict[str, int]:
         """How many jobs are in each status."""
         out: dict[str, int] = {}
         for job in list(self._jobs.values()):
-            status = job.record["status"]
+            status = job.record.status
             out[status] = out.get(status, 0) + 1
         return out
 
@@ -583,7 +571,7 @@ class JobRunner:
             The job is queued or running, or it ended without saving parameters.
         """
         record = self.get(job_id)
-        status = record["status"]
+        status = record.status
         if status not in FINAL_STATUSES:
             raise JobStateError(
                 f"job {job_id} is {status}: parameters are available once it has finished (wait for it, "
@@ -593,7 +581,7 @@ class JobRunner:
         if data is None:
             raise JobStateError(
                 f"job {job_id} is {status} and saved no parameters"
-                + (f" ({record['message']})" if record.get("message") else "")
+                + (f" ({record.message})" if record.message else "")
             )
         return data, status
 
@@ -601,7 +589,7 @@ class JobRunner:
         """The record and the metrics rows after ``cursor`` (all rows if ``generation`` is stale)."""
         job = self._job(job_id)
         with job.lock:
-            record = dict(job.record)
+            record = job.record.model_copy()
             if job.rows is not None:
                 start = cursor if generation == job.generation else 0
                 return Snapshot(
@@ -696,15 +684,15 @@ class JobRunner:
         out = []
         for job in list(self._jobs.values()):
             rec = job.record
-            if rec["status"] not in ("queued", "running"):
+            if rec.status not in ("queued", "running"):
                 continue
-            names = {n for n in (rec["dataset"], rec.get("eval_dataset")) if n is not None}
+            names = {n for n in (rec.dataset, rec.eval_dataset) if n is not None}
             if name in names or any(self.dataset_location(n, links) == where for n in names):
-                out.append(rec["id"])
+                out.append(rec.id)
         return out
 
     # -- commands -----------------------------------------------------------------------------------
-    def submit(self, create: JobCreate) -> dict[str, Any]:
+    def submit(self, create: JobCreate) -> JobPublic:
         """Check a job against its data and the algorithm's options, store it, and queue it.
 
         Raises
@@ -741,54 +729,43 @@ class JobRunner:
                 downpour.DownpourOptions(**downpour_kwargs(options), has_callback=True)
                 if options.get("replicas") is not None:  # every replica needs rows of its own
                     downpour.split_rows(data.n_rows, int(options["replicas"]))
-        queued = sum(1 for j in list(self._jobs.values()) if j.record["status"] == "queued")
+        queued = sum(1 for j in list(self._jobs.values()) if j.record.status == "queued")
         if queued >= self.settings.max_queued_jobs:
             raise QueueFullError(
                 f"{queued} jobs are queued already (the limit is DISTBELIEF_MAX_QUEUED_JOBS="
                 f"{self.settings.max_queued_jobs}); wait for some to finish or cancel some"
             )
-        job_id = uuid.uuid4().hex[:16]
-        record: dict[str, Any] = {
-            "id": job_id,
-            "name": create.name,
-            "algorithm": create.algorithm,
-            "model": model.spec,
-            "dataset": create.dataset,
-            "eval_dataset": create.eval_dataset,
-            "options": options,
-            "status": "queued",
-            "message": None,
-            "created_at": _now(),
-            "started_at": None,
-            "finished_at": None,
-            "iterations": 0,
-            "max_iterations": options.get("maxiter", options.get("max_steps")),
-            "latest": {},
-            "result": None,
-            "checkpoint_iteration": None,
-            "resumed_from": None,
-            "restarts": 0,
-            "cancel_requested": False,
-            "placement": None,
-        }
+        # The fields left out (started_at, result, restarts, ...) start at JobPublic's defaults.
+        record = JobPublic(
+            id=uuid.uuid4().hex[:16],
+            name=create.name,
+            algorithm=create.algorithm,
+            model=model.spec,
+            dataset=create.dataset,
+            eval_dataset=create.eval_dataset,
+            options=options,
+            status="queued",
+            created_at=_now(),
+            max_iterations=options.get("maxiter", options.get("max_steps")),
+        )
         job = _Job.of(record, rows=[], model=model)
         self.store.save_record(record)
         with self._jobs_lock:
-            self._jobs[job_id] = job
-        self._pool.submit(self._execute, job_id)
-        return dict(record)
+            self._jobs[record.id] = job
+        self._pool.submit(self._execute, record.id)
+        return record.model_copy()
 
-    def cancel(self, job_id: str) -> dict[str, Any]:
+    def cancel(self, job_id: str) -> JobPublic:
         """Cancel a queued job at once, or ask a running one to stop after its current iteration."""
         job = self._job(job_id)
         with job.lock:
-            status = job.record["status"]
+            status = job.record.status
             if status in FINAL_STATUSES:
                 raise JobStateError(f"job {job_id} is {status} already; there is nothing to cancel")
             job.cancel.set()
-            job.record["cancel_requested"] = True
+            job.record.cancel_requested = True
             if status == "queued":
-                job.record.update(status="cancelled", finished_at=_now(), message="cancelled while queued")
+                _close(job.record, "cancelled", "cancelled while queued")
         self._persist(job)
         self._notify(job_id)
         return self.get(job_id)
@@ -801,7 +778,7 @@ class JobRunner:
             return
         job = self._job(job_id)
         with job.lock:
-            status = job.record["status"]
+            status = job.record.status
             if status not in FINAL_STATUSES:
                 raise JobStateError(
                     f"job {job_id} is {status}; cancel it first (POST /api/jobs/{job_id}/cancel)"
@@ -815,8 +792,8 @@ class JobRunner:
     def _persist(self, job: _Job) -> None:
         with job.io_lock:
             with job.lock:
-                record = dict(job.record)
-            if record["id"] in self._jobs:
+                record = job.record.model_copy()
+            if record.id in self._jobs:
                 self.store.save_record(record)
 
     def _flush(self, job: _Job, *, force: bool = False) -> None:
@@ -829,12 +806,12 @@ class JobRunner:
             with job.lock:
                 rows = [list(r) for r in job.rows] if job.rows is not None else None
                 columns, dim = list(job.columns), job.dim
-                record = dict(job.record)
+                record = job.record.model_copy()
                 job.dirty_metrics = False
-            if record["id"] not in self._jobs:
+            if record.id not in self._jobs:
                 return
             if rows is not None and columns:
-                self.store.save_metrics(record["id"], dim, columns, rows)
+                self.store.save_metrics(record.id, dim, columns, rows)
             self.store.save_record(record)
 
     def _add_row(self, job: _Job, record: Any, checkpoint_every: int) -> bool:
@@ -858,19 +835,19 @@ class JobRunner:
                 job.generation += 1
             rows.append([index] + [row.get(c, math.nan) for c in job.columns[1:]])
             rec = job.record
-            rec["iterations"] = int(index)
-            rec["latest"] = _latest(job.columns, rows[-1])
+            rec.iterations = int(index)
+            rec.latest = _latest(job.columns, rows[-1])
             job.dirty_metrics = True
             if checkpoint_every and job.dim == "iteration" and int(index) % checkpoint_every == 0:
                 # The coordinator writes a due checkpoint before it calls back, so this one exists now.
-                rec["checkpoint_iteration"] = int(index)
+                rec.checkpoint_iteration = int(index)
                 return True
             return False
 
     def _callback(self, job: _Job, checkpoint_every: int) -> Callable[[Any], None]:
         def callback(record: Any) -> None:
             checkpointed = self._add_row(job, record, checkpoint_every)
-            self._notify(job.record["id"])
+            self._notify(job.record.id)
             # A new checkpoint is saved in the record at once: a restart resumes from what the record says.
             self._flush(job, force=checkpointed)
             if job.cancel.is_set() or self._stopping.is_set():
@@ -884,9 +861,10 @@ class JobRunner:
         if job is None or self._stopping.is_set():
             return
         with job.lock:
-            if job.record["status"] != "queued":
+            if job.record.status != "queued":
                 return  # cancelled while it waited
-            job.record.update(status="running", started_at=job.record.get("started_at") or _now())
+            job.record.status = "running"
+            job.record.started_at = job.record.started_at or _now()
             if job.rows is None:
                 job.rows = []
             # The record says "running" now (persisted below); metrics follow metrics_flush_seconds later,
@@ -900,7 +878,7 @@ class JobRunner:
             self._run(job)
         finally:
             with job.lock:
-                final = job.record["status"] in FINAL_STATUSES
+                final = job.record.status in FINAL_STATUSES
             self._flush(job, force=True)
             # Only once the record is written: stop() waits for the running jobs, and a job that ended just
             # before a shutdown must not be taken up as "running" (and run again) on the next start.
@@ -946,27 +924,27 @@ class JobRunner:
                 gc.freeze()
 
     def _queued(self) -> bool:
-        return any(j.record["status"] == "queued" for j in list(self._jobs.values()))
+        return any(j.record.status == "queued" for j in list(self._jobs.values()))
 
     @staticmethod
     def _model(job: _Job) -> BuiltIn:
         """The job's model, built from its spec once (at submission, or on its first run after a restart)."""
         if job.model is None:
-            job.model = models.from_spec(job.record["model"])
+            job.model = models.from_spec(job.record.model)
         return job.model
 
     def _run(self, job: _Job) -> None:
         rec = job.record
-        job_id = rec["id"]
+        job_id = rec.id
         resume = job.resume
         try:
             model = self._model(job)
-            data = self.open_dataset(rec["dataset"])
-            eval_data = self.open_dataset(rec["eval_dataset"]) if rec.get("eval_dataset") else None
-            options = dict(rec["options"])
+            data = self.open_dataset(rec.dataset)
+            eval_data = self.open_dataset(rec.eval_dataset) if rec.eval_dataset else None
+            options = dict(rec.options)
             ctx = RunContext(
                 job_id=job_id,
-                algorithm=rec["algorithm"],
+                algorithm=rec.algorithm,
                 model=model,
                 data=data,
                 eval_data=eval_data,
@@ -980,7 +958,7 @@ class JobRunner:
             watch = self._watch_placement(job) if int(options.get("partitions", 1)) > 1 else None
             try:
                 with dask.annotate(**{ANNOTATION: job_id}):
-                    outcome = _ADAPTERS[rec["algorithm"]](ctx)
+                    outcome = _ADAPTERS[rec.algorithm](ctx)
             finally:
                 if watch is not None:
                     watch.set()
@@ -989,10 +967,8 @@ class JobRunner:
                 return  # the server is going down: the job stays "running" and is taken up on restart
             reason = str(exc) or type(exc).__name__
             if resume:
-                where = "step" if rec["algorithm"] == "downpour-sgd" else "iteration"
-                reason = (
-                    f"could not resume from the checkpoint of {where} {rec.get('resumed_from')}: {reason}"
-                )
+                where = "step" if rec.algorithm == "downpour-sgd" else "iteration"
+                reason = f"could not resume from the checkpoint of {where} {rec.resumed_from}: {reason}"
             if not isinstance(exc, DistbeliefError | ValueError):
                 reason = f"{type(exc).__name__}: {reason}"
                 # Not an error the user can act on: the traceback is for whoever runs the service.
@@ -1001,11 +977,7 @@ class JobRunner:
                 if job.cancel.is_set():
                     # A cancel answered 200 is kept: the job ends cancelled (the failure said beside it).
                     reason = f"cancelled while running; the run had failed: {reason}"
-                rec.update(
-                    status="cancelled" if job.cancel.is_set() else "failed",
-                    finished_at=_now(),
-                    message=reason,
-                )
+                _close(rec, "cancelled" if job.cancel.is_set() else "failed", reason)
             return
         job.resume = False
         if job.stopped and not job.cancel.is_set():
@@ -1013,12 +985,9 @@ class JobRunner:
         try:
             self._finish(job, outcome, model, data, eval_data)
         except Exception as exc:
+            reason = f"the run ended but its results could not be saved: {type(exc).__name__}: {exc}"
             with job.lock:
-                rec.update(
-                    status="cancelled" if job.cancel.is_set() else "failed",
-                    finished_at=_now(),
-                    message=f"the run ended but its results could not be saved: {type(exc).__name__}: {exc}",
-                )
+                _close(rec, "cancelled" if job.cancel.is_set() else "failed", reason)
 
     def _finish(
         self, job: _Job, outcome: RunOutcome, model: BuiltIn, data: Dataset, eval_data: Dataset | None
@@ -1029,17 +998,17 @@ class JobRunner:
         fails the job with a message that says so, and the parameters the run paid for stay available.
         """
         rec = job.record
-        self.store.save_params(rec["id"], outcome.x)
+        self.store.save_params(rec.id, outcome.x)
         summary = dict(outcome.summary)
         evaluation_failed = None
         try:
             summary.update(self._evaluate(model, outcome.x, data, eval_data))
         except Exception as exc:
             evaluation_failed = (
-                f"the run ended and its parameters are saved (GET /api/jobs/{rec['id']}/params), but the "
+                f"the run ended and its parameters are saved (GET /api/jobs/{rec.id}/params), but the "
                 f"evaluation of its final loss failed: {type(exc).__name__}: {exc}"
             )
-        summary.update(_objective_of(summary, outcome.x, rec["options"]))
+        summary.update(_objective_of(summary, outcome.x, rec.options))
         if outcome.history is not None:
             rows = _history_rows(outcome.history, job.dim)
             if rows is not None and rows[2]:
@@ -1054,28 +1023,25 @@ class JobRunner:
                     ]
                     job.dim, job.columns, job.rows = rows[0], rows[1], kept + rows[2]
                     job.generation += 1
-                    rec["iterations"] = int(rows[2][-1][0])
-                    rec["latest"] = _latest(job.columns, job.rows[-1])
+                    rec.iterations = int(rows[2][-1][0])
+                    rec.latest = _latest(job.columns, job.rows[-1])
         placement = placement_of_stats(summary.get("stats"))
         with job.lock:
             if placement:
-                rec["placement"] = placement
-            rec["result"] = json_safe(summary)
+                rec.placement = placement
+            rec.result = json_safe(summary)
             # Cancel is atomic: cancel() answers 200 only while the job is not final, under this lock, so a
             # cancel that came too late for the run's callback to see (the run ended meanwhile) counts here.
             if job.stopped or job.cancel.is_set():
-                message = "cancelled while running"
-                if evaluation_failed is not None:
-                    message += f"; {evaluation_failed}"
-                rec.update(status="cancelled", finished_at=_now(), message=message)
+                failed = f"; {evaluation_failed}" if evaluation_failed is not None else ""
+                _close(rec, "cancelled", f"cancelled while running{failed}")
             elif evaluation_failed is not None:
-                rec.update(status="failed", finished_at=_now(), message=evaluation_failed)
-            elif summary.get("stop_reason") == "diverged":
+                _close(rec, "failed", evaluation_failed)
+            else:
                 # A diverged Downpour run is a failed job (its message says what to change); its history and
                 # parameters are kept for a look at what went wrong.
-                rec.update(status="failed", finished_at=_now(), message=summary.get("message"))
-            else:
-                rec.update(status="succeeded", finished_at=_now(), message=summary.get("message"))
+                diverged = summary.get("stop_reason") == "diverged"
+                _close(rec, "failed" if diverged else "succeeded", summary.get("message"))
 
     def _evaluate(
         self, model: BuiltIn, x: np.ndarray, data: Dataset, eval_data: Dataset | None
@@ -1096,13 +1062,13 @@ class JobRunner:
         return result
 
     def _watch_placement(self, job: _Job, every: float = 0.5) -> threading.Event:
-        """Follow where a partitioned job's partition actors are (``record["placement"]``) until the
+        """Follow where a partitioned job's partition actors are (``record.placement``) until the
         returned event is set: the dashboard draws every replica as its group of partitions and workers."""
         done = threading.Event()
-        job_id = job.record["id"]
+        job_id = job.record.id
 
         def follow() -> None:
-            seen: list[dict[str, Any]] | None = None
+            seen: list[ReplicaPlacementPublic] | None = None
             while not done.wait(every) and not self._stopping.is_set():
                 try:
                     mine = [a for a in self.actors() if a["job_id"] == job_id and a["kind"] == "partition"]
@@ -1114,7 +1080,7 @@ class JobRunner:
                     with job.lock:
                         if done.is_set():
                             return  # the run has ended: its final placement (with counters) is the record's
-                        job.record["placement"] = placement
+                        job.record.placement = placement
                     self._notify(job_id)
 
         threading.Thread(target=follow, name=f"placement-{job_id}", daemon=True).start()
@@ -1161,57 +1127,43 @@ class JobRunner:
         return list(self.client.run_on_scheduler(actor_table, annotation=ANNOTATION))
 
 
-def _groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    by_replica: dict[int, list[dict[str, Any]]] = {}
+def _groups(rows: list[dict[str, Any]]) -> list[ReplicaPlacementPublic]:
+    """Rows of partitions (each with its ``replica`` and ``partition``) as replicas, each the group of its
+    partitions in order; a row's other keys than ``PartitionPublic``'s are left out."""
+    by_replica: dict[int, list[PartitionPublic]] = {}
     for row in rows:
-        by_replica.setdefault(int(row["replica"]), []).append(row)
+        by_replica.setdefault(int(row["replica"]), []).append(PartitionPublic.model_validate(row))
     return [
-        {"replica": r, "partitions": sorted(parts, key=lambda p: p["partition"])}
+        ReplicaPlacementPublic(replica=r, partitions=sorted(parts, key=lambda p: p.partition))
         for r, parts in sorted(by_replica.items())
     ]
 
 
-def placement_of_actors(actors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def placement_of_actors(actors: list[dict[str, Any]]) -> list[ReplicaPlacementPublic]:
     """Partition actors (rows of :meth:`JobRunner.actors`) as replicas, each a group of partitions.
 
     Examples
     --------
-    >>> placement_of_actors([{"replica": 0, "partition": 1, "worker": "tcp://b"},
-    ...                      {"replica": 0, "partition": 0, "worker": "tcp://a"}])
+    >>> [g.model_dump(exclude_none=True) for g in placement_of_actors([
+    ...     {"replica": 0, "partition": 1, "worker": "tcp://b"}, {"replica": 0, "partition": 0, "worker": "tcp://a"}])]
     [{'replica': 0, 'partitions': [{'partition': 0, 'worker': 'tcp://a'}, {'partition': 1, 'worker': 'tcp://b'}]}]
     """
-    rows = [
-        {"replica": a["replica"], "partition": a["partition"], "worker": a.get("worker")}
-        for a in actors
-        if a.get("replica") is not None and a.get("partition") is not None
-    ]
-    return [
-        {
-            "replica": g["replica"],
-            "partitions": [{k: v for k, v in p.items() if k != "replica"} for p in g["partitions"]],
-        }
-        for g in _groups(rows)
-    ]
+    return _groups([a for a in actors if a.get("replica") is not None and a.get("partition") is not None])
 
 
-def placement_of_stats(stats: Any) -> list[dict[str, Any]] | None:
+def placement_of_stats(stats: Any) -> list[ReplicaPlacementPublic] | None:
     """A finished partitioned run's ``stats["per_partition"]`` as replicas, each a group of partitions with
     its worker, steps and traffic (None for a run without partitions).
 
     Examples
     --------
     >>> placement_of_stats({"per_partition": [{"replica": 0, "partition": 0, "worker": "tcp://a", "steps": 3,
-    ...     "messages": 6, "bytes": 480, "param_bytes": 800}]})[0]["partitions"][0]["messages"]
+    ...     "messages": 6, "bytes": 480, "param_bytes": 800}]})[0].partitions[0].messages
     6
     """
     if not isinstance(stats, dict) or not isinstance(stats.get("per_partition"), list):
         return None
-    keep = ("partition", "worker", "steps", "messages", "bytes", "param_bytes")
-    rows = [{"replica": st["replica"], **{k: st.get(k) for k in keep}} for st in stats["per_partition"]]
-    return [
-        {"replica": g["replica"], "partitions": [{k: p[k] for k in keep} for p in g["partitions"]]}
-        for g in _groups(rows)
-    ]
+    return _groups(stats["per_partition"])
 
 
 def _objective_of(summary: dict[str, Any], x: np.ndarray, options: dict[str, Any]) -> dict[str, float]:

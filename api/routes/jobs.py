@@ -48,7 +48,7 @@ HEARTBEAT_SECONDS = 15.0
     responses=error_responses(400, 413, 422),
     openapi_extra={"responses": {"201": {"links": _JOB_LINKS}}},
 )
-def create_job(body: JobCreate, runner: RunnerDep, settings: SettingsDep) -> dict[str, Any]:
+def create_job(body: JobCreate, runner: RunnerDep, settings: SettingsDep) -> JobPublic:
     """Queue a job: an algorithm, a built-in model by spec, a dataset (and a held-out one), options.
 
     Bad input (an unknown model kind, a model that does not fit the dataset, an option out of range, a job
@@ -78,13 +78,13 @@ async def list_jobs(
     status: JobStatus | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     offset: Annotated[int, Query(ge=0)] = 0,
-) -> dict[str, Any]:
+) -> JobsPublic:
     """Jobs, newest first, optionally only those with one status; ``limit`` / ``offset`` page them."""
     data, count = runner.list_jobs(status=status, limit=limit, offset=offset)
-    return {"data": data, "count": count}
+    return JobsPublic(data=data, count=count)
 
 
-def job_json(record: dict[str, Any]) -> Response:
+def job_json(record: JobPublic) -> Response:
     """A job record as the JSON response of a ``JobPublic`` (see :func:`api._fastpath.job_body`).
 
     Examples
@@ -159,11 +159,11 @@ async def job_events(job_id: str, request: Request, runner: RunnerDep) -> Stream
                         },
                     )
                     cursor, generation = snap.total, snap.generation
-                if record["status"] != last_status:
-                    last_status = record["status"]
-                    yield _event("status", record)
-                if record["status"] in FINAL_STATUSES:
-                    yield _event("end", {"id": job_id, "status": record["status"]})
+                if record.status != last_status:
+                    last_status = record.status
+                    yield _event("status", record.model_dump())
+                if record.status in FINAL_STATUSES:
+                    yield _event("end", {"id": job_id, "status": record.status})
                     return
                 try:
                     await asyncio.wait_for(sub.event.wait(), timeout=HEARTBEAT_SECONDS)
@@ -182,7 +182,7 @@ async def job_events(job_id: str, request: Request, runner: RunnerDep) -> Stream
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=error_responses(404, 409))
-def cancel_job(job_id: str, runner: RunnerDep) -> dict[str, Any]:
+def cancel_job(job_id: str, runner: RunnerDep) -> JobPublic:
     """Cancel a queued job now, or stop a running one after its current iteration (409 if finished)."""
     return runner.cancel(job_id)
 

@@ -13,7 +13,8 @@ from distributed import Client as DaskClient
 
 from distbelief import models
 from distbelief.api._admission import WorkerMemory, admit, estimate_cost
-from tests.api.conftest import running_app, settings_for, upload_digits, wait_final
+from distbelief.api.schemas import JobPublic, ReplicaPlacementPublic
+from tests.api.conftest import LOGISTIC, running_app, settings_for, upload_digits, wait_final
 
 LC2D: dict[str, Any] = {
     "kind": "locally_connected_2d",
@@ -170,10 +171,14 @@ def test_a_running_jobs_placement_follows_its_partition_actors() -> None:
     table: list[dict[str, Any]] = [{"key": "shard-0-x", "kind": "shard", "job_id": "j", "worker": "tcp://a"}]
     notified: list[str] = []
     fake = SimpleNamespace(actors=lambda: list(table), _stopping=threading.Event(), _notify=notified.append)
-    job = _Job.of({"id": "j", "algorithm": "downpour-sgd", "placement": None})
+    record = JobPublic(
+        id="j", algorithm="downpour-sgd", model=LOGISTIC, dataset="d", options={}, status="running",
+        created_at="2026-01-01T00:00:00+00:00",
+    )  # fmt: skip
+    job = _Job.of(record)
     done = JobRunner._watch_placement(fake, job, every=0.01)  # type: ignore[arg-type]
     time.sleep(0.05)
-    assert job.record["placement"] is None  # no partition yet
+    assert record.placement is None  # no partition yet
     table += [
         {"key": "partition-0-1-r", "kind": "partition", "job_id": "j", "worker": "tcp://b", "replica": 0,
          "partition": 1},
@@ -183,9 +188,10 @@ def test_a_running_jobs_placement_follows_its_partition_actors() -> None:
          "partition": 0},
     ]  # fmt: skip
     deadline = time.monotonic() + 10
-    while job.record["placement"] is None and time.monotonic() < deadline:
+    while record.placement is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert job.record["placement"] == [
+    assert record.placement is not None
+    assert [g.model_dump(exclude_none=True) for g in record.placement] == [
         {
             "replica": 0,
             "partitions": [{"partition": 0, "worker": "tcp://a"}, {"partition": 1, "worker": "tcp://b"}],
@@ -193,10 +199,11 @@ def test_a_running_jobs_placement_follows_its_partition_actors() -> None:
     ]
     assert notified and set(notified) == {"j"}
     done.set()
-    job.record["placement"] = "final"
+    final = [ReplicaPlacementPublic(replica=0, partitions=[])]
+    record.placement = final
     table[1]["worker"] = "tcp://moved"
     time.sleep(0.05)
-    assert job.record["placement"] == "final"
+    assert record.placement is final
 
 
 def test_a_partitioned_downpour_job_reports_progress_and_stops_when_its_callback_says(
