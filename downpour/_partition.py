@@ -28,7 +28,7 @@ from distributed import Client
 
 from distbelief.errors import InvalidOptionError
 from distbelief.models.internal import PartitionPlan
-from distbelief.storage import Dataset, ShardMap
+from distbelief.storage import Dataset, ShardMap, axpy, reuse_freed_memory
 from distbelief.storage.internal import PartitionPeer, PassAborted, current_worker
 
 from ._batches import BatchPlan
@@ -128,6 +128,12 @@ class PartitionActor(PartitionPeer):
         self.applied = 0
         self._stopped = False
         self._hard_stop = False
+        # The fetched slice lands in this buffer, allocated once (a fresh 20+ MB vector per fetch is page
+        # faults on every step with n_fetch = 1).
+        self._w: np.ndarray | None = None
+        # Gradients and activations of a large partition are blocks of 1-64 MB allocated and freed every
+        # step: from the heap, reused, rather than fresh mmap'ed pages (as a replica's, downpour/_replica.py).
+        reuse_freed_memory()
 
     def _segment(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         if s not in self._segments:
@@ -141,8 +147,14 @@ class PartitionActor(PartitionPeer):
         parts = await asyncio.gather(
             *(self.map.ask(i, "fetch", ["x"], timeout=self.config.call_timeout) for i in self.shards)
         )
+        arrays = [np.asarray(p[1][0], dtype=np.float64) for p in parts]
+        n = sum(a.size for a in arrays)
+        if self._w is None or self._w.size != n:
+            self._w = np.empty(n)
+        # Copied, never kept: a shard on this worker may answer with its own vector (no serialization).
+        np.concatenate(arrays, out=self._w)
         self.seconds["fetch"] += time.perf_counter() - t0
-        return np.concatenate([p[1][0] for p in parts]), [int(p[0]) for p in parts]
+        return self._w, [int(p[0]) for p in parts]
 
     async def _push(self, accrued: np.ndarray, steps: int, versions: list[int]) -> None:
         cfg = self.config
@@ -224,20 +236,26 @@ class PartitionActor(PartitionPeer):
                 if self.steps % cfg.n_fetch == 0 or w_k.size == 0:
                     w_k, versions = await self._fetch()
                     if accrued is not None and local_lr:
-                        w_k -= local_lr * accrued  # read your own writes: the local steps not pushed yet
+                        axpy(-local_lr, accrued, w_k)  # read your own writes: the local steps not pushed yet
                 X_seg, y_seg = self._segment(s)
                 X_k, y = X_seg[rows], y_seg[rows]
                 loss, grad = await self.run_pass(self.steps, self.plan.partition_pass(self.k, w_k, X_k, y))
                 n = len(rows)
-                g = grad / n
+                # In place, one compiled pass each (storage's kernels: the same roundings as ``grad / n +
+                # l2 * w``, ``accrued + g`` and ``w - lr * g``), no per-step vector allocated: the pass's
+                # gradient is this step's own array.
+                g = np.divide(grad, n, out=grad)
                 if cfg.l2:
-                    g += cfg.l2 * w_k
+                    axpy(cfg.l2, w_k, g)
                 if loss is not None:
                     self.losses.append(float(loss) / n)
-                accrued = g if accrued is None else accrued + g
+                if accrued is None:
+                    accrued = g
+                else:
+                    axpy(1.0, g, accrued)
                 accrued_steps += 1
                 if local_lr and (cfg.n_fetch > 1 or cfg.n_push > 1):
-                    w_k = w_k - local_lr * g  # the local step (replaced by the next fetch when n_fetch = 1)
+                    axpy(-local_lr, g, w_k)  # the local step (replaced by the next fetch when n_fetch = 1)
                 self.steps += 1
                 if self.steps % cfg.n_push == 0:
                     await self._push(accrued, accrued_steps, versions)
