@@ -92,24 +92,34 @@ def local2d_forward(A: FloatArray, W: FloatArray, b: FloatArray, stride: Pair) -
 
 
 def local2d_backward(
-    A: FloatArray, W: FloatArray, delta: FloatArray, stride: Pair, *, need_input: bool
+    A: FloatArray,
+    W: FloatArray,
+    delta: FloatArray,
+    stride: Pair,
+    *,
+    need_input: bool,
+    dW: FloatArray | None = None,
 ) -> tuple[FloatArray, FloatArray, FloatArray | None]:
     """Gradients of :func:`local2d_forward`: ``(dW, db, dA or None)`` for ``delta = dloss/dZ``.
 
-    ``dW`` has ``W``'s shape and ``dA`` ``A``'s (both C-contiguous); ``db`` is ``(h', w', F)``.
+    ``dW`` has ``W``'s shape and ``dA`` ``A``'s (both C-contiguous); ``db`` is ``(h', w', F)``. Given
+    ``dW`` (C-contiguous, ``W``'s shape: e.g. a block of a partition's gradient slice), the weight gradient
+    is written into it (and returned) instead of a new array.
 
     Examples
     --------
     >>> A, W = np.ones((2, 3, 3, 1)), np.ones((2, 2, 2, 2, 1, 1))
     >>> dW, db, dA = local2d_backward(A, W, np.ones((2, 2, 2, 1)), (1, 1), need_input=True)
     >>> dA[0, :, :, 0]  # how many patches cover each input
-    array([[1., 1., 1.],
-           [1., 2., 1.],
-           [1., 1., 1.]])
+    array([[1., 2., 1.],
+           [2., 4., 2.],
+           [1., 2., 1.]])
     """
     h2, w2, ph, pw, c, _ = W.shape
     rows = A.shape[0]
-    gW = np.empty(W.shape)
+    if dW is not None and (dW.shape != W.shape or not dW.flags.c_contiguous):
+        raise ValueError(f"dW must be C-contiguous of W's shape {W.shape}, got {dW.shape}")
+    gW = np.empty(W.shape) if dW is None else dW
     gb: FloatArray = delta.sum(axis=0)
     dA = np.empty(A.shape) if need_input else None
     if h2 == 0 or w2 == 0 or rows == 0:
