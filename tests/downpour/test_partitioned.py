@@ -377,9 +377,10 @@ def test_a_partitions_step_rounds_as_the_numpy_expressions(
     # The fused step (one compiled pass, or numpy without numba) must give the floats of the expressions it
     # replaced, bit for bit: ``g = grad / n + l2 * w``, ``acc = g`` or ``acc + g``, ``w - lr * g``.
     from distbelief.downpour import _partition
+    from distbelief.storage.internal import kernels
 
     if not compiled:
-        monkeypatch.setattr(_partition.kernels, "compiled", lambda fn: None)
+        monkeypatch.setattr(kernels, "compiled", lambda fn: None)
     rng = np.random.default_rng(7)
     grad, w, acc = (rng.normal(size=40_000) for _ in range(3))
     g = grad / 96
