@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
+from numpy.lib.stride_tricks import as_strided, sliding_window_view
 from numpy.typing import NDArray
 
 from distbelief.errors import ModelSpecError
@@ -33,18 +33,30 @@ FloatArray = NDArray[np.float64]
 Pair = tuple[int, int]
 
 
-def _patch_rows(A: FloatArray, W: FloatArray, stride: Pair) -> list[FloatArray]:
-    """For every patch row ``a``: the view ``(h', w', rows, pw*c)`` of ``A`` that location ``(i, j)`` reads.
+#: A patch row of fewer values than this (``pw * c``) is too narrow a matrix for BLAS (a 5 x 32 product per
+#: location costs its call overhead): such a layer copies its whole patches instead (im2col), which is
+#: cheap exactly then (``ph * pw * c`` values per location and row; 3.7 MB for the benchmark model's first
+#: layer, where it made the forward and weight-gradient products 2-3x faster).
+NARROW_ROW = 32
+
+
+def _patch_blocks(A: FloatArray, W: FloatArray, stride: Pair) -> list[FloatArray]:
+    """``A``'s patches as batched matrices ``(h', w', rows, K)``: one per patch row (``K = pw * c``, views),
+    or one copy of the whole patches (``K = ph * pw * c``) for narrow rows (:data:`NARROW_ROW`).
 
     Location ``(i, j)``'s patch row ``a`` is ``A[:, i*sh + a, j*sw : j*sw + pw, :]``: ``pw * c`` values
     contiguous in every row of ``A`` (rows ``w * c`` apart), so each location's block is a plain strided
     matrix that BLAS reads in place. A whole ``ph x pw x c`` patch is not (its rows have gaps), which is why
-    the layer is ``ph`` batched matrix products rather than one: the alternative, an im2col copy of all the
-    patches, moves ``ph * pw / (sh * sw)`` times the input through memory every pass (82 MB a mini-batch for
-    the 28 x 28 benchmark model's second layer) and was most of a pass's time.
+    a layer is ``ph`` batched matrix products rather than one: copying all the patches (im2col) moves
+    ``ph * pw / (sh * sw)`` times the input through memory every pass (82 MB a mini-batch for the 28 x 28
+    benchmark model's second layer) and was most of a pass's time. :func:`_weight_blocks` cuts ``W`` to match.
     """
     h2, w2, ph, pw, c, _ = W.shape
     rows, _, _, c_in = A.shape
+    if pw * c < NARROW_ROW and ph > 1:
+        windows = sliding_window_view(A, (ph, pw), axis=(1, 2))[:, :: stride[0], :: stride[1]][:, :h2, :w2]
+        patches = np.ascontiguousarray(windows.transpose(1, 2, 0, 4, 5, 3))  # (h', w', rows, ph, pw, c)
+        return [patches.reshape(h2, w2, rows, ph * pw * c)]
     if A.strides[3] != A.itemsize or A.strides[2] != c_in * A.itemsize:
         A = np.ascontiguousarray(A)
     s_r, s_h, s_w, s_c = A.strides
@@ -55,9 +67,12 @@ def _patch_rows(A: FloatArray, W: FloatArray, stride: Pair) -> list[FloatArray]:
     ]
 
 
-def _by_patch_row(W: FloatArray) -> list[FloatArray]:
-    """``W[:, :, a]`` as ``(h', w', pw*c, F)`` views (``pw``, ``c`` and ``F`` are contiguous in ``W``)."""
+def _weight_blocks(W: FloatArray, n_blocks: int) -> list[FloatArray]:
+    """``W`` (or a gradient of its shape) cut as :func:`_patch_blocks` cut the patches into ``n_blocks``:
+    ``(h', w', K, F)`` views (``ph``, ``pw``, ``c`` and ``F`` are contiguous in ``W``)."""
     h2, w2, ph, pw, c, f = W.shape
+    if n_blocks == 1:
+        return [W.reshape(h2, w2, ph * pw * c, f)]
     return [W[:, :, a].reshape(h2, w2, pw * c, f) for a in range(ph)]
 
 
@@ -74,17 +89,18 @@ def local2d_forward(A: FloatArray, W: FloatArray, b: FloatArray, stride: Pair) -
     array([[4., 4.],
            [4., 4.]])
     """
-    h2, w2, ph, _, _, f = W.shape
+    h2, w2, _, _, _, f = W.shape
     Z = np.empty((A.shape[0], h2, w2, f))
     if Z.size == 0:
         return Z
     # Location-major views of Z: each location's (rows, F) block is written by BLAS in place.
     out = Z.transpose(1, 2, 0, 3)
-    windows, weights = _patch_rows(A, W, stride), _by_patch_row(W)
+    windows = _patch_blocks(A, W, stride)
+    weights = _weight_blocks(W, len(windows))
     np.matmul(windows[0], weights[0], out=out)
-    if ph > 1:
+    if len(windows) > 1:
         part = np.empty_like(out)
-        for a in range(1, ph):
+        for a in range(1, len(windows)):
             np.matmul(windows[a], weights[a], out=part)
             out += part
     Z += b
@@ -127,9 +143,9 @@ def local2d_backward(
         return gW, gb, None if dA is None else np.zeros_like(dA)
     sh, sw = stride
     d_loc = delta.transpose(1, 2, 0, 3)  # (h', w', rows, F): each location's block, no copy
-    windows, weights = _patch_rows(A, W, stride), _by_patch_row(gW)
-    for a in range(ph):
-        np.matmul(windows[a].swapaxes(2, 3), d_loc, out=weights[a])
+    windows = _patch_blocks(A, W, stride)
+    for block, g_block in zip(windows, _weight_blocks(gW, len(windows)), strict=True):
+        np.matmul(block.swapaxes(2, 3), d_loc, out=g_block)
     if dA is None:
         return gW, gb, None
     rows_end, cols_end = sh * (h2 - 1) + 1, sw * (w2 - 1) + 1

@@ -14,6 +14,7 @@ from distbelief.models import (
     LocallyConnected,
     LocallyConnected2D,
     LocallyConnected2DPlan,
+    _local2d,
     from_spec,
     max_partitions,
     partition_plan,
@@ -209,13 +210,32 @@ def _einsum_layer(
     extra=st.integers(0, 2),
     rows=st.integers(0, 3),
     transposed=st.booleans(),
+    im2col=st.booleans(),
     seed=st.integers(0, 2**31),
 )
 def test_layer_kernels_equal_an_explicit_patch_oracle(
+    shape: tuple[int, ...],
+    stride: tuple[int, int],
+    extra: int,
+    rows: int,
+    transposed: bool,
+    im2col: bool,
+    seed: int,
+) -> None:
+    # Any geometry, input rows past what the patches cover (a band's input), an input that is not
+    # C-contiguous (the kernels read patch rows through strided views of it), and both ways of cutting the
+    # patches (rows of views, or one copy of the whole patches for narrow rows).
+    saved = _local2d.NARROW_ROW
+    _local2d.NARROW_ROW = 1_000 if im2col else 0
+    try:
+        _check_layer_kernels(shape, stride, extra, rows, transposed, seed)
+    finally:
+        _local2d.NARROW_ROW = saved
+
+
+def _check_layer_kernels(
     shape: tuple[int, ...], stride: tuple[int, int], extra: int, rows: int, transposed: bool, seed: int
 ) -> None:
-    # Any geometry, input rows past what the patches cover (a band's input), and an input that is not
-    # C-contiguous (the kernels read patch rows through strided views of it).
     h2, w2, ph, pw, c, f = shape
     rng = np.random.default_rng(seed)
     h, w = (h2 - 1) * stride[0] + ph + extra, (w2 - 1) * stride[1] + pw
