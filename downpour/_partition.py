@@ -28,7 +28,7 @@ from distributed import Client
 
 from distbelief.errors import InvalidOptionError
 from distbelief.models.internal import PartitionPlan
-from distbelief.storage import Dataset, ShardMap, axpy, reuse_freed_memory
+from distbelief.storage import Dataset, ShardMap, axpy, keep_loop_responsive, reuse_freed_memory
 from distbelief.storage.internal import PartitionPeer, PassAborted, current_worker, kernels
 
 from ._batches import BatchPlan
@@ -173,7 +173,9 @@ class PartitionActor(PartitionPeer):
         self.steps = 0
         self.pushes_sent = 0
         self.staleness: list[int] = []
-        self.seconds.update({"fetch": 0.0, "push": 0.0})
+        # "update": the step on the slice (take_step and a fetch's own-writes correction); "data": reading
+        # and gathering the mini-batch. What a step costs besides its pass and the parameter server.
+        self.seconds.update({"fetch": 0.0, "push": 0.0, "update": 0.0, "data": 0.0})
         self._segments: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # A rebuilt replica's partitions push under a name of their own: their sequence numbers restart.
         self._source = f"{config.run_id}/replica-{replica}/partition-{k}/generation-{generation}"
@@ -188,6 +190,12 @@ class PartitionActor(PartitionPeer):
         # Gradients and activations of a large partition are blocks of 1-64 MB allocated and freed every
         # step: from the heap, reused, rather than fresh mmap'ed pages (as a replica's, downpour/_replica.py).
         reuse_freed_memory()
+        # A peer's halo must not wait for Python's 5 ms forced switch while this partition's compute thread
+        # runs its many short numpy calls (as sandblaster's partitions do; storage.keep_loop_responsive).
+        keep_loop_responsive()
+        # Import numba and load (or compile) the step's loop now, not in the first step: ~0.5-1 s a worker
+        # process pays once, which the run's steps would otherwise carry.
+        take_step(np.zeros(1), 1, 0.0, np.zeros(1), np.zeros(1), True, 0.0)
 
     def _segment(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         if s not in self._segments:
@@ -290,9 +298,13 @@ class PartitionActor(PartitionPeer):
                 if self.steps % cfg.n_fetch == 0 or w_k.size == 0:
                     w_k, versions = await self._fetch()
                     if accrued is not None and local_lr:
+                        t0 = time.perf_counter()
                         axpy(-local_lr, accrued, w_k)  # read your own writes: the local steps not pushed yet
+                        self.seconds["update"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
                 X_seg, y_seg = self._segment(s)
                 X_k, y = X_seg[rows], y_seg[rows]
+                self.seconds["data"] += time.perf_counter() - t0
                 out = None
                 if cfg.n_push > 1:  # the gradients of the steps between pushes go through one buffer
                     if self._grad is None or self._grad.size != w_k.size:
@@ -311,7 +323,9 @@ class PartitionActor(PartitionPeer):
                     accrued = grad if out is None else np.empty(w_k.size)
                 # The local step, replaced by the next fetch when n_fetch = 1.
                 local = local_lr if local_lr and (cfg.n_fetch > 1 or cfg.n_push > 1) else 0.0
+                t0 = time.perf_counter()
                 take_step(grad, n, cfg.l2, w_k, accrued, first, -local)
+                self.seconds["update"] += time.perf_counter() - t0
                 accrued_steps += 1
                 self.steps += 1
                 if self.steps % cfg.n_push == 0:
