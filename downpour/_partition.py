@@ -29,7 +29,7 @@ from distributed import Client
 from distbelief.errors import InvalidOptionError
 from distbelief.models.internal import PartitionPlan
 from distbelief.storage import Dataset, ShardMap, axpy, keep_loop_responsive, reuse_freed_memory
-from distbelief.storage.internal import PartitionPeer, PassAborted, current_worker, kernels
+from distbelief.storage.internal import KEEP_FREE_BYTES, PartitionPeer, PassAborted, current_worker, kernels
 
 from ._batches import BatchPlan
 
@@ -117,6 +117,18 @@ def take_step(
         axpy(a, g, w)
 
 
+def _heap_fits(plan: PartitionPlan) -> bool:
+    """Whether this worker can afford to keep freed memory for reuse (``storage.reuse_freed_memory``, up to
+    ``KEEP_FREE_BYTES``) beside a partition of ``plan``: no memory_limit, or the partition's copies and that
+    much freed memory within half of it. A model split *because* it is large for its workers (the benchmark's
+    memory case) would otherwise push them past Dask's pause and restart thresholds.
+    """
+    worker = current_worker()
+    manager = getattr(worker, "memory_manager", None)
+    limit = getattr(manager, "memory_limit", None)
+    return not limit or memory_needed(plan) + KEEP_FREE_BYTES <= limit / 2
+
+
 class PartitionActor(PartitionPeer):
     """Dask actor: partition ``k`` of replica ``replica``, training on rows ``[lo, hi)``.
 
@@ -187,9 +199,10 @@ class PartitionActor(PartitionPeer):
         # faults on every step with n_fetch = 1).
         self._w: np.ndarray | None = None
         self._grad: np.ndarray | None = None  # every pass's gradient, written in place
-        # Gradients and activations of a large partition are blocks of 1-64 MB allocated and freed every
-        # step: from the heap, reused, rather than fresh mmap'ed pages (as a replica's, downpour/_replica.py).
-        reuse_freed_memory()
+        if _heap_fits(plan):
+            # Gradients and activations of a large partition are blocks of 1-64 MB allocated and freed
+            # every step: from the heap, reused, rather than fresh mmap'ed pages (as a replica's).
+            reuse_freed_memory()
         # A peer's halo must not wait for Python's 5 ms forced switch while this partition's compute thread
         # runs its many short numpy calls (as sandblaster's partitions do; storage.keep_loop_responsive).
         keep_loop_responsive()

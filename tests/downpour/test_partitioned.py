@@ -391,3 +391,25 @@ def test_a_partitions_step_rounds_as_the_numpy_expressions(
     _partition.take_step(grad, 96, l2, w, acc, first, a)
     np.testing.assert_array_equal(acc, want_acc)
     np.testing.assert_array_equal(w, want_w)
+
+
+def test_a_partition_keeps_freed_memory_only_where_the_worker_can_afford_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Keeping freed blocks (storage.reuse_freed_memory) costs up to KEEP_FREE_BYTES of a worker: not for a
+    # model split because it is large for its workers (the benchmark's memory case was restarted for it).
+    from types import SimpleNamespace
+
+    from distbelief.downpour import _partition
+    from distbelief.storage.internal import KEEP_FREE_BYTES
+
+    plan = models.partition_plan(models.MLP([1000, 1000, 10]), 2)
+    need = _partition.memory_needed(plan)
+
+    def on_worker(limit: int | None) -> bool:
+        worker = SimpleNamespace(memory_manager=SimpleNamespace(memory_limit=limit))
+        monkeypatch.setattr(_partition, "current_worker", lambda: worker)
+        return _partition._heap_fits(plan)
+
+    assert on_worker(None) and on_worker(2 * (need + KEEP_FREE_BYTES))
+    assert not on_worker(2 * (need + KEEP_FREE_BYTES) - 1) and not on_worker(400 * 2**20)
