@@ -5,8 +5,14 @@ and an MLP (for its all-gather traffic), one Downpour replica is split into 1, 2
 (``downpour.train(partitions=K)``; K = 1 runs the partitioned code path with a single partition, so the
 comparison is like for like). Reported per configuration: milliseconds per mini-batch (median of the
 repeats), messages and bytes exchanged between partitions per step, and where the time of a partition went
-(compute, waiting for peers, fetch, push); beside them, ``in_process_ms``: the single-process numpy
-reference (the whole model's ``loss_and_grad`` on one mini-batch in this process, no actors).
+(compute, waiting for peers, fetch, push); beside every K, ``in_process_ms``: the single-process numpy
+reference (the whole model's ``loss_and_grad`` on one mini-batch in this process, no actors), and their
+ratio ``vs_in_process``.
+
+The replicas fetch and push every ``--n-sync`` steps (``n_fetch = n_push``, default 10; recorded in the
+JSON): the paper's Figure 3 measures a replica's speed per mini-batch with the parameter server out of the
+way, and with ``n_sync = 1`` every step moves the whole parameter slice to and from the shards twice (45 MB
+for ``large_lc2d``), which is the parameter server's cost, not the partitions'. ``--n-sync 1`` measures it.
 
 Then the memory case: on a cluster whose workers have a small ``memory_limit``, an MLP whose parameters do
 not fit one worker is refused with ``partitions=1`` (InvalidOptionError saying how many partitions would
@@ -78,7 +84,15 @@ def _models(quick: bool) -> dict[str, Any]:
 
 
 def _time_per_batch(
-    client: Client, model: Any, K: int, X: np.ndarray, y: np.ndarray, steps: int, repeats: int, batch: int
+    client: Client,
+    model: Any,
+    K: int,
+    X: np.ndarray,
+    y: np.ndarray,
+    steps: int,
+    repeats: int,
+    batch: int,
+    n_sync: int = 1,
 ) -> dict[str, Any]:
     times: list[float] = []
     res: Any = None
@@ -88,7 +102,7 @@ def _time_per_batch(
         for r in range(repeats):
             res = train_partitioned(
                 model, ds, partitions=K, max_steps=steps, batch_size=batch, rule="adagrad", lr=0.05,
-                client=client, store=os.path.join(store, f"run{r}"), seed=r,
+                client=client, store=os.path.join(store, f"run{r}"), seed=r, n_fetch=n_sync, n_push=n_sync,
             )  # fmt: skip
             times.append(res.wall_time / res.steps)
     seconds: dict[str, float] = {}
@@ -98,6 +112,8 @@ def _time_per_batch(
     return {
         "partitions": K,
         "n_params": model.n_params,
+        "n_fetch": n_sync,
+        "n_push": n_sync,
         "ms_per_batch": 1000 * statistics.median(times),
         "ms_per_batch_all": [1000 * t for t in times],
         "messages_per_step": res.stats["messages_per_step"],
@@ -193,6 +209,13 @@ def main(argv: list[str] | None = None, *, cluster: LocalCluster | None = None) 
     parser.add_argument("--steps", type=int, default=None, help="mini-batches per run")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--n-sync",
+        type=int,
+        default=10,
+        help="fetch and push every N steps (n_fetch = n_push = N; the paper's Figure 3 keeps the parameter "
+        "server out of a replica's time per mini-batch); 1 moves the whole slice twice a step",
+    )
     parser.add_argument("--skip-memory", action="store_true", help="skip the memory_limit case")
     parser.add_argument("--out", default=str(RESULTS), help="directory for the JSON and PNG")
     parser.add_argument(
@@ -203,6 +226,8 @@ def main(argv: list[str] | None = None, *, cluster: LocalCluster | None = None) 
         "average it was measured at)",
     )
     args = parser.parse_args(argv)
+    if args.n_sync < 1:
+        parser.error(f"--n-sync must be a positive integer, got {args.n_sync}")
     steps = args.steps or (10 if args.quick else 40)
     repeats = args.repeats or (1 if args.quick else 3)
     results: dict[str, Any] = {
@@ -210,6 +235,7 @@ def main(argv: list[str] | None = None, *, cluster: LocalCluster | None = None) 
         "steps": steps,
         "repeats": repeats,
         "batch_size": args.batch_size,
+        "n_sync": args.n_sync,
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg(),
         "timings": {},
@@ -227,11 +253,16 @@ def main(argv: list[str] | None = None, *, cluster: LocalCluster | None = None) 
                 if args.models and name not in args.models:
                     continue
                 X, y = _data(model.n_features, model.n_classes, 1024)
-                results.setdefault("in_process_ms", {})[name] = _in_process_ms(model, X, y, args.batch_size)
+                reference = _in_process_ms(model, X, y, args.batch_size)
+                results.setdefault("in_process_ms", {})[name] = reference
                 results.setdefault("load_average_by_row", {})[name] = os.getloadavg()
                 rows = []
                 for K in (1, 2, 4):
-                    row = _time_per_batch(client, model, K, X, y, steps, repeats, args.batch_size)
+                    row = _time_per_batch(
+                        client, model, K, X, y, steps, repeats, args.batch_size, n_sync=args.n_sync
+                    )
+                    row["in_process_ms"] = reference
+                    row["vs_in_process"] = row["ms_per_batch"] / reference
                     rows.append(row)
                     ms, msgs, kib = (
                         row["ms_per_batch"],
@@ -239,8 +270,9 @@ def main(argv: list[str] | None = None, *, cluster: LocalCluster | None = None) 
                         row["bytes_per_step"] / 1024,
                     )
                     print(
-                        f"{name:9s} n_params={model.n_params:>9,d} K={K}: {ms:8.2f} ms/batch, "
-                        f"{msgs:5.1f} messages, {kib:9.1f} KiB/step",
+                        f"{name:10s} n_params={model.n_params:>9,d} K={K} n_sync={args.n_sync}: {ms:8.2f} "
+                        f"ms/batch (in-process {reference:7.2f} ms, x{ms / reference:.2f}), {msgs:5.1f} "
+                        f"messages, {kib:9.1f} KiB/step",
                         flush=True,
                     )
                 results["timings"][name] = rows
@@ -261,7 +293,13 @@ def main(argv: list[str] | None = None, *, cluster: LocalCluster | None = None) 
         if "memory" in results:
             earlier["memory"] = results["memory"]
         earlier.setdefault("merged_runs", []).append(
-            {"rows": args.models, "load_average": results["load_average"], "steps": steps, "repeats": repeats}
+            {
+                "rows": args.models,
+                "load_average": results["load_average"],
+                "steps": steps,
+                "repeats": repeats,
+                "n_sync": args.n_sync,
+            }
         )
         results = earlier
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=float) + "\n")

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from numpy.lib.stride_tricks import as_strided, sliding_window_view
 from numpy.typing import NDArray
 
 from distbelief.errors import ModelSpecError
@@ -33,42 +33,135 @@ FloatArray = NDArray[np.float64]
 Pair = tuple[int, int]
 
 
+#: A patch row of fewer values than this (``pw * c``) is too narrow a matrix for BLAS (a 5 x 32 product per
+#: location costs its call overhead): such a layer copies its whole patches instead (im2col), which is
+#: cheap exactly then (``ph * pw * c`` values per location and row; 3.7 MB for the benchmark model's first
+#: layer, where it made the forward and weight-gradient products 2-3x faster).
+NARROW_ROW = 32
+
+
+def _patch_blocks(A: FloatArray, W: FloatArray, stride: Pair) -> list[FloatArray]:
+    """``A``'s patches as batched matrices ``(h', w', rows, K)``: one per patch row (``K = pw * c``, views),
+    or one copy of the whole patches (``K = ph * pw * c``) for narrow rows (:data:`NARROW_ROW`).
+
+    Location ``(i, j)``'s patch row ``a`` is ``A[:, i*sh + a, j*sw : j*sw + pw, :]``: ``pw * c`` values
+    contiguous in every row of ``A`` (rows ``w * c`` apart), so each location's block is a plain strided
+    matrix that BLAS reads in place. A whole ``ph x pw x c`` patch is not (its rows have gaps), which is why
+    a layer is ``ph`` batched matrix products rather than one: copying all the patches (im2col) moves
+    ``ph * pw / (sh * sw)`` times the input through memory every pass (82 MB a mini-batch for the 28 x 28
+    benchmark model's second layer) and was most of a pass's time. :func:`_weight_blocks` cuts ``W`` to match.
+    """
+    h2, w2, ph, pw, c, _ = W.shape
+    rows, _, _, c_in = A.shape
+    if pw * c < NARROW_ROW and ph > 1:
+        windows = sliding_window_view(A, (ph, pw), axis=(1, 2))[:, :: stride[0], :: stride[1]][:, :h2, :w2]
+        patches = np.ascontiguousarray(windows.transpose(1, 2, 0, 4, 5, 3))  # (h', w', rows, ph, pw, c)
+        return [patches.reshape(h2, w2, rows, ph * pw * c)]
+    if A.strides[3] != A.itemsize or A.strides[2] != c_in * A.itemsize:
+        A = np.ascontiguousarray(A)
+    s_r, s_h, s_w, s_c = A.strides
+    shape = (h2, w2, rows, pw * c)
+    return [
+        as_strided(A[:, a:], shape, (stride[0] * s_h, stride[1] * s_w, s_r, s_c), writeable=False)
+        for a in range(ph)
+    ]
+
+
+def _weight_blocks(W: FloatArray, n_blocks: int) -> list[FloatArray]:
+    """``W`` (or a gradient of its shape) cut as :func:`_patch_blocks` cut the patches into ``n_blocks``:
+    ``(h', w', K, F)`` views (``ph``, ``pw``, ``c`` and ``F`` are contiguous in ``W``)."""
+    h2, w2, ph, pw, c, f = W.shape
+    if n_blocks == 1:
+        return [W.reshape(h2, w2, ph * pw * c, f)]
+    return [W[:, :, a].reshape(h2, w2, pw * c, f) for a in range(ph)]
+
+
 def local2d_forward(A: FloatArray, W: FloatArray, b: FloatArray, stride: Pair) -> FloatArray:
     """Pre-activations ``(rows, h', w', F)`` of the local units ``W`` ``(h', w', ph, pw, c, F)`` on ``A``.
 
     ``A`` has shape ``(rows, h, w, c)`` and holds (at least) the rows the units' patches cover, starting at
-    the first unit's first row; ``b`` has shape ``(h', w', F)``.
+    the first unit's first row; ``b`` has shape ``(h', w', F)``. The result is C-contiguous.
+
+    Examples
+    --------
+    >>> A, W = np.ones((2, 3, 3, 1)), np.ones((2, 2, 2, 2, 1, 1))
+    >>> local2d_forward(A, W, np.zeros((2, 2, 1)), (1, 1))[0, :, :, 0]  # each 2 x 2 patch summed
+    array([[4., 4.],
+           [4., 4.]])
     """
-    h2, w2, ph, pw, _, _ = W.shape
-    if h2 == 0:
-        return np.zeros((A.shape[0], 0, w2, W.shape[5]))
-    windows = sliding_window_view(A, (ph, pw), axis=(1, 2))[:, :: stride[0], :: stride[1]][:, :h2, :w2]
-    Z: FloatArray = np.einsum("rijcab,ijabcf->rijf", windows, W, optimize=True)
+    h2, w2, _, _, _, f = W.shape
+    Z = np.empty((A.shape[0], h2, w2, f))
+    if Z.size == 0:
+        return Z
+    # Location-major views of Z: each location's (rows, F) block is written by BLAS in place.
+    out = Z.transpose(1, 2, 0, 3)
+    windows = _patch_blocks(A, W, stride)
+    weights = _weight_blocks(W, len(windows))
+    np.matmul(windows[0], weights[0], out=out)
+    if len(windows) > 1:
+        part = np.empty_like(out)
+        for a in range(1, len(windows)):
+            np.matmul(windows[a], weights[a], out=part)
+            out += part
     Z += b
     return Z
 
 
 def local2d_backward(
-    A: FloatArray, W: FloatArray, delta: FloatArray, stride: Pair, *, need_input: bool
+    A: FloatArray,
+    W: FloatArray,
+    delta: FloatArray,
+    stride: Pair,
+    *,
+    need_input: bool,
+    dW: FloatArray | None = None,
 ) -> tuple[FloatArray, FloatArray, FloatArray | None]:
-    """Gradients of :func:`local2d_forward`: ``(dW, db, dA or None)`` for ``delta = dloss/dZ``."""
-    h2, w2, ph, pw, _, _ = W.shape
-    if h2 == 0:
-        return np.zeros_like(W), np.zeros(W.shape[:2] + W.shape[5:]), np.zeros_like(A) if need_input else None
-    sh, sw = stride
-    windows = sliding_window_view(A, (ph, pw), axis=(1, 2))[:, ::sh, ::sw][:, :h2, :w2]
-    gW: FloatArray = np.einsum("rijf,rijcab->ijabcf", delta, windows, optimize=True)
+    """Gradients of :func:`local2d_forward`: ``(dW, db, dA or None)`` for ``delta = dloss/dZ``.
+
+    ``dW`` has ``W``'s shape and ``dA`` ``A``'s (both C-contiguous); ``db`` is ``(h', w', F)``. Given
+    ``dW`` (C-contiguous, ``W``'s shape: e.g. a block of a partition's gradient slice), the weight gradient
+    is written into it (and returned) instead of a new array.
+
+    Examples
+    --------
+    >>> A, W = np.ones((2, 3, 3, 1)), np.ones((2, 2, 2, 2, 1, 1))
+    >>> dW, db, dA = local2d_backward(A, W, np.ones((2, 2, 2, 1)), (1, 1), need_input=True)
+    >>> dA[0, :, :, 0]  # how many patches cover each input
+    array([[1., 2., 1.],
+           [2., 4., 2.],
+           [1., 2., 1.]])
+    """
+    h2, w2, ph, pw, c, _ = W.shape
+    rows = A.shape[0]
+    if dW is not None and (dW.shape != W.shape or not dW.flags.c_contiguous):
+        raise ValueError(f"dW must be C-contiguous of W's shape {W.shape}, got {dW.shape}")
+    gW = np.empty(W.shape) if dW is None else dW
     gb: FloatArray = delta.sum(axis=0)
-    if not need_input:
+    dA = np.empty(A.shape) if need_input else None
+    if h2 == 0 or w2 == 0 or rows == 0:
+        gW.fill(0.0)
+        return gW, gb, None if dA is None else np.zeros_like(dA)
+    sh, sw = stride
+    d_loc = delta.transpose(1, 2, 0, 3)  # (h', w', rows, F): each location's block, no copy
+    windows = _patch_blocks(A, W, stride)
+    for block, g_block in zip(windows, _weight_blocks(gW, len(windows)), strict=True):
+        np.matmul(block.swapaxes(2, 3), d_loc, out=g_block)
+    if dA is None:
         return gW, gb, None
-    dA = np.zeros_like(A)
     rows_end, cols_end = sh * (h2 - 1) + 1, sw * (w2 - 1) + 1
+    # Accumulated location-major, (h, w, rows, c): every patch entry's contribution is then a block of
+    # contiguous (rows, c) matrices added in cache (the product is 3 MB for the benchmark model), where
+    # adding into (rows, h, w, c) strides through the whole of dA for each of the ph * pw entries (2x the
+    # time of the products themselves).
+    d_loc_in = np.zeros((A.shape[1], A.shape[2], rows, c))
+    part = np.empty((h2, w2, rows, c))
     for a in range(ph):
-        for c in range(pw):
-            # Every unit's patch position (a, c) reads A[:, i*sh + a, j*sw + c, :].
-            dA[:, a : a + rows_end : sh, c : c + cols_end : sw, :] += np.einsum(
-                "rijf,ijkf->rijk", delta, W[:, :, a, c], optimize=True
-            )
+        for q in range(pw):
+            # Every location's patch entry (a, q) reads A[:, i*sh + a, j*sw + q, :]: distinct places for
+            # distinct locations, so one add per entry (overlapping patches meet across entries).
+            np.matmul(d_loc, W[:, :, a, q].swapaxes(2, 3), out=part)
+            d_loc_in[a : a + rows_end : sh, q : q + cols_end : sw] += part
+    dA[...] = d_loc_in.transpose(2, 0, 1, 3)
     return gW, gb, dA
 
 

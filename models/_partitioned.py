@@ -141,8 +141,11 @@ class PartitionPlan(Protocol):
         """The columns of ``X`` partition ``k`` reads (its part of the input: data, not a message)."""
         ...
 
-    def partition_pass(self, k: int, w_k: FloatArray, X_k: FloatArray, y: Any) -> PartitionPass:
-        """The pass of partition ``k`` on its parameters ``w_k`` and its input columns ``X_k``."""
+    def partition_pass(
+        self, k: int, w_k: FloatArray, X_k: FloatArray, y: Any, *, out: FloatArray | None = None
+    ) -> PartitionPass:
+        """The pass of partition ``k`` on its parameters ``w_k`` and its input columns ``X_k``; its gradient
+        slice is written into ``out`` (``w_k``'s shape; a new array when None) and returned."""
         ...
 
 
@@ -155,6 +158,16 @@ def _check_k(partitions: int) -> int:
     if isinstance(partitions, bool) or not isinstance(partitions, int | np.integer) or partitions < 1:
         raise InvalidOptionError(f"partitions must be a positive integer, got {partitions!r}")
     return int(partitions)
+
+
+def _checked_out(out: FloatArray, w_k: FloatArray) -> FloatArray:
+    """``out``, if it can hold the gradient of ``w_k`` (a caller's reused buffer); else a clear error."""
+    if out.shape != w_k.shape or out.dtype != np.float64 or not out.flags.c_contiguous:
+        raise ValueError(
+            f"out must be a C-contiguous float64 array of shape {w_k.shape} (the partition's slice), got "
+            f"{out.dtype} {out.shape}"
+        )
+    return out
 
 
 def _bounds(perms: Sequence[IntArray]) -> tuple[int, ...]:
@@ -269,9 +282,14 @@ class MLPPlan(_PlanBase):
             start += width
         return out
 
-    def partition_pass(self, k: int, w_k: FloatArray, X_k: FloatArray, y: Any) -> PartitionPass:
-        """Partition ``k``'s forward and backward pass (see the module docstring for its messages)."""
+    def partition_pass(
+        self, k: int, w_k: FloatArray, X_k: FloatArray, y: Any, *, out: FloatArray | None = None
+    ) -> PartitionPass:
+        """Partition ``k``'s forward and backward pass (see the module docstring for its messages); the
+        gradient slice goes into ``out`` when given."""
         K, act = self._k, self.model.activation
+        if out is not None:
+            _checked_out(out, w_k)  # before any message: a bad buffer fails the pass at once
         layers = self._local_layers(k, w_k)
         n_layers = len(layers)
         inputs: list[FloatArray] = [X_k]
@@ -347,7 +365,9 @@ class MLPPlan(_PlanBase):
                         dA += got
             backprop_activation_(dA, own[index - 1], act)
             delta = dA
-        return loss, np.concatenate(grads) if grads else np.zeros(0)
+        if out is None:
+            return loss, np.concatenate(grads) if grads else np.zeros(0)
+        return loss, np.concatenate(grads, out=out) if grads else out
 
 
 class _SpatialPlan(_PlanBase):
@@ -399,9 +419,17 @@ class _SpatialPlan(_PlanBase):
         raise NotImplementedError
 
     def _backward(
-        self, layer: int, A: FloatArray, W: FloatArray, delta: FloatArray, need_input: bool
-    ) -> tuple[FloatArray, FloatArray, FloatArray | None]:
-        """Flat ``(dW, db, dA or None)`` of :meth:`_forward` for the flat ``delta``."""
+        self,
+        layer: int,
+        A: FloatArray,
+        W: FloatArray,
+        delta: FloatArray,
+        need_input: bool,
+        dW: FloatArray,
+        db: FloatArray,
+    ) -> FloatArray | None:
+        """Gradients of :meth:`_forward` for the flat ``delta``: ``dW`` and ``db`` (blocks shaped as
+        :meth:`_block`'s) written in place, the flat ``dA`` (or None) returned."""
         raise NotImplementedError
 
     # -- the plan ------------------------------------------------------------------------------------
@@ -458,8 +486,14 @@ class _SpatialPlan(_PlanBase):
         olo, ohi = self._units[layer - 2][owner]
         return (max(lo, olo), min(hi, ohi))
 
-    def partition_pass(self, k: int, w_k: FloatArray, X_k: FloatArray, y: Any) -> PartitionPass:
-        """Partition ``k``'s forward and backward pass (halo exchanges; see the module docstring)."""
+    def partition_pass(
+        self, k: int, w_k: FloatArray, X_k: FloatArray, y: Any, *, out: FloatArray | None = None
+    ) -> PartitionPass:
+        """Partition ``k``'s forward and backward pass (halo exchanges; see the module docstring).
+
+        The gradient slice is written into ``out`` (a new array when None), block by block where the
+        kernels compute it: no concatenation of the blocks (a copy of the whole slice per step).
+        """
         model, K, act = self.model, self._k, self.model.activation
         C, L = model.n_classes, self._n_layers
         rows = X_k.shape[0]
@@ -468,17 +502,21 @@ class _SpatialPlan(_PlanBase):
             size = self._unit_size(layer)
             return slice((lo - base) * size, (hi - base) * size)
 
+        grad = np.empty(w_k.size) if out is None else _checked_out(out, w_k)
         layers: list[tuple[FloatArray, FloatArray]] = []
+        grad_layers: list[tuple[FloatArray, FloatArray]] = []  # the same blocks of the gradient
         start = 0
         for layer in range(1, L + 1):
             width = self._units[layer - 1][k][1] - self._units[layer - 1][k][0]
             pw, pb = self._unit_params(layer)
-            w_end = start + width * pw
-            layers.append(self._block(layer, w_k[start:w_end], w_k[w_end : w_end + width * pb], width))
-            start = w_end + width * pb
+            w_end, b_end = start + width * pw, start + width * (pw + pb)
+            layers.append(self._block(layer, w_k[start:w_end], w_k[w_end:b_end], width))
+            grad_layers.append(self._block(layer, grad[start:w_end], grad[w_end:b_end], width))
+            start = b_end
         width = (self._units[-1][k][1] - self._units[-1][k][0]) * self._unit_size(L)
         W_out = w_k[start : start + width * C].reshape(width, C)
         b_out = w_k[start + width * C :]
+        gW_out = grad[start : start + width * C].reshape(width, C)
         inputs: list[FloatArray] = [X_k]  # what each layer reads: its need range of the layer below
         own: list[FloatArray] = []
         for layer in range(1, L + 1):
@@ -525,16 +563,15 @@ class _SpatialPlan(_PlanBase):
             got = yield Recv(0, "dz")
             assert got is not None
             dZ = got
-        grads: list[FloatArray] = [(own[-1].T @ dZ).ravel()]
+        np.matmul(own[-1].T, dZ, out=gW_out)
         if k == 0:
-            grads.append(dZ.sum(axis=0))
+            np.sum(dZ, axis=0, out=grad[start + width * C :])
         dA = dZ @ W_out.T
         for layer in range(L, 0, -1):
             backprop_activation_(dA, own[layer - 1], act)
-            gW, gb, d_in = self._backward(
-                layer, inputs[layer - 1], layers[layer - 1][0], dA, need_input=layer > 1
+            d_in = self._backward(
+                layer, inputs[layer - 1], layers[layer - 1][0], dA, layer > 1, *grad_layers[layer - 1]
             )
-            grads = [gW, gb, *grads]
             if d_in is None:
                 break
             nlo, _ = self._need(layer, k)
@@ -555,7 +592,7 @@ class _SpatialPlan(_PlanBase):
                     got = yield Recv(m, f"g{layer}")
                     assert got is not None
                     dA[:, cols(lo, hi, olo, layer - 1)] += got
-        return loss, np.concatenate(grads)
+        return loss, grad
 
 
 class LocallyConnectedPlan(_SpatialPlan):
@@ -600,10 +637,19 @@ class LocallyConnectedPlan(_SpatialPlan):
         return local_forward(A, W, b, self.model.strides[layer - 1])
 
     def _backward(
-        self, layer: int, A: FloatArray, W: FloatArray, delta: FloatArray, need_input: bool
-    ) -> tuple[FloatArray, FloatArray, FloatArray | None]:
-        gW, gb, dA = local_backward(A, W, delta, self.model.strides[layer - 1], need_input=need_input)
-        return gW.ravel(), gb, dA
+        self,
+        layer: int,
+        A: FloatArray,
+        W: FloatArray,
+        delta: FloatArray,
+        need_input: bool,
+        dW: FloatArray,
+        db: FloatArray,
+    ) -> FloatArray | None:
+        dW[...], db[...], dA = local_backward(
+            A, W, delta, self.model.strides[layer - 1], need_input=need_input
+        )
+        return dA
 
 
 class LocallyConnected2DPlan(_SpatialPlan):
@@ -662,18 +708,26 @@ class LocallyConnected2DPlan(_SpatialPlan):
         return Z.reshape(A.shape[0], int(np.prod(Z.shape[1:])))
 
     def _backward(
-        self, layer: int, A: FloatArray, W: FloatArray, delta: FloatArray, need_input: bool
-    ) -> tuple[FloatArray, FloatArray, FloatArray | None]:
+        self,
+        layer: int,
+        A: FloatArray,
+        W: FloatArray,
+        delta: FloatArray,
+        need_input: bool,
+        dW: FloatArray,
+        db: FloatArray,
+    ) -> FloatArray | None:
         _, w, c = self.model.shapes[layer - 1]
         rows = A.shape[0]
-        gW, gb, dA = local2d_backward(
+        _, db[...], dA = local2d_backward(
             A.reshape(rows, A.shape[1] // (w * c), w, c),
             W,
             delta.reshape(rows, *W.shape[:2], W.shape[5]),
             self.model.strides[layer - 1],
             need_input=need_input,
+            dW=dW,
         )
-        return gW.ravel(), gb.ravel(), None if dA is None else dA.reshape(rows, A.shape[1])
+        return None if dA is None else dA.reshape(rows, A.shape[1])
 
 
 AnyPlan = MLPPlan | LocallyConnectedPlan | LocallyConnected2DPlan

@@ -45,6 +45,7 @@ from ._keys import (
     use_sparse,
     whole_slice_is_smaller,
 )
+from ._malloc import KEEP_FREE_BYTES
 from ._monitor import Sample, install_worker, shard_samples
 from ._server import current_worker, read_attrs, worker_alive
 from ._session import run_store
@@ -56,6 +57,7 @@ __all__ = [
     "DATASET_NAME_PATTERN",
     "DATASET_NAME_RULE",
     "DEAD_STATES",
+    "KEEP_FREE_BYTES",
     "POLL",
     "Communication",
     "HandOut",

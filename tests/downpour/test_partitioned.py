@@ -365,3 +365,51 @@ def test_a_stopped_partitioned_run_resumes_from_its_checkpoint_as_if_never_stopp
     np.testing.assert_allclose(res.x, ref.x, rtol=1e-10, atol=1e-12)
     assert res.history.step.values[0] == first.steps
     assert res.history.time.values[0] == pytest.approx(point.time)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("l2", [0.0, 1e-3])
+@pytest.mark.parametrize("a", [0.0, -0.07])
+def test_a_partitions_step_rounds_as_the_numpy_expressions(
+    compiled: bool, first: bool, l2: float, a: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fused step (one compiled pass, or numpy without numba) must give the floats of the expressions it
+    # replaced, bit for bit: ``g = grad / n + l2 * w``, ``acc = g`` or ``acc + g``, ``w - lr * g``.
+    from distbelief.downpour import _partition
+    from distbelief.storage.internal import kernels
+
+    if not compiled:
+        monkeypatch.setattr(kernels, "compiled", lambda fn: None)
+    rng = np.random.default_rng(7)
+    grad, w, acc = (rng.normal(size=40_000) for _ in range(3))
+    g = grad / 96
+    if l2:
+        g += l2 * w
+    want_acc = g if first else acc + g
+    want_w = w - (-a) * g if a else w.copy()
+    _partition.take_step(grad, 96, l2, w, acc, first, a)
+    np.testing.assert_array_equal(acc, want_acc)
+    np.testing.assert_array_equal(w, want_w)
+
+
+def test_a_partition_keeps_freed_memory_only_where_the_worker_can_afford_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Keeping freed blocks (storage.reuse_freed_memory) costs up to KEEP_FREE_BYTES of a worker: not for a
+    # model split because it is large for its workers (the benchmark's memory case was restarted for it).
+    from types import SimpleNamespace
+
+    from distbelief.downpour import _partition
+    from distbelief.storage.internal import KEEP_FREE_BYTES
+
+    plan = models.partition_plan(models.MLP([1000, 1000, 10]), 2)
+    need = _partition.memory_needed(plan)
+
+    def on_worker(limit: int | None) -> bool:
+        worker = SimpleNamespace(memory_manager=SimpleNamespace(memory_limit=limit))
+        monkeypatch.setattr(_partition, "current_worker", lambda: worker)
+        return _partition._heap_fits(plan)
+
+    assert on_worker(None) and on_worker(2 * (need + KEEP_FREE_BYTES))
+    assert not on_worker(2 * (need + KEEP_FREE_BYTES) - 1) and not on_worker(400 * 2**20)

@@ -14,11 +14,13 @@ from distbelief.models import (
     LocallyConnected,
     LocallyConnected2D,
     LocallyConnected2DPlan,
+    _local2d,
     from_spec,
     max_partitions,
     partition_plan,
     run_partitioned,
 )
+from distbelief.models._local2d import local2d_backward, local2d_forward
 from distbelief.storage import load_digits
 from tests.models._helpers import assert_gradient_matches
 
@@ -175,3 +177,80 @@ def test_no_rows_give_a_zero_loss_and_gradient_as_the_other_models(
     loss, grad, _ = run_partitioned(partition_plan(m, 2), w, np.zeros((0, m.n_features)), np.zeros(0))
     assert loss == 0.0
     np.testing.assert_array_equal(grad, np.zeros(m.n_params))
+
+
+def _einsum_layer(
+    A: np.ndarray, W: np.ndarray, b: np.ndarray, delta: np.ndarray, stride: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A layer's pre-activations, weight gradient and input gradient by one einsum over an explicit copy of
+    every patch (the kernels' oracle: no shared code, no strided views)."""
+    h2, w2, ph, pw, _, _ = W.shape
+    sh, sw = stride
+    patches = np.stack(
+        [
+            np.stack([A[:, i * sh : i * sh + ph, j * sw : j * sw + pw, :] for j in range(w2)], axis=1)
+            for i in range(h2)
+        ],
+        axis=1,
+    )  # (rows, h', w', ph, pw, c)
+    Z = np.einsum("rijabc,ijabcf->rijf", patches, W) + b
+    gW = np.einsum("rijf,rijabc->ijabcf", delta, patches)
+    d_patches = np.einsum("rijf,ijabcf->rijabc", delta, W)
+    dA = np.zeros_like(A)
+    for i in range(h2):
+        for j in range(w2):
+            dA[:, i * sh : i * sh + ph, j * sw : j * sw + pw, :] += d_patches[:, i, j]
+    return Z, gW, dA
+
+
+@FAST
+@given(
+    shape=st.tuples(*(st.integers(1, 4) for _ in range(6))),
+    stride=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    extra=st.integers(0, 2),
+    rows=st.integers(0, 3),
+    transposed=st.booleans(),
+    im2col=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_layer_kernels_equal_an_explicit_patch_oracle(
+    shape: tuple[int, ...],
+    stride: tuple[int, int],
+    extra: int,
+    rows: int,
+    transposed: bool,
+    im2col: bool,
+    seed: int,
+) -> None:
+    # Any geometry, input rows past what the patches cover (a band's input), an input that is not
+    # C-contiguous (the kernels read patch rows through strided views of it), and both ways of cutting the
+    # patches (rows of views, or one copy of the whole patches for narrow rows).
+    saved = _local2d.NARROW_ROW
+    _local2d.NARROW_ROW = 1_000 if im2col else 0
+    try:
+        _check_layer_kernels(shape, stride, extra, rows, transposed, seed)
+    finally:
+        _local2d.NARROW_ROW = saved
+
+
+def _check_layer_kernels(
+    shape: tuple[int, ...], stride: tuple[int, int], extra: int, rows: int, transposed: bool, seed: int
+) -> None:
+    h2, w2, ph, pw, c, f = shape
+    rng = np.random.default_rng(seed)
+    h, w = (h2 - 1) * stride[0] + ph + extra, (w2 - 1) * stride[1] + pw
+    A = rng.normal(size=(rows, h, w, c))
+    if transposed:
+        A = np.ascontiguousarray(A.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    W, b = rng.normal(size=shape), rng.normal(size=(h2, w2, f))
+    delta = rng.normal(size=(rows, h2, w2, f))
+    Z_ref, gW_ref, dA_ref = _einsum_layer(A, W, b, delta, stride)
+    np.testing.assert_allclose(local2d_forward(A, W, b, stride), Z_ref, rtol=1e-12, atol=1e-12)
+    gW, gb, dA = local2d_backward(A, W, delta, stride, need_input=True)
+    np.testing.assert_allclose(gW, gW_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(gb, delta.sum(axis=0), rtol=1e-12, atol=1e-12)
+    assert dA is not None and dA.shape == A.shape
+    np.testing.assert_allclose(dA, dA_ref, rtol=1e-12, atol=1e-12)
+    gW_only, _, none = local2d_backward(A, W, delta, stride, need_input=False)
+    assert none is None
+    np.testing.assert_array_equal(gW_only, gW)

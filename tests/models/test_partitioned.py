@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -190,3 +192,58 @@ def test_the_docs_of_partitions_name_every_model_that_can_be_partitioned() -> No
         for model in built_in:
             name = type(model).__name__
             assert name in splittable or not re.search(rf"\b{name}\b", text), f"{where} names {name}"
+
+
+def _drive(passes: list[Any], K: int) -> list[Any]:
+    """Run K partition passes to their ends in one process, delivering their messages."""
+    mailbox: dict[tuple[int, int, str], np.ndarray] = {}
+    results: list[Any] = [None] * K
+    waiting: list[Any] = [None] * K
+
+    def advance(k: int, value: np.ndarray | None) -> None:
+        try:
+            op = passes[k].send(value)
+            while hasattr(op, "array"):  # a Send
+                mailbox[(op.dest, k, op.tag)] = op.array
+                op = passes[k].send(None)
+            waiting[k] = op
+        except StopIteration as stop:
+            results[k], waiting[k] = stop.value, None
+
+    for k in range(K):
+        advance(k, None)
+    while any(r is None for r in results):
+        for k in range(K):
+            op = waiting[k]
+            if op is not None and (k, op.src, op.tag) in mailbox:
+                advance(k, mailbox.pop((k, op.src, op.tag)))
+    return results
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        MLP([6, 5, 4, 3]),
+        LocallyConnected(20, 3, fields=[4, 3], strides=[2, 1]),
+        LocallyConnected2D((9, 7), 3, channels=2, patches=[3, (2, 3)], strides=[(2, 1), 1], filters=[3, 2]),
+    ],
+)
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_a_pass_writes_its_gradient_into_the_buffer_given(model: Any, K: int) -> None:
+    # The actors pass one buffer for every step's gradient: the same numbers as a pass's own new array,
+    # written over whatever the buffer held, and the buffer returned.
+    plan = partition_plan(model, K)
+    rng = np.random.default_rng(K)
+    w = model.init_params(0)[plan.perm]
+    X, y = rng.normal(size=(5, model.n_features)), rng.integers(0, 3, size=5)
+    slices = [w[plan.bounds[k] : plan.bounds[k + 1]] for k in range(K)]
+    cols = [plan.input_columns(k) for k in range(K)]
+    fresh = _drive([plan.partition_pass(k, slices[k], X[:, cols[k]], y) for k in range(K)], K)
+    buffers = [np.full(s.size, np.nan) for s in slices]
+    into = _drive([plan.partition_pass(k, slices[k], X[:, cols[k]], y, out=buffers[k]) for k in range(K)], K)
+    for k in range(K):
+        assert into[k][1] is buffers[k]
+        np.testing.assert_array_equal(into[k][1], fresh[k][1])
+        assert into[k][0] == fresh[k][0]
+    with pytest.raises(ValueError, match="shape"):
+        next(plan.partition_pass(0, slices[0], X[:, cols[0]], y, out=np.empty(slices[0].size + 1)))
