@@ -364,19 +364,25 @@ def test_mixed_precision_makes_no_temporary_of_a_whole_vector() -> None:
     out32 = np.empty(n, dtype=np.float32)
     out = np.empty(n)
     pairs: list[tuple[np.ndarray, np.ndarray]] = [(s, g), (s, s), (g, g)]
-    _kernels.dots_mixed(pairs)  # compiled before the count
+    # The same calls once before the count: each compiles its kernels (numba's allocations, and its cache
+    # is cold on a fresh machine) before tracemalloc starts.
+    _kernels.dots_mixed(pairs)
     _kernels.lincomb(out32, [1.0, -1.0], [g, s])
-    _kernels.lincomb(out, [2.0], [s])
-    tracemalloc.start()
-    try:
-        _kernels.dots_mixed(pairs)
-        _kernels.lincomb(out32, [1.0, -1.0], [g, s])
-        _kernels.lincomb(out, [2.0, 1.0], [s, g])
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    _kernels.lincomb(out, [2.0, 1.0], [s, g])
+    # tracemalloc counts every thread's allocations: a session cluster's threads (comms, heartbeats) may
+    # allocate during one count (2.1 MB once in CI), so the smallest of three counts is the calls' own.
+    peaks = []
+    for _ in range(3):
+        tracemalloc.start()
+        try:
+            _kernels.dots_mixed(pairs)
+            _kernels.lincomb(out32, [1.0, -1.0], [g, s])
+            _kernels.lincomb(out, [2.0, 1.0], [s, g])
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
     # A block of scratch (1 MiB) at most, not a float64 copy of s (8 MiB) nor a float32 one (4 MiB).
-    assert peak <= 8 * _kernels.BLOCK + 65536, peak
+    assert min(peaks) <= 8 * _kernels.BLOCK + 65536, peaks
 
 
 @settings(max_examples=30, deadline=None)
