@@ -381,6 +381,9 @@ def test_a_partitions_step_rounds_as_the_numpy_expressions(
 
     if not compiled:
         monkeypatch.setattr(kernels, "compiled", lambda fn: None)
+        # The module's loops are built once: built now (without numba) they must not outlive this test (a
+        # later test found lincomb on its numpy path, with twice the scratch).
+        monkeypatch.setattr(kernels, "_module_loops", [])
     rng = np.random.default_rng(7)
     grad, w, acc = (rng.normal(size=40_000) for _ in range(3))
     g = grad / 96

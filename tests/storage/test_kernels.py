@@ -370,7 +370,7 @@ def test_mixed_precision_makes_no_temporary_of_a_whole_vector() -> None:
     _kernels.lincomb(out32, [1.0, -1.0], [g, s])
     _kernels.lincomb(out, [2.0, 1.0], [s, g])
     # tracemalloc counts every thread's allocations: a session cluster's threads (comms, heartbeats) may
-    # allocate during one count (2.1 MB once in CI), so the smallest of three counts is the calls' own.
+    # allocate during one count, so the smallest of three counts is the calls' own.
     peaks = []
     for _ in range(3):
         tracemalloc.start()
