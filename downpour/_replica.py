@@ -209,6 +209,8 @@ class DownpourReplica:
         self._channels: list[asyncio.Task[None]] = []
         self._current: list[asyncio.Future[Any] | None] = []
         self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        #: The last segment read that did not fit the cache.
+        self._last_segment: tuple[int, tuple[np.ndarray, np.ndarray]] | None = None
         self._cache_bytes = 0
         self._reads: dict[int, Future[tuple[np.ndarray, np.ndarray]]] = {}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"downpour-read-{index}")
@@ -477,6 +479,8 @@ class DownpourReplica:
 
     def _segment(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         data = self._cache.get(s)
+        if data is None and self._last_segment is not None and self._last_segment[0] == s:
+            data = self._last_segment[1]  # past the cache budget: the segment read last is kept still
         if data is None:
             pending = self._reads.pop(s, None)
             lo, hi = self.plan.segments[s]
@@ -485,6 +489,10 @@ class DownpourReplica:
             if self._cache_bytes + nbytes <= CACHE_BYTES:
                 self._cache[s] = data
                 self._cache_bytes += nbytes
+            else:
+                # Steps in a row read the same segment (and a windowed replica's window keys read it
+                # again): one read each, not one a call.
+                self._last_segment = (s, data)
         nxt = (s + 1) % len(self.plan.segments)
         if nxt not in self._cache and nxt not in self._reads and nxt != s:
             # Read the next segment while this one is being computed.
