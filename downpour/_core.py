@@ -80,8 +80,10 @@ from distbelief.errors import InvalidOptionError
 from distbelief.models import Model
 from distbelief.storage import (
     accrue_at,
+    accrue_rows,
     accrue_step,
     add_at_positions,
+    add_rows_at_positions,
     axpy,
     check_rule,
     scaled_gradient,
@@ -171,14 +173,16 @@ class PushMessage:
 class _Fetch:
     request: FetchRequest
     pending: set[int]
-    dx: np.ndarray
+    #: The local steps its answer cannot contain, at the keys it asks for (a windowed fetch: None while no
+    #: push has been sent since it was issued; its answer then lands on ``_unsent_dx`` as it is).
+    dx: np.ndarray | None
     #: Pushes this replica had sent when the fetch was issued (those after it are not in its answer).
     sent: int = 0
     #: A shard did not answer it (it is fetched again).
     failed: bool = False
     #: Windowed fetches: the steps ``[a, b)`` whose keys it asks for, those keys (global, sorted; ``dx`` is
-    #: then held at them only), and each key's place in ``dx`` (a table over the whole vector, ``-1`` where
-    #: not held, reused by later fetches: a step adds into it at its own keys only).
+    #: then held at them only), and, once ``dx`` is held, each key's place in it (a table over the whole
+    #: vector, ``-1`` where not held, reused by later fetches: a step adds into it at its own keys only).
     cover: tuple[int, int] | None = None
     keys: np.ndarray | None = None
     positions: np.ndarray | None = None
@@ -531,16 +535,11 @@ class ReplicaCore:
         local = tuple(split_keys(self._bounds, keys))
         request = FetchRequest(self._next_fid, self.fetch_names, self.gen, keys=local)
         self._next_fid += 1
-        positions = self._tables.pop() if self._tables else np.full(self.n, -1, dtype=np.int64)
-        positions[keys] = np.arange(keys.size)
+        # The local steps its answer cannot contain are the unsent ones (``_unsent_dx``) until the next push
+        # clears them: only then are they copied out and tracked step by step (:meth:`_hold_fetch_steps`).
+        # A fetch that lands first, as a prefetched window's does, costs no per-step work.
         self._fetches[request.fid] = _Fetch(
-            request,
-            set(range(self.n_shards)),
-            self._unsent_dx[keys],
-            self.seq,
-            cover=(start, end),
-            keys=keys,
-            positions=positions,
+            request, set(range(self.n_shards)), None, self.seq, cover=(start, end), keys=keys
         )
         self._requested_until = end
         self._fetch_due = False
@@ -565,10 +564,15 @@ class ReplicaCore:
             assert f.request.keys is not None
             start = sum(k.size for k in f.request.keys[:shard])
             local = f.request.keys[shard]
-            self.x[lo + local] = arrays[0] + f.dx[start : start + local.size]
+            at = lo + local
+            # Not held, ``f.dx`` would be ``_unsent_dx`` at its keys, made by the same additions.
+            own = self._unsent_dx[at] if f.dx is None else f.dx[start : start + local.size]
+            self.x[at] = arrays[0] + own
         elif self.fetch_keys is None:
+            assert f.dx is not None  # held from the start (only windowed fetches defer it)
             np.add(arrays[0], f.dx[lo:hi], out=self.x[lo:hi])
         else:
+            assert f.dx is not None
             at = lo + self.fetch_keys[shard]
             self.x[at] = arrays[0] + f.dx[at]
         self.base[shard] = int(version)
@@ -638,16 +642,7 @@ class ReplicaCore:
         ``keys`` and zero elsewhere, and every update is elementwise.
         """
         loss, grad = model.loss_and_grad(self.x[keys], X, y)
-        return self.accrue_summed_at(keys, grad, loss, int(X.shape[0]))
-
-    def accrue_summed_at(self, keys: np.ndarray, grad: np.ndarray, loss: float, rows: int) -> float:
-        """The end of :meth:`compute_at` for a step whose summed loss and gradient (at ``keys``, distinct
-        global parameters; zero elsewhere) were computed on the local copy :attr:`x` already (e.g. by a
-        model's ``rows_loss_and_grad``): accrue their mean and take the local step.
-
-        Returns the mini-batch mean loss. A non-finite loss or gradient is not applied and sets
-        :attr:`diverged`.
-        """
+        rows = int(X.shape[0])
         with np.errstate(over="ignore", invalid="ignore"):  # judged below
             g = np.multiply(np.asarray(grad, dtype=np.float64).reshape(-1), 1.0 / rows)
         mean_loss = float(loss) / rows
@@ -656,6 +651,39 @@ class ReplicaCore:
             return mean_loss
         self._accrue_at(keys, g)
         return self._count_rows(rows, float(loss))
+
+    def accrue_rows(
+        self, X: Any, rows: np.ndarray, residuals: np.ndarray, loss: float, *, intercept: int | None
+    ) -> float:
+        """The end of a step of a linear model on rows ``rows`` of CSR ``X`` (windowed mode), whose summed
+        ``loss`` and per-row ``residuals`` were computed on the local copy :attr:`x` (a model's
+        ``rows_residuals``): the mean gradient ``X[rows].T @ residuals / n`` (and the residuals' mean at
+        parameter ``intercept``) is accrued and the local step taken, straight from the rows (:func:`storage.
+        accrue_rows`): a step's cost is its nonzeros, with no pass that numbers its columns (issue 29).
+
+        Returns the mini-batch mean loss. A non-finite loss or residual is not applied and sets
+        :attr:`diverged`.
+        """
+        if self.window_keys is None:
+            raise InvalidOptionError("accrue_rows is for windowed replicas (use_windows); use compute_at")
+        n = int(rows.size)
+        with np.errstate(over="ignore", invalid="ignore"):  # judged below
+            r = np.multiply(residuals, 1.0 / n)
+        mean_loss = float(loss) / n
+        if not (math.isfinite(mean_loss) and bool(np.isfinite(r).all())):
+            self.diverged = True
+            return mean_loss
+        self._begin_accrual()
+        a = -self.local_rate
+        accrue_rows(X, rows, r, self.accrued, a, self.x, self._unsent_dx)
+        held = [f for f in self._fetches.values() if f.dx is not None]
+        for f in held:
+            assert f.dx is not None and f.positions is not None  # windowed fetches hold both or neither
+            add_rows_at_positions(f.dx, f.positions, X, rows, r, a)
+        if intercept is not None:
+            self._accrue_at_keys(np.array([intercept]), np.array([r.sum()]), a, held)
+        self._count_step()
+        return self._count_rows(n, float(loss))
 
     def _count_rows(self, rows: int, loss: float) -> float:
         """Count a step's rows and loss (kept per step with ``trace``); returns its mean loss."""
@@ -678,6 +706,7 @@ class ReplicaCore:
             a = -self.local_rate
             accrue_step(g, self.accrued, a, self.x, self._unsent_dx)
             for f in self._fetches.values():
+                assert f.dx is not None  # not windowed (see the check above)
                 axpy(a, g, f.dx)
         else:
             axpy(1.0, g, self.accrued)
@@ -687,18 +716,33 @@ class ReplicaCore:
         """:meth:`apply` of a gradient whose nonzero entries are ``g`` at ``keys`` (distinct, any order)."""
         self._begin_accrual()
         a = -self.local_rate
+        self._accrue_at_keys(keys, g, a, [f for f in self._fetches.values() if f.dx is not None])
+        self._count_step()
+
+    def _accrue_at_keys(self, keys: np.ndarray, g: np.ndarray, a: float, held: list[_Fetch]) -> None:
+        """``g`` at ``keys`` into the accrued gradient, and ``a * g`` into the local copy, the unsent steps
+        and the fetches in flight that hold their own (``held``)."""
         if not a:
             self.accrued[keys] += g
-        else:
-            accrue_at(keys, g, self.accrued, a, self.x, self._unsent_dx)
-        if a and self._fetches:
+            return
+        accrue_at(keys, g, self.accrued, a, self.x, self._unsent_dx)
+        if held:
             step = np.multiply(g, a)
-            for f in self._fetches.values():
+            for f in held:
+                assert f.dx is not None
                 if f.positions is not None:
                     add_at_positions(f.dx, f.positions, keys, step)
                 else:
                     f.dx[keys] += step
-        self._count_step()
+
+    def _hold_fetch_steps(self) -> None:
+        """Before a windowed push clears the unsent local steps: a fetch in flight copies them out at its
+        keys and from now on adds each step's own (its answer cannot contain them)."""
+        for f in self._fetches.values():
+            if f.dx is None and f.keys is not None:
+                f.dx = self._unsent_dx[f.keys]
+                f.positions = self._tables.pop() if self._tables else np.full(self.n, -1, dtype=np.int64)
+                f.positions[f.keys] = np.arange(f.keys.size)
 
     @property
     def first_unpushed_step(self) -> int:
@@ -756,6 +800,7 @@ class ReplicaCore:
                 # already united for its fetch), not a scan of the whole vector.
                 # Taken and cleared (with the unsent local steps) in one pass over those keys.
                 touched = self.window_keys(self._accrued_from, self.counters.steps)
+                self._hold_fetch_steps()
                 nonzero, values = take_at(touched, self.accrued, self._unsent_dx)
             else:
                 nonzero = np.flatnonzero(self.accrued)

@@ -243,7 +243,7 @@ class DownpourReplica:
         self._layout: tuple[int, int, bool] | None = None
         self._table = np.zeros(0, dtype=np.int32)
         self._mask = np.zeros(0, dtype=bool)
-        #: A built-in linear model's ``rows_loss_and_grad`` (windowed mode), None once it declined a step.
+        #: A built-in linear model's ``rows_residuals`` (windowed mode), None once it declined a step.
         self._rows_step: Callable[..., Any] | None = None
         self._unions: dict[tuple[int, int], np.ndarray] = {}
 
@@ -592,10 +592,12 @@ class DownpourReplica:
         width = self._layout[0] if self._layout is not None else 0
         self._table = np.full(width, -1, dtype=np.int32)
         self._mask = np.zeros(width, dtype=bool)
-        # A built-in linear model computes a step on the rows as they are, its gradient at the keys they
-        # touch (models' rows_loss_and_grad): no narrowed copy of the rows, no narrowed model a step.
-        rows_step = getattr(self.model, "rows_loss_and_grad", None)
-        self._rows_step = rows_step if callable(rows_step) else None
+        # A built-in linear model computes a step on the rows as they are (models' rows_residuals), and the
+        # core adds its gradient straight from them: no narrowed copy of the rows, no narrowed model a step.
+        rows_step = getattr(self.model, "rows_residuals", None)
+        layout = self._layout
+        single_output = layout is not None and layout[1] == 1
+        self._rows_step = rows_step if callable(rows_step) and single_output else None
         self._stream = self._batches()
         self._ahead_first = self.core.counters.steps
         self.core.use_windows(self._window_keys)
@@ -660,10 +662,11 @@ class DownpourReplica:
             if windowed and part is None:
                 rows = item[2]
                 assert self._rows_step is not None
-                got = self._rows_step(core.x, X, y, rows, self._table)
+                got = self._rows_step(core.x, X, y, rows)
                 if got is not None:
-                    loss, keys, grad = got
-                    core.accrue_summed_at(keys, grad, loss, int(rows.size))
+                    assert self._layout is not None
+                    d, _, fit_intercept = self._layout
+                    core.accrue_rows(X, rows, got[1], got[0], intercept=d if fit_intercept else None)
                 else:  # rows the compiled pass does not take: narrow them, from now on
                     self._rows_step = None
                     part = self._compact(item)

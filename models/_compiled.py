@@ -390,46 +390,27 @@ def _glm_rows_pass(
     y: FloatArray,
     coef: FloatArray,
     intercept: float,
-    table: IntArray,
-    cols: IntArray,
-    grad: FloatArray,
+    residuals: FloatArray,
     logistic: bool,
-) -> tuple[float, float, int]:
-    """:func:`_glm_csr_pass` on rows ``rows`` of a CSR matrix, its gradient kept at the columns they touch.
+) -> float:
+    """The summed loss of least squares or logistic regression over rows ``rows`` of a CSR matrix (target
+    ``y[i]`` for row ``rows[i]``), each row's residual ``dloss/dz`` written to ``residuals[i]``.
 
-    Row ``rows[i]`` (target ``y[i]``): its ``z`` gathers straight from the full-width ``coef``; its residual
-    is scattered into ``grad[j]``, ``j`` being the column's number in the order the rows first touch them
-    (``cols[j]`` is that column; ``table``, full-width and all negative on entry and again on return, holds
-    the numbers meanwhile). Returns ``(loss, residual_sum, number of distinct columns)``. Every product is
-    added in the order :func:`_glm_csr_pass` adds it on the rows gathered and renumbered, so the floats are
-    its floats: this is that pass without building the compact rows first (a Downpour step on a wide model,
-    issue 29).
+    ``z`` gathers straight from the full-width ``coef``: nothing is narrowed. The gradient is
+    ``X[rows].T @ residuals`` (and their sum for the intercept); a Downpour step on a wide model adds it
+    into its vectors row by row (``storage.internal.accrue_rows``, issue 29), so that no pass numbers the
+    columns the rows touch.
     """
     loss = 0.0
-    r_sum = 0.0
-    k = 0
     for i in range(rows.shape[0]):
         row = rows[i]
-        a, b = indptr[row], indptr[row + 1]
         z = 0.0
-        for t in range(a, b):
+        for t in range(indptr[row], indptr[row + 1]):
             z += data[t] * coef[indices[t]]
         li, ri = _glm_row(z + intercept, y[i], logistic)
         loss += li
-        r_sum += ri
-        for t in range(a, b):
-            c = indices[t]
-            j = table[c]
-            if j < 0:
-                j = k
-                table[c] = k
-                cols[k] = c
-                grad[k] = 0.0
-                k += 1
-            grad[j] += ri * data[t]
-    for j in range(k):
-        table[cols[j]] = -1
-    return loss, r_sum, k
+        residuals[i] = ri
+    return loss
 
 
 def _softmax_csr_pass(
@@ -550,9 +531,9 @@ def _build(nb: Any, family: str, cache: bool) -> Any:
     if family == "glm_rows":
         _jit(nb, "_glm_row", cache=cache)
         sigs = [
-            nb.types.Tuple((f8, f8, i8))(
+            f8(
                 given(it, 1, "C"), given(it, 1, "C"), given(f8, 1, "C"), given(nb.int64, 1, "C"),
-                given(f8, 1, "A"), given(f8, 1, "A"), f8, nb.int32[::1], nb.int64[::1], f8[::1], nb.boolean,
+                given(f8, 1, "A"), given(f8, 1, "A"), f8, f8[::1], nb.boolean,
             )
             for it in (nb.uint32, nb.uint64)
         ]  # fmt: skip
@@ -726,52 +707,37 @@ CSRGLMKernel = Callable[[Any, FloatArray, FloatArray, float, FloatArray], tuple[
 CSRSoftmaxKernel = Callable[[Any, IntArray, FloatArray, FloatArray, FloatArray, FloatArray, int], float]
 
 
-#: ``kernel(X, rows, y, coef, intercept, table, logistic) -> (loss, residual_sum, cols, grad_at_cols)``.
-RowsKernel = Callable[
-    [Any, IntArray, FloatArray, FloatArray, float, NDArray[np.int32], bool],
-    tuple[float, float, IntArray, FloatArray],
-]
+#: ``kernel(X, rows, y, coef, intercept, logistic) -> (loss, residuals)``.
+RowsKernel = Callable[[Any, IntArray, FloatArray, FloatArray, float, bool], tuple[float, FloatArray]]
 
 
 def rows_kernel() -> RowsKernel | None:
-    """The compiled least squares / logistic pass over chosen rows of a CSR matrix, its gradient kept at
-    the columns those rows touch (:func:`_glm_rows_pass`), or None without numba.
+    """The compiled least squares / logistic pass over chosen rows of a CSR matrix that gives their summed
+    loss and each row's residual (:func:`_glm_rows_pass`), or None without numba.
 
-    ``kernel(X, rows, y, coef, intercept, table, logistic)``: ``y`` the rows' float64 targets (``y[i]`` of
-    row ``rows[i]``), ``coef`` the full-width coefficients, ``table`` int32 scratch of ``X.shape[1]``
-    entries, all negative (and so again on return). Returns the summed loss, the residual sum (the
-    intercept's gradient), the distinct columns in the order the rows first touch them, and the gradient
-    at them.
+    ``kernel(X, rows, y, coef, intercept, logistic)``: ``y`` the rows' float64 targets (``y[i]`` of row
+    ``rows[i]``), ``coef`` the full-width coefficients. The gradient is ``X[rows].T @ residuals``.
 
     Examples
     --------
     >>> import numpy as np, scipy.sparse as sp
     >>> kernel = rows_kernel()
     >>> X = sp.csr_array(np.array([[1.0, 0.0, 2.0], [0.0, 4.0, 0.0]]))
-    >>> table = np.full(3, -1, dtype=np.int32)
     >>> if kernel is not None:  # numba is installed
-    ...     loss, r_sum, cols, grad = kernel(X, np.array([1]), np.array([1.0]), np.ones(3), 0.0, table, False)
-    ...     assert (loss, r_sum, cols.tolist(), grad.tolist()) == (4.5, 3.0, [1], [12.0])
+    ...     loss, r = kernel(X, np.array([1]), np.array([1.0]), np.ones(3), 0.0, False)
+    ...     assert (loss, r.tolist()) == (4.5, [3.0])
     """
     glm = _family_kernel("glm_rows")
     if glm is None:
         return None
 
     def kernel(
-        X: Any,
-        rows: IntArray,
-        y: FloatArray,
-        coef: FloatArray,
-        intercept: float,
-        table: NDArray[np.int32],
-        logistic: bool,
-    ) -> tuple[float, float, IntArray, FloatArray]:
+        X: Any, rows: IntArray, y: FloatArray, coef: FloatArray, intercept: float, logistic: bool
+    ) -> tuple[float, FloatArray]:
         indptr, indices = _unsigned(X)
-        nnz = int((X.indptr[rows + 1] - X.indptr[rows]).sum())
-        cols = np.empty(nnz, dtype=np.int64)
-        grad = np.empty(nnz)
-        loss, r_sum, k = glm(indptr, indices, X.data, rows, y, coef, intercept, table, cols, grad, logistic)
-        return float(loss), float(r_sum), cols[:k], grad[:k]
+        residuals = np.empty(rows.size)
+        loss = glm(indptr, indices, X.data, rows, y, coef, intercept, residuals, logistic)
+        return float(loss), residuals
 
     return kernel
 

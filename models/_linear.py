@@ -451,29 +451,26 @@ class _Linear(ModelBase):
             grad[n_coef] = r_sum
         return loss, grad
 
-    def rows_loss_and_grad(
-        self, w: FloatArray, X: Any, y: NDArray[Any], rows: NDArray[np.int64], table: NDArray[np.int32]
-    ) -> tuple[float, NDArray[np.int64], FloatArray] | None:
-        """The summed loss of rows ``rows`` of CSR ``X`` (targets ``y[rows]``) and its gradient at the
-        parameters they touch, without narrowing the rows first; None where no compiled pass does it (a
-        softmax, numba missing, rows that are not float64 CSR): then narrow them and use
+    def rows_residuals(
+        self, w: FloatArray, X: Any, y: NDArray[Any], rows: NDArray[np.int64]
+    ) -> tuple[float, FloatArray] | None:
+        """The summed loss of rows ``rows`` of CSR ``X`` (targets ``y[rows]``) and each row's residual
+        ``dloss/dz``, read straight from the full parameter vector ``w``; None where no compiled pass does it
+        (a softmax, numba missing, rows that are not float64 CSR): then narrow the rows and use
         :meth:`loss_and_grad`.
 
-        A Downpour step on a wide sparse model (issue 29): ``w`` is the full parameter vector, ``table``
-        int32 scratch of ``n_features`` entries, all negative (and so again on return). Returns ``(loss,
-        keys, grad)``: ``keys`` the distinct parameters (the columns in the order the rows first touch them,
-        the intercept last), ``grad`` the gradient there; the gradient is zero at every other parameter.
-        The floats are those of :meth:`loss_and_grad` on the rows narrowed to their columns.
+        The gradient is ``X[rows].T @ residuals`` at the coefficients (their sum at the intercept): a
+        Downpour step on a wide sparse model adds it into its vectors row by row, so that nothing is
+        narrowed or renumbered (issue 29). The loss adds the rows' losses in the order
+        :meth:`loss_and_grad` adds them on ``X[rows]``.
 
         Examples
         --------
         >>> import numpy as np, scipy.sparse as sp
         >>> from distbelief.models import LeastSquares
         >>> X = sp.csr_array(np.array([[1.0, 0.0, 2.0], [0.0, 4.0, 0.0]]))
-        >>> table = np.full(3, -1, dtype=np.int32)
-        >>> rows, y = np.array([1]), np.array([0.0, 1.0])
-        >>> got = LeastSquares(3).rows_loss_and_grad(np.ones(4), X, y, rows, table)
-        >>> got is None or (got[0], got[1].tolist(), got[2].tolist()) == (8.0, [1, 3], [16.0, 4.0])
+        >>> got = LeastSquares(3).rows_residuals(np.ones(4), X, np.array([0.0, 1.0]), np.array([1]))
+        >>> got is None or (got[0], got[1].tolist()) == (8.0, [4.0])
         True
         """
         kernel = _compiled.rows_kernel()
@@ -493,15 +490,11 @@ class _Linear(ModelBase):
             targets = _checks.binary_labels(y_rows, self._name)
         else:
             targets = np.asarray(_checks.as_targets(y_rows, rows.size, self._name), dtype=np.float64)
-        d = self._n_features
-        intercept = float(w[d]) if self._fit_intercept else 0.0
-        loss, r_sum, cols, grad = kernel(X, rows, targets, w, intercept, table, logistic)
-        if self._fit_intercept:
-            cols = np.append(cols, d)
-            grad = np.append(grad, r_sum)
+        intercept = float(w[self._n_features]) if self._fit_intercept else 0.0
+        loss, residuals = kernel(X, rows, targets, w, intercept, logistic)
         if not np.isfinite(loss):
             loss = _checks.diagnose_nonfinite(loss, X[rows], targets, self._name)
-        return loss, cols, grad
+        return loss, residuals
 
     def _compiled_softmax(
         self, labels: NDArray[np.intp], w: FloatArray, X: FloatArray, rows: int

@@ -15,7 +15,16 @@ from ._actor import keep_loop_responsive
 from ._dataset import Dataset
 from ._dataset_location import resolve_name
 from ._digits import digits_dataset, load_digits, train_test_split_digits
-from ._kernels import accrue_at, accrue_step, add_at_positions, axpy, scaled_gradient, take_at
+from ._kernels import (
+    accrue_at,
+    accrue_rows,
+    accrue_step,
+    add_at_positions,
+    add_rows_at_positions,
+    axpy,
+    scaled_gradient,
+    take_at,
+)
 from ._layout import Layout
 from ._malloc import reuse_freed_memory
 from ._partition_layout import partition_layout, partition_shards
@@ -46,9 +55,11 @@ __all__ = [
     "Shard",
     "ShardMap",
     "accrue_at",
+    "accrue_rows",
     "accrue_step",
     "adagrad_update",
     "add_at_positions",
+    "add_rows_at_positions",
     "as_dataset",
     "axpy",
     "check_rule",

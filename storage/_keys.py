@@ -346,10 +346,14 @@ def rows_keys(
         loop(indptr, X.indices.view(unsigned[X.indices.dtype.itemsize]), rows, mask)
     # One pass that lists and clears the marks (np.flatnonzero counts, then lists: two passes, ~3x slower).
     nnz = sum(int((X.indptr[r + 1] - X.indptr[r]).sum()) for X, r in batches)
-    out = np.empty(min(mask.size, nnz), np.int64)
+    out = np.empty(min(mask.size, nnz) + 1, np.int64)  # + 1: a single-output model's intercept key
     words = mask[: mask.size - mask.size % 8].view(np.uint64)
-    cols = out[: collect(words, mask, out)]
-    return _expand(cols, layout)
+    k = collect(words, mask, out)
+    d, outputs, intercept = layout
+    if outputs == 1:  # keys are the columns (and the intercept, d): no copy of the window's keys
+        out[k] = d
+        return out[: k + int(intercept)]
+    return _expand(out[:k], layout)
 
 
 def compact_model(model: Any, n_features: int, keys: IntArray) -> Any:

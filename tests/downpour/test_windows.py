@@ -126,6 +126,84 @@ def test_a_fetch_that_lands_late_keeps_the_local_steps_taken_since_it_was_sent()
     np.testing.assert_array_equal(core.x[keys], (np.arange(N) + 1.0)[keys] + -0.5 * before)
 
 
+def test_a_late_fetch_keeps_unsent_steps_and_those_taken_around_a_push_sent_meanwhile() -> None:
+    # A fetch's answer lacks every local step the shards have not applied: those not yet pushed when it was
+    # issued, and all taken since. A push sent while it is in flight clears the unsent steps it carries (the
+    # fetch then holds its own copy): the answer must still get all of them, not only those since the push.
+    core, _ = _core(n=1, max_staleness=0)
+    shards = _shards()
+    _land(core, core.start_fetch(), shards)
+    moved = np.zeros(N)
+
+    def step(t: int) -> None:
+        before = core.x.copy()
+        _step(core, t)
+        moved[:] += core.x - before
+
+    core.begin_step()
+    step(0)  # not pushed when the next fetch is issued
+    late = core.start_fetch()  # covers steps 1 and 2
+    step(1)
+    msg = core.take_push(force=True)
+    assert msg is not None and msg.keys is not None  # carries steps 0 and 1: the shards never apply it here
+    step(2)
+    keys = np.concatenate([k + lo for k, (lo, _) in zip(late.keys, RANGES, strict=True)])  # type: ignore[arg-type]
+    core.x[keys] = np.nan  # whatever the local copy holds, a landing fetch rebuilds it
+    _land(core, late, shards)
+    np.testing.assert_allclose(core.x[keys], (np.arange(N) + 1.0)[keys] + moved[keys], rtol=1e-15, atol=0)
+    assert np.isin(_union(0, 3), keys).sum() > len(_step_keys(2))  # steps 0-2 moved some of its keys
+
+
+@pytest.mark.parametrize("intercept", [True, False])
+def test_a_linear_models_step_added_from_its_rows_equals_the_narrowed_step(intercept: bool) -> None:
+    # accrue_rows (the residuals of a step's rows, added nonzero by nonzero) against compute_at on the rows
+    # narrowed to their columns (the path every other model takes), on two cores fed the same fetches; a
+    # fetch issued before a push and landing after it gets every local step too.
+    import scipy.sparse as sp
+
+    from distbelief.models import Logistic
+    from distbelief.storage.internal import compact_batch, sparse_layout_of
+
+    d = N - 1 if intercept else N
+    model = Logistic(d, fit_intercept=intercept)
+    rng = np.random.default_rng(5)
+    X = sp.random_array((24, d), density=0.2, random_state=rng, format="csr")
+    y = (rng.random(24) < 0.5).astype(np.float64)
+    table = np.full(d, -1, dtype=np.int32)
+    layout = sparse_layout_of(model)
+    assert layout is not None
+    cores = []
+    for _ in range(2):
+        core = ReplicaCore(RANGES, rule="sgd", lr=0.5, n_fetch=2, n_push=2)
+        core.use_windows(lambda a, b: np.arange(N) if b > a else np.zeros(0, dtype=np.int64))
+        cores.append(core)
+    shards = _shards()
+    late = []
+    for t, rows in enumerate(np.array_split(rng.permutation(24), 6)):
+        rows = np.sort(rows).astype(np.int64)
+        for i, core in enumerate(cores):
+            if t == 0:
+                _land(core, core.start_fetch(), shards)
+            if t == 2:
+                late.append(core.start_fetch())
+            if i == 0:
+                got = model.rows_residuals(core.x, X, y, rows)
+                assert got is not None
+                core.accrue_rows(X, rows, got[1], got[0], intercept=d if intercept else None)
+            else:
+                part = compact_batch(layout, X, y, rows, table).for_model(model)
+                core.compute_at(part.model, part.keys, part.X, part.y)
+            if t == 3:
+                assert core.take_push(force=True) is not None  # while the late fetch is in flight
+    for core, request in zip(cores, late, strict=True):
+        _land(core, request, shards)
+    a, b = cores
+    np.testing.assert_allclose(a.x, b.x, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(a.accrued, b.accrued, rtol=1e-13, atol=1e-15)
+    assert np.abs(a.accrued).max() > 0.01 and a.counters.steps == b.counters.steps == 6
+    assert a.counters.rows == 24 and a.counters.loss_sum == pytest.approx(b.counters.loss_sum, rel=1e-14)
+
+
 def test_a_failed_fetch_is_asked_for_again_and_its_steps_wait() -> None:
     core, asked = _core(n=2)
     shards = _shards()

@@ -242,6 +242,42 @@ def test_a_sparse_downpour_steps_pass_at_its_keys_rounds_as_numpy_elementwise(k:
     np.testing.assert_array_equal(dx, want_dx)
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_a_steps_rows_are_added_nonzero_by_nonzero_in_their_order(
+    compiled: bool, index_dtype: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # accrue_rows and add_rows_at_positions (a linear model's Downpour step, straight from its rows), the
+    # compiled loops and the numpy fallback, against a plain loop that rounds as numpy's elementwise ops do.
+    import scipy.sparse as sp
+
+    if not compiled:
+        monkeypatch.setattr(_kernels, "compiled", lambda fn: None)
+    rng = np.random.default_rng(3)
+    X = sp.random_array((40, 30), density=0.3, random_state=rng, format="csr")
+    X.indptr, X.indices = X.indptr.astype(index_dtype), X.indices.astype(index_dtype)
+    rows = np.array([5, 3, 3, 17, 0, 39], dtype=np.int64)  # any order, a row twice: columns shared
+    r = rng.normal(size=rows.size)
+    acc0, x0, dx0 = _vectors(30, 3, seed=9)
+    positions = np.where(rng.random(30) < 0.5, np.arange(30), -1)
+    out0 = rng.normal(size=30)
+    acc, x, dx, out = acc0.copy(), x0.copy(), dx0.copy(), out0.copy()
+    _kernels.accrue_rows(X, rows, r, acc, -0.05, x, dx)
+    _kernels.add_rows_at_positions(out, positions, X, rows, r, -0.05)
+    want_acc, want_x, want_dx, want_out = acc0.copy(), x0.copy(), dx0.copy(), out0.copy()
+    for i, row in enumerate(rows):
+        for t in range(X.indptr[row], X.indptr[row + 1]):
+            c, g = X.indices[t], r[i] * X.data[t]
+            want_acc[c] = want_acc[c] + g
+            want_x[c] = want_x[c] + -0.05 * g
+            want_dx[c] = want_dx[c] + -0.05 * g
+            if positions[c] >= 0:
+                want_out[positions[c]] = want_out[positions[c]] + -0.05 * g
+    for got, want in ((acc, want_acc), (x, want_x), (dx, want_dx), (out, want_out)):
+        np.testing.assert_array_equal(got, want)
+    assert (out != out0).any() and (out == out0).any()  # held and not held columns both exercised
+
+
 @pytest.mark.parametrize("k", [3, _kernels.ACCRUE_AT_COMPILED_FROM + 3, 5000])
 def test_add_at_positions_adds_only_where_a_key_is_held(k: int) -> None:
     n = 2 * k + 5
