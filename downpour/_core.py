@@ -174,7 +174,7 @@ class _Fetch:
     request: FetchRequest
     pending: set[int]
     #: The local steps its answer cannot contain, at the keys it asks for (a windowed fetch: None while no
-    #: push has been sent since it was issued; its answer then lands on ``_unsent_dx`` as it is).
+    #: push has been sent since it was issued; its answer then lands on the unsent steps as they are).
     dx: np.ndarray | None
     #: Pushes this replica had sent when the fetch was issued (those after it are not in its answer).
     sent: int = 0
@@ -434,6 +434,9 @@ class ReplicaCore:
                 "use use_keys"
             )
         self.window_keys = window_keys
+        # The local steps no push has carried yet are -local_rate times the accrued gradient here (a push
+        # clears both at the same keys): kept as that product, not as a vector every step adds into too.
+        self._unsent_dx = np.zeros(0)
 
     # -- state -------------------------------------------------------------------------------------------
     @property
@@ -535,8 +538,8 @@ class ReplicaCore:
         local = tuple(split_keys(self._bounds, keys))
         request = FetchRequest(self._next_fid, self.fetch_names, self.gen, keys=local)
         self._next_fid += 1
-        # The local steps its answer cannot contain are the unsent ones (``_unsent_dx``) until the next push
-        # clears them: only then are they copied out and tracked step by step (:meth:`_hold_fetch_steps`).
+        # The local steps its answer cannot contain are the unsent ones (:meth:`_unsent_at`) until the next
+        # push clears them: only then are they copied out and tracked step by step (_hold_fetch_steps).
         # A fetch that lands first, as a prefetched window's does, costs no per-step work.
         self._fetches[request.fid] = _Fetch(
             request, set(range(self.n_shards)), None, self.seq, cover=(start, end), keys=keys
@@ -565,8 +568,7 @@ class ReplicaCore:
             start = sum(k.size for k in f.request.keys[:shard])
             local = f.request.keys[shard]
             at = lo + local
-            # Not held, ``f.dx`` would be ``_unsent_dx`` at its keys, made by the same additions.
-            own = self._unsent_dx[at] if f.dx is None else f.dx[start : start + local.size]
+            own = self._unsent_at(at) if f.dx is None else f.dx[start : start + local.size]
             self.x[at] = arrays[0] + own
         elif self.fetch_keys is None:
             assert f.dx is not None  # held from the start (only windowed fetches defer it)
@@ -675,7 +677,7 @@ class ReplicaCore:
             return mean_loss
         self._begin_accrual()
         a = -self.local_rate
-        accrue_rows(X, rows, r, self.accrued, a, self.x, self._unsent_dx)
+        accrue_rows(X, rows, r, self.accrued, a, self.x)
         held = [f for f in self._fetches.values() if f.dx is not None]
         for f in held:
             assert f.dx is not None and f.positions is not None  # windowed fetches hold both or neither
@@ -725,7 +727,8 @@ class ReplicaCore:
         if not a:
             self.accrued[keys] += g
             return
-        accrue_at(keys, g, self.accrued, a, self.x, self._unsent_dx)
+        unsent = None if self.window_keys is not None else self._unsent_dx  # windowed: see _unsent_at
+        accrue_at(keys, g, self.accrued, a, self.x, unsent)
         if held:
             step = np.multiply(g, a)
             for f in held:
@@ -735,12 +738,18 @@ class ReplicaCore:
                 else:
                     f.dx[keys] += step
 
+    def _unsent_at(self, keys: np.ndarray) -> np.ndarray:
+        """Windowed mode: the local steps no push has carried yet, at ``keys`` (``-local_rate`` times the
+        accrued gradient: both start at zero and a push clears both at the same keys)."""
+        unsent: np.ndarray = np.multiply(self.accrued[keys], -self.local_rate)
+        return unsent
+
     def _hold_fetch_steps(self) -> None:
         """Before a windowed push clears the unsent local steps: a fetch in flight copies them out at its
         keys and from now on adds each step's own (its answer cannot contain them)."""
         for f in self._fetches.values():
             if f.dx is None and f.keys is not None:
-                f.dx = self._unsent_dx[f.keys]
+                f.dx = self._unsent_at(f.keys)
                 f.positions = self._tables.pop() if self._tables else np.full(self.n, -1, dtype=np.int64)
                 f.positions[f.keys] = np.arange(f.keys.size)
 
@@ -798,10 +807,10 @@ class ReplicaCore:
             if self.window_keys is not None:
                 # The keys the steps since the last push moved: those steps' keys (the window's, mostly
                 # already united for its fetch), not a scan of the whole vector.
-                # Taken and cleared (with the unsent local steps) in one pass over those keys.
+                # Taken and cleared (and with them the unsent local steps) in one pass over those keys.
                 touched = self.window_keys(self._accrued_from, self.counters.steps)
                 self._hold_fetch_steps()
-                nonzero, values = take_at(touched, self.accrued, self._unsent_dx)
+                nonzero, values = take_at(touched, self.accrued)
             else:
                 nonzero = np.flatnonzero(self.accrued)
                 values = self.accrued[nonzero]

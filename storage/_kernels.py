@@ -149,14 +149,15 @@ def _accrue_loop(
 
 
 def _accrue_at_loop(
-    keys: np.ndarray, g: np.ndarray, acc: np.ndarray, a: float, x: np.ndarray, dx: np.ndarray
+    keys: np.ndarray, g: np.ndarray, acc: np.ndarray, a: float, x: np.ndarray, dx: np.ndarray | None
 ) -> None:  # pragma: no cover - compiled
     for i in range(keys.size):
         k = keys[i]
         acc[k] = acc[k] + g[i]
         step = a * g[i]
         x[k] = x[k] + step
-        dx[k] = dx[k] + step
+        if dx is not None:  # numba compiles a version without it for None
+            dx[k] = dx[k] + step
 
 
 def _accrue_rows_loop(
@@ -168,7 +169,6 @@ def _accrue_rows_loop(
     acc: np.ndarray,
     a: float,
     x: np.ndarray,
-    dx: np.ndarray,
 ) -> None:  # pragma: no cover - compiled
     for i in range(rows.size):
         row = rows[i]
@@ -177,9 +177,7 @@ def _accrue_rows_loop(
             c = indices[t]
             g = ri * data[t]
             acc[c] = acc[c] + g
-            step = a * g
-            x[c] = x[c] + step
-            dx[c] = dx[c] + step
+            x[c] = x[c] + a * g
 
 
 def _add_rows_at_positions_loop(
@@ -437,11 +435,9 @@ def _row_products(X: Any, rows: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, 
     return Xr.indices, Xr.data * np.repeat(r, np.diff(Xr.indptr))
 
 
-def accrue_rows(
-    X: Any, rows: np.ndarray, r: np.ndarray, acc: np.ndarray, a: float, x: np.ndarray, dx: np.ndarray
-) -> None:
+def accrue_rows(X: Any, rows: np.ndarray, r: np.ndarray, acc: np.ndarray, a: float, x: np.ndarray) -> None:
     """:func:`accrue_at` of the gradient ``X[rows].T @ r`` (CSR ``X``), added nonzero by nonzero, row by row:
-    ``g = r[i] * X[rows[i], c]``, then ``acc[c] += g``, ``x[c] += a * g`` and ``dx[c] += a * g``.
+    ``g = r[i] * X[rows[i], c]``, then ``acc[c] += g`` and ``x[c] += a * g``.
 
     A Downpour step of a linear model on a wide sparse model (issue 29): the model gives each row's residual
     ``r`` and the step adds into the replica's vectors straight from the rows, no pass numbering the columns
@@ -452,29 +448,17 @@ def accrue_rows(
     --------
     >>> import scipy.sparse as sp
     >>> X = sp.csr_array(np.array([[1.0, 0.0], [2.0, 3.0]]))
-    >>> acc, x, dx = np.zeros(2), np.ones(2), np.zeros(2)
-    >>> accrue_rows(X, np.array([0, 1]), np.array([1.0, 0.5]), acc, -1.0, x, dx); acc, x
+    >>> acc, x = np.zeros(2), np.ones(2)
+    >>> accrue_rows(X, np.array([0, 1]), np.array([1.0, 0.5]), acc, -1.0, x); acc, x
     (array([2. , 1.5]), array([-1. , -0.5]))
     """
     loop = compiled(_accrue_rows_loop)
     if loop is not None:
-        loop(
-            X.indptr,
-            X.indices,
-            X.data,
-            np.asarray(rows),
-            np.asarray(r, dtype=np.float64),
-            acc,
-            float(a),
-            x,
-            dx,
-        )
+        loop(X.indptr, X.indices, X.data, np.asarray(rows), np.asarray(r, dtype=np.float64), acc, float(a), x)
         return
     cols, g = _row_products(X, rows, r)
     np.add.at(acc, cols, g)
-    step = a * g
-    np.add.at(x, cols, step)
-    np.add.at(dx, cols, step)
+    np.add.at(x, cols, a * g)
 
 
 def add_rows_at_positions(
@@ -762,7 +746,7 @@ def accrue_step(g: np.ndarray, acc: np.ndarray, a: float, x: np.ndarray, dx: np.
 
 
 def _take_at_loop(
-    keys: np.ndarray, acc: np.ndarray, dx: np.ndarray, out_keys: np.ndarray, out_values: np.ndarray
+    keys: np.ndarray, acc: np.ndarray, out_keys: np.ndarray, out_values: np.ndarray
 ) -> int:  # pragma: no cover - compiled
     k = 0
     for i in range(keys.size):
@@ -773,35 +757,33 @@ def _take_at_loop(
             out_values[k] = v
             k += 1
         acc[key] = 0.0
-        dx[key] = 0.0
     return k
 
 
-def take_at(keys: np.ndarray, acc: np.ndarray, dx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def take_at(keys: np.ndarray, acc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The nonzero entries of ``acc`` at ``keys`` (unique), as ``(keys, values)`` in the order of ``keys``;
-    ``acc`` and ``dx`` are zeroed at every one of ``keys``. One pass over the keys: a Downpour replica's
-    push of what its steps since the last one accrued (:meth:`downpour._core.ReplicaCore.take_push`),
-    where a compare, two gathers and two scatters cost five passes.
+    ``acc`` is zeroed at every one of ``keys``. One pass over the keys: a Downpour replica's push of what
+    its steps since the last one accrued (:meth:`downpour._core.ReplicaCore.take_push`), where a compare, a
+    gather and a scatter cost three passes.
 
     Examples
     --------
-    >>> acc, dx = np.array([0.0, 2.0, 0.0, 3.0]), np.ones(4)
-    >>> take_at(np.array([0, 1, 3]), acc, dx)
+    >>> acc = np.array([0.0, 2.0, 0.0, 3.0, 4.0])
+    >>> take_at(np.array([0, 1, 3]), acc)
     (array([1, 3]), array([2., 3.]))
-    >>> acc.tolist(), dx.tolist()
-    ([0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0])
+    >>> acc.tolist()
+    [0.0, 0.0, 0.0, 0.0, 4.0]
     """
     loop = compiled(_take_at_loop) if keys.size >= ACCRUE_AT_COMPILED_FROM else None
-    if loop is not None and all(v.flags.c_contiguous and v.dtype == np.float64 for v in (acc, dx)):
+    if loop is not None and acc.flags.c_contiguous and acc.dtype == np.float64:
         keys = np.asarray(keys, dtype=np.int64)
         out_keys, out_values = np.empty(keys.size, np.int64), np.empty(keys.size)
-        k = loop(keys, acc, dx, out_keys, out_values)
+        k = loop(keys, acc, out_keys, out_values)
         return out_keys[:k], out_values[:k]
     keys = np.asarray(keys, dtype=np.int64)
     nonzero = keys[acc[keys] != 0]
     values = acc[nonzero]
     acc[keys] = 0.0
-    dx[keys] = 0.0
     return nonzero, values
 
 
@@ -810,10 +792,10 @@ ACCRUE_AT_COMPILED_FROM = 256
 
 
 def accrue_at(
-    keys: np.ndarray, g: np.ndarray, acc: np.ndarray, a: float, x: np.ndarray, dx: np.ndarray
+    keys: np.ndarray, g: np.ndarray, acc: np.ndarray, a: float, x: np.ndarray, dx: np.ndarray | None
 ) -> None:
     """:func:`accrue_step` at ``keys`` only (unique): ``acc[keys] += g``, ``x[keys] += a * g`` and
-    ``dx[keys] += a * g``, in one pass over the keys.
+    ``dx[keys] += a * g`` (none for ``dx=None``), in one pass over the keys.
 
     A Downpour step on sparse rows (:meth:`downpour._core.ReplicaCore.compute_at`): its cost is the step's
     keys, not the model's width (four fancy-indexed numpy passes over 5,000 keys of a 2^20-wide model cost
@@ -828,11 +810,12 @@ def accrue_at(
     if not keys.size:
         return
     loop = compiled(_accrue_at_loop) if keys.size >= ACCRUE_AT_COMPILED_FROM else None
-    vectors = (g, acc, x, dx)
+    vectors = (g, acc, x) if dx is None else (g, acc, x, dx)
     if loop is not None and all(v.flags.c_contiguous and v.dtype == np.float64 for v in vectors):
-        loop(np.asarray(keys), np.asarray(g), np.asarray(acc), float(a), np.asarray(x), np.asarray(dx))
+        loop(np.asarray(keys), np.asarray(g), np.asarray(acc), float(a), np.asarray(x), dx)
         return
     acc[keys] += g
     step = np.multiply(g, a)
     x[keys] += step
-    dx[keys] += step
+    if dx is not None:
+        dx[keys] += step

@@ -300,15 +300,18 @@ def _mark_columns_loop(
 
 def _collect_marked_loop(words: np.ndarray, mask: np.ndarray, out: np.ndarray) -> int:  # pragma: no cover
     """Write the positions of the True entries of ``mask`` (viewed as 8-byte ``words``) into ``out`` in
-    order, clearing them; returns how many. Mostly-empty words are skipped eight entries at a time."""
+    order, clearing them; returns how many. ``out`` has room for one more than that.
+
+    Empty words are skipped eight entries at a time; within a word every entry is written and counted
+    only if marked (no branch per entry: a window marking a third of a 2^20 mask took 3.2 ms with one,
+    0.6 ms without; at 2^24, 7.6 and 5.3 ms)."""
     k = 0
     for w in range(words.size):
         if words[w] != 0:
             base = 8 * w
             for i in range(base, base + 8):
-                if mask[i]:
-                    out[k] = i
-                    k += 1
+                out[k] = i
+                k += mask[i]
             words[w] = 0
     for i in range(8 * words.size, mask.size):  # the tail past the last whole word
         if mask[i]:

@@ -240,6 +240,11 @@ def test_a_sparse_downpour_steps_pass_at_its_keys_rounds_as_numpy_elementwise(k:
     np.testing.assert_array_equal(acc, want_acc)  # and untouched elsewhere
     np.testing.assert_array_equal(x, want_x)
     np.testing.assert_array_equal(dx, want_dx)
+    # Without dx (a windowed replica keeps no unsent-steps vector): the same acc and x.
+    acc, x = acc0.copy(), x0.copy()
+    _kernels.accrue_at(keys, g, acc, -0.05, x, None)
+    np.testing.assert_array_equal(acc, want_acc)
+    np.testing.assert_array_equal(x, want_x)
 
 
 @pytest.mark.parametrize("compiled", [True, False])
@@ -258,22 +263,21 @@ def test_a_steps_rows_are_added_nonzero_by_nonzero_in_their_order(
     X.indptr, X.indices = X.indptr.astype(index_dtype), X.indices.astype(index_dtype)
     rows = np.array([5, 3, 3, 17, 0, 39], dtype=np.int64)  # any order, a row twice: columns shared
     r = rng.normal(size=rows.size)
-    acc0, x0, dx0 = _vectors(30, 3, seed=9)
+    acc0, x0 = _vectors(30, 2, seed=9)
     positions = np.where(rng.random(30) < 0.5, np.arange(30), -1)
     out0 = rng.normal(size=30)
-    acc, x, dx, out = acc0.copy(), x0.copy(), dx0.copy(), out0.copy()
-    _kernels.accrue_rows(X, rows, r, acc, -0.05, x, dx)
+    acc, x, out = acc0.copy(), x0.copy(), out0.copy()
+    _kernels.accrue_rows(X, rows, r, acc, -0.05, x)
     _kernels.add_rows_at_positions(out, positions, X, rows, r, -0.05)
-    want_acc, want_x, want_dx, want_out = acc0.copy(), x0.copy(), dx0.copy(), out0.copy()
+    want_acc, want_x, want_out = acc0.copy(), x0.copy(), out0.copy()
     for i, row in enumerate(rows):
         for t in range(X.indptr[row], X.indptr[row + 1]):
             c, g = X.indices[t], r[i] * X.data[t]
             want_acc[c] = want_acc[c] + g
             want_x[c] = want_x[c] + -0.05 * g
-            want_dx[c] = want_dx[c] + -0.05 * g
             if positions[c] >= 0:
                 want_out[positions[c]] = want_out[positions[c]] + -0.05 * g
-    for got, want in ((acc, want_acc), (x, want_x), (dx, want_dx), (out, want_out)):
+    for got, want in ((acc, want_acc), (x, want_x), (out, want_out)):
         np.testing.assert_array_equal(got, want)
     assert (out != out0).any() and (out == out0).any()  # held and not held columns both exercised
 
@@ -429,15 +433,12 @@ def test_take_at_returns_the_nonzero_entries_at_the_keys_and_clears_them(
     # Past ACCRUE_AT_COMPILED_FROM keys the compiled loop runs, below it numpy: both against numpy by hand.
     rng = np.random.default_rng(seed)
     acc = np.where(rng.random(n) < density, rng.normal(size=n), 0.0)
-    dx = rng.normal(size=n)
     keys = rng.permutation(n)[: rng.integers(0, n + 1)]
     want_keys = keys[acc[keys] != 0]
     want_values = acc[want_keys].copy()
-    want_acc, want_dx = acc.copy(), dx.copy()
+    want_acc = acc.copy()
     want_acc[keys] = 0.0
-    want_dx[keys] = 0.0
-    got_keys, got_values = _kernels.take_at(keys, acc, dx)
+    got_keys, got_values = _kernels.take_at(keys, acc)
     np.testing.assert_array_equal(got_keys, want_keys)
     np.testing.assert_array_equal(got_values, want_values)
     np.testing.assert_array_equal(acc, want_acc)
-    np.testing.assert_array_equal(dx, want_dx)
