@@ -51,7 +51,6 @@ idle: the JSON records the load average before and after each part.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -60,17 +59,18 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from distributed import Client, LocalCluster
+from distributed import Client
 from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._cluster import two_workers
 from distbelief import downpour, models, sandblaster
 from distbelief.storage import Dataset
 from distbelief.storage._digits import train_test_split_digits
@@ -691,19 +691,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- main
-@contextlib.contextmanager
-def cluster(given: Client | None = None) -> Iterator[Client]:
-    """``given`` (the test suite's client), or a client of a 2-worker LocalCluster started for the run."""
-    if given is not None:
-        yield given
-        return
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, host="127.0.0.1"
-        ) as lc,
-        Client(lc, direct_to_workers=True) as client,
-    ):
-        yield client
 
 
 def _json_safe(obj: Any) -> Any:
@@ -768,7 +755,10 @@ def main(argv: list[str] | None = None, *, client: Client | None = None) -> int:
             "timing": "seconds from the start of the replicas; setup (shards, replicas) reported apart",
             "problems": {},
         }
-        with tempfile.TemporaryDirectory(prefix="figure4-") as tmp, cluster(client) as client:
+        with (
+            tempfile.TemporaryDirectory(prefix="figure4-") as tmp,
+            two_workers(client, direct_to_workers=True) as client,
+        ):
             for k, p in enumerate(problems):
                 print(f"{p.name}: {p.description}", flush=True)
                 results["problems"][p.name] = run_problem(

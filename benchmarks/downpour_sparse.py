@@ -114,7 +114,8 @@ def downpour_epoch(
     return np.asarray(res.x), float(res.wall_time), stats
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None, *, client: Any = None) -> dict[str, Any]:
+    """Run the benchmark (``argv`` as on the command line); ``client``: on its cluster, not a new one."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="2^12 columns, 8k rows, one round")
     ap.add_argument("--log2", type=int, default=20)
@@ -131,8 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.quick:
         args.log2, args.rows, args.repeats = 12, 8_000, 1
-    from distributed import Client, LocalCluster
-
+    from benchmarks._cluster import two_workers
     from distbelief.storage import Dataset
 
     X, y = hashed_csr(args.rows, args.log2)
@@ -141,10 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_start = os.getloadavg()
     with (
         tempfile.TemporaryDirectory(prefix="downpour-sparse-") as tmp,
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, dashboard_address="127.0.0.1:0", host="127.0.0.1"
-        ) as cluster,
-        Client(cluster) as client,
+        two_workers(client) as client,
     ):
         dataset = Dataset.from_arrays(X, y, path=f"{tmp}/data", overwrite=True)
         downpour_epoch(client, dataset, n_features, replicas=2, batch=args.batch, n_sync=args.n_sync, seed=99)

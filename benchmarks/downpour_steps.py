@@ -112,16 +112,17 @@ def downpour_run(
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None, *, client: Any = None) -> dict[str, Any]:
+    """Run the benchmark (``argv`` as on the command line); ``client``: on its cluster, not a new one."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--quick", action="store_true", help="a tiny model, 1 s runs, one round")
+    ap.add_argument("--quick", action="store_true", help="a tiny model, 0.5 s runs, one round")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args(argv)
     if args.quick:
-        args.repeats, args.time_limit = 1, 1.0
-    from distributed import Client, LocalCluster
+        args.repeats, args.time_limit = 1, 0.5
+    from benchmarks._cluster import two_workers
 
     model, X, y, batch = problem(args.quick)
     runs: list[tuple[str, int, int, dict[str, Any]]] = [
@@ -133,10 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     rounds: dict[str, list[dict[str, Any]]] = {}
     load_start = os.getloadavg()
-    with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None, host="127.0.0.1") as cluster,
-        Client(cluster) as client,
-    ):
+    with two_workers(client) as client:
         downpour_run(client, model, X, y, batch, 1, 10, 0.5 if args.quick else 1.0)  # warm: imports, rows
         for _ in range(args.repeats):
             rounds.setdefault("kernel", []).append(

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
+from distributed import Client
 
 from benchmarks import downpour_sparse
 
 
-def test_quick_run_writes_every_row_with_its_target(tmp_path: Path) -> None:
-    result = downpour_sparse.main(["--quick", "--out", str(tmp_path)])
+def test_quick_run_writes_every_row_with_its_target(client: Client, tmp_path: Path) -> None:
+    result = downpour_sparse.main(["--quick", "--out", str(tmp_path)], client=client)
     saved = json.loads((tmp_path / "downpour_sparse_quick.json").read_text())
     assert [r["run"] for r in saved["rows"]] == [r["run"] for r in result["rows"]]
     ref, one, two = saved["rows"]
