@@ -25,7 +25,9 @@ asks it, at the end, whether the run stalled.
 * **Stall.** A step rule stalls when the objective is flat while the gradient is not small: over the last
   :data:`STALL_WINDOW` of the run (by time) the training loss (or, with held-out rows, the held-out loss)
   fell by less than :data:`STALL_FLAT` of its value, yet the full gradient of ``F`` at the final parameters
-  is still more than :data:`STALL_GRAD` of its norm at the start. Adagrad whose accumulators have grown
+  is still more than :data:`STALL_GRAD` of its norm at the start, judged on at least
+  :data:`STALL_MIN_ROWS` history rows within that window (fewer measure no trend: a short run is not
+  judged). Adagrad whose accumulators have grown
   large, or a fixed rate scaled down by staleness, looks like that. The driver then adds a warning to the
   result's message and ``history.attrs["warnings"]`` and issues a :class:`StepRuleStallWarning`.
 """
@@ -43,6 +45,7 @@ __all__ = [
     "SPIKE_ROWS",
     "STALL_FLAT",
     "STALL_GRAD",
+    "STALL_MIN_ROWS",
     "STALL_WINDOW",
     "StepRuleStallWarning",
     "Watchdog",
@@ -59,6 +62,10 @@ BOUND_RTOL = 1e-6
 SPIKE_ROWS = 2
 #: The last fraction of the run (by time) over which a stall is judged.
 STALL_WINDOW = 1 / 3
+#: History rows with a finite loss that the window must hold for a verdict. With two, a short run's last row
+#: and the one before it (often the same parameters seen twice, at the run's end) read as "flat": tests of
+#: a few dozen steps were warned of a stall they could not have.
+STALL_MIN_ROWS = 3
 #: The loss counts as flat when it fell by less than this fraction over the window.
 STALL_FLAT = 0.01
 #: The gradient counts as not small while its norm is above this fraction of the starting one. Mini-batch
@@ -195,9 +202,12 @@ def stall_message(
 
     Examples
     --------
-    >>> stall_message([0, 1, 2, 3], [1.0, 0.8, 0.7999, 0.7998], 1.0, 0.5) is not None
+    >>> t, loss = [0, 1, 2, 3, 4, 5, 6], [1.0, 0.8, 0.7, 0.65, 0.6499, 0.6498, 0.6497]
+    >>> stall_message(t, loss, 1.0, 0.5) is not None  # flat over t >= 4, the gradient still half its size
     True
-    >>> stall_message([0, 1, 2, 3], [1.0, 0.8, 0.7999, 0.7998], 1.0, 0.001) is None
+    >>> stall_message(t, loss, 1.0, 0.001) is None  # converged
+    True
+    >>> stall_message(t[:4], loss[:4], 1.0, 0.5) is None  # one row in the last third: not judged
     True
     """
     t = np.asarray(times, dtype=float)
@@ -208,8 +218,8 @@ def stall_message(
         return None
     start = t[-1] - STALL_WINDOW * (t[-1] - t[0])
     window = v[t >= start]
-    if window.size < 2:
-        window = v[-2:]
+    if window.size < STALL_MIN_ROWS:
+        return None
     drop = (window[0] - window[-1]) / max(abs(window[0]), 1e-12)
     grad_ratio = grad_norm_end / max(grad_norm_start, 1e-300)
     if drop >= STALL_FLAT or grad_ratio <= STALL_GRAD:

@@ -116,6 +116,10 @@ def test_stall_needs_a_flat_loss_and_a_gradient_that_is_not_small() -> None:
     assert stall_message(t, flat, 2.0, 2.0 * STALL_GRAD / 2) is None  # converged: the gradient is small
     assert stall_message(t, falling, 2.0, 1.0) is None  # still making progress
     assert stall_message(t[:2], flat[:2], 2.0, 1.0) is None  # too short to judge
+    # Two rows in the last third (t >= 4 of 0..6): no trend is measured, whatever they say (a short run's
+    # final rows were read as a 0% fall and warned of a stall).
+    assert stall_message(t, flat, 2.0, 1.0) is not None  # three there: judged
+    assert stall_message([0.0, 1.0, 2.0, 3.0], [1.0, 0.8, 0.8, 0.8], 2.0, 1.0) is None
     # Just below and above the flatness threshold over the last third (t >= 4).
     drop = [1.0, 0.9, 0.8, 0.7, 1.0, 1.0 - STALL_FLAT / 2, 1.0 - STALL_FLAT / 2]
     assert stall_message(t, drop, 1.0, 1.0) is not None
