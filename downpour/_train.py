@@ -33,18 +33,17 @@ import dataclasses
 import math
 import os
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import xarray as xr
-from distributed import Client, Future
+from distributed import Client
 from threadpoolctl import threadpool_limits
 
-from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError
+from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, StoreError
 from distbelief.models import objective
 from distbelief.models.internal import FittedMixin
 from distbelief.options import refuse_unknown
@@ -55,27 +54,24 @@ from distbelief.storage import (
     as_dataset,
     embedded_client,
     start_vector,
-    worker_addresses,
 )
 from distbelief.storage.internal import (
     Communication,
-    actor_gone,
     as_csr,
-    gather_calls,
     is_sparse,
     run_store,
-    start_call,
-    use_sparse,
 )
 
-from ._batches import BatchPlan, split_rows
+from ._batches import BatchPlan
 from ._compress import Compression
 from ._driver import MESSAGES, SUCCESS, Checkpoint, DriverMachine, Measure, Poll, Probe, Release, Report
-from ._options import DownpourOptions, Rule, check_workers, worker_tuple
-from ._replica import DownpourReplica, RecordPlan, ReplicaConfig
+from ._options import DownpourOptions, Rule, worker_tuple
+from ._partitioned import PartitionedReplicas, check_partitioned_options
+from ._replica import RecordPlan
 from ._resume import ResumePoint
 from ._shards import Shards
 from ._watch import StepRuleStallWarning, Watchdog, stall_message
+from ._whole import WholeReplicas
 
 __all__ = ["Progress", "TrainResult", "train"]
 
@@ -100,18 +96,6 @@ OBJECTIVE_MAX_WORK = 100_000_000
 #: the cores the replicas train on.
 EVAL_SHARE = 0.05
 END_EVAL_S = 1.5
-#: Below this many parameters the default is a single shard (an extra shard costs a round trip per push).
-SHARD_MIN_PARAMS = 1 << 17
-_PER_REPLICA = (
-    "steps",
-    "pushes",
-    "fetches",
-    "applied_weight",
-    "applied_steps_sq",
-    "stop_reason",
-    "wait_s",
-    "compute_s",
-)
 
 
 @dataclass(frozen=True)
@@ -450,53 +434,77 @@ def train(
             f"option callback={callback!r} is invalid: expected None or a function of one downpour.Progress "
             "(raise StopIteration in it to stop the run)"
         )
-    if partitions is not None and not (type(partitions) is int and partitions == 1):  # True is not 1 here
-        from ._partitioned import train_from_options
+    # True is not 1 here (check_partitioned_options refuses it).
+    partitioned = partitions is not None and not (type(partitions) is int and partitions == 1)
+    if partitioned:
+        opts = check_partitioned_options(partitions, locals())  # type: ignore[arg-type]
+    else:
+        opts = DownpourOptions(
+            replicas=replicas,
+            shards=shards,
+            rule=rule,
+            lr=lr,
+            local_lr=local_lr,
+            batch_size=batch_size,
+            n_fetch=n_fetch,
+            n_push=n_push,
+            warmstart_steps=warmstart_steps,
+            epochs=epochs,
+            max_steps=max_steps,
+            time_limit=time_limit,
+            eval_every=eval_every,
+            l2=l2,
+            staleness_scale=staleness_scale,
+            max_staleness=max_staleness,
+            max_loss_growth=max_loss_growth,
+            checkpoint_every_s=checkpoint_every_s,
+            resume=resume,
+            seed=seed,
+            shuffle=shuffle,
+            poll_every=poll_every,
+            call_timeout=call_timeout,
+            shard_workers=worker_tuple(shard_workers),  # type: ignore[arg-type]
+            replica_workers=worker_tuple(replica_workers),  # type: ignore[arg-type]
+            trace=trace,
+            has_callback=callback is not None,
+            communication=communication,
+            fuse=fuse,
+            compression=compression,
+            max_coalesce=max_coalesce,
+            deterministic=deterministic,
+        )
+    return fit(model, data, opts, partitions=partitions if partitioned else None, eval_data=eval_data,
+               client=client, store=store, callback=callback, x0=x0)  # fmt: skip
 
-        partitioned: TrainResult = train_from_options(model, data, partitions=partitions, given=locals())
-        return partitioned
-    opts = DownpourOptions(
-        replicas=replicas,
-        shards=shards,
-        rule=rule,
-        lr=lr,
-        local_lr=local_lr,
-        batch_size=batch_size,
-        n_fetch=n_fetch,
-        n_push=n_push,
-        warmstart_steps=warmstart_steps,
-        epochs=epochs,
-        max_steps=max_steps,
-        time_limit=time_limit,
-        eval_every=eval_every,
-        l2=l2,
-        staleness_scale=staleness_scale,
-        max_staleness=max_staleness,
-        max_loss_growth=max_loss_growth,
-        checkpoint_every_s=checkpoint_every_s,
-        resume=resume,
-        seed=seed,
-        shuffle=shuffle,
-        poll_every=poll_every,
-        call_timeout=call_timeout,
-        shard_workers=worker_tuple(shard_workers),  # type: ignore[arg-type]
-        replica_workers=worker_tuple(replica_workers),  # type: ignore[arg-type]
-        trace=trace,
-        has_callback=callback is not None,
-        communication=communication,
-        fuse=fuse,
-        compression=compression,
-        max_coalesce=max_coalesce,
-        deterministic=deterministic,
-    )
-    if resume and store is None:
+
+def fit(
+    model: Any,
+    data: Dataset | tuple[np.ndarray, np.ndarray],
+    opts: DownpourOptions,
+    *,
+    partitions: int | None,
+    eval_data: Dataset | tuple[np.ndarray, np.ndarray] | None,
+    client: Client | str | None,
+    store: str | os.PathLike[str] | None,
+    callback: Callable[[Progress], None] | None,
+    x0: np.ndarray | None,
+) -> TrainResult:
+    """:func:`train` with its options checked: whole replicas, or (``partitions``) partitioned ones, driven
+    by one shell (:class:`_Run`) through their kind's adapter."""
+    if opts.resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
-    x_start = start_vector(model, x0, seed)
+    x_start = start_vector(model, x0, opts.seed)
     eval_arrays = _eval_arrays(model, eval_data)
-    with run_store(store, "downpour-") as store, embedded_client(client) as c:
-        dataset = as_dataset(data, store)
+    prefix = "downpour-mp-" if partitions is not None else "downpour-"
+    with run_store(store, prefix) as run_dir, embedded_client(client) as c:
+        dataset = as_dataset(data, run_dir)
         dataset.check_model(model)
-        run = _Run(model, dataset, eval_arrays, c, store, opts, x_start, callback)
+        kind: Replicas
+        if partitions is not None:
+            kind = PartitionedReplicas(c, model, dataset, opts, partitions=partitions)
+        else:
+            kind = WholeReplicas(c, model, dataset, opts)
+        run = _Run(model, dataset, eval_arrays, c, run_dir, opts, x_start, callback, kind)
         try:
             run.setup()
             result = run.drive()
@@ -661,8 +669,42 @@ class _Row:
     applied: list[int] = field(default_factory=list)
 
 
+class Replicas(Protocol):
+    """A kind of replica, as the driver shell (:class:`_Run`) sees it: :class:`downpour._whole.WholeReplicas`
+    (one actor each; a lost one is dropped) or :class:`downpour._partitioned.PartitionedReplicas` (K
+    partition actors each; a lost one is rebuilt). Statuses are the whole replicas' counters (summed over
+    partitions), so history, checkpoints and the result are made alike for both."""
+
+    n_replicas: int
+    row_ranges: list[tuple[int, int]]
+    communication: str
+    poll_every: float
+    max_rebuilds: int
+    meta: dict[str, Any]
+    machine: DriverMachine
+
+    def prepare(self, opts: DownpourOptions) -> DownpourOptions: ...
+    def open_shards(
+        self, store: str, opts: DownpourOptions, x_start: np.ndarray
+    ) -> tuple[ParameterServer, ResumePoint | None]: ...
+    def to_model(self, x_ps: np.ndarray) -> np.ndarray: ...
+    def place(self, shards: Shards, opts: DownpourOptions, record_plan: RecordPlan) -> None: ...
+    def resume(self, point: ResumePoint) -> dict[int, dict[str, Any]]: ...
+    def call(
+        self, which: Sequence[int], method: str, args: tuple[Any, ...] = (), *, timeout: float | None = None
+    ) -> dict[int, tuple[bool, Any]]: ...
+    def is_dead(self, r: int) -> bool: ...
+    def start(self, which: Sequence[int]) -> dict[int, tuple[bool, Any]]: ...
+    def poll(self, which: Sequence[int], plan: RecordPlan, timeout: float) -> dict[int, tuple[bool, Any]]: ...
+    def stop(self, which: Sequence[int], timeout: float) -> dict[int, tuple[bool, Any]]: ...
+    def set_shard_map(self, which: Sequence[int], shard_map: ShardMap) -> dict[int, tuple[bool, Any]]: ...
+    def losses(self, which: Sequence[int]) -> dict[int, np.ndarray]: ...
+    def stats(self, statuses: dict[int, dict[str, Any]], steps: int) -> dict[str, Any]: ...
+    def close(self, live: Sequence[int] = ()) -> None: ...
+
+
 class _Run:
-    """One training run: the shards, the replicas, and the driver loop."""
+    """One training run: the shards, the replicas (through their kind's adapter), and the driver loop."""
 
     def __init__(
         self,
@@ -674,7 +716,9 @@ class _Run:
         opts: DownpourOptions,
         x_start: np.ndarray,
         callback: Callable[[Progress], None] | None,
+        kind: Replicas,
     ) -> None:
+        self.kind = kind
         self.model = model
         self.dataset = dataset
         self.eval_arrays = eval_arrays
@@ -684,8 +728,6 @@ class _Run:
         self.x_start = x_start
         self.callback = callback
         self.ps: ParameterServer | None = None
-        self.actors: list[Any] = []
-        self.futures: list[Future[Any]] = []
         self.machine = DriverMachine(replicas=0)  # the run's, once setup() knows the replicas
         self.alive: list[bool] = []
         self.started: list[bool] = []
@@ -712,11 +754,12 @@ class _Run:
         self._planned_every: int | None = None
         self._rate_mark: tuple[float, int] | None = None  # (time, steps) at the last replan
         self._objective_rows: tuple[np.ndarray, np.ndarray] | None = None
+        self._unreadable = False  # the objective's rows could not be read
         #: Seconds the driver spent evaluating history rows, and the rows with parameters it evaluated.
         self.eval_s = 0.0
         self.evals = 0
         self.watch = Watchdog(opts.max_loss_growth)
-        self.communication = "dense"
+        self.communication = kind.communication
         #: The shards' parameters read during the current poll, for windowed sparse replicas' records.
         self._polled_x: np.ndarray | None = None
         self._gathered_at = -math.inf
@@ -726,84 +769,20 @@ class _Run:
 
     # -- setup / teardown ----------------------------------------------------------------------------------
     def setup(self) -> None:
-        opts, client = self.opts, self.client
-        workers = worker_addresses(client, required=True)
-        check_workers("shard_workers", opts.shard_workers, workers)
-        check_workers("replica_workers", opts.replica_workers, workers)
-        shard_workers = list(opts.shard_workers or workers)
-        replica_workers = list(opts.replica_workers or workers)
-        n = self.x_start.size
-        n_shards = min(opts.shards or (len(shard_workers) if n >= SHARD_MIN_PARAMS else 1), n)
-        n_replicas = opts.replicas or len(replica_workers)
-        ranges = split_rows(self.dataset.n_rows, n_replicas)
-        # Key-value fetch and push (storage._keys) for sparse rows, unless l2 moves every parameter.
-        wide = use_sparse(opts.communication, self.model, self.dataset.layout == "csr")
-        self.communication = "sparse" if wide and not opts.l2 else "dense"
+        kind = self.kind
         # n_fetch and n_push left out: chosen from what the run communicates (DownpourOptions.with_sync).
-        windowed = self.communication == "sparse" and opts.compression is None and not opts.deterministic
-        self.opts = opts = opts.with_sync(n, windowed=windowed)
-        if opts.resume:
-            ps, self.resumed = Shards.reopen(
-                client, self.store, n_replicas, n, workers=shard_workers, timeout=opts.call_timeout
-            )
-            self.x_start = ps.gather("x")
-        else:
-            ps = Shards.create(
-                client, self.store, n_replicas, self.x_start, rule=opts.rule, workers=shard_workers,
-                timeout=opts.call_timeout, shards=n_shards,
-            )  # fmt: skip
+        self.opts = opts = kind.prepare(self.opts)
+        ps, self.resumed = kind.open_shards(self.store, opts, self.x_start)
+        if self.resumed is not None:
+            self.x_start = kind.to_model(ps.gather("x"))
         self.ps = ps
         clock = lambda: time.perf_counter() - self.t0  # noqa: E731
         self.shards = Shards(ps, clock, self._repoint, checkpoints=0 if opts.resume else 1)
-        config = ReplicaConfig(
-            run_id=uuid.uuid4().hex[:12],
-            rule=opts.rule,
-            lr=opts.step_size,
-            local_lr=opts.local_lr,
-            n_fetch=opts.sync[0],
-            n_push=opts.sync[1],
-            l2=opts.l2,
-            batch_size=opts.batch_size,
-            seed=opts.seed,
-            shuffle=opts.shuffle,
-            epochs=opts.epochs,
-            step_limit=opts.max_steps,
-            max_staleness=opts.max_staleness,
-            staleness_scale=opts.scales_staleness(n_replicas),
-            call_timeout=opts.call_timeout,
-            trace=opts.trace,
-            communication=self.communication,
-            fuse=opts.fuses,
-            compression=opts.compression,
-            record=self._record_plan(ranges),
-            max_coalesce=opts.coalesce_limit,
-            deterministic=opts.deterministic,
-        )
-        if opts.deterministic:
-            ps.begin_rounds(n_replicas)
-        shard_map = ps.shard_map()
-        for r, (lo, hi) in enumerate(ranges):
-            self.futures.append(
-                client.submit(
-                    DownpourReplica,
-                    r,
-                    self.model,
-                    self.dataset,
-                    lo,
-                    hi,
-                    shard_map,
-                    config,
-                    actor=True,
-                    workers=[replica_workers[r % len(replica_workers)]],
-                    allow_other_workers=False,
-                    pure=False,
-                    key=f"downpour-replica-{r}-{config.run_id}",
-                )
-            )
-        self.actors = [f.result(timeout=opts.call_timeout) for f in self.futures]
+        kind.place(self.shards, opts, self._record_plan(kind.row_ranges))
+        n_replicas = kind.n_replicas
         self.started = [False] * n_replicas
         start = self.resumed.time if self.resumed is not None else 0.0
-        self.machine = DriverMachine(
+        self.machine = kind.machine = DriverMachine(
             replicas=n_replicas,
             start=start,
             checkpoint_every_s=opts.checkpoint_every_s,
@@ -812,6 +791,7 @@ class _Run:
             time_limit=opts.time_limit,
             max_steps=opts.max_steps,
             warm=opts.warmstart_steps > 0 and self.resumed is None,
+            max_rebuilds=kind.max_rebuilds,
         )
         self.alive = self.machine.alive  # a lost replica is dropped by the machine, the list shared
         if self.resumed is not None:
@@ -819,12 +799,7 @@ class _Run:
 
     def _resume_replicas(self, point: ResumePoint) -> None:
         """Hand every replica its counters at the checkpoint; they are the driver's starting totals."""
-        every = list(range(len(self.actors)))
-        for r, p in enumerate(point.replicas):
-            self._call([r], "resume_at", (p["steps"], p["rows"], p["epoch"]))
-        for r, (ok, value) in self._call(every, "status").items():
-            if not ok:
-                raise ClusterError(f"replica {r} did not answer after resuming: {value!r}")
+        for r, value in self.kind.resume(point).items():
             self.status[r] = value
             self.points[r] = [(point.time, value)]
         t = self._totals()
@@ -833,37 +808,20 @@ class _Run:
     def _checkpoint(self, now: float, **extra: Any) -> None:
         """A checkpoint of the shards, with the counters ``resume=True`` needs."""
         assert self.shards is not None
-        self.shards.checkpoint(now, self.status, len(self.actors), **extra)
+        self.shards.checkpoint(now, self.status, self.kind.n_replicas, **self.kind.meta, **extra)
 
     def teardown(self) -> None:
-        live = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r] and not self.stopped]
-        if live:
-            with contextlib.suppress(Exception):
-                self._call(live, "stop", (1.0,), timeout=5.0)
-        for f in self.futures:
-            with contextlib.suppress(Exception):
-                f.release()  # type: ignore[no-untyped-call, unused-ignore]
+        live = [r for r, (a, s) in enumerate(zip(self.alive, self.started, strict=False)) if a and s]
+        self.kind.close([] if self.stopped else live)
         if self.ps is not None:
             self.ps.close()
 
     # -- replica calls ---------------------------------------------------------------------------------
-    def _call(
-        self, which: Sequence[int], method: str, args: tuple[Any, ...] = (), *, timeout: float | None = None
-    ) -> dict[int, tuple[bool, Any]]:
-        """Call ``method`` on the replicas ``which`` at once; ``{r: (ok, result or exception)}``."""
-        limit = self.opts.call_timeout if timeout is None else timeout
-        calls = [start_call(self.actors[r], method, *args) for r in which]
-        out = gather_calls(self.client, calls, timeout=limit)
-        return dict(zip(which, out, strict=True))
-
-    def _is_dead(self, r: int) -> bool:
-        return actor_gone(self.client, self.futures[r], self.actors[r])
-
     def _start(self, which: Sequence[int]) -> None:
-        for r, (ok, value) in self._call(which, "start").items():
+        for r, (ok, value) in self.kind.start(which).items():
             if ok:
                 self.started[r] = True
-            elif self._is_dead(r):
+            elif self.kind.is_dead(r):
                 self._lose(r)
             else:
                 raise ClusterError(f"replica {r} could not start: {value!r}")
@@ -872,15 +830,15 @@ class _Run:
         self.machine.lose(r)
 
     def _poll(self) -> None:
-        which = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r]]
+        which = [r for r in range(self.kind.n_replicas) if self.alive[r] and self.started[r]]
         if not which:
             return
-        timeout = max(5.0, 20 * self.opts.poll_every)
+        timeout = max(5.0, 20 * self.kind.poll_every)
         self._polled_x = None
-        for r, (ok, value) in self._call(which, "status", (self.plan,), timeout=timeout).items():
+        for r, (ok, value) in self.kind.poll(which, self.plan, timeout).items():
             if ok:
                 self._ingest(r, value)
-            elif self._is_dead(r):
+            elif self.kind.is_dead(r):
                 self._lose(r)
 
     def _ingest(self, r: int, value: dict[str, Any]) -> None:
@@ -889,9 +847,10 @@ class _Run:
         points = self.points.setdefault(r, [])
         for record in value.pop("records", []):
             if record.get("x_wanted"):
-                # A windowed sparse replica's local copy is exact only at the keys of its next steps: the
-                # row is evaluated at the shards' parameters instead, read at most once per poll and at
-                # most 5% of the time (the shards serve the replicas meanwhile; a row without is NaN).
+                # A windowed sparse replica's local copy is exact only at the keys of its next steps, and
+                # partitions hold only their slices: the row is evaluated at the shards' parameters instead,
+                # read at most once per poll and at most 5% of the time (the shards serve the replicas
+                # meanwhile; a row without is NaN).
                 now = time.perf_counter()
                 if self._polled_x is None and now - self._gathered_at >= 20 * self._gather_s:
                     self._polled_x = self._ps_call(self._gather_x)
@@ -909,7 +868,7 @@ class _Run:
     # -- parameter server ------------------------------------------------------------------------------
     def _gather_x(self) -> np.ndarray:
         assert self.ps is not None
-        return self.ps.gather("x")
+        return self.kind.to_model(self.ps.gather("x"))
 
     def _ps_call(self, fn: Callable[[], Any]) -> Any:
         """Run a parameter-server op; a lost shard is restored (and the replicas told) and the op retried."""
@@ -918,9 +877,9 @@ class _Run:
 
     def _repoint(self, shard_map: ShardMap) -> None:
         """A shard came back from its checkpoint: the replicas are handed the new shard map."""
-        live = [r for r in range(len(self.actors)) if self.alive[r]]
-        for r, (ok, _) in self._call(live, "set_shard_map", (shard_map,)).items():
-            if not ok and self._is_dead(r):
+        live = [r for r in range(self.kind.n_replicas) if self.alive[r]]
+        for r, (ok, _) in self.kind.set_shard_map(live, shard_map).items():
+            if not ok and self.kind.is_dead(r):
                 self._lose(r)
 
     # -- history ---------------------------------------------------------------------------------------
@@ -979,9 +938,15 @@ class _Run:
 
     def _objective(self, x: np.ndarray | None) -> float:
         """F(w) on the training rows (:meth:`objective_sample`), as Sandblaster computes it."""
-        if x is None:
+        if x is None or self._unreadable:
             return math.nan
-        X, y = self.objective_sample()
+        try:
+            X, y = self.objective_sample()
+        except StoreError:
+            # NaN rather than the run's failure: the replicas read the same rows, and their error (with
+            # its traceback) is the one to report.
+            self._unreadable = True
+            return math.nan
         return float(objective(self.model, x, X, y, l2=self.opts.l2)[0])
 
     def _record_plan(self, ranges: Sequence[tuple[int, int]]) -> RecordPlan:
@@ -1037,7 +1002,7 @@ class _Run:
     def _frontier(self) -> float:
         """The time up to which every replica's records are in: rows before it can be made."""
         frontier = math.inf
-        for r in range(len(self.actors)):
+        for r in range(self.kind.n_replicas):
             if not (self.alive[r] and self.started[r]):
                 continue  # not started: no steps yet; lost: it will send no more
             points = self.points.get(r)
@@ -1097,6 +1062,8 @@ class _Run:
 
     def _record(self, now: float, x: np.ndarray | None, t: dict[str, Any] | None = None) -> Progress:
         """The history row at ``now`` on the counters ``t`` (the latest statuses', all of them, if None)."""
+        if x is not None and not np.isfinite(x).all():
+            x = None  # diverged (the watchdog is told by the caller): the model refuses such parameters
         test_loss, test_acc = _evaluate(self.model, x, self.eval_arrays) if x is not None else (math.nan,) * 2
         upto = now if t is not None else math.inf
         t = self._totals() if t is None else t
@@ -1177,14 +1144,15 @@ class _Run:
             data[k] = (("time", "shard"), values)
         data["train_loss"] = (*data["train_loss"], {"long_name": "running mini-batch loss"})
         data["objective"] = (*data["objective"], {"long_name": "F(w) on the training data"})
-        opts = self.opts
+        opts, n_replicas = self.opts, self.kind.n_replicas
         return xr.Dataset(
             data,
             coords={"time": times, "shard": np.arange(s)},
             attrs={
+                **self.kind.meta,
                 "rule": opts.rule,
                 "lr": opts.step_size,
-                "replicas": len(self.actors),
+                "replicas": n_replicas,
                 "shards": s,
                 "batch_size": opts.batch_size,
                 "n_fetch": opts.n_fetch,
@@ -1192,7 +1160,7 @@ class _Run:
                 "n_rows": self.dataset.n_rows,
                 "l2": opts.l2,
                 "objective_rows": self._objective_rows[0].shape[0] if self._objective_rows else 0,
-                "staleness_scale": opts.scales_staleness(len(self.actors)),
+                "staleness_scale": opts.scales_staleness(n_replicas),
                 "fused": opts.fuses,
                 "compression_tau": opts.compression.tau if opts.compression is not None else 0.0,
             },
@@ -1203,18 +1171,18 @@ class _Run:
         """Poll the replicas every ``poll_every`` seconds and carry out what :class:`DriverMachine` says."""
         opts, m, shards = self.opts, self.machine, self.shards
         assert shards is not None
-        n_replicas = len(self.actors)
+        n_replicas = self.kind.n_replicas
         # A resumed run's clock goes on from its checkpoint's (time_limit counts the whole run).
         start = self.resumed.time if self.resumed is not None else 0.0
         self.t0 = time.perf_counter() - start
         self.t0_wall = time.time() - start
         if m.waiting:
-            self._call([0], "hold", (opts.warmstart_steps,))
+            self.kind.call([0], "hold", (opts.warmstart_steps,))
         self._start([0] if m.waiting else list(range(n_replicas)))
         self._measure_applied(start)
         _diverged(self.watch, self._record(start, self.x_start), self.x_start)
         while True:
-            time.sleep(opts.poll_every)
+            time.sleep(self.kind.poll_every)
             self._replan(time.perf_counter() - self.t0)
             self._poll()
             now = time.perf_counter() - self.t0
@@ -1225,7 +1193,7 @@ class _Run:
             for action in m.tick(now, poll):
                 if isinstance(action, Release):
                     self._start(range(1, n_replicas))
-                    self._call([0], "release")
+                    self.kind.call([0], "release")
                 elif isinstance(action, Probe):  # replicas cannot reach a shard: was it lost (restore it)?
                     with contextlib.suppress(ClusterError):
                         shards.probe()
@@ -1276,14 +1244,14 @@ class _Run:
     def _finish(self, stop_reason: str) -> TrainResult:
         assert self.ps is not None and self.shards is not None
         ps, shards = self.ps, self.shards
-        live = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r]]
-        stop_timeout = self.opts.call_timeout + 5.0
-        finals = self._call(live, "stop", (self.opts.call_timeout,), timeout=stop_timeout)
+        kind, n_replicas = self.kind, self.kind.n_replicas
+        live = [r for r in range(n_replicas) if self.alive[r] and self.started[r]]
+        finals = kind.stop(live, self.opts.call_timeout + 5.0)
         self.stopped = True
         for r, (ok, value) in finals.items():
             if ok:
                 self._ingest(r, value)
-            elif self._is_dead(r):
+            elif kind.is_dead(r):
                 self._lose(r)
         for r in live:
             st = self.status.get(r, {})
@@ -1301,7 +1269,7 @@ class _Run:
         wall = time.perf_counter() - self.t0
         # The store ends up holding the final state (parameters, Adagrad accumulators, shard versions).
         self._checkpoint(wall, final=True)
-        x: np.ndarray = self._ps_call(lambda: ps.gather("x"))
+        x = kind.to_model(self._ps_call(lambda: ps.gather("x")))
         t_last = max(wall, float(np.nextafter(self.rows[-1].time, math.inf)))
         self._measure_applied(t_last)
         last = self._record(t_last, x)
@@ -1309,12 +1277,11 @@ class _Run:
             stop_reason = "diverged"
         losses: dict[int, np.ndarray] = {}
         if self.opts.trace:
-            traced = self._call([r for r in range(len(self.actors)) if self.alive[r]], "losses")
-            losses = {r: np.array(v) for r, (ok, v) in traced.items() if ok}
+            losses = kind.losses([r for r in range(n_replicas) if self.alive[r]])
         t = self._totals()
         success = stop_reason in SUCCESS
         stats = {
-            "replicas": len(self.actors),
+            "replicas": n_replicas,
             "shards": ps.shards,
             "pushes": int(sum(t["pushes"])),
             "fetches": int(sum(t["fetches"])),
@@ -1338,7 +1305,7 @@ class _Run:
             "fused_pushes": t["fused"],
             "shard_counters": self._shard_counters(),
             "resumed_from": self.resumed.step if self.resumed is not None else None,
-            "per_replica": {r: {k: st[k] for k in _PER_REPLICA} for r, st in sorted(self.status.items())},
+            **kind.stats(self.status, int(t["steps"])),
         }
         history, message = self._history(), MESSAGES[stop_reason]
         if stop_reason == "diverged" and self.watch.message:

@@ -217,7 +217,8 @@ def test_a_callback_sees_the_progress_and_can_stop_the_run(client: Client, digit
         model, digits, replicas=2, partitions=2, rule="sgd", lr=0.05, max_steps=100_000, client=client,
         callback=stop_after_a_few,
     )  # fmt: skip
-    assert res.success and res.stop_reason == "callback" and res.message == "stopped by the callback"
+    # (The message may carry the shared stall warning: downpour._watch.)
+    assert res.success and res.stop_reason == "callback" and res.message.startswith("stopped by the callback")
     assert seen[-1].step >= 10 and 10 <= res.steps < 100_000
     assert [p.step for p in seen] == sorted(p.step for p in seen) and seen[-1].replicas_alive == 2
     assert any(np.isfinite(p.train_loss) for p in seen)
@@ -252,9 +253,7 @@ def test_a_second_run_on_the_same_store_starts_over(client: Client, digits: Data
         ({"partitions": True}, "partitions=True is invalid: expected None or an int >= 1"),
         # Options a partitioned run would otherwise ignore without a word.
         ({"resume": True}, "holds no Downpour checkpoint"),  # resume needs one in the store
-        ({"eval_every": 0.5}, "eval_every=0.5 is not supported with partitions=2"),
         ({"poll_every": 0.5}, "poll_every=0.5 is not supported with partitions=2"),
-        ({"max_loss_growth": 2.0}, "max_loss_growth=2.0 is not supported with partitions=2"),
         ({"fuse": False}, "fuse=False is not supported with partitions=2"),
         ({"communication": "sparse"}, "communication='sparse' is not supported with partitions=2"),
     ],
