@@ -418,11 +418,6 @@ class PartitionActor(PartitionPeer):
         """:meth:`status_now`, as an actor call."""
         return self.status_now()
 
-    async def step_count(self) -> int:
-        """Steps taken so far (a rebuilt or resumed partition counts from the step it started at): what a
-        checkpoint records, without :meth:`status`'s loss and staleness lists."""
-        return self.steps
-
 
 def memory_needed(plan: PartitionPlan) -> int:
     """Bytes the largest partition's parameters cost its worker (``COPIES_PER_PARAM`` float64 copies).

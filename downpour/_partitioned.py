@@ -49,7 +49,7 @@ from ._replica import RecordPlan
 from ._resume import ResumePoint
 from ._shards import Shards
 
-__all__ = ["PartitionedReplicas", "check_partitioned_options", "train_partitioned"]
+__all__ = ["PartitionedReplicas", "check_partitioned_options", "options_from", "train_partitioned"]
 
 #: Times a run may rebuild a replica that lost a partition's worker before the run fails.
 MAX_REBUILDS = 8
@@ -571,11 +571,23 @@ def check_partitioned_options(partitions: int, given: dict[str, Any]) -> Downpou
             f"give epochs or max_steps with partitions={partitions} (a partitioned run needs a known length)"
         )
     # The options it takes are checked as downpour.train checks them (lr > 0, l2 >= 0, seed >= 0, ...).
-    names = {f.name for f in fields(DownpourOptions)} - {"has_callback", *_UNSUPPORTED, "max_staleness"}
-    checked = {name: given[name] for name in names if name in given}
+    taken = {k: v for k, v in given.items() if k not in (*_UNSUPPORTED, "max_staleness")}
+    return options_from(taken, staleness_scale=False)
+
+
+def options_from(given: dict[str, Any], **fixed: Any) -> DownpourOptions:
+    """The :class:`DownpourOptions` of ``downpour.train``'s arguments ``given`` (its locals), with ``fixed``.
+
+    Examples
+    --------
+    >>> options_from({"max_steps": 5, "callback": None, "model": None}).max_steps
+    5
+    """
+    names = {f.name for f in fields(DownpourOptions)} - {"has_callback", *fixed}
+    kwargs = {name: given[name] for name in names if name in given}
     for name in ("shard_workers", "replica_workers"):
-        checked[name] = worker_tuple(checked.get(name))
-    return DownpourOptions(**checked, staleness_scale=False, has_callback=given.get("callback") is not None)
+        kwargs[name] = worker_tuple(kwargs.get(name))
+    return DownpourOptions(**kwargs, **fixed, has_callback=given.get("callback") is not None)
 
 
 def train_partitioned(model: Any, data: Any, *, partitions: int, **options: Any) -> Any:

@@ -35,7 +35,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -65,8 +65,8 @@ from distbelief.storage.internal import (
 from ._batches import BatchPlan
 from ._compress import Compression
 from ._driver import MESSAGES, SUCCESS, Checkpoint, DriverMachine, Measure, Poll, Probe, Release, Report
-from ._options import DownpourOptions, Rule, worker_tuple
-from ._partitioned import PartitionedReplicas, check_partitioned_options
+from ._options import DownpourOptions, Rule
+from ._partitioned import PartitionedReplicas, check_partitioned_options, options_from
 from ._replica import RecordPlan
 from ._resume import ResumePoint
 from ._shards import Shards
@@ -434,45 +434,10 @@ def train(
             f"option callback={callback!r} is invalid: expected None or a function of one downpour.Progress "
             "(raise StopIteration in it to stop the run)"
         )
+    given = locals()
     # True is not 1 here (check_partitioned_options refuses it).
     partitioned = partitions is not None and not (type(partitions) is int and partitions == 1)
-    if partitioned:
-        opts = check_partitioned_options(partitions, locals())  # type: ignore[arg-type]
-    else:
-        opts = DownpourOptions(
-            replicas=replicas,
-            shards=shards,
-            rule=rule,
-            lr=lr,
-            local_lr=local_lr,
-            batch_size=batch_size,
-            n_fetch=n_fetch,
-            n_push=n_push,
-            warmstart_steps=warmstart_steps,
-            epochs=epochs,
-            max_steps=max_steps,
-            time_limit=time_limit,
-            eval_every=eval_every,
-            l2=l2,
-            staleness_scale=staleness_scale,
-            max_staleness=max_staleness,
-            max_loss_growth=max_loss_growth,
-            checkpoint_every_s=checkpoint_every_s,
-            resume=resume,
-            seed=seed,
-            shuffle=shuffle,
-            poll_every=poll_every,
-            call_timeout=call_timeout,
-            shard_workers=worker_tuple(shard_workers),  # type: ignore[arg-type]
-            replica_workers=worker_tuple(replica_workers),  # type: ignore[arg-type]
-            trace=trace,
-            has_callback=callback is not None,
-            communication=communication,
-            fuse=fuse,
-            compression=compression,
-            max_coalesce=max_coalesce,
-            deterministic=deterministic,
-        )
+    opts = check_partitioned_options(partitions, given) if partitioned else options_from(given)  # type: ignore[arg-type]
     return fit(model, data, opts, partitions=partitions if partitioned else None, eval_data=eval_data,
                client=client, store=store, callback=callback, x0=x0)  # fmt: skip
 
@@ -647,23 +612,15 @@ def _evaluate(model: Any, x: np.ndarray, arrays: tuple[np.ndarray, np.ndarray] |
     return float(loss) / X.shape[0], acc
 
 
-@dataclass
-class _Row:
-    time: float
-    step: int
-    epoch: float
-    train_loss: float
-    objective: float
-    test_loss: float
-    test_accuracy: float
-    staleness_mean: float
-    staleness_max: float
-    replicas_alive: int
-    push_errors: int
-    stale_waits: int
-    pushes: list[int]
-    fetches: list[int]
-    version: list[int]
+@dataclass(frozen=True)
+class _Row(Progress):
+    """A history row: its :class:`Progress` and the counters only the history has."""
+
+    push_errors: int = 0
+    stale_waits: int = 0
+    pushes: list[int] = field(default_factory=list)
+    fetches: list[int] = field(default_factory=list)
+    version: list[int] = field(default_factory=list)
     bytes_moved: int = 0
     messages: int = 0
     applied: list[int] = field(default_factory=list)
@@ -898,30 +855,13 @@ class _Run:
 
     def _sum(self, statuses: Sequence[dict[str, Any]]) -> dict[str, Any]:
         s = self.ps.shards if self.ps is not None else 1
-        out: dict[str, Any] = {
-            "steps": 0,
-            "rows": 0,
-            "loss_sum": 0.0,
-            "staleness_count": 0,
-            "staleness_sum": 0,
-            "push_errors": 0,
-            "fetch_errors": 0,
-            "duplicates": 0,
-            "stale_waits": 0,
-            "pushes": [0] * s,
-            "fetches": [0] * s,
-            "version": [0] * s,
-            "bytes_fetched": 0,
-            "bytes_pushed": 0,
-            "messages": 0,
-            "fused": 0,
-        }
+        added = ("steps", "rows", "loss_sum", "staleness_count", "staleness_sum", "duplicates", "stale_waits",
+                 "bytes_fetched", "bytes_pushed", "messages", "fused")  # fmt: skip
+        out: dict[str, Any] = dict.fromkeys(added, 0)
+        out.update(push_errors=0, fetch_errors=0, pushes=[0] * s, fetches=[0] * s, version=[0] * s)
         for st in statuses:
-            for key in ("bytes_fetched", "bytes_pushed", "messages", "fused"):
-                out[key] += st.get(key, 0)
-            for key in ("steps", "rows", "loss_sum", "staleness_count", "staleness_sum", "duplicates"):
+            for key in added:
                 out[key] += st[key]
-            out["stale_waits"] += st["stale_waits"]
             out["push_errors"] += sum(st["push_errors"])
             out["fetch_errors"] += sum(st["fetch_errors"])
             for i in range(s):
@@ -1095,7 +1035,7 @@ class _Run:
         if self.opts.trace and x is not None:
             self.snapshots.append((now, row.step, x))
         self._prev = (t["rows"], t["loss_sum"], t["staleness_count"], t["staleness_sum"])
-        return Progress(**{k: v for k, v in asdict(row).items() if k in Progress.__dataclass_fields__})
+        return Progress(**{f.name: getattr(row, f.name) for f in dataclasses.fields(Progress)})
 
     def _applied_at(self, t: float) -> list[int]:
         """The shards' applied-push counts as last measured at or before ``t`` (every ``eval_every``)."""
@@ -1123,23 +1063,10 @@ class _Run:
         rows = self.rows
         s = self.ps.shards if self.ps is not None else 1
         times = np.array([r.time for r in rows])
-        scalar = [
-            "step",
-            "epoch",
-            "train_loss",
-            "objective",
-            "test_loss",
-            "test_accuracy",
-            "staleness_mean",
-            "staleness_max",
-            "replicas_alive",
-            "push_errors",
-            "stale_waits",
-            "bytes_moved",
-            "messages",
-        ]
+        per_shard = ("pushes", "fetches", "version", "applied")
+        scalar = [f.name for f in dataclasses.fields(_Row) if f.name not in ("time", *per_shard)]
         data: dict[str, Any] = {k: ("time", np.array([getattr(r, k) for r in rows])) for k in scalar}
-        for k in ("pushes", "fetches", "version", "applied"):
+        for k in per_shard:
             values = np.array([getattr(r, k) for r in rows], dtype=np.int64).reshape(-1, s)
             data[k] = (("time", "shard"), values)
         data["train_loss"] = (*data["train_loss"], {"long_name": "running mini-batch loss"})

@@ -28,16 +28,8 @@ __all__ = ["SHARD_MIN_PARAMS", "WholeReplicas"]
 
 #: Below this many parameters the default is a single shard (an extra shard costs a round trip per push).
 SHARD_MIN_PARAMS = 1 << 17
-_PER_REPLICA = (
-    "steps",
-    "pushes",
-    "fetches",
-    "applied_weight",
-    "applied_steps_sq",
-    "stop_reason",
-    "wait_s",
-    "compute_s",
-)
+_PER_REPLICA = ("steps", "pushes", "fetches", "applied_weight", "applied_steps_sq", "stop_reason", "wait_s",
+                "compute_s")  # fmt: skip
 
 
 class WholeReplicas:
@@ -100,29 +92,14 @@ class WholeReplicas:
     def place(self, shards: Shards, opts: DownpourOptions, record_plan: RecordPlan) -> None:
         """One replica actor per row range, round robin on the replica workers."""
         config = ReplicaConfig(
-            run_id=uuid.uuid4().hex[:12],
-            rule=opts.rule,
-            lr=opts.step_size,
-            local_lr=opts.local_lr,
-            n_fetch=opts.sync[0],
-            n_push=opts.sync[1],
-            l2=opts.l2,
-            batch_size=opts.batch_size,
-            seed=opts.seed,
-            shuffle=opts.shuffle,
-            epochs=opts.epochs,
-            step_limit=opts.max_steps,
-            max_staleness=opts.max_staleness,
-            staleness_scale=opts.scales_staleness(self.n_replicas),
-            call_timeout=opts.call_timeout,
-            trace=opts.trace,
-            communication=self.communication,
-            fuse=opts.fuses,
-            compression=opts.compression,
-            record=record_plan,
-            max_coalesce=opts.coalesce_limit,
-            deterministic=opts.deterministic,
-        )
+            run_id=uuid.uuid4().hex[:12], rule=opts.rule, lr=opts.step_size, local_lr=opts.local_lr,
+            n_fetch=opts.sync[0], n_push=opts.sync[1], l2=opts.l2, batch_size=opts.batch_size, seed=opts.seed,
+            shuffle=opts.shuffle, epochs=opts.epochs, step_limit=opts.max_steps,
+            max_staleness=opts.max_staleness, staleness_scale=opts.scales_staleness(self.n_replicas),
+            call_timeout=opts.call_timeout, trace=opts.trace, communication=self.communication,
+            fuse=opts.fuses, compression=opts.compression, record=record_plan,
+            max_coalesce=opts.coalesce_limit, deterministic=opts.deterministic,
+        )  # fmt: skip
         if opts.deterministic:
             shards.ps.begin_rounds(self.n_replicas)
         workers = self.replica_workers
