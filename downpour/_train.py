@@ -365,14 +365,17 @@ def train(
         Seconds a single call to a shard or replica may take before it counts as failed.
     partitions : int, optional
         Model parallelism (paper, section 3): split every replica into this many partition actors with
-        shards aligned to them (:func:`downpour._partitioned.train_partitioned`; ``models.MLP``,
+        shards aligned to them (:class:`downpour._partitioned.PartitionedReplicas`; ``models.MLP``,
         ``models.LocallyConnected`` and ``models.LocallyConnected2D``). ``None`` or 1: one actor per
-        replica. With partitions, ``n_fetch``, ``n_push``, ``local_lr``, ``shard_workers``,
-        ``replica_workers`` and ``resume`` apply as without; a replica that loses a partition's worker is
-        rebuilt on the others (``stats["rebuilt_replicas"]``). The options a partitioned run has no use
-        for (``eval_data``, ``eval_every``, ``poll_every``, ``max_loss_growth``, ``fuse``,
-        ``communication="sparse"``, ``warmstart_steps``, ``time_limit``, ...) are refused unless left at
-        their defaults.
+        replica. The same driver runs both (history, checkpoints, ``resume``, watchdog, result); with
+        partitions a replica that loses a partition's worker is rebuilt on the others
+        (``stats["rebuilt_replicas"]``) rather than dropped, the driver polls every 0.2 s, a history
+        row's objective and held-out metrics are at the shards' parameters (read at most 5% of the
+        time), and ``stats`` adds ``partitions``, ``per_partition`` and the partitions' own traffic per
+        step (``messages_per_step``, ``bytes_per_step``, ``messages_by_kind``). The options partitions
+        have no use for (``poll_every``, ``fuse``, ``communication="sparse"``, ``warmstart_steps``,
+        ``time_limit``, ``shards``, ...) are refused unless left at their defaults; ``epochs`` or
+        ``max_steps`` is needed.
     communication : {"auto", "dense", "sparse"}
         ``"sparse"``: each replica fetches only the parameters its rows touch and pushes only the nonzero
         entries of its accrued gradient, as key-value pairs per shard (ps-lite's pull/push; needs CSR data,

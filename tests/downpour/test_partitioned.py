@@ -78,11 +78,27 @@ def test_fetching_and_pushing_every_few_steps_is_sequential_sgd(client: Client, 
     assert res.stats["pushes"] == 2 * (40 // 3 + 1)
 
 
+#: The history variables of every Downpour run, whole replicas or partitioned.
+HISTORY = {"step", "epoch", "train_loss", "objective", "test_loss", "test_accuracy", "staleness_mean",
+           "staleness_max", "replicas_alive", "push_errors", "stale_waits", "bytes_moved", "messages", "pushes",
+           "fetches", "version", "applied"}  # fmt: skip
+
+
 def test_partitioned_adagrad_with_two_replicas_learns(client: Client, digits: Dataset) -> None:
     model = models.LocallyConnected(64, 10, fields=[6], strides=[2])
-    res = downpour.train(model, digits, replicas=2, partitions=2, epochs=2, lr=0.3, client=client)
+    res = downpour.train(
+        model, digits, replicas=2, partitions=2, epochs=2, lr=0.3, client=client, eval_data=(X_TR, Y_TR)
+    )
     assert res.steps == 2 * 2 * 23 and res.stop_reason == "epochs"  # 2 replicas x 2 epochs x ceil(719 / 32)
     assert model.accuracy(res.x, X_TR, Y_TR) > 0.8
+    # The whole replicas' history (one driver makes both): its last row at the shards' final parameters.
+    h = res.history
+    assert set(h.data_vars) == HISTORY and h.attrs["partitions"] == 2 and h.sizes["time"] >= 2
+    assert int(h.step[-1]) == res.steps and float(h.epoch[-1]) == 2.0 and int(h.replicas_alive[-1]) == 2
+    f_end = models.objective(model, res.x, X_TR, Y_TR)[0]
+    assert float(h.objective[-1]) == pytest.approx(f_end, rel=1e-12) and f_end < float(h.objective[0])
+    assert float(h.test_accuracy[-1]) == pytest.approx(model.accuracy(res.x, X_TR, Y_TR))
+    assert int(h.pushes[-1].sum()) == res.stats["pushes"] == 2 * res.steps  # a push per step per partition
 
 
 def test_unsupported_options_are_refused(client: Client, digits: Dataset) -> None:
