@@ -223,12 +223,9 @@ class PartitionedReplicas:
     async def _ask(self, actor: Any, method: str, *args: Any) -> Any:
         return await asyncio.wait_for(getattr(actor, method)(*args)._result(), self.call_timeout)
 
-    def _dead(self, r: int) -> bool:
-        return any(f.status in DEAD_STATES for f in self.futures[r])
-
     def is_dead(self, r: int) -> bool:
         """Whether replica ``r`` lost a partition's worker (it is rebuilt, never dropped)."""
-        return self._dead(r)
+        return any(f.status in DEAD_STATES for f in self.futures[r])
 
     def start(self, which: Sequence[int]) -> dict[int, tuple[bool, Any]]:
         """Start the partitions' ``run`` of the replicas ``which`` (from the step each starts at)."""
@@ -335,10 +332,10 @@ class PartitionedReplicas:
                 broken.add(r)
                 if not task.cancelled():
                     errors.setdefault(r, task.exception())  # type: ignore[arg-type]
-        broken |= {r for r, _ in self.tasks.values() if self._dead(r)}
+        broken |= {r for r, _ in self.tasks.values() if self.is_dead(r)}
         for r in sorted(broken):
             step = await self._stop(r)
-            dead = await confirm_dead_async(functools.partial(self._dead, r), ConnectionError())
+            dead = await confirm_dead_async(functools.partial(self.is_dead, r), ConnectionError())
             # The lost worker may have held shards too (or a partition failed on a lost shard): restore
             # them before the replica is rebuilt, so its new partitions get the new shard map.
             assert self.shards is not None

@@ -36,7 +36,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import xarray as xr
@@ -629,38 +629,10 @@ class _Row(Progress):
     applied: list[int] = field(default_factory=list)
 
 
-class Replicas(Protocol):
-    """A kind of replica, as the driver shell (:class:`_Run`) sees it: :class:`downpour._whole.WholeReplicas`
-    (one actor each; a lost one is dropped) or :class:`downpour._partitioned.PartitionedReplicas` (K
-    partition actors each; a lost one is rebuilt). Statuses are the whole replicas' counters (summed over
-    partitions), so history, checkpoints and the result are made alike for both."""
-
-    n_replicas: int
-    row_ranges: list[tuple[int, int]]
-    communication: str
-    poll_every: float
-    max_rebuilds: int
-    meta: dict[str, Any]
-    machine: DriverMachine
-
-    def prepare(self, opts: DownpourOptions) -> DownpourOptions: ...
-    def open_shards(
-        self, store: str, opts: DownpourOptions, x_start: np.ndarray
-    ) -> tuple[ParameterServer, ResumePoint | None]: ...
-    def to_model(self, x_ps: np.ndarray) -> np.ndarray: ...
-    def place(self, shards: Shards, opts: DownpourOptions, record_plan: RecordPlan) -> None: ...
-    def resume(self, point: ResumePoint) -> dict[int, dict[str, Any]]: ...
-    def call(
-        self, which: Sequence[int], method: str, args: tuple[Any, ...] = (), *, timeout: float | None = None
-    ) -> dict[int, tuple[bool, Any]]: ...
-    def is_dead(self, r: int) -> bool: ...
-    def start(self, which: Sequence[int]) -> dict[int, tuple[bool, Any]]: ...
-    def poll(self, which: Sequence[int], plan: RecordPlan, timeout: float) -> dict[int, tuple[bool, Any]]: ...
-    def stop(self, which: Sequence[int], timeout: float) -> dict[int, tuple[bool, Any]]: ...
-    def set_shard_map(self, which: Sequence[int], shard_map: ShardMap) -> dict[int, tuple[bool, Any]]: ...
-    def losses(self, which: Sequence[int]) -> dict[int, np.ndarray]: ...
-    def stats(self, statuses: dict[int, dict[str, Any]], steps: int) -> dict[str, Any]: ...
-    def close(self, live: Sequence[int] = ()) -> None: ...
+#: A kind of replica, as the driver shell (:class:`_Run`) sees it through its adapter: placed, started,
+#: polled (statuses in the whole replicas' format, so history, checkpoints and the result are made alike),
+#: stopped, repointed; a lost one dropped (whole) or rebuilt (partitioned, from the step it reached).
+Replicas = WholeReplicas | PartitionedReplicas
 
 
 class _Run:
@@ -719,7 +691,6 @@ class _Run:
         self.eval_s = 0.0
         self.evals = 0
         self.watch = Watchdog(opts.max_loss_growth)
-        self.communication = kind.communication
         #: The shards' parameters read during the current poll, for windowed sparse replicas' records.
         self._polled_x: np.ndarray | None = None
         self._gathered_at = -math.inf
@@ -782,12 +753,9 @@ class _Run:
             if ok:
                 self.started[r] = True
             elif self.kind.is_dead(r):
-                self._lose(r)
+                self.machine.lose(r)
             else:
                 raise ClusterError(f"replica {r} could not start: {value!r}")
-
-    def _lose(self, r: int) -> None:
-        self.machine.lose(r)
 
     def _poll(self) -> None:
         which = [r for r in range(self.kind.n_replicas) if self.alive[r] and self.started[r]]
@@ -799,7 +767,7 @@ class _Run:
             if ok:
                 self._ingest(r, value)
             elif self.kind.is_dead(r):
-                self._lose(r)
+                self.machine.lose(r)
 
     def _ingest(self, r: int, value: dict[str, Any]) -> None:
         """A replica's status: the latest counters, and its history records queued for rows."""
@@ -840,7 +808,7 @@ class _Run:
         live = [r for r in range(self.kind.n_replicas) if self.alive[r]]
         for r, (ok, _) in self.kind.set_shard_map(live, shard_map).items():
             if not ok and self.kind.is_dead(r):
-                self._lose(r)
+                self.machine.lose(r)
 
     # -- history ---------------------------------------------------------------------------------------
     def _totals(self) -> dict[str, Any]:
@@ -1182,7 +1150,7 @@ class _Run:
             if ok:
                 self._ingest(r, value)
             elif kind.is_dead(r):
-                self._lose(r)
+                self.machine.lose(r)
         for r in live:
             st = self.status.get(r, {})
             if st.get("error"):
@@ -1225,7 +1193,7 @@ class _Run:
             "shard_losses": list(shards.shard_losses),
             "recoveries": len(shards.shard_losses),
             "checkpoints": shards.checkpoints,
-            "communication": self.communication,
+            "communication": kind.communication,
             "bytes_fetched": t["bytes_fetched"],
             "bytes_pushed": t["bytes_pushed"],
             "bytes_per_step": (t["bytes_fetched"] + t["bytes_pushed"]) / max(1, t["steps"]),
