@@ -446,29 +446,20 @@ class PartitionedReplicas:
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=timeout)
 
-    async def _tell(self, method: str) -> None:
+    async def _tell(self, method: str, *args: Any, which: Sequence[int] | None = None) -> None:
+        """Call ``method`` on every live partition of the replicas ``which`` (all); failures are ignored (a
+        partition that cannot be reached fails its ``run``, and its replica is rebuilt)."""
         calls = [
-            self._ask(a, method)
-            for row, futs in zip(self.actors, self.futures, strict=True)
-            for a, f in zip(row, futs, strict=True)
+            self._ask(a, method, *args)
+            for r in range(self.n_replicas) if which is None or r in which
+            for a, f in zip(self.actors[r], self.futures[r], strict=True)
             if f.status not in DEAD_STATES
-        ]
+        ]  # fmt: skip
         await asyncio.gather(*calls, return_exceptions=True)
 
     def set_shard_map(self, which: Sequence[int], shard_map: ShardMap) -> dict[int, tuple[bool, Any]]:
-        """Hand every live partition ``shard_map`` (one that cannot be reached is left to fail: its replica
-        is rebuilt)."""
-
-        async def repoint() -> None:
-            calls = [
-                self._ask(a, "set_shard_map", shard_map)
-                for r in which
-                for a, f in zip(self.actors[r], self.futures[r], strict=True)
-                if f.status not in DEAD_STATES
-            ]
-            await asyncio.gather(*calls, return_exceptions=True)
-
-        self._sync(repoint)
+        """Hand every live partition of the replicas ``which`` the shard map ``shard_map``."""
+        self._sync(functools.partial(self._tell, "set_shard_map", shard_map, which=which))
         return {r: (True, None) for r in which}
 
     def losses(self, which: Sequence[int]) -> dict[int, np.ndarray]:

@@ -4,7 +4,10 @@ The driver (this process) never takes part in the optimization. It places the sh
 one replica warm up alone (the paper's "warmstarting"), then lets all of them loose, and from then on only
 watches: every ``poll_every`` seconds it asks each replica for its counters (a cheap ``async`` call), every
 5% of the time trained (at most ``checkpoint_every_s`` seconds apart) it checkpoints the shards to zarr
-(:func:`downpour._resume.checkpoint_interval`), and it decides when to stop.
+(:func:`downpour._resume.checkpoint_interval`), and it decides when to stop. The decisions are
+:class:`downpour._driver.DriverMachine`'s; this module's :class:`_Run` is the one shell that carries them
+out, for whole-model replicas (:class:`downpour._whole.WholeReplicas`) and replicas split into K partitions
+(:class:`downpour._partitioned.PartitionedReplicas`, ``partitions=K``) alike, through their adapter.
 
 The history costs no round trip of its own. Each replica records a history point at set step counts (about
 ``HISTORY_POINTS`` over the run, when its length is known in steps; at set times, re-planned by the measured
@@ -16,10 +19,14 @@ replica and shard, ~20 ms idle and up to 150 ms loaded: a 0.3 s run got 15 point
 starting point and the last at the shards' final parameters. Cost for big models: the parameter copies a
 run sends for its history are bounded by ``HISTORY_X_BYTES`` (past it only every k-th record carries one;
 the others have the counters and a NaN objective), and a replica holds at most
-``_replica.MAX_PENDING_RECORD_BYTES`` of them between polls.
+``_replica.MAX_PENDING_RECORD_BYTES`` of them between polls. Partitions hold only their slices: their
+adapter makes a record from the polled counters, evaluated at the shards' parameters (read at most once a
+poll and 5% of the time, as for a windowed sparse replica's records; a row without them has a NaN
+objective).
 
-Faults (the paper's "tolerate ... the wholesale failure of model replicas"): a replica whose worker dies is
-dropped and the others carry on (its rows are no longer visited). A shard lost with its worker is rebuilt by
+Faults (the paper's "tolerate ... the wholesale failure of model replicas"): a whole replica whose worker
+dies is dropped and the others carry on (its rows are no longer visited); a partitioned one is rebuilt on
+the live workers from the step its surviving partitions reached. A shard lost with its worker is rebuilt by
 the parameter server from its last checkpoint on a live worker; the driver hands the replicas the new shard
 map, and training continues (the updates that shard received since its checkpoint are lost, as in the paper,
 where shards restart from checkpoints).
