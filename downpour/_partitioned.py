@@ -138,6 +138,7 @@ class PartitionedReplicas:
         self.first_step = [0] * self.n_replicas
         self.last: dict[int, dict[str, Any]] = {}
         self._record_mark = (-math.inf, 0)  # (time, steps) of the last history record
+        self._records = 0
 
     # -- the run's shards and actors -------------------------------------------------------------------
     def prepare(self, opts: DownpourOptions) -> DownpourOptions:
@@ -261,8 +262,12 @@ class PartitionedReplicas:
         due = plan.every_steps is not None and steps - s_mark >= plan.every_steps
         if steps > s_mark and (due or now - t_mark >= plan.every_s) and out:
             self._record_mark = (now, steps)
+            # The shards' parameters on every x_every-th record, as a whole replica's copies (0: never: a
+            # model too big to gather for the history).
+            wanted = plan.x_every > 0 and self._records % plan.x_every == 0
+            self._records += 1
             first = min(out)
-            out[first]["records"] = [{**out[first], "x": None, "x_wanted": True}]
+            out[first]["records"] = [{**out[first], "x": None, "x_wanted": wanted}]
         return {r: (True, out[r]) for r in which if r in out}
 
     async def _poll(self) -> dict[int, dict[str, Any]]:

@@ -594,24 +594,6 @@ def objective_rows(dataset: Dataset, max_values: int = OBJECTIVE_MAX_VALUES) -> 
     return np.concatenate([X for X, _ in parts]), np.concatenate([y for _, y in parts])
 
 
-def objective_sample(model: Any, dataset: Dataset) -> tuple[Any, np.ndarray]:
-    """The training rows a run's history objective is computed on (whole or partitioned replicas):
-    :func:`objective_rows` within ``OBJECTIVE_MAX_VALUES`` values and ``OBJECTIVE_MAX_WORK`` row-parameter
-    products (an MLP's row costs its parameters, not its features).
-
-    Examples
-    --------
-    >>> import tempfile
-    >>> from distbelief import models
-    >>> ds = Dataset.from_arrays(np.ones((10, 2)), np.zeros(10), path=tempfile.mkdtemp() + "/ds")
-    >>> objective_sample(models.LeastSquares(2), ds)[0].shape
-    (10, 2)
-    """
-    per_value = max(1.0, float(getattr(model, "n_params", dataset.n_features)) / max(1, dataset.n_features))
-    budget = min(OBJECTIVE_MAX_VALUES, max(dataset.n_features, int(OBJECTIVE_MAX_WORK / per_value)))
-    return objective_rows(dataset, max_values=budget)
-
-
 def _evaluate(model: Any, x: np.ndarray, arrays: tuple[np.ndarray, np.ndarray] | None) -> tuple[float, float]:
     if arrays is None:
         return math.nan, math.nan
@@ -849,9 +831,16 @@ class _Run:
         return out
 
     def objective_sample(self) -> tuple[Any, np.ndarray]:
-        """The training rows the history's objective is computed on (read once): :func:`objective_sample`."""
+        """The training rows the history's objective is computed on (read once): :func:`objective_rows`
+        within ``OBJECTIVE_MAX_VALUES`` values and ``OBJECTIVE_MAX_WORK`` row-parameter products (an MLP's
+        row costs its parameters, not its features)."""
         if self._objective_rows is None:
-            self._objective_rows = objective_sample(self.model, self.dataset)
+            ds = self.dataset
+            per_value = max(
+                1.0, float(getattr(self.model, "n_params", ds.n_features)) / max(1, ds.n_features)
+            )
+            budget = min(OBJECTIVE_MAX_VALUES, max(ds.n_features, int(OBJECTIVE_MAX_WORK / per_value)))
+            self._objective_rows = objective_rows(ds, max_values=budget)
         return self._objective_rows
 
     def _objective(self, x: np.ndarray | None) -> float:
