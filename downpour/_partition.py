@@ -184,14 +184,13 @@ class PartitionActor(PartitionPeer):
         self.losses: list[float] = []
         self.steps = 0
         self.pushes_sent = 0
-        self.staleness: list[int] = []
         # The driver's poll reads these scalars (:meth:`counters`), not the lists: rows are counted from the
         # replica's first step (skipped ones too: a rebuilt or resumed replica's count goes on), the loss and
         # staleness totals over this partition's life, ``stale_max`` since the last poll.
         self.rows = 0
         self.loss_sum = 0.0
         self.fetches = 0
-        self.stale_max = self.stale_sum = 0
+        self.stale_max = self.stale_sum = self.stale_count = 0
         self.versions = [0] * len(self.shards)
         # "update": the step on the slice (take_step and a fetch's own-writes correction); "data": reading
         # and gathering the mini-batch. What a step costs besides its pass and the parameter server.
@@ -264,7 +263,7 @@ class PartitionActor(PartitionPeer):
         self.pushes_sent += 1
         self.seconds["push"] += time.perf_counter() - t0
         stale = [int(a[2]) for a in answers]
-        self.staleness += stale
+        self.stale_count += len(stale)
         self.stale_sum += sum(stale)
         self.stale_max = max(self.stale_max, max(stale, default=0))
         self.applied += sum(bool(a[0]) for a in answers)
@@ -379,7 +378,6 @@ class PartitionActor(PartitionPeer):
         return {
             **self._scalars(),
             "losses": list(self.losses),
-            "staleness": list(self.staleness),
             "seconds": dict(self.seconds),
             "by_kind": dict(self.by_kind),
             "worker": getattr(current_worker(), "address", None),  # where it runs (the dashboard's groups)
@@ -402,7 +400,7 @@ class PartitionActor(PartitionPeer):
             "pushes_sent": self.pushes_sent,
             "fetches": self.fetches,
             "staleness_sum": self.stale_sum,
-            "staleness_count": len(self.staleness),
+            "staleness_count": self.stale_count,
             "staleness_max": self.stale_max,
             "versions": list(self.versions),
         }

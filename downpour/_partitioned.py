@@ -481,7 +481,7 @@ class PartitionedReplicas:
         partition's final status), and its peers' traffic per step (activations and their gradients:
         ``messages_per_step``, ``bytes_per_step``, ``messages_by_kind``)."""
         del statuses
-        per = [{k: v for k, v in st.items() if k not in ("losses", "staleness")} for st in self.per_partition]
+        per = [{k: v for k, v in st.items() if k != "losses"} for st in self.per_partition]
         by_kind: dict[str, float] = {}
         for st in per:
             for kind, count in st.get("by_kind", {}).items():

@@ -479,7 +479,7 @@ def fit(
             kind = PartitionedReplicas(c, model, dataset, opts, partitions=partitions)
         else:
             kind = WholeReplicas(c, model, dataset, opts)
-        run = _Run(model, dataset, eval_arrays, c, run_dir, opts, x_start, callback, kind)
+        run = _Run(model, dataset, eval_arrays, run_dir, opts, x_start, callback, kind)
         try:
             run.setup()
             result = run.drive()
@@ -632,7 +632,6 @@ class _Run:
         model: Any,
         dataset: Dataset,
         eval_arrays: tuple[np.ndarray, np.ndarray] | None,
-        client: Client,
         store: str,
         opts: DownpourOptions,
         x_start: np.ndarray,
@@ -643,7 +642,6 @@ class _Run:
         self.model = model
         self.dataset = dataset
         self.eval_arrays = eval_arrays
-        self.client = client
         self.store = store
         self.opts = opts
         self.x_start = x_start
