@@ -74,8 +74,6 @@ class PartitionedReplicas:
         The cluster.
     model : models.MLP, models.LocallyConnected or models.LocallyConnected2D
         A model with a partitioned form (``models.partition_plan``).
-    dataset : storage.Dataset
-        Training rows.
     opts : DownpourOptions
         The run's options (``replicas`` default to 1).
     partitions : int
@@ -83,16 +81,15 @@ class PartitionedReplicas:
 
     Examples
     --------
-    >>> kind = PartitionedReplicas(client, models.MLP([64, 8, 10]), ds, opts, partitions=2)  # doctest: +SKIP
+    >>> kind = PartitionedReplicas(client, models.MLP([64, 8, 10]), opts, partitions=2)  # doctest: +SKIP
+    >>> kind.attach(dataset)                                                        # doctest: +SKIP
     """
 
     max_rebuilds = MAX_REBUILDS
     communication = "dense"
 
-    def __init__(
-        self, client: Client, model: Any, dataset: Dataset, opts: DownpourOptions, *, partitions: int
-    ) -> None:
-        self.client, self.model, self.dataset = client, model, dataset
+    def __init__(self, client: Client, model: Any, opts: DownpourOptions, *, partitions: int) -> None:
+        self.client, self.model, self.opts = client, model, opts
         self.plan = plan = partition_plan(model, partitions)
         known = worker_addresses(client, required=True)
         check_workers("replica_workers", opts.replica_workers, known)
@@ -101,21 +98,6 @@ class PartitionedReplicas:
         self.homes = list(opts.shard_workers or self.places)
         check_memory(client, plan, self.places)
         self.n_replicas = opts.replicas or 1
-        self.row_ranges = split_rows(dataset.n_rows, self.n_replicas)
-        self.per_epoch = [
-            BatchPlan.for_rows(dataset, lo, hi, batch_size=opts.batch_size, seed=opts.seed, replica=r)
-            .batches_per_epoch
-            for r, (lo, hi) in enumerate(self.row_ranges)
-        ]  # fmt: skip
-        self.limits = []
-        for r in range(self.n_replicas):
-            limit = math.inf if opts.epochs is None else opts.epochs * self.per_epoch[r]
-            if opts.max_steps is not None:
-                q, extra = divmod(opts.max_steps, self.n_replicas)
-                limit = min(limit, q + (1 if r < extra else 0))
-            self.limits.append(int(limit))
-        exact = opts.max_steps is not None and sum(self.limits) == opts.max_steps
-        self.reason = "max_steps" if exact else "epochs"
         self.layout = partition_layout(plan.bounds, shards_per_partition=1)
         self.owned = partition_shards(self.layout, plan.bounds)
         self.call_timeout = opts.call_timeout
@@ -141,6 +123,26 @@ class PartitionedReplicas:
         self._records = 0
 
     # -- the run's shards and actors -------------------------------------------------------------------
+    def attach(self, dataset: Dataset) -> None:
+        """The training rows: each replica's part, and its step limit (``epochs``, or its share of
+        ``max_steps``)."""
+        opts, n = self.opts, self.n_replicas
+        self.dataset, self.row_ranges = dataset, split_rows(dataset.n_rows, n)
+        self.per_epoch = [
+            BatchPlan.for_rows(dataset, lo, hi, batch_size=opts.batch_size, seed=opts.seed, replica=r)
+            .batches_per_epoch
+            for r, (lo, hi) in enumerate(self.row_ranges)
+        ]  # fmt: skip
+        self.limits = []
+        for r in range(n):
+            limit = math.inf if opts.epochs is None else opts.epochs * self.per_epoch[r]
+            if opts.max_steps is not None:
+                q, extra = divmod(opts.max_steps, n)
+                limit = min(limit, q + (1 if r < extra else 0))
+            self.limits.append(int(limit))
+        exact = opts.max_steps is not None and sum(self.limits) == opts.max_steps
+        self.reason = "max_steps" if exact else "epochs"
+
     def prepare(self, opts: DownpourOptions) -> DownpourOptions:
         """``opts`` with ``n_fetch``/``n_push`` chosen (:func:`downpour.auto_sync`, whole model)."""
         return opts.with_sync(self.model.n_params, windowed=False)

@@ -472,13 +472,15 @@ def fit(
     eval_arrays = _eval_arrays(model, eval_data)
     prefix = "downpour-mp-" if partitions is not None else "downpour-"
     with run_store(store, prefix) as run_dir, embedded_client(client) as c:
-        dataset = as_dataset(data, run_dir)
-        dataset.check_model(model)
+        # The workers, the model's partitions and their memory are checked before the data are stored.
         kind: Replicas
         if partitions is not None:
-            kind = PartitionedReplicas(c, model, dataset, opts, partitions=partitions)
+            kind = PartitionedReplicas(c, model, opts, partitions=partitions)
         else:
-            kind = WholeReplicas(c, model, dataset, opts)
+            kind = WholeReplicas(c, model, opts)
+        dataset = as_dataset(data, run_dir)
+        dataset.check_model(model)
+        kind.attach(dataset)
         run = _Run(model, dataset, eval_arrays, run_dir, opts, x_start, callback, kind)
         try:
             run.setup()

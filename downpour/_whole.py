@@ -37,31 +37,35 @@ class WholeReplicas:
 
     Examples
     --------
-    >>> kind = WholeReplicas(client, model, dataset, opts)   # doctest: +SKIP
+    >>> kind = WholeReplicas(client, model, opts)   # doctest: +SKIP
+    >>> kind.attach(dataset)                        # doctest: +SKIP
     >>> kind.n_replicas                                      # doctest: +SKIP
     2
     """
 
     max_rebuilds = 0  # a lost replica is dropped
 
-    def __init__(self, client: Client, model: Any, dataset: Dataset, opts: DownpourOptions) -> None:
-        self.client, self.model, self.dataset = client, model, dataset
+    def __init__(self, client: Client, model: Any, opts: DownpourOptions) -> None:
+        self.client, self.model, self.opts = client, model, opts
         workers = worker_addresses(client, required=True)
         check_workers("shard_workers", opts.shard_workers, workers)
         check_workers("replica_workers", opts.replica_workers, workers)
         self.shard_workers = list(opts.shard_workers or workers)
         self.replica_workers = list(opts.replica_workers or workers)
         self.n_replicas = opts.replicas or len(self.replica_workers)
-        self.row_ranges = split_rows(dataset.n_rows, self.n_replicas)
-        # Key-value fetch and push (storage._keys) for sparse rows, unless l2 moves every parameter.
-        wide = use_sparse(opts.communication, model, dataset.layout == "csr")
-        self.communication = "sparse" if wide and not opts.l2 else "dense"
         self.call_timeout = opts.call_timeout
         self.poll_every = opts.poll_every
         self.meta: dict[str, Any] = {}
         self.machine = DriverMachine(replicas=0)  # the shell's, once it has made it
         self.actors: list[Any] = []
         self.futures: list[Future[Any]] = []
+
+    def attach(self, dataset: Dataset) -> None:
+        """The training rows (each replica's part), and what the replicas communicate: key-value fetch and
+        push (storage._keys) for sparse rows, unless l2 moves every parameter."""
+        self.dataset, self.row_ranges = dataset, split_rows(dataset.n_rows, self.n_replicas)
+        wide = use_sparse(self.opts.communication, self.model, dataset.layout == "csr")
+        self.communication = "sparse" if wide and not self.opts.l2 else "dense"
 
     def prepare(self, opts: DownpourOptions) -> DownpourOptions:
         """``opts`` with ``n_fetch``/``n_push`` chosen from what the run communicates."""

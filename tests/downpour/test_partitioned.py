@@ -80,8 +80,8 @@ def test_fetching_and_pushing_every_few_steps_is_sequential_sgd(client: Client, 
 
 #: The history variables of every Downpour run, whole replicas or partitioned.
 HISTORY = {"step", "epoch", "train_loss", "objective", "test_loss", "test_accuracy", "staleness_mean",
-           "staleness_max", "replicas_alive", "push_errors", "stale_waits", "bytes_moved", "messages", "pushes",
-           "fetches", "version", "applied"}  # fmt: skip
+           "staleness_max", "replicas_alive", "push_errors", "stale_waits", "bytes_moved", "messages",
+           "pushes", "fetches", "version", "applied"}  # fmt: skip
 
 
 def test_partitioned_adagrad_with_two_replicas_learns(client: Client, digits: Dataset) -> None:
@@ -101,7 +101,7 @@ def test_partitioned_adagrad_with_two_replicas_learns(client: Client, digits: Da
     assert int(h.pushes[-1].sum()) == res.stats["pushes"] == 2 * res.steps  # a push per step per partition
 
 
-def test_unsupported_options_are_refused(client: Client, digits: Dataset) -> None:
+def test_unsupported_options_are_refused(client: Client, digits: Dataset, tmp_path: Any) -> None:
     model = models.MLP([64, 10])
     with pytest.raises(InvalidOptionError, match="warmstart_steps=3 is not supported with partitions=2"):
         downpour.train(model, digits, partitions=2, warmstart_steps=3, max_steps=1, client=client)
@@ -113,6 +113,11 @@ def test_unsupported_options_are_refused(client: Client, digits: Dataset) -> Non
             downpour.train(model, digits, partitions=2, checkpoint_every_s=bad, max_steps=1, client=client)
     with pytest.raises(InvalidOptionError, match="cannot be partitioned"):
         downpour.train(models.Softmax(64, 10), digits, partitions=2, max_steps=1, client=client)
+    # Refused before the arrays are written to the store.
+    with pytest.raises(InvalidOptionError, match="cannot be partitioned"):
+        downpour.train(models.Softmax(64, 10), (X_TR, Y_TR), partitions=2, max_steps=1, client=client,
+                       store=tmp_path)  # fmt: skip
+    assert not any(tmp_path.iterdir())
 
 
 def _actors_here(dask_worker: Any) -> list[str]:
