@@ -1,9 +1,8 @@
 """The Downpour driver's decisions as a state machine: no I/O, no clock, no Dask (paper, section 4.1).
 
-Both Downpour shells, the one for whole-model replicas (:class:`downpour._train._Run`) and the one for
-replicas split into partitions (:class:`downpour._partitioned._Supervisor`), only carry messages; what to
-do and when is decided here, fed with events that carry the time they happened (``now``: seconds of the
-run, a resumed run's counting on from its checkpoint's):
+The Downpour shell (:class:`downpour._train._Run`, for whole-model replicas and replicas split into
+partitions alike) only carries messages; what to do and when is decided here, fed with events that carry
+the time they happened (``now``: seconds of the run, a resumed run's counting on from its checkpoint's):
 
 =====================================  ============================================================
 event                                  instructions out
@@ -11,12 +10,11 @@ event                                  instructions out
 :meth:`~DriverMachine.tick`            in this order: :class:`Release` (the warm-start is over),
 (a poll: the replicas' counters)       :class:`Probe` (new push/fetch errors: was a shard lost?),
                                        :class:`Report` (history rows are due), :class:`Measure`
-                                       (the shards' applied counters), :class:`Checkpoint`,
-                                       :class:`Abort` (a stop has had its grace)
+                                       (the shards' applied counters), :class:`Checkpoint`
 :meth:`~DriverMachine.verdict`         none: a history row's divergence or the callback's stop
 :meth:`~DriverMachine.checkpointed`    none: paces the next :class:`Checkpoint` by this one's cost
-:meth:`~DriverMachine.lose`            :class:`Rebuild` of a replica (partitioned runs) or nothing
-                                       (a whole replica is dropped, the others carry on)
+:meth:`~DriverMachine.lose`            whether to rebuild the replica (partitioned runs; else it is
+                                       dropped and the others carry on)
 :meth:`~DriverMachine.outcome`         the stop reason, or None while the run goes on
 =====================================  ============================================================
 
@@ -43,14 +41,12 @@ from ._resume import checkpoint_interval
 __all__ = [
     "MESSAGES",
     "SUCCESS",
-    "Abort",
     "Checkpoint",
     "DriverMachine",
     "Instruction",
     "Measure",
     "Poll",
     "Probe",
-    "Rebuild",
     "Release",
     "Report",
 ]
@@ -95,19 +91,7 @@ class Checkpoint:
     """Checkpoint the shards with the replicas' counters (then :meth:`DriverMachine.checkpointed`)."""
 
 
-@dataclass(frozen=True)
-class Abort:
-    """The replicas told to stop after their step under way had their grace: abort what still runs."""
-
-
-@dataclass(frozen=True)
-class Rebuild:
-    """Start ``replica`` again on the workers still alive, from the step it reached."""
-
-    replica: int
-
-
-Instruction = Release | Probe | Report | Measure | Checkpoint | Abort | Rebuild
+Instruction = Release | Probe | Report | Measure | Checkpoint
 
 
 @dataclass(frozen=True)
@@ -156,8 +140,6 @@ class DriverMachine:
         Replica 0 trains alone first; the others wait for a :class:`Release`.
     max_rebuilds : int
         Replicas a run may rebuild after losing their worker (0: a lost replica is dropped).
-    settle_s : float
-        Seconds a run stopped by its callback gives the replicas to end their step before an :class:`Abort`.
 
     Examples
     --------
@@ -165,7 +147,7 @@ class DriverMachine:
     >>> m.tick(0.1, Poll(steps=3)), m.tick(0.2, Poll(steps=5, holding=True)), m.waiting
     ([], [Release()], False)
     >>> m.lose(1), m.lose(0), m.outcome(0.3, Poll())
-    ([], [], 'replicas_lost')
+    (False, False, 'replicas_lost')
     """
 
     def __init__(
@@ -180,22 +162,20 @@ class DriverMachine:
         max_steps: int | None = None,
         warm: bool = False,
         max_rebuilds: int = 0,
-        settle_s: float = 0.3,
     ) -> None:
         self.alive = [True] * replicas
         self.waiting = warm and replicas > 1
         self.every_s = checkpoint_every_s
         self.report_every, self.measure_every = report_every, measure_every
         self.time_limit, self.max_steps = time_limit, max_steps
-        self.max_rebuilds, self.settle_s = max_rebuilds, settle_s
+        self.max_rebuilds = max_rebuilds
         self.next_ckpt = start + checkpoint_interval(start, 0.0, checkpoint_every_s)
         self.next_report = start + report_every
         self.next_measure = start + measure_every
         self.errors_seen = 0
         self.last_probe = -math.inf
-        #: The stop a history row decided (the callback's, or divergence), and when it came.
+        #: The stop a history row decided (the callback's, or divergence).
         self.stopped: str | None = None
-        self.stopped_at = math.inf
         #: Replicas rebuilt so far, in order (one may be rebuilt more than once).
         self.rebuilt: list[int] = []
         #: Replicas lost for good, in order.
@@ -219,8 +199,6 @@ class DriverMachine:
         if now >= self.next_ckpt:
             self.next_ckpt = math.inf  # until checkpointed() says what it cost
             out.append(Checkpoint())
-        if self.stopped == "callback" and now - self.stopped_at >= self.settle_s:
-            out.append(Abort())  # at every tick: a partition may begin a pass after the last abort
         return out
 
     def checkpointed(self, now: float, cost: float) -> None:
@@ -230,11 +208,12 @@ class DriverMachine:
     def verdict(self, now: float, *, callback: bool = False, diverged: bool = False) -> None:
         """A history row made at ``now``: whether the callback raised ``StopIteration`` on it, and whether
         the watchdog says the run diverged (the first stop decided is the one that counts)."""
+        del now  # a row's time: the stop counts from the first row that decides one
         if self.stopped is None and (callback or diverged):
-            self.stopped, self.stopped_at = ("callback" if callback else "diverged"), now
+            self.stopped = "callback" if callback else "diverged"
 
-    def lose(self, r: int) -> list[Instruction]:
-        """Replica ``r`` lost its worker: rebuild it while the run may (else it is dropped).
+    def lose(self, r: int) -> bool:
+        """Replica ``r`` lost its worker: whether to rebuild it (while the run may; else it is dropped).
 
         Raises
         ------
@@ -248,11 +227,11 @@ class DriverMachine:
                     "(check the workers' health and logs)"
                 )
             self.rebuilt.append(r)
-            return [Rebuild(r)]
+            return True
         if self.alive[r]:
             self.alive[r] = False
             self.lost.append(r)
-        return []
+        return False
 
     def outcome(self, now: float, poll: Poll) -> str | None:
         """Why the run stops after the poll ``poll`` at ``now``; None: it goes on."""

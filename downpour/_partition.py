@@ -49,7 +49,7 @@ COPIES_PER_PARAM = 4
 
 @dataclass(frozen=True)
 class PartitionConfig:
-    """The run's options a partition needs (built by :func:`train_partitioned`).
+    """The run's options a partition needs (built by ``downpour._partitioned.PartitionedReplicas``).
 
     Examples
     --------
@@ -184,7 +184,14 @@ class PartitionActor(PartitionPeer):
         self.losses: list[float] = []
         self.steps = 0
         self.pushes_sent = 0
-        self.staleness: list[int] = []
+        # The driver's poll reads these scalars (:meth:`counters`), not the lists: rows are counted from the
+        # replica's first step (skipped ones too: a rebuilt or resumed replica's count goes on), the loss and
+        # staleness totals over this partition's life, ``stale_max`` since the last poll.
+        self.rows = 0
+        self.loss_sum = 0.0
+        self.fetches = 0
+        self.stale_max = self.stale_sum = self.stale_count = 0
+        self.versions = [0] * len(self.shards)
         # "update": the step on the slice (take_step and a fetch's own-writes correction); "data": reading
         # and gathering the mini-batch. What a step costs besides its pass and the parameter server.
         self.seconds.update({"fetch": 0.0, "push": 0.0, "update": 0.0, "data": 0.0})
@@ -229,7 +236,9 @@ class PartitionActor(PartitionPeer):
         # Copied, never kept: a shard on this worker may answer with its own vector (no serialization).
         np.concatenate(arrays, out=self._w)
         self.seconds["fetch"] += time.perf_counter() - t0
-        return self._w, [int(p[0]) for p in parts]
+        self.fetches += 1
+        self.versions = [int(p[0]) for p in parts]
+        return self._w, list(self.versions)
 
     async def _push(self, accrued: np.ndarray, steps: int, versions: list[int]) -> None:
         cfg = self.config
@@ -253,7 +262,10 @@ class PartitionActor(PartitionPeer):
         )
         self.pushes_sent += 1
         self.seconds["push"] += time.perf_counter() - t0
-        self.staleness += [int(a[2]) for a in answers]
+        stale = [int(a[2]) for a in answers]
+        self.stale_count += len(stale)
+        self.stale_sum += sum(stale)
+        self.stale_max = max(self.stale_max, max(stale, default=0))
         self.applied += sum(bool(a[0]) for a in answers)
 
     async def set_shard_map(self, shard_map: ShardMap) -> None:
@@ -305,6 +317,7 @@ class PartitionActor(PartitionPeer):
             for s, rows in self.batches.epoch(epoch):
                 if skip:
                     skip -= 1
+                    self.rows += len(rows)
                     continue
                 if self.steps >= cfg.step_limit or self._stopped:
                     break
@@ -326,8 +339,10 @@ class PartitionActor(PartitionPeer):
                 gen = self.plan.partition_pass(self.k, w_k, X_k, y, out=out)
                 loss, grad = await self.run_pass(self.steps, gen)
                 n = len(rows)
+                self.rows += n
                 if loss is not None:
                     self.losses.append(float(loss) / n)
+                    self.loss_sum += float(loss)
                 first = accrued is None
                 if accrued is None:
                     # A new vector per push, not a reused one: the push's message may still hold the last.
@@ -361,6 +376,15 @@ class PartitionActor(PartitionPeer):
     def status_now(self) -> dict[str, Any]:
         """Counters: steps, messages and bytes sent, losses (partition 0), staleness, time split."""
         return {
+            **self._scalars(),
+            "losses": list(self.losses),
+            "seconds": dict(self.seconds),
+            "by_kind": dict(self.by_kind),
+            "worker": getattr(current_worker(), "address", None),  # where it runs (the dashboard's groups)
+        }
+
+    def _scalars(self) -> dict[str, Any]:
+        return {
             "replica": self.replica,
             "partition": self.k,
             "generation": self.generation,
@@ -370,22 +394,27 @@ class PartitionActor(PartitionPeer):
             "steps": self.steps,
             "messages": self.messages,
             "bytes": self.bytes,
-            "by_kind": dict(self.by_kind),
-            "losses": list(self.losses),
-            "staleness": list(self.staleness),
-            "seconds": dict(self.seconds),
             "param_bytes": 8 * sum(hi - lo for lo, hi in self._ranges),
-            "worker": getattr(current_worker(), "address", None),  # where it runs (the dashboard's groups)
+            "rows": self.rows,
+            "loss_sum": self.loss_sum,
+            "pushes_sent": self.pushes_sent,
+            "fetches": self.fetches,
+            "staleness_sum": self.stale_sum,
+            "staleness_count": self.stale_count,
+            "staleness_max": self.stale_max,
+            "versions": list(self.versions),
         }
+
+    async def counters(self) -> dict[str, Any]:
+        """The scalars of :meth:`status_now` (no per-step lists), for the driver's poll; ``staleness_max``
+        is the largest since the previous call."""
+        out = self._scalars()
+        self.stale_max = 0
+        return out
 
     async def status(self) -> dict[str, Any]:
         """:meth:`status_now`, as an actor call."""
         return self.status_now()
-
-    async def step_count(self) -> int:
-        """Steps taken so far (a rebuilt or resumed partition counts from the step it started at): what a
-        checkpoint records, without :meth:`status`'s loss and staleness lists."""
-        return self.steps
 
 
 def memory_needed(plan: PartitionPlan) -> int:

@@ -1,4 +1,4 @@
-"""A Downpour run's parameter server, as both driver shells use it (whole and partitioned replicas).
+"""A Downpour run's parameter server, as the driver shell uses it (whole and partitioned replicas alike).
 
 One path for the shards' life in a run: created with the starting point and their first checkpoint (or
 reopened from the last one with ``resume=True``), every op through :class:`storage.internal.ShardRecovery`
@@ -38,15 +38,15 @@ class Shards:
         The shards (from :meth:`create` or :meth:`reopen`).
     clock : callable
         The run's time now (what a restored shard's entry in ``shard_losses`` says).
-    repoint : callable, optional
-        Hands the replicas a new shard map after a restore (None: the shell does it itself, after the op).
+    repoint : callable
+        Hands the replicas a new shard map after a restore.
     checkpoints : int
         Checkpoints taken before (the initial one of a new run).
 
     Examples
     --------
     >>> shards = Shards(Shards.create(client, store, 2, x, rule="sgd", workers=None, timeout=30.0),
-    ...                 clock=lambda: 0.0)                                        # doctest: +SKIP
+    ...                 clock=lambda: 0.0, repoint=print)                         # doctest: +SKIP
     >>> shards.checkpoint(1.5, {}, 2); shards.checkpoints                        # doctest: +SKIP
     2
     """
@@ -55,7 +55,7 @@ class Shards:
         self,
         ps: ParameterServer,
         clock: Callable[[], float],
-        repoint: Callable[[ShardMap], None] | None = None,
+        repoint: Callable[[ShardMap], None],
         checkpoints: int = 1,
     ) -> None:
         self.ps, self.clock, self.repoint = ps, clock, repoint
@@ -134,8 +134,7 @@ class Shards:
         """A shard came back from its checkpoint: noted, and the replicas handed the new shard map."""
         self.shard_losses.append((self.clock(), err.shard))
         self.shard_map = self.ps.shard_map()
-        if self.repoint is not None:
-            self.repoint(self.shard_map)
+        self.repoint(self.shard_map)
 
     def run(self, fn: Callable[[], T]) -> T:
         """``fn()``, a parameter-server op: a lost shard is restored and the op retried."""

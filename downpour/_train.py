@@ -4,7 +4,10 @@ The driver (this process) never takes part in the optimization. It places the sh
 one replica warm up alone (the paper's "warmstarting"), then lets all of them loose, and from then on only
 watches: every ``poll_every`` seconds it asks each replica for its counters (a cheap ``async`` call), every
 5% of the time trained (at most ``checkpoint_every_s`` seconds apart) it checkpoints the shards to zarr
-(:func:`downpour._resume.checkpoint_interval`), and it decides when to stop.
+(:func:`downpour._resume.checkpoint_interval`), and it decides when to stop. The decisions are
+:class:`downpour._driver.DriverMachine`'s; this module's :class:`_Run` is the one shell that carries them
+out, for whole-model replicas (:class:`downpour._whole.WholeReplicas`) and replicas split into K partitions
+(:class:`downpour._partitioned.PartitionedReplicas`, ``partitions=K``) alike, through their adapter.
 
 The history costs no round trip of its own. Each replica records a history point at set step counts (about
 ``HISTORY_POINTS`` over the run, when its length is known in steps; at set times, re-planned by the measured
@@ -16,10 +19,14 @@ replica and shard, ~20 ms idle and up to 150 ms loaded: a 0.3 s run got 15 point
 starting point and the last at the shards' final parameters. Cost for big models: the parameter copies a
 run sends for its history are bounded by ``HISTORY_X_BYTES`` (past it only every k-th record carries one;
 the others have the counters and a NaN objective), and a replica holds at most
-``_replica.MAX_PENDING_RECORD_BYTES`` of them between polls.
+``_replica.MAX_PENDING_RECORD_BYTES`` of them between polls. Partitions hold only their slices: their
+adapter makes a record from the polled counters, evaluated at the shards' parameters (read at most once a
+poll and 5% of the time, as for a windowed sparse replica's records; a row without them has a NaN
+objective).
 
-Faults (the paper's "tolerate ... the wholesale failure of model replicas"): a replica whose worker dies is
-dropped and the others carry on (its rows are no longer visited). A shard lost with its worker is rebuilt by
+Faults (the paper's "tolerate ... the wholesale failure of model replicas"): a whole replica whose worker
+dies is dropped and the others carry on (its rows are no longer visited); a partitioned one is rebuilt on
+the live workers from the step its surviving partitions reached. A shard lost with its worker is rebuilt by
 the parameter server from its last checkpoint on a live worker; the driver hands the replicas the new shard
 map, and training continues (the updates that shard received since its checkpoint are lost, as in the paper,
 where shards restart from checkpoints).
@@ -33,18 +40,17 @@ import dataclasses
 import math
 import os
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import xarray as xr
-from distributed import Client, Future
+from distributed import Client
 from threadpoolctl import threadpool_limits
 
-from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError
+from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, StoreError
 from distbelief.models import objective
 from distbelief.models.internal import FittedMixin
 from distbelief.options import refuse_unknown
@@ -55,27 +61,24 @@ from distbelief.storage import (
     as_dataset,
     embedded_client,
     start_vector,
-    worker_addresses,
 )
 from distbelief.storage.internal import (
     Communication,
-    actor_gone,
     as_csr,
-    gather_calls,
     is_sparse,
     run_store,
-    start_call,
-    use_sparse,
 )
 
-from ._batches import BatchPlan, split_rows
+from ._batches import BatchPlan
 from ._compress import Compression
 from ._driver import MESSAGES, SUCCESS, Checkpoint, DriverMachine, Measure, Poll, Probe, Release, Report
-from ._options import DownpourOptions, Rule, check_workers, worker_tuple
-from ._replica import DownpourReplica, RecordPlan, ReplicaConfig
+from ._options import DownpourOptions, Rule
+from ._partitioned import PartitionedReplicas, check_partitioned_options, options_from
+from ._replica import RecordPlan
 from ._resume import ResumePoint
 from ._shards import Shards
 from ._watch import StepRuleStallWarning, Watchdog, stall_message
+from ._whole import WholeReplicas
 
 __all__ = ["Progress", "TrainResult", "train"]
 
@@ -100,18 +103,6 @@ OBJECTIVE_MAX_WORK = 100_000_000
 #: the cores the replicas train on.
 EVAL_SHARE = 0.05
 END_EVAL_S = 1.5
-#: Below this many parameters the default is a single shard (an extra shard costs a round trip per push).
-SHARD_MIN_PARAMS = 1 << 17
-_PER_REPLICA = (
-    "steps",
-    "pushes",
-    "fetches",
-    "applied_weight",
-    "applied_steps_sq",
-    "stop_reason",
-    "wait_s",
-    "compute_s",
-)
 
 
 @dataclass(frozen=True)
@@ -381,14 +372,17 @@ def train(
         Seconds a single call to a shard or replica may take before it counts as failed.
     partitions : int, optional
         Model parallelism (paper, section 3): split every replica into this many partition actors with
-        shards aligned to them (:func:`downpour._partitioned.train_partitioned`; ``models.MLP``,
+        shards aligned to them (:class:`downpour._partitioned.PartitionedReplicas`; ``models.MLP``,
         ``models.LocallyConnected`` and ``models.LocallyConnected2D``). ``None`` or 1: one actor per
-        replica. With partitions, ``n_fetch``, ``n_push``, ``local_lr``, ``shard_workers``,
-        ``replica_workers`` and ``resume`` apply as without; a replica that loses a partition's worker is
-        rebuilt on the others (``stats["rebuilt_replicas"]``). The options a partitioned run has no use
-        for (``eval_data``, ``eval_every``, ``poll_every``, ``max_loss_growth``, ``fuse``,
-        ``communication="sparse"``, ``warmstart_steps``, ``time_limit``, ...) are refused unless left at
-        their defaults.
+        replica. The same driver runs both (history, checkpoints, ``resume``, watchdog, result); with
+        partitions a replica that loses a partition's worker is rebuilt on the others
+        (``stats["rebuilt_replicas"]``) rather than dropped, the driver polls every 0.2 s, a history
+        row's objective and held-out metrics are at the shards' parameters (read at most 5% of the
+        time), and ``stats`` adds ``partitions``, ``per_partition`` and the partitions' own traffic per
+        step (``messages_per_step``, ``bytes_per_step``, ``messages_by_kind``). The options partitions
+        have no use for (``poll_every``, ``fuse``, ``communication="sparse"``, ``warmstart_steps``,
+        ``time_limit``, ``shards``, ...) are refused unless left at their defaults; ``epochs`` or
+        ``max_steps`` is needed.
     communication : {"auto", "dense", "sparse"}
         ``"sparse"``: each replica fetches only the parameters its rows touch and pushes only the nonzero
         entries of its accrued gradient, as key-value pairs per shard (ps-lite's pull/push; needs CSR data,
@@ -450,53 +444,44 @@ def train(
             f"option callback={callback!r} is invalid: expected None or a function of one downpour.Progress "
             "(raise StopIteration in it to stop the run)"
         )
-    if partitions is not None and not (type(partitions) is int and partitions == 1):  # True is not 1 here
-        from ._partitioned import train_from_options
+    given = locals()
+    # True is not 1 here (check_partitioned_options refuses it).
+    partitioned = partitions is not None and not (type(partitions) is int and partitions == 1)
+    opts = check_partitioned_options(partitions, given) if partitioned else options_from(given)  # type: ignore[arg-type]
+    return fit(model, data, opts, partitions=partitions if partitioned else None, eval_data=eval_data,
+               client=client, store=store, callback=callback, x0=x0)  # fmt: skip
 
-        partitioned: TrainResult = train_from_options(model, data, partitions=partitions, given=locals())
-        return partitioned
-    opts = DownpourOptions(
-        replicas=replicas,
-        shards=shards,
-        rule=rule,
-        lr=lr,
-        local_lr=local_lr,
-        batch_size=batch_size,
-        n_fetch=n_fetch,
-        n_push=n_push,
-        warmstart_steps=warmstart_steps,
-        epochs=epochs,
-        max_steps=max_steps,
-        time_limit=time_limit,
-        eval_every=eval_every,
-        l2=l2,
-        staleness_scale=staleness_scale,
-        max_staleness=max_staleness,
-        max_loss_growth=max_loss_growth,
-        checkpoint_every_s=checkpoint_every_s,
-        resume=resume,
-        seed=seed,
-        shuffle=shuffle,
-        poll_every=poll_every,
-        call_timeout=call_timeout,
-        shard_workers=worker_tuple(shard_workers),  # type: ignore[arg-type]
-        replica_workers=worker_tuple(replica_workers),  # type: ignore[arg-type]
-        trace=trace,
-        has_callback=callback is not None,
-        communication=communication,
-        fuse=fuse,
-        compression=compression,
-        max_coalesce=max_coalesce,
-        deterministic=deterministic,
-    )
-    if resume and store is None:
+
+def fit(
+    model: Any,
+    data: Dataset | tuple[np.ndarray, np.ndarray],
+    opts: DownpourOptions,
+    *,
+    partitions: int | None,
+    eval_data: Dataset | tuple[np.ndarray, np.ndarray] | None,
+    client: Client | str | None,
+    store: str | os.PathLike[str] | None,
+    callback: Callable[[Progress], None] | None,
+    x0: np.ndarray | None,
+) -> TrainResult:
+    """:func:`train` with its options checked: whole replicas, or (``partitions``) partitioned ones, driven
+    by one shell (:class:`_Run`) through their kind's adapter."""
+    if opts.resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
-    x_start = start_vector(model, x0, seed)
+    x_start = start_vector(model, x0, opts.seed)
     eval_arrays = _eval_arrays(model, eval_data)
-    with run_store(store, "downpour-") as store, embedded_client(client) as c:
-        dataset = as_dataset(data, store)
+    prefix = "downpour-mp-" if partitions is not None else "downpour-"
+    with run_store(store, prefix) as run_dir, embedded_client(client) as c:
+        # The workers, the model's partitions and their memory are checked before the data are stored.
+        kind: Replicas
+        if partitions is not None:
+            kind = PartitionedReplicas(c, model, opts, partitions=partitions)
+        else:
+            kind = WholeReplicas(c, model, opts)
+        dataset = as_dataset(data, run_dir)
         dataset.check_model(model)
-        run = _Run(model, dataset, eval_arrays, c, store, opts, x_start, callback)
+        kind.attach(dataset)
+        run = _Run(model, dataset, eval_arrays, run_dir, opts, x_start, callback, kind)
         try:
             run.setup()
             result = run.drive()
@@ -611,24 +596,6 @@ def objective_rows(dataset: Dataset, max_values: int = OBJECTIVE_MAX_VALUES) -> 
     return np.concatenate([X for X, _ in parts]), np.concatenate([y for _, y in parts])
 
 
-def objective_sample(model: Any, dataset: Dataset) -> tuple[Any, np.ndarray]:
-    """The training rows a run's history objective is computed on (whole or partitioned replicas):
-    :func:`objective_rows` within ``OBJECTIVE_MAX_VALUES`` values and ``OBJECTIVE_MAX_WORK`` row-parameter
-    products (an MLP's row costs its parameters, not its features).
-
-    Examples
-    --------
-    >>> import tempfile
-    >>> from distbelief import models
-    >>> ds = Dataset.from_arrays(np.ones((10, 2)), np.zeros(10), path=tempfile.mkdtemp() + "/ds")
-    >>> objective_sample(models.LeastSquares(2), ds)[0].shape
-    (10, 2)
-    """
-    per_value = max(1.0, float(getattr(model, "n_params", dataset.n_features)) / max(1, dataset.n_features))
-    budget = min(OBJECTIVE_MAX_VALUES, max(dataset.n_features, int(OBJECTIVE_MAX_WORK / per_value)))
-    return objective_rows(dataset, max_values=budget)
-
-
 def _evaluate(model: Any, x: np.ndarray, arrays: tuple[np.ndarray, np.ndarray] | None) -> tuple[float, float]:
     if arrays is None:
         return math.nan, math.nan
@@ -639,53 +606,49 @@ def _evaluate(model: Any, x: np.ndarray, arrays: tuple[np.ndarray, np.ndarray] |
     return float(loss) / X.shape[0], acc
 
 
-@dataclass
-class _Row:
-    time: float
-    step: int
-    epoch: float
-    train_loss: float
-    objective: float
-    test_loss: float
-    test_accuracy: float
-    staleness_mean: float
-    staleness_max: float
-    replicas_alive: int
-    push_errors: int
-    stale_waits: int
-    pushes: list[int]
-    fetches: list[int]
-    version: list[int]
+@dataclass(frozen=True)
+class _Row(Progress):
+    """A history row: its :class:`Progress` and the counters only the history has."""
+
+    push_errors: int = 0
+    stale_waits: int = 0
+    pushes: list[int] = field(default_factory=list)
+    fetches: list[int] = field(default_factory=list)
+    version: list[int] = field(default_factory=list)
     bytes_moved: int = 0
     messages: int = 0
     applied: list[int] = field(default_factory=list)
 
 
+#: A kind of replica, as the driver shell (:class:`_Run`) sees it through its adapter: placed, started,
+#: polled (statuses in the whole replicas' format, so history, checkpoints and the result are made alike),
+#: stopped, repointed; a lost one dropped (whole) or rebuilt (partitioned, from the step it reached).
+Replicas = WholeReplicas | PartitionedReplicas
+
+
 class _Run:
-    """One training run: the shards, the replicas, and the driver loop."""
+    """One training run: the shards, the replicas (through their kind's adapter), and the driver loop."""
 
     def __init__(
         self,
         model: Any,
         dataset: Dataset,
         eval_arrays: tuple[np.ndarray, np.ndarray] | None,
-        client: Client,
         store: str,
         opts: DownpourOptions,
         x_start: np.ndarray,
         callback: Callable[[Progress], None] | None,
+        kind: Replicas,
     ) -> None:
+        self.kind = kind
         self.model = model
         self.dataset = dataset
         self.eval_arrays = eval_arrays
-        self.client = client
         self.store = store
         self.opts = opts
         self.x_start = x_start
         self.callback = callback
         self.ps: ParameterServer | None = None
-        self.actors: list[Any] = []
-        self.futures: list[Future[Any]] = []
         self.machine = DriverMachine(replicas=0)  # the run's, once setup() knows the replicas
         self.alive: list[bool] = []
         self.started: list[bool] = []
@@ -712,11 +675,11 @@ class _Run:
         self._planned_every: int | None = None
         self._rate_mark: tuple[float, int] | None = None  # (time, steps) at the last replan
         self._objective_rows: tuple[np.ndarray, np.ndarray] | None = None
+        self._unreadable = False  # the objective's rows could not be read
         #: Seconds the driver spent evaluating history rows, and the rows with parameters it evaluated.
         self.eval_s = 0.0
         self.evals = 0
         self.watch = Watchdog(opts.max_loss_growth)
-        self.communication = "dense"
         #: The shards' parameters read during the current poll, for windowed sparse replicas' records.
         self._polled_x: np.ndarray | None = None
         self._gathered_at = -math.inf
@@ -726,84 +689,20 @@ class _Run:
 
     # -- setup / teardown ----------------------------------------------------------------------------------
     def setup(self) -> None:
-        opts, client = self.opts, self.client
-        workers = worker_addresses(client, required=True)
-        check_workers("shard_workers", opts.shard_workers, workers)
-        check_workers("replica_workers", opts.replica_workers, workers)
-        shard_workers = list(opts.shard_workers or workers)
-        replica_workers = list(opts.replica_workers or workers)
-        n = self.x_start.size
-        n_shards = min(opts.shards or (len(shard_workers) if n >= SHARD_MIN_PARAMS else 1), n)
-        n_replicas = opts.replicas or len(replica_workers)
-        ranges = split_rows(self.dataset.n_rows, n_replicas)
-        # Key-value fetch and push (storage._keys) for sparse rows, unless l2 moves every parameter.
-        wide = use_sparse(opts.communication, self.model, self.dataset.layout == "csr")
-        self.communication = "sparse" if wide and not opts.l2 else "dense"
+        kind = self.kind
         # n_fetch and n_push left out: chosen from what the run communicates (DownpourOptions.with_sync).
-        windowed = self.communication == "sparse" and opts.compression is None and not opts.deterministic
-        self.opts = opts = opts.with_sync(n, windowed=windowed)
-        if opts.resume:
-            ps, self.resumed = Shards.reopen(
-                client, self.store, n_replicas, n, workers=shard_workers, timeout=opts.call_timeout
-            )
-            self.x_start = ps.gather("x")
-        else:
-            ps = Shards.create(
-                client, self.store, n_replicas, self.x_start, rule=opts.rule, workers=shard_workers,
-                timeout=opts.call_timeout, shards=n_shards,
-            )  # fmt: skip
+        self.opts = opts = kind.prepare(self.opts)
+        ps, self.resumed = kind.open_shards(self.store, opts, self.x_start)
+        if self.resumed is not None:
+            self.x_start = kind.to_model(ps.gather("x"))
         self.ps = ps
         clock = lambda: time.perf_counter() - self.t0  # noqa: E731
         self.shards = Shards(ps, clock, self._repoint, checkpoints=0 if opts.resume else 1)
-        config = ReplicaConfig(
-            run_id=uuid.uuid4().hex[:12],
-            rule=opts.rule,
-            lr=opts.step_size,
-            local_lr=opts.local_lr,
-            n_fetch=opts.sync[0],
-            n_push=opts.sync[1],
-            l2=opts.l2,
-            batch_size=opts.batch_size,
-            seed=opts.seed,
-            shuffle=opts.shuffle,
-            epochs=opts.epochs,
-            step_limit=opts.max_steps,
-            max_staleness=opts.max_staleness,
-            staleness_scale=opts.scales_staleness(n_replicas),
-            call_timeout=opts.call_timeout,
-            trace=opts.trace,
-            communication=self.communication,
-            fuse=opts.fuses,
-            compression=opts.compression,
-            record=self._record_plan(ranges),
-            max_coalesce=opts.coalesce_limit,
-            deterministic=opts.deterministic,
-        )
-        if opts.deterministic:
-            ps.begin_rounds(n_replicas)
-        shard_map = ps.shard_map()
-        for r, (lo, hi) in enumerate(ranges):
-            self.futures.append(
-                client.submit(
-                    DownpourReplica,
-                    r,
-                    self.model,
-                    self.dataset,
-                    lo,
-                    hi,
-                    shard_map,
-                    config,
-                    actor=True,
-                    workers=[replica_workers[r % len(replica_workers)]],
-                    allow_other_workers=False,
-                    pure=False,
-                    key=f"downpour-replica-{r}-{config.run_id}",
-                )
-            )
-        self.actors = [f.result(timeout=opts.call_timeout) for f in self.futures]
+        kind.place(self.shards, opts, self._record_plan(kind.row_ranges))
+        n_replicas = kind.n_replicas
         self.started = [False] * n_replicas
         start = self.resumed.time if self.resumed is not None else 0.0
-        self.machine = DriverMachine(
+        self.machine = kind.machine = DriverMachine(
             replicas=n_replicas,
             start=start,
             checkpoint_every_s=opts.checkpoint_every_s,
@@ -812,6 +711,7 @@ class _Run:
             time_limit=opts.time_limit,
             max_steps=opts.max_steps,
             warm=opts.warmstart_steps > 0 and self.resumed is None,
+            max_rebuilds=kind.max_rebuilds,
         )
         self.alive = self.machine.alive  # a lost replica is dropped by the machine, the list shared
         if self.resumed is not None:
@@ -819,12 +719,7 @@ class _Run:
 
     def _resume_replicas(self, point: ResumePoint) -> None:
         """Hand every replica its counters at the checkpoint; they are the driver's starting totals."""
-        every = list(range(len(self.actors)))
-        for r, p in enumerate(point.replicas):
-            self._call([r], "resume_at", (p["steps"], p["rows"], p["epoch"]))
-        for r, (ok, value) in self._call(every, "status").items():
-            if not ok:
-                raise ClusterError(f"replica {r} did not answer after resuming: {value!r}")
+        for r, value in self.kind.resume(point).items():
             self.status[r] = value
             self.points[r] = [(point.time, value)]
         t = self._totals()
@@ -833,55 +728,35 @@ class _Run:
     def _checkpoint(self, now: float, **extra: Any) -> None:
         """A checkpoint of the shards, with the counters ``resume=True`` needs."""
         assert self.shards is not None
-        self.shards.checkpoint(now, self.status, len(self.actors), **extra)
+        self.shards.checkpoint(now, self.status, self.kind.n_replicas, **self.kind.meta, **extra)
 
     def teardown(self) -> None:
-        live = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r] and not self.stopped]
-        if live:
-            with contextlib.suppress(Exception):
-                self._call(live, "stop", (1.0,), timeout=5.0)
-        for f in self.futures:
-            with contextlib.suppress(Exception):
-                f.release()  # type: ignore[no-untyped-call, unused-ignore]
+        live = [r for r, (a, s) in enumerate(zip(self.alive, self.started, strict=False)) if a and s]
+        self.kind.close([] if self.stopped else live)
         if self.ps is not None:
             self.ps.close()
 
     # -- replica calls ---------------------------------------------------------------------------------
-    def _call(
-        self, which: Sequence[int], method: str, args: tuple[Any, ...] = (), *, timeout: float | None = None
-    ) -> dict[int, tuple[bool, Any]]:
-        """Call ``method`` on the replicas ``which`` at once; ``{r: (ok, result or exception)}``."""
-        limit = self.opts.call_timeout if timeout is None else timeout
-        calls = [start_call(self.actors[r], method, *args) for r in which]
-        out = gather_calls(self.client, calls, timeout=limit)
-        return dict(zip(which, out, strict=True))
-
-    def _is_dead(self, r: int) -> bool:
-        return actor_gone(self.client, self.futures[r], self.actors[r])
-
     def _start(self, which: Sequence[int]) -> None:
-        for r, (ok, value) in self._call(which, "start").items():
+        for r, (ok, value) in self.kind.start(which).items():
             if ok:
                 self.started[r] = True
-            elif self._is_dead(r):
-                self._lose(r)
+            elif self.kind.is_dead(r):
+                self.machine.lose(r)
             else:
                 raise ClusterError(f"replica {r} could not start: {value!r}")
 
-    def _lose(self, r: int) -> None:
-        self.machine.lose(r)
-
     def _poll(self) -> None:
-        which = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r]]
+        which = [r for r in range(self.kind.n_replicas) if self.alive[r] and self.started[r]]
         if not which:
             return
-        timeout = max(5.0, 20 * self.opts.poll_every)
+        timeout = max(5.0, 20 * self.kind.poll_every)
         self._polled_x = None
-        for r, (ok, value) in self._call(which, "status", (self.plan,), timeout=timeout).items():
+        for r, (ok, value) in self.kind.poll(which, self.plan, timeout).items():
             if ok:
                 self._ingest(r, value)
-            elif self._is_dead(r):
-                self._lose(r)
+            elif self.kind.is_dead(r):
+                self.machine.lose(r)
 
     def _ingest(self, r: int, value: dict[str, Any]) -> None:
         """A replica's status: the latest counters, and its history records queued for rows."""
@@ -889,9 +764,10 @@ class _Run:
         points = self.points.setdefault(r, [])
         for record in value.pop("records", []):
             if record.get("x_wanted"):
-                # A windowed sparse replica's local copy is exact only at the keys of its next steps: the
-                # row is evaluated at the shards' parameters instead, read at most once per poll and at
-                # most 5% of the time (the shards serve the replicas meanwhile; a row without is NaN).
+                # A windowed sparse replica's local copy is exact only at the keys of its next steps, and
+                # partitions hold only their slices: the row is evaluated at the shards' parameters instead,
+                # read at most once per poll and at most 5% of the time (the shards serve the replicas
+                # meanwhile; a row without is NaN).
                 now = time.perf_counter()
                 if self._polled_x is None and now - self._gathered_at >= 20 * self._gather_s:
                     self._polled_x = self._ps_call(self._gather_x)
@@ -909,7 +785,7 @@ class _Run:
     # -- parameter server ------------------------------------------------------------------------------
     def _gather_x(self) -> np.ndarray:
         assert self.ps is not None
-        return self.ps.gather("x")
+        return self.kind.to_model(self.ps.gather("x"))
 
     def _ps_call(self, fn: Callable[[], Any]) -> Any:
         """Run a parameter-server op; a lost shard is restored (and the replicas told) and the op retried."""
@@ -918,10 +794,10 @@ class _Run:
 
     def _repoint(self, shard_map: ShardMap) -> None:
         """A shard came back from its checkpoint: the replicas are handed the new shard map."""
-        live = [r for r in range(len(self.actors)) if self.alive[r]]
-        for r, (ok, _) in self._call(live, "set_shard_map", (shard_map,)).items():
-            if not ok and self._is_dead(r):
-                self._lose(r)
+        live = [r for r in range(self.kind.n_replicas) if self.alive[r]]
+        for r, (ok, _) in self.kind.set_shard_map(live, shard_map).items():
+            if not ok and self.kind.is_dead(r):
+                self.machine.lose(r)
 
     # -- history ---------------------------------------------------------------------------------------
     def _totals(self) -> dict[str, Any]:
@@ -939,30 +815,13 @@ class _Run:
 
     def _sum(self, statuses: Sequence[dict[str, Any]]) -> dict[str, Any]:
         s = self.ps.shards if self.ps is not None else 1
-        out: dict[str, Any] = {
-            "steps": 0,
-            "rows": 0,
-            "loss_sum": 0.0,
-            "staleness_count": 0,
-            "staleness_sum": 0,
-            "push_errors": 0,
-            "fetch_errors": 0,
-            "duplicates": 0,
-            "stale_waits": 0,
-            "pushes": [0] * s,
-            "fetches": [0] * s,
-            "version": [0] * s,
-            "bytes_fetched": 0,
-            "bytes_pushed": 0,
-            "messages": 0,
-            "fused": 0,
-        }
+        added = ("steps", "rows", "loss_sum", "staleness_count", "staleness_sum", "duplicates", "stale_waits",
+                 "bytes_fetched", "bytes_pushed", "messages", "fused")  # fmt: skip
+        out: dict[str, Any] = dict.fromkeys(added, 0)
+        out.update(push_errors=0, fetch_errors=0, pushes=[0] * s, fetches=[0] * s, version=[0] * s)
         for st in statuses:
-            for key in ("bytes_fetched", "bytes_pushed", "messages", "fused"):
-                out[key] += st.get(key, 0)
-            for key in ("steps", "rows", "loss_sum", "staleness_count", "staleness_sum", "duplicates"):
+            for key in added:
                 out[key] += st[key]
-            out["stale_waits"] += st["stale_waits"]
             out["push_errors"] += sum(st["push_errors"])
             out["fetch_errors"] += sum(st["fetch_errors"])
             for i in range(s):
@@ -972,16 +831,29 @@ class _Run:
         return out
 
     def objective_sample(self) -> tuple[Any, np.ndarray]:
-        """The training rows the history's objective is computed on (read once): :func:`objective_sample`."""
+        """The training rows the history's objective is computed on (read once): :func:`objective_rows`
+        within ``OBJECTIVE_MAX_VALUES`` values and ``OBJECTIVE_MAX_WORK`` row-parameter products (an MLP's
+        row costs its parameters, not its features)."""
         if self._objective_rows is None:
-            self._objective_rows = objective_sample(self.model, self.dataset)
+            ds = self.dataset
+            per_value = max(
+                1.0, float(getattr(self.model, "n_params", ds.n_features)) / max(1, ds.n_features)
+            )
+            budget = min(OBJECTIVE_MAX_VALUES, max(ds.n_features, int(OBJECTIVE_MAX_WORK / per_value)))
+            self._objective_rows = objective_rows(ds, max_values=budget)
         return self._objective_rows
 
     def _objective(self, x: np.ndarray | None) -> float:
         """F(w) on the training rows (:meth:`objective_sample`), as Sandblaster computes it."""
-        if x is None:
+        if x is None or self._unreadable:
             return math.nan
-        X, y = self.objective_sample()
+        try:
+            X, y = self.objective_sample()
+        except StoreError:
+            # NaN rather than the run's failure: the replicas read the same rows, and their error (with
+            # its traceback) is the one to report.
+            self._unreadable = True
+            return math.nan
         return float(objective(self.model, x, X, y, l2=self.opts.l2)[0])
 
     def _record_plan(self, ranges: Sequence[tuple[int, int]]) -> RecordPlan:
@@ -1037,7 +909,7 @@ class _Run:
     def _frontier(self) -> float:
         """The time up to which every replica's records are in: rows before it can be made."""
         frontier = math.inf
-        for r in range(len(self.actors)):
+        for r in range(self.kind.n_replicas):
             if not (self.alive[r] and self.started[r]):
                 continue  # not started: no steps yet; lost: it will send no more
             points = self.points.get(r)
@@ -1097,6 +969,8 @@ class _Run:
 
     def _record(self, now: float, x: np.ndarray | None, t: dict[str, Any] | None = None) -> Progress:
         """The history row at ``now`` on the counters ``t`` (the latest statuses', all of them, if None)."""
+        if x is not None and not np.isfinite(x).all():
+            x = None  # diverged (the watchdog is told by the caller): the model refuses such parameters
         test_loss, test_acc = _evaluate(self.model, x, self.eval_arrays) if x is not None else (math.nan,) * 2
         upto = now if t is not None else math.inf
         t = self._totals() if t is None else t
@@ -1128,7 +1002,7 @@ class _Run:
         if self.opts.trace and x is not None:
             self.snapshots.append((now, row.step, x))
         self._prev = (t["rows"], t["loss_sum"], t["staleness_count"], t["staleness_sum"])
-        return Progress(**{k: v for k, v in asdict(row).items() if k in Progress.__dataclass_fields__})
+        return Progress(**{f.name: getattr(row, f.name) for f in dataclasses.fields(Progress)})
 
     def _applied_at(self, t: float) -> list[int]:
         """The shards' applied-push counts as last measured at or before ``t`` (every ``eval_every``)."""
@@ -1156,35 +1030,23 @@ class _Run:
         rows = self.rows
         s = self.ps.shards if self.ps is not None else 1
         times = np.array([r.time for r in rows])
-        scalar = [
-            "step",
-            "epoch",
-            "train_loss",
-            "objective",
-            "test_loss",
-            "test_accuracy",
-            "staleness_mean",
-            "staleness_max",
-            "replicas_alive",
-            "push_errors",
-            "stale_waits",
-            "bytes_moved",
-            "messages",
-        ]
+        per_shard = ("pushes", "fetches", "version", "applied")
+        scalar = [f.name for f in dataclasses.fields(_Row) if f.name not in ("time", *per_shard)]
         data: dict[str, Any] = {k: ("time", np.array([getattr(r, k) for r in rows])) for k in scalar}
-        for k in ("pushes", "fetches", "version", "applied"):
+        for k in per_shard:
             values = np.array([getattr(r, k) for r in rows], dtype=np.int64).reshape(-1, s)
             data[k] = (("time", "shard"), values)
         data["train_loss"] = (*data["train_loss"], {"long_name": "running mini-batch loss"})
         data["objective"] = (*data["objective"], {"long_name": "F(w) on the training data"})
-        opts = self.opts
+        opts, n_replicas = self.opts, self.kind.n_replicas
         return xr.Dataset(
             data,
             coords={"time": times, "shard": np.arange(s)},
             attrs={
+                **self.kind.meta,
                 "rule": opts.rule,
                 "lr": opts.step_size,
-                "replicas": len(self.actors),
+                "replicas": n_replicas,
                 "shards": s,
                 "batch_size": opts.batch_size,
                 "n_fetch": opts.n_fetch,
@@ -1192,7 +1054,7 @@ class _Run:
                 "n_rows": self.dataset.n_rows,
                 "l2": opts.l2,
                 "objective_rows": self._objective_rows[0].shape[0] if self._objective_rows else 0,
-                "staleness_scale": opts.scales_staleness(len(self.actors)),
+                "staleness_scale": opts.scales_staleness(n_replicas),
                 "fused": opts.fuses,
                 "compression_tau": opts.compression.tau if opts.compression is not None else 0.0,
             },
@@ -1203,18 +1065,18 @@ class _Run:
         """Poll the replicas every ``poll_every`` seconds and carry out what :class:`DriverMachine` says."""
         opts, m, shards = self.opts, self.machine, self.shards
         assert shards is not None
-        n_replicas = len(self.actors)
+        n_replicas = self.kind.n_replicas
         # A resumed run's clock goes on from its checkpoint's (time_limit counts the whole run).
         start = self.resumed.time if self.resumed is not None else 0.0
         self.t0 = time.perf_counter() - start
         self.t0_wall = time.time() - start
         if m.waiting:
-            self._call([0], "hold", (opts.warmstart_steps,))
+            self.kind.call([0], "hold", (opts.warmstart_steps,))
         self._start([0] if m.waiting else list(range(n_replicas)))
         self._measure_applied(start)
         _diverged(self.watch, self._record(start, self.x_start), self.x_start)
         while True:
-            time.sleep(opts.poll_every)
+            time.sleep(self.kind.poll_every)
             self._replan(time.perf_counter() - self.t0)
             self._poll()
             now = time.perf_counter() - self.t0
@@ -1225,7 +1087,7 @@ class _Run:
             for action in m.tick(now, poll):
                 if isinstance(action, Release):
                     self._start(range(1, n_replicas))
-                    self._call([0], "release")
+                    self.kind.call([0], "release")
                 elif isinstance(action, Probe):  # replicas cannot reach a shard: was it lost (restore it)?
                     with contextlib.suppress(ClusterError):
                         shards.probe()
@@ -1276,15 +1138,15 @@ class _Run:
     def _finish(self, stop_reason: str) -> TrainResult:
         assert self.ps is not None and self.shards is not None
         ps, shards = self.ps, self.shards
-        live = [r for r in range(len(self.actors)) if self.alive[r] and self.started[r]]
-        stop_timeout = self.opts.call_timeout + 5.0
-        finals = self._call(live, "stop", (self.opts.call_timeout,), timeout=stop_timeout)
+        kind, n_replicas = self.kind, self.kind.n_replicas
+        live = [r for r in range(n_replicas) if self.alive[r] and self.started[r]]
+        finals = kind.stop(live, self.opts.call_timeout + 5.0)
         self.stopped = True
         for r, (ok, value) in finals.items():
             if ok:
                 self._ingest(r, value)
-            elif self._is_dead(r):
-                self._lose(r)
+            elif kind.is_dead(r):
+                self.machine.lose(r)
         for r in live:
             st = self.status.get(r, {})
             if st.get("error"):
@@ -1301,7 +1163,7 @@ class _Run:
         wall = time.perf_counter() - self.t0
         # The store ends up holding the final state (parameters, Adagrad accumulators, shard versions).
         self._checkpoint(wall, final=True)
-        x: np.ndarray = self._ps_call(lambda: ps.gather("x"))
+        x = kind.to_model(self._ps_call(lambda: ps.gather("x")))
         t_last = max(wall, float(np.nextafter(self.rows[-1].time, math.inf)))
         self._measure_applied(t_last)
         last = self._record(t_last, x)
@@ -1309,12 +1171,11 @@ class _Run:
             stop_reason = "diverged"
         losses: dict[int, np.ndarray] = {}
         if self.opts.trace:
-            traced = self._call([r for r in range(len(self.actors)) if self.alive[r]], "losses")
-            losses = {r: np.array(v) for r, (ok, v) in traced.items() if ok}
+            losses = kind.losses([r for r in range(n_replicas) if self.alive[r]])
         t = self._totals()
         success = stop_reason in SUCCESS
         stats = {
-            "replicas": len(self.actors),
+            "replicas": n_replicas,
             "shards": ps.shards,
             "pushes": int(sum(t["pushes"])),
             "fetches": int(sum(t["fetches"])),
@@ -1328,7 +1189,7 @@ class _Run:
             "shard_losses": list(shards.shard_losses),
             "recoveries": len(shards.shard_losses),
             "checkpoints": shards.checkpoints,
-            "communication": self.communication,
+            "communication": kind.communication,
             "bytes_fetched": t["bytes_fetched"],
             "bytes_pushed": t["bytes_pushed"],
             "bytes_per_step": (t["bytes_fetched"] + t["bytes_pushed"]) / max(1, t["steps"]),
@@ -1338,7 +1199,7 @@ class _Run:
             "fused_pushes": t["fused"],
             "shard_counters": self._shard_counters(),
             "resumed_from": self.resumed.step if self.resumed is not None else None,
-            "per_replica": {r: {k: st[k] for k in _PER_REPLICA} for r, st in sorted(self.status.items())},
+            **kind.stats(self.status, int(t["steps"])),
         }
         history, message = self._history(), MESSAGES[stop_reason]
         if stop_reason == "diverged" and self.watch.message:

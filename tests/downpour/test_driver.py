@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from distbelief.downpour._driver import (
-    Abort,
     Checkpoint,
     DriverMachine,
     Measure,
     Poll,
     Probe,
-    Rebuild,
     Release,
     Report,
 )
@@ -68,17 +64,16 @@ def test_reports_and_measures_come_at_their_cadence_in_order() -> None:
 
 
 def test_the_first_stop_a_row_decides_counts_and_comes_before_the_replicas_counters() -> None:
-    m = DriverMachine(replicas=2, checkpoint_every_s=0.0, report_every=0.0, max_steps=10, settle_s=0.3)
+    m = DriverMachine(replicas=2, checkpoint_every_s=0.0, report_every=0.0, max_steps=10)
     m.verdict(1.0, callback=True, diverged=True)
     m.verdict(1.1, diverged=True)
     assert m.outcome(1.1, Poll(steps=10, diverged=True)) == "callback"
     m.lose(0), m.lose(1)
     assert m.outcome(1.2, Poll()) == "callback"  # decided before the replicas were lost
-    # No more reports once stopped; the passes still under way are aborted after the grace, at every tick.
-    assert m.tick(1.2, Poll()) == [] and m.tick(1.3, Poll()) == [Abort()] and m.tick(1.4, Poll()) == [Abort()]
+    assert m.tick(1.2, Poll()) == []  # no more reports once stopped
     d = DriverMachine(replicas=1, checkpoint_every_s=0.0)
     d.verdict(1.0, diverged=True)
-    assert d.outcome(1.0, Poll()) == "diverged" and d.tick(5.0, Poll()) == []  # no abort: not a callback
+    assert d.outcome(1.0, Poll()) == "diverged"
 
 
 @pytest.mark.parametrize(
@@ -100,13 +95,12 @@ def test_the_run_ends_for_the_first_reason_that_holds(poll: Poll, now: float, re
 
 def test_a_lost_replica_is_dropped_or_rebuilt_within_the_limit() -> None:
     m = DriverMachine(replicas=2)
-    assert m.lose(1) == [] and m.lose(1) == [] and m.lost == [1] and m.alive == [True, False]
+    assert not m.lose(1) and not m.lose(1) and m.lost == [1] and m.alive == [True, False]
     # Replica 0's being done ends the run: replica 1 is no longer waited for.
     assert m.outcome(0.0, Poll(done={0: "epochs"})) == "epochs"
-    assert m.lose(0) == [] and m.outcome(0.0, Poll()) == "replicas_lost"
+    assert not m.lose(0) and m.outcome(0.0, Poll()) == "replicas_lost"
     p = DriverMachine(replicas=2, max_rebuilds=2)
-    assert p.lose(1) == [Rebuild(1)] and p.lose(1) == [Rebuild(1)] and p.rebuilt == [1, 1]
+    assert p.lose(1) and p.lose(1) and p.rebuilt == [1, 1]
     with pytest.raises(ClusterError, match="after 2 rebuilds; giving up"):
         p.lose(0)
     assert p.alive == [True, True] and p.lost == [] and p.outcome(0.0, Poll()) is None
-    assert math.isinf(p.stopped_at)
