@@ -533,7 +533,7 @@ def _with_stall_warning(run: _Run, history: xr.Dataset, x: np.ndarray, message: 
             )
     except Exception:  # a diagnostic: a run that finished is not failed by it
         return message
-    stall = stall_message(history.time.values, losses, g0, g1, what=what)
+    stall = stall_message(history.step.values, losses, g0, g1, what=what)
     if stall is None:
         return message
     history.attrs["warnings"] = [stall]
@@ -681,7 +681,6 @@ class _Run:
         self.evals = 0
         self.watch = Watchdog(opts.max_loss_growth)
         #: The shards' parameters read during the current poll, for windowed sparse replicas' records.
-        self._polled_x: np.ndarray | None = None
         self._gathered_at = -math.inf
         self._gather_s = 0.0
         #: With ``resume=True``: the checkpoint the run continues from.
@@ -751,29 +750,35 @@ class _Run:
         if not which:
             return
         timeout = max(5.0, 20 * self.kind.poll_every)
-        self._polled_x = None
+        wanted: list[dict[str, Any]] = []
         for r, (ok, value) in self.kind.poll(which, self.plan, timeout).items():
             if ok:
-                self._ingest(r, value)
+                wanted += self._ingest(r, value)
             elif self.kind.is_dead(r):
                 self.machine.lose(r)
+        if wanted:
+            # A windowed sparse replica's local copy is exact only at the keys of its next steps, and
+            # partitions hold only their slices: such a row is evaluated at the shards' parameters instead,
+            # read at most once per poll and at most 5% of the time (the shards serve the replicas
+            # meanwhile). Only the poll's latest such record gets them: the earlier ones were taken at other
+            # parameters, and an objective copied onto them read as a flat loss (a stall) over their steps.
+            now = time.perf_counter()
+            if now - self._gathered_at >= 20 * self._gather_s:
+                latest = max(wanted, key=lambda record: float(record["time"]))
+                latest["x"] = self._ps_call(self._gather_x)
+                self._gathered_at = time.perf_counter()
+                self._gather_s = self._gathered_at - now
 
-    def _ingest(self, r: int, value: dict[str, Any]) -> None:
-        """A replica's status: the latest counters, and its history records queued for rows."""
+    def _ingest(self, r: int, value: dict[str, Any]) -> list[dict[str, Any]]:
+        """A replica's status: the latest counters, and its history records queued for rows. Returns the
+        records that want the shards' parameters (:meth:`_poll` gives them to the latest one)."""
         self.status[r] = value
         points = self.points.setdefault(r, [])
+        wanted = []
         for record in value.pop("records", []):
             if record.get("x_wanted"):
-                # A windowed sparse replica's local copy is exact only at the keys of its next steps, and
-                # partitions hold only their slices: the row is evaluated at the shards' parameters instead,
-                # read at most once per poll and at most 5% of the time (the shards serve the replicas
-                # meanwhile; a row without is NaN).
-                now = time.perf_counter()
-                if self._polled_x is None and now - self._gathered_at >= 20 * self._gather_s:
-                    self._polled_x = self._ps_call(self._gather_x)
-                    self._gathered_at = time.perf_counter()
-                    self._gather_s = self._gathered_at - now
-                record["x"] = self._polled_x
+                record["x"] = None
+                wanted.append(record)
             t = float(record["time"]) - self.t0_wall
             points.append((t, record))
             self.pending.append((t, r, record))
@@ -781,6 +786,7 @@ class _Run:
         t = float(value["time"]) - self.t0_wall
         points.append((t, value))
         self._stale_windows.append((t, int(value["staleness_max"])))
+        return wanted
 
     # -- parameter server ------------------------------------------------------------------------------
     def _gather_x(self) -> np.ndarray:
@@ -953,12 +959,18 @@ class _Run:
         return out
 
     def _thin_pending(self, keep: int) -> None:
-        """Keep ``keep`` of the pending records, evenly spread in time (bounds the work left at the end)."""
+        """Keep ``keep`` of the pending records, evenly spread in time (bounds the work left at the end), and
+        every one that carries parameters within that count: a windowed run's records get the shards'
+        parameters once a poll, and spreading would drop most of its rows with an objective."""
         if len(self.pending) <= keep:
             return
         ordered = sorted(self.pending, key=lambda p: p[0])
-        chosen = np.unique(np.linspace(0, len(ordered) - 1, max(1, keep)).round().astype(int))
-        self.pending = [ordered[i] for i in chosen]
+        with_x = [i for i, p in enumerate(ordered) if p[2].get("x") is not None]
+        chosen = set(with_x[:: max(1, math.ceil(len(with_x) / max(1, keep)))])
+        rest = keep - len(chosen)
+        if rest > 0:
+            chosen |= set(np.linspace(0, len(ordered) - 1, rest).round().astype(int).tolist())
+        self.pending = [ordered[i] for i in sorted(chosen)]
 
     def _prune(self, t: float) -> None:
         """Forget points no later row needs: per replica, those before its last one at or before ``t``."""

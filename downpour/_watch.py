@@ -23,7 +23,7 @@ asks it, at the end, whether the run stalled.
   that names the loss, its values and what to do (lower ``lr``, ``rule="adagrad"``,
   ``staleness_scale=True`` or fewer replicas).
 * **Stall.** A step rule stalls when the objective is flat while the gradient is not small: over the last
-  :data:`STALL_WINDOW` of the run (by time) the training loss (or, with held-out rows, the held-out loss)
+  :data:`STALL_WINDOW` of the run (by steps) the training loss (or, with held-out rows, the held-out loss)
   fell by less than :data:`STALL_FLAT` of its value, yet the full gradient of ``F`` at the final parameters
   is still more than :data:`STALL_GRAD` of its norm at the start, judged on at least
   :data:`STALL_MIN_ROWS` history rows within that window (fewer measure no trend: a short run is not
@@ -60,7 +60,7 @@ __all__ = [
 BOUND_RTOL = 1e-6
 #: Rows in a row past the bound that make divergence (NaN / inf: one row).
 SPIKE_ROWS = 2
-#: The last fraction of the run (by time) over which a stall is judged.
+#: The last fraction of the run (by steps) over which a stall is judged.
 STALL_WINDOW = 1 / 3
 #: History rows with a finite loss that the window must hold for a verdict. With two, a short run's last row
 #: and the one before it (often the same parameters seen twice, at the run's end) read as "flat": tests of
@@ -191,7 +191,7 @@ class Watchdog:
 
 
 def stall_message(
-    times: Sequence[float],
+    steps: Sequence[float],
     losses: Sequence[float],
     grad_norm_start: float,
     grad_norm_end: float,
@@ -200,17 +200,21 @@ def stall_message(
 ) -> str | None:
     """The stall warning of a finished run, or None when it did not stall (see the module docstring).
 
+    ``steps`` is the run's step count at each history row: the last third is by steps, not by time (a run's
+    final row comes after its replicas have stopped and flushed, a gap in time that left a short run's last
+    third of time holding that row alone).
+
     Examples
     --------
-    >>> t, loss = [0, 1, 2, 3, 4, 5, 6], [1.0, 0.8, 0.7, 0.65, 0.6499, 0.6498, 0.6497]
-    >>> stall_message(t, loss, 1.0, 0.5) is not None  # flat over t >= 4, the gradient still half its size
+    >>> t, loss = [0, 10, 20, 30, 40, 50, 60], [1.0, 0.8, 0.7, 0.65, 0.6499, 0.6498, 0.6497]
+    >>> stall_message(t, loss, 1.0, 0.5) is not None  # flat from step 40, the gradient still half its size
     True
     >>> stall_message(t, loss, 1.0, 0.001) is None  # converged
     True
     >>> stall_message(t[:4], loss[:4], 1.0, 0.5) is None  # one row in the last third: not judged
     True
     """
-    t = np.asarray(times, dtype=float)
+    t = np.asarray(steps, dtype=float)
     v = np.asarray(losses, dtype=float)
     keep = np.isfinite(v)
     t, v = t[keep], v[keep]

@@ -132,13 +132,17 @@ def test_a_windowed_runs_history_is_evaluated_at_the_shards_parameters(
     client: Client, wide: tuple[Dataset, Any, np.ndarray]
 ) -> None:
     # A windowed replica's local copy is exact only at its next steps' keys: its records ask the driver
-    # to read the shards instead, so the rows between the first and the last have an objective too.
+    # to read the shards instead, so the rows between the first and the last have an objective too: the
+    # latest record of a poll gets the shards' parameters, the records before it none (an objective copied
+    # onto rows taken at other parameters made them look flat).
     ds, _, _ = wide
     res = downpour.train(
-        models.Logistic(ds.n_features), ds, replicas=2, shards=2, rule="adagrad", lr=0.2, max_steps=150,
+        models.Logistic(ds.n_features), ds, replicas=2, shards=2, rule="adagrad", lr=0.2, max_steps=600,
         n_fetch=5, n_push=5, client=client,
     )  # fmt: skip
     assert res.stats["communication"] == "sparse"
     objective = res.history["objective"].values
-    assert np.isfinite(objective[1:-1]).sum() >= 2, objective
+    finite = objective[np.isfinite(objective)]
+    assert np.isfinite(objective[1:-1]).sum() >= 1, objective
+    assert (np.diff(finite) != 0).all(), objective  # no row's objective is another's, copied
     assert objective[-1] < objective[0]
