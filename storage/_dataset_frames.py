@@ -45,7 +45,7 @@ from distbelief.errors import DatasetError, InvalidOptionError
 
 from ._dataset import Dataset, _commit, _precheck
 from ._dataset_location import PathLike, _location
-from ._dataset_meta import _Meta
+from ._dataset_meta import WriteOptions, _Meta
 from ._dataset_validation import _detect_labels
 
 __all__ = ["Encoding", "dataset_from_frame", "dataset_from_parquet"]
@@ -53,9 +53,7 @@ __all__ = ["Encoding", "dataset_from_frame", "dataset_from_parquet"]
 Categorical = Literal["error", "onehot"]
 
 #: The options of dataset_from_dask that a table passes on (besides path and client).
-_WRITE_OPTIONS = frozenset(
-    {"portion_rows", "chunk_rows", "label_kind", "n_classes", "overwrite", "storage_options"}
-)
+_WRITE_OPTIONS = frozenset(WriteOptions.__annotations__)
 #: Parquet parts aim at about this many uncompressed bytes (whole row groups; a bigger group is one part).
 _PART_BYTES = 64 << 20
 
