@@ -65,32 +65,11 @@ FloatArray = NDArray[np.float64]
 logger = logging.getLogger("distbelief.sklearn")
 
 
-class FreeParams:
-    """A model whose parameters in ``free`` are left out of the shards' L2 penalty (intercepts, biases).
+class _Wrapper:
+    """What a model's wrapper (:class:`FreeParams`, :class:`RowWeights`) passes through as it is."""
 
-    Parameters
-    ----------
-    model : Model
-        The wrapped model; every other member is passed through.
-    l2 : float
-        The ``l2`` the solver applies on the shards.
-    free : sequence of (start, stop)
-        Ranges of ``w`` that must not be penalized.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from distbelief.models import LeastSquares, objective
-    >>> m = FreeParams(LeastSquares(1), 0.5, [(1, 2)])
-    >>> X, y, w = np.ones((4, 1)), np.zeros(4), np.array([1.0, 2.0])
-    >>> objective(m, w, X, y, l2=0.5)[0] == objective(LeastSquares(1), w, X, y)[0] + 0.25 * 1.0
-    True
-    """
-
-    def __init__(self, model: Any, l2: float, free: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, model: Any) -> None:
         self.model = model
-        self.l2 = float(l2)
-        self.free = tuple((int(a), int(b)) for a, b in free)
 
     @property
     def n_params(self) -> int:
@@ -122,6 +101,34 @@ class FreeParams:
         check = getattr(self.model, "check_labels", None)
         if callable(check):
             check(y)
+
+
+class FreeParams(_Wrapper):
+    """A model whose parameters in ``free`` are left out of the shards' L2 penalty (intercepts, biases).
+
+    Parameters
+    ----------
+    model : Model
+        The wrapped model; every other member is passed through.
+    l2 : float
+        The ``l2`` the solver applies on the shards.
+    free : sequence of (start, stop)
+        Ranges of ``w`` that must not be penalized.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from distbelief.models import LeastSquares, objective
+    >>> m = FreeParams(LeastSquares(1), 0.5, [(1, 2)])
+    >>> X, y, w = np.ones((4, 1)), np.zeros(4), np.array([1.0, 2.0])
+    >>> objective(m, w, X, y, l2=0.5)[0] == objective(LeastSquares(1), w, X, y)[0] + 0.25 * 1.0
+    True
+    """
+
+    def __init__(self, model: Any, l2: float, free: Sequence[tuple[int, int]]) -> None:
+        super().__init__(model)
+        self.l2 = float(l2)
+        self.free = tuple((int(a), int(b)) for a, b in free)
 
     def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
         """The wrapped model's summed loss, minus ``(l2/2) ||w_free||^2`` per row, and its gradient."""
@@ -189,7 +196,7 @@ class FreeParams:
         return float(self.model.accuracy(w, X, y))
 
 
-class RowWeights:
+class RowWeights(_Wrapper):
     """A model trained on rows whose last column is each row's weight (``sample_weight``, ``class_weight``).
 
     Its rows are ``[X, s]`` (made by :func:`with_weights`); ``loss_and_grad`` splits them into ``X`` and
@@ -210,44 +217,15 @@ class RowWeights:
     (1.5, array([3.]))
     """
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    @property
-    def n_params(self) -> int:
-        """That of the wrapped model."""
-        return int(self.model.n_params)
-
     @property
     def n_features(self) -> int:
         """The wrapped model's features and the weight column."""
         return int(self.model.n_features) + 1
 
     @property
-    def n_classes(self) -> int | None:
-        """That of the wrapped model."""
-        k = getattr(self.model, "n_classes", None)
-        return None if k is None else int(k)
-
-    @property
-    def label_kind(self) -> str:
-        """That of the wrapped model."""
-        return str(getattr(self.model, "label_kind", "real"))
-
-    @property
     def spec(self) -> None:
         """None: no built-in model takes the weight column (a saved result holds the parameters only)."""
         return None
-
-    def init_params(self, seed: int | None = None) -> FloatArray:
-        """That of the wrapped model."""
-        return np.asarray(self.model.init_params(seed), dtype=np.float64)
-
-    def check_labels(self, y: ArrayLike) -> None:
-        """That of the wrapped model (if it has one)."""
-        check = getattr(self.model, "check_labels", None)
-        if callable(check):
-            check(y)
 
     def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
         """The wrapped model's ``sum_i s_i loss_i`` over the rows ``X[:, :-1]`` with weights ``X[:, -1]``."""
