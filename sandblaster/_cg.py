@@ -18,30 +18,23 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from distbelief.errors import DatasetError, InvalidOptionError
 
 from ._linesearch import (
-    LBFGSB_FTOL,
     LBFGSB_STPMAX,
-    ReferenceResult,
     interpolated_initial_step,
 )
 from ._space import (
-    InProcessSpace,
     IterationRecord,
     ParameterSpace,
     accept_trial,
-    check_budget,
     close_iteration,
     other_buffer,
-    reference_result,
     stop_test,
     wolfe_search,
 )
 
-__all__ = ["CG_C1", "CG_C2", "_minimize_cg", "minimize_cg_reference", "polak_ribiere_plus"]
+__all__ = ["CG_C1", "CG_C2", "_minimize_cg", "polak_ribiere_plus"]
 
 #: Strong Wolfe constants for nonlinear CG: c2 = 0.1 keeps consecutive directions nearly conjugate.
 CG_C1 = 1e-4
@@ -147,6 +140,8 @@ def _minimize_cg(
 
     Examples
     --------
+    >>> import numpy as np
+    >>> from distbelief.sandblaster._space import InProcessSpace
     >>> space = InProcessSpace(lambda x: (float(x @ x), 2 * x), np.array([3.0, -4.0]))
     >>> space.start()
     >>> _minimize_cg(space, gtol=1e-5, ftol=0.0, maxiter=10, maxfev=100, restart_every=2)
@@ -196,55 +191,3 @@ def _minimize_cg(
         )
         direction_op, gd_guess = ("lincomb", "d", [-1.0, beta], [st.g, "d"]), -g1g1 + beta * g1d
         since_restart = 0 if restart else since_restart + 1
-
-
-def minimize_cg_reference(
-    fun_and_grad: Callable[[np.ndarray], tuple[float, np.ndarray]],
-    x0: np.ndarray,
-    *,
-    gtol: float = 1e-5,
-    ftol: float = LBFGSB_FTOL,
-    maxiter: int = 15000,
-    maxfev: int = 15000,
-    restart_every: int | None = None,
-    c1: float = CG_C1,
-    c2: float = CG_C2,
-    maxls: int = 30,
-) -> ReferenceResult:
-    """:func:`_minimize_cg` in an :class:`InProcessSpace` (the oracle of the distributed run).
-
-    Parameters
-    ----------
-    fun_and_grad : callable
-        ``x -> (F(x), grad F(x))``.
-    x0 : numpy.ndarray
-        Starting point.
-    gtol, ftol, maxiter, maxfev : float, float, int, int
-        Stopping rules.
-    restart_every : int or None
-        Restart period; ``None`` means ``len(x0)``.
-    c1, c2 : float
-        Strong Wolfe constants (``1e-4``, ``0.1``).
-    maxls : int
-        Evaluations per line search.
-
-    Returns
-    -------
-    ReferenceResult
-
-    Examples
-    --------
-    >>> fg = lambda x: (float(x @ x), 2 * x)
-    >>> r = minimize_cg_reference(fg, np.array([3.0, -4.0]))
-    >>> r.success, round(r.fun, 12)
-    (True, 0.0)
-    """
-    check_budget(gtol=gtol, ftol=ftol, maxiter=maxiter)
-    space = InProcessSpace(fun_and_grad, x0)
-    space.start()
-    success, message = _minimize_cg(
-        space, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls,
-        restart_every=space.vector(space.state.x).size if restart_every is None else restart_every,
-        c1=c1, c2=c2,
-    )  # fmt: skip
-    return reference_result(space, success, message)

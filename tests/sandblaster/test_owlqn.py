@@ -19,10 +19,11 @@ from sklearn.linear_model import LogisticRegression
 from distbelief import models, sandblaster
 from distbelief.errors import InvalidOptionError
 from distbelief.sandblaster._minimize import SandblasterOptions
-from distbelief.sandblaster._owlqn import _minimize_owlqn, check_l1, minimize_owlqn_reference
+from distbelief.sandblaster._owlqn import _minimize_owlqn, check_l1
 from distbelief.sandblaster._space import InProcessSpace, IterationRecord
 from distbelief.sandblaster._vlbfgs import _minimize_lbfgs
 from distbelief.storage import Dataset, ParameterServer, Shard, reduce_results
+from tests.sandblaster._reference import minimize_owlqn_reference
 from tests.sandblaster.conftest import Problem
 from tests.sandblaster.test_methods import final_x, started_space
 
