@@ -223,17 +223,13 @@ def encode_dense(df: Any, enc: Encoding) -> tuple[np.ndarray[Any, Any], np.ndarr
 
 
 def _hash_tokens(tokens: Sequence[str], n_features: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """Column and sign of every token, as scikit-learn's ``FeatureHasher`` (signed MurmurHash3, seed 0)."""
-    from sklearn.utils import murmurhash3_32
+    """Column and sign of every token: scikit-learn's ``FeatureHasher`` of each alone (one +-1 a row)."""
+    from sklearn.feature_extraction import FeatureHasher
 
-    cols = np.empty(len(tokens), dtype=np.int64)
-    signs = np.empty(len(tokens), dtype=np.float64)
-    for i, t in enumerate(tokens):
-        h = int(murmurhash3_32(t, seed=0, positive=False))
-        # abs(-2**31) does not fit in 32 bits; FeatureHasher maps it as below.
-        cols[i] = (2147483647 - (n_features - 1)) % n_features if h == -(2**31) else abs(h) % n_features
-        signs[i] = 1.0 if h >= 0 else -1.0
-    return cols, signs
+    if not tokens:  # (FeatureHasher refuses no rows at all)
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64)
+    hashed = FeatureHasher(n_features=n_features, input_type="string").transform([[t] for t in tokens])
+    return hashed.indices.astype(np.int64), hashed.data.astype(np.float64)
 
 
 def encode_hashed(df: Any, enc: Encoding) -> tuple[Any, np.ndarray[Any, Any]]:
