@@ -555,10 +555,6 @@ class JobRunner:
             return job.dim, [job.dim], []
         return stored
 
-    def params(self, job_id: str) -> bytes:
-        """The ``.npy`` bytes of the parameters a finished job ended with (see :meth:`params_of`)."""
-        return self.params_of(job_id)[0]
-
     def params_of(self, job_id: str) -> tuple[bytes, str]:
         """The ``.npy`` bytes of the parameters a finished job saved, and the job's status.
 

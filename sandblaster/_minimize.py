@@ -636,14 +636,7 @@ def open_session(
                 )
             )
         if opts.resume:
-            ps = ParameterServer.open(
-                client, store=params, workers=shard_workers, memory_budget=opts.shard_memory
-            )
-            if ps.n != n or not ps.checkpoint_id:
-                raise InvalidOptionError(
-                    f"{params!r} holds no checkpoint of a run with {n} parameters; "
-                    "start runs with checkpoint_every=k to be able to resume them"
-                )
+            ps = _checkpointed(client, params, shard_workers, opts, n)
         else:
             ps = ParameterServer.create(
                 client,
@@ -692,6 +685,20 @@ def open_session(
             ps.close()
 
 
+def _checkpointed(
+    client: Client, params: str, workers: Sequence[str], opts: SandblasterOptions, n: int
+) -> ParameterServer:
+    """The shards of the checkpointed run at ``params`` (``resume=True``); it must have ``n`` parameters."""
+    ps = ParameterServer.open(client, store=params, workers=workers, memory_budget=opts.shard_memory)
+    if ps.n != n or not ps.checkpoint_id:
+        ps.close()
+        raise InvalidOptionError(
+            f"{params!r} holds no checkpoint of a run with {n} parameters; "
+            "start runs with checkpoint_every=k to be able to resume them"
+        )
+    return ps
+
+
 @contextlib.contextmanager
 def _partitioned_session(
     model: Any,
@@ -714,14 +721,7 @@ def _partitioned_session(
     ps: ParameterServer | None = None
     try:
         if opts.resume:
-            ps = ParameterServer.open(
-                client, store=params, workers=shard_workers, memory_budget=opts.shard_memory
-            )
-            if ps.n != plan.perm.size or not ps.checkpoint_id:
-                raise InvalidOptionError(
-                    f"{params!r} holds no checkpoint of a run with {plan.perm.size} parameters; "
-                    "start runs with checkpoint_every=k to be able to resume them"
-                )
+            ps = _checkpointed(client, params, shard_workers, opts, plan.perm.size)
         else:
             layout = partition_layout(plan.bounds, shards_per_partition=(opts.shards or K) // K)
             owned = partition_shards(layout, plan.bounds)
