@@ -25,6 +25,7 @@ from sklearn.utils.validation import (
 from distbelief import models
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.storage import Dataset
+from distbelief.storage.internal import resolve_client
 
 from ._base import (
     WeightColumn,
@@ -43,7 +44,6 @@ from ._base import (
     map_rows,
     names_of,
     picklable_state,
-    resolve_client,
     row_weights,
     weighted_data,
 )

@@ -18,8 +18,9 @@ from sklearn.preprocessing import StandardScaler
 from distbelief import models
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.sklearn import LinearRegression, LogisticRegression, MLPClassifier, SoftmaxRegression
-from distbelief.sklearn._base import FreeParams, check_common, resolve_client
+from distbelief.sklearn._base import FreeParams, check_common
 from distbelief.storage import Dataset
+from distbelief.storage.internal import resolve_client
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +175,7 @@ def test_clone_keeps_the_client_and_pickle_drops_it(
     # An address the user gave is their setting, and is kept.
     by_address = LogisticRegression(client=client.scheduler.address)
     assert pickle.loads(pickle.dumps(by_address)).client == client.scheduler.address
-    assert resolve_client(by_address.client).scheduler.address == client.scheduler.address
+    assert resolve_client(by_address.client).scheduler_info()["address"] == client.scheduler.address
 
 
 def test_fit_a_dataset(tmp_path: Path, iris: tuple[np.ndarray, np.ndarray]) -> None:
