@@ -519,17 +519,17 @@ def minimize(
     """
     # Every keyword after callback is an option: their one definition (and check) is SandblasterOptions.
     opts = options_of(SandblasterOptions, locals())
+    for a, b in opts.l1_exclude:
+        if b > model.n_params:
+            raise InvalidOptionError(
+                f"l1_exclude range ({a}, {b}) ends past the model's {model.n_params} parameters"
+            )
     if local:
         if client is not None or store is not None or not isinstance(data, tuple):
             raise InvalidOptionError(
                 "local=True runs in this process on rows in memory: give data as (X, y) arrays, and no "
                 "client= or store= (or use local=False for the cluster)"
             )
-        for a, b in opts.l1_exclude:
-            if b > model.n_params:
-                raise InvalidOptionError(
-                    f"l1_exclude range ({a}, {b}) ends past the model's {model.n_params} parameters"
-                )
         result = _run_local(model, data, start_vector(model, x0, seed), opts, callback)
         result.model = model
         return result
@@ -539,11 +539,6 @@ def minimize(
         check_partitioned(model, data, partitions)
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
-    for a, b in opts.l1_exclude:
-        if b > model.n_params:
-            raise InvalidOptionError(
-                f"l1_exclude range ({a}, {b}) ends past the model's {model.n_params} parameters"
-            )
     x_start = start_vector(model, x0, seed)
     with run_store(store, "sandblaster-") as root, embedded_client(client) as c:
         result = _run(model, as_dataset(data, root), x_start, c, root, opts, callback)
