@@ -45,6 +45,7 @@ from ._calls import (
     actor_gone,
     await_call,
     confirm_dead,
+    current_worker,
     gather_calls,
     start_call,
 )
@@ -939,16 +940,6 @@ def worker_alive(address: str | None) -> bool:
         return address in worker_addresses(get_client())
     except Exception:
         return True
-
-
-def current_worker() -> Any:
-    """The Dask worker this code runs on, or None outside a worker."""
-    try:
-        from distributed import get_worker
-
-        return get_worker()
-    except ValueError:
-        return None
 
 
 def _as_vector(values: Any) -> np.ndarray:
