@@ -105,11 +105,10 @@ def _minimize_cg(
     maxfev: int,
     maxls: int = 20,
     restart_every: int,
-    c1: float = CG_C1,
-    c2: float = CG_C2,
     callback: Callable[[IterationRecord], None] | None = None,
 ) -> tuple[bool, str]:
-    """Polak-Ribière+ nonlinear CG with restarts in ``space`` (scalars in, scalars out).
+    """Polak-Ribière+ nonlinear CG with restarts in ``space`` (scalars in, scalars out), its line search
+    strong Wolfe with :data:`CG_C1` and :data:`CG_C2`.
 
     The initial step of each line search is SciPy's guess from the last decrease
     (:func:`sandblaster._linesearch.interpolated_initial_step`, with ``phi_prev = f + ||g||/2`` on the
@@ -126,8 +125,6 @@ def _minimize_cg(
         Evaluations per line search.
     restart_every : int
         Restart period, usually the number of parameters.
-    c1, c2 : float
-        Strong Wolfe constants (``1e-4``, ``0.1``).
     callback : callable, optional
         Called with each iteration's record.
 
@@ -168,7 +165,7 @@ def _minimize_cg(
         found = wolfe_search(
             space, step=interpolated_initial_step(st.f, f_prev, gd_guess, max_step=max_step),
             setup=[direction_op], speculate=[("dots", [(g_trial, g_trial), (g_trial, st.g)])],
-            maxfev=maxfev, c1=c1, c2=c2, stpmax=stpmax, max_evals=maxls,
+            maxfev=maxfev, c1=CG_C1, c2=CG_C2, stpmax=stpmax, max_evals=maxls,
         )  # fmt: skip
         if found.over_budget:
             return False, "maximum number of function evaluations reached"
