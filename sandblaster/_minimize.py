@@ -341,14 +341,16 @@ class OptimizeResult(FittedMixin):
         )
 
 
-def _status_of(success: bool, message: str) -> int:
-    if success:
-        return 0
-    if "maximum" in message:
-        return 1
-    if "callback" in message:
-        return 3
-    return 2
+def _result(
+    state: RunState, x: np.ndarray, success: bool, message: str, store: str, stats: dict[str, Any]
+) -> OptimizeResult:
+    """What a run that ended in ``state`` at ``x`` found (``status`` from ``message``, see
+    :class:`OptimizeResult`)."""
+    status = 0 if success else 1 if "maximum" in message else 3 if "callback" in message else 2
+    return OptimizeResult(
+        x=x, fun=state.f, grad_norm=state.g_inf, nit=state.nit, nfev=state.nfev, success=success,
+        status=status, message=message, history=_history(state.records), store=store, stats=stats,
+    )  # fmt: skip
 
 
 #: Every option at its default: :func:`minimize`'s keywords take theirs from here (written once).
@@ -810,19 +812,7 @@ def _run(
             stats["partitions"] = opts.partitions
             stats["rebuilt_partitions"] = list(getattr(scheduler, "rebuilt", []))
         stats["wall_s"] = time.perf_counter() - t_start
-        return OptimizeResult(
-            x=x,
-            fun=coord.state.f,
-            grad_norm=coord.state.g_inf,
-            nit=coord.state.nit,
-            nfev=coord.state.nfev,
-            success=success,
-            status=_status_of(success, message),
-            message=message,
-            history=_history(coord.state.records),
-            store=ps.url,
-            stats=stats,
-        )
+        return _result(coord.state, x, success, message, ps.url, stats)
 
 
 def _run_local(
@@ -852,20 +842,8 @@ def _run_local(
         success, message = _run_method(space, opts, x_start.size, callback, None)
     except StopIteration:
         success, message = False, "stopped by the callback"
-    st = space.state
-    return OptimizeResult(
-        x=space.vector(st.x).copy(),
-        fun=st.f,
-        grad_norm=st.g_inf,
-        nit=st.nit,
-        nfev=st.nfev,
-        success=success,
-        status=_status_of(success, message),
-        message=message,
-        history=_history(st.records),
-        store="",
-        stats={"local": True, "wall_s": time.perf_counter() - t_start, "history_dtype": opts.history_dtype},
-    )
+    stats = {"local": True, "wall_s": time.perf_counter() - t_start, "history_dtype": opts.history_dtype}
+    return _result(space.state, space.vector(space.state.x).copy(), success, message, "", stats)
 
 
 def _run_method(
