@@ -822,11 +822,14 @@ class LinearRegression(RegressorMixin, _Distbelief):
                 downpour_options=self.downpour_options, seed=0 if seed is None else seed,
                 weights=self._row_weights(sample_weight, data),
             )  # fmt: skip
+        self._set_coef(model, w)
+        self.n_iter_ = self._nit
+        return self
+
+    def _set_coef(self, model: models.LeastSquares, w: FloatArray) -> None:
         d = model.n_features
         self.coef_: FloatArray = w[:d].copy()
         self.intercept_: float = float(w[d]) if model.fit_intercept else 0.0
-        self.n_iter_ = self._nit
-        return self
 
     def predict(self, X: Any) -> Any:
         """Predicted targets ``X @ coef_ + intercept_``."""
@@ -954,13 +957,16 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
                 x0=model.init_params(seed), seed=0 if seed is None else seed,
                 downpour_options=self.downpour_options, weights=self._row_weights(sample_weight, data),
             )  # fmt: skip
+        self._set_coef(model, w)
+        self.n_iter_ = self._nit
+        return self
+
+    def _set_coef(self, model: models.MLP, w: FloatArray) -> None:
         layers = model.unpack(w)
         self.coefs_ = [W.copy() for W, _ in layers]
         self.intercepts_ = [b.copy() for _, b in layers]
-        self.n_iter_ = self._nit
-        self.n_layers_ = len(sizes)
-        self.n_outputs_ = k
-        return self
+        self.n_layers_ = len(model.layer_sizes)
+        self.n_outputs_ = model.layer_sizes[-1]
 
     def predict_proba(self, X: Any) -> Any:
         """Class probabilities, shape (n, n_classes), columns in the order of ``classes_``."""
