@@ -208,9 +208,9 @@ def _check_name(name: str) -> str:
 _LISTED = 10
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def _short(value: Any) -> str:
     text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class JobCreate(BaseModel):
