@@ -46,6 +46,7 @@ from distbelief.errors import DatasetError, InvalidOptionError
 from ._dataset import Dataset, _commit, _precheck
 from ._dataset_location import PathLike, _location
 from ._dataset_meta import WriteOptions, _Meta
+from ._dataset_sources import _check_features, compute_on, dataset_from_dask
 from ._dataset_validation import _detect_labels
 
 __all__ = ["Encoding", "dataset_from_frame", "dataset_from_parquet"]
@@ -348,8 +349,6 @@ def _parquet_parts(url: str, storage_options: dict[str, Any] | None) -> tuple[li
 
 
 def _columns(columns: list[str], features: Sequence[str] | None, label: str, where: str) -> list[str]:
-    from ._dataset_sources import _check_features
-
     wanted = [c for c in columns if c != label] if features is None else list(features)
     _check_features(wanted, label)
     missing = [c for c in [*wanted, label] if c not in columns]
@@ -383,11 +382,6 @@ def _build(
 
         client = as_client(client)
 
-    def compute(values: list[Any]) -> list[Any]:
-        if client is not None:
-            return list(client.compute(values, sync=True))
-        return list(dask.compute(*values))
-
     unknown = sorted(set(kw) - _WRITE_OPTIONS)
     if unknown:
         raise InvalidOptionError(
@@ -398,11 +392,12 @@ def _build(
     # Refuse an existing target before any pass over the data.
     _precheck(_location(path, kw.get("storage_options")), kw.get("overwrite", False))
     if lengths is None or (enc.categorical and enc.hash_features is None):
-        scans = compute(
+        scans = compute_on(
+            client,
             [
                 dask.delayed(_scan)(p, enc.categorical if enc.hash_features is None else (), max_categories)
                 for p in parts
-            ]
+            ],
         )
         lengths = [n for n, _ in scans]
         cats: dict[str, tuple[Any, ...]] = {}
@@ -427,8 +422,6 @@ def _build(
         out = dask.delayed(encode_dense, nout=2)(p, enc)
         xs.append(da.from_delayed(out[0], shape=(n, d), dtype=np.float64))
         ys.append(da.from_delayed(out[1], shape=(n,), dtype=np.float64))
-    from ._dataset_sources import dataset_from_dask
-
     extra = {"feature_names": tuple(enc.feature_names), "encoding": _encoding_attrs(enc)}
     return dataset_from_dask(
         da.concatenate(xs), da.concatenate(ys), path=path, client=client, _extra=extra, **kw
@@ -458,15 +451,10 @@ def _write_hashed(
 
     from . import _sparse
 
-    def compute(value: Any) -> Any:
-        if client is not None:
-            return client.compute(value, sync=True)
-        return dask.compute(value)[0]
-
     loc = _location(path, kw.get("storage_options"))
     overwrite = kw.get("overwrite", False)
     _precheck(loc, overwrite)
-    counts = compute([dask.delayed(_hashed_counts)(p, enc) for p in parts])
+    counts = compute_on(client, [dask.delayed(_hashed_counts)(p, enc) for p in parts])
     n = sum(c[0] for c in counts)
     nnz = sum(c[1] for c in counts)
     if n == 0:
