@@ -74,6 +74,12 @@ class _Distbelief(BaseEstimator):
     callback: Any
     random_state: Any
 
+    def _keep_params(self, values: dict[str, Any]) -> None:
+        """Store every argument of ``__init__`` (``values``: its ``locals()``) as the attribute of its name,
+        and nothing else: scikit-learn's rule for an estimator's constructor."""
+        for name in self._get_param_names():
+            setattr(self, name, values[name])
+
     def __sklearn_clone__(self) -> Any:
         return clone_keeping_client(self)
 
@@ -488,21 +494,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
         store: str | None = None,
         downpour_options: dict[str, Any] | None = None,
     ) -> None:
-        self.penalty = penalty
-        self.C = C
-        self.l1_ratio = l1_ratio
-        self.fit_intercept = fit_intercept
-        self.class_weight = class_weight
-        self.solver = solver
-        self.max_iter = max_iter
-        self.tol = tol
-        self.random_state = random_state
-        self.warm_start = warm_start
-        self.verbose = verbose
-        self.callback = callback
-        self.client = client
-        self.store = store
-        self.downpour_options = downpour_options
+        self._keep_params(locals())
 
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> Any:
         """Fit on ``X`` (numpy, pandas, ``scipy.sparse``, Dask array or DataFrame, ``storage.Dataset``) and
@@ -787,18 +779,7 @@ class LinearRegression(RegressorMixin, _Distbelief):
         store: str | None = None,
         downpour_options: dict[str, Any] | None = None,
     ) -> None:
-        self.alpha = alpha
-        self.fit_intercept = fit_intercept
-        self.solver = solver
-        self.max_iter = max_iter
-        self.tol = tol
-        self.random_state = random_state
-        self.warm_start = warm_start
-        self.verbose = verbose
-        self.callback = callback
-        self.client = client
-        self.store = store
-        self.downpour_options = downpour_options
+        self._keep_params(locals())
 
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> LinearRegression:
         """Fit on ``X`` (numpy, pandas, ``scipy.sparse``, Dask array or DataFrame, ``storage.Dataset``) and
@@ -895,19 +876,7 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
         store: str | None = None,
         downpour_options: dict[str, Any] | None = None,
     ) -> None:
-        self.hidden_layer_sizes = hidden_layer_sizes
-        self.activation = activation
-        self.alpha = alpha
-        self.solver = solver
-        self.max_iter = max_iter
-        self.tol = tol
-        self.random_state = random_state
-        self.warm_start = warm_start
-        self.verbose = verbose
-        self.callback = callback
-        self.client = client
-        self.store = store
-        self.downpour_options = downpour_options
+        self._keep_params(locals())
 
     def _hidden(self) -> list[int]:
         sizes = self.hidden_layer_sizes
