@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import numbers
 import warnings
 from typing import Any
@@ -916,11 +915,9 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
             k = len(self.classes_)
             sizes = [int(self.n_features_in_), *hidden, k]
             model = models.MLP(sizes, activation=_ACTIVATIONS[self.activation])
-            free, start = [], 0
-            for fan_in, fan_out in itertools.pairwise(sizes):
-                start += fan_in * fan_out
-                free.append((start, start + fan_out))
-                start += fan_out
+            # The biases (unpenalized) where the model's own layout puts them: unpack the parameters' indices.
+            biases = [b for _, b in model.unpack(np.arange(model.n_params, dtype=np.float64))]
+            free = [(int(b[0]), int(b[-1]) + 1) for b in biases]
             w = self._fit_with(
                 model, data, l2=float(self.alpha) / n, free=free, store=store,
                 x0=model.init_params(seed), seed=0 if seed is None else seed,

@@ -98,6 +98,10 @@ def test_mlp_learns_and_leaves_biases_unpenalized(iris: tuple[np.ndarray, np.nda
     assert clf.score(X, y) > 0.95
     assert [c.shape for c in clf.coefs_] == [(4, 6), (6, 3)]
     assert [b.shape for b in clf.intercepts_] == [(6,), (3,)]
+    # What it minimized penalizes the weights only: F = mean loss + (alpha / (2N)) sum ||W||^2.
+    weights = sum(float((W**2).sum()) for W in clf.coefs_)
+    expected = models.objective(clf.model_, clf.w_, X, y.astype(float))[0] + 0.5 * 1e-3 / len(y) * weights
+    assert clf.result_.fun == pytest.approx(expected, rel=1e-10)
     # Same seed, same fit; the seed changes the start.
     again = MLPClassifier((6,), activation="tanh", alpha=1e-3, random_state=0, max_iter=500).fit(X, y)
     np.testing.assert_array_equal(clf.coefs_[0], again.coefs_[0])
