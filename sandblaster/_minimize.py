@@ -564,12 +564,7 @@ def open_session(
     New shards start with ``x0`` as the coordinator's ``x`` when it is given (``opts.resume`` restores
     every vector from the store instead).
     """
-    if hasattr(dataset, "check_model"):
-        dataset.check_model(model)
-    elif dataset.n_features != getattr(model, "n_features", dataset.n_features):
-        raise DatasetError(
-            f"the model expects {model.n_features} features, the data has {dataset.n_features}"
-        )
+    dataset.check_model(model)
     workers = worker_addresses(client, required=True)
     shard_workers = list(opts.shard_workers or workers)
     replica_workers = list(opts.replica_workers or workers)
