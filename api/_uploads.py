@@ -79,9 +79,9 @@ def check_npz_size(file: IO[bytes], limit: int, name: str = "the file") -> None:
                 if info.is_dir():
                     continue
                 member = info.filename.removesuffix(".npy")
-                nbytes = _declared_bytes(archive, info, name, member)
+                nbytes, shape, dtype = _declared(archive, info, name, member)
                 if nbytes > limit:
-                    raise _too_large(name, _array_words(archive, info, member), nbytes, limit)
+                    raise _too_large(name, f"array {member!r} (shape {shape}, {dtype})", nbytes, limit)
                 if info.file_size > limit:  # what zipfile would decompress, header and padding included
                     raise _too_large(name, f"member {member!r}", info.file_size, limit)
                 total += nbytes
@@ -105,7 +105,10 @@ def _header(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[tuple[int,
     return tuple(int(n) for n in shape), np.dtype(dtype)
 
 
-def _declared_bytes(archive: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, member: str) -> int:
+def _declared(
+    archive: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, member: str
+) -> tuple[int, tuple[int, ...], np.dtype]:
+    """The bytes, shape and dtype that a member's ``.npy`` header declares."""
     try:
         shape, dtype = _header(archive, info)
     except ValueError as exc:
@@ -113,9 +116,4 @@ def _declared_bytes(archive: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, 
     if any(n < 0 for n in shape):
         raise DatasetError(f"{name}: array {member!r} declares a negative shape {shape}")
     # Python integers: a shape of (10**12, 10) must not overflow on its way to the comparison.
-    return math.prod(shape) * max(dtype.itemsize, 1)
-
-
-def _array_words(archive: zipfile.ZipFile, info: zipfile.ZipInfo, member: str) -> str:
-    shape, dtype = _header(archive, info)
-    return f"array {member!r} (shape {shape}, {dtype})"
+    return math.prod(shape) * max(dtype.itemsize, 1), shape, dtype

@@ -628,6 +628,14 @@ def _client_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: The positional arguments that several subcommands take, and their help.
+_POSITIONALS = {
+    "id": "the job's id (distbelief status lists them)",
+    "name": "the dataset's name (distbelief datasets list lists them)",
+    "file": "the .npz or .csv file",
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     # --debug is accepted before or after the command; the subcommands' copy must not reset the main one.
     common = argparse.ArgumentParser(add_help=False)
@@ -640,6 +648,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks of failures")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def command(
+        group: Any, name: str, func: Callable[[argparse.Namespace], int], text: str, *args: str
+    ) -> argparse.ArgumentParser:
+        """A subcommand of the service's client: its positional ``args`` (of :data:`_POSITIONALS`), then
+        ``--url`` and ``--timeout``."""
+        cmd: argparse.ArgumentParser = group.add_parser(name, parents=[common], help=text)
+        for arg in args:
+            cmd.add_argument(arg, help=_POSITIONALS[arg])
+        _client_options(cmd)
+        cmd.set_defaults(func=func)
+        return cmd
+
     serve = sub.add_parser(
         "serve", parents=[common], help="run the REST API and dashboard (embedded cluster unless --scheduler)"
     )
@@ -650,76 +670,42 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
     serve.set_defaults(func=_serve)
 
-    submit = sub.add_parser(
-        "submit", parents=[common], help="submit a job from a JSON file (the body of POST /api/jobs)"
-    )
+    submit = command(sub, "submit", _submit, "submit a job from a JSON file (the body of POST /api/jobs)")
     submit.add_argument("job", help="path of the JOB.json file")
     submit.add_argument("--wait", action="store_true", help="wait for the job with a progress bar")
-    _client_options(submit)
-    submit.set_defaults(func=_submit)
-
-    status = sub.add_parser("status", parents=[common], help="list the jobs, or show one")
+    status = command(sub, "status", _status, "list the jobs, or show one")
     status.add_argument("id", nargs="?", help="a job id (default: list every job)")
-    _client_options(status)
-    status.set_defaults(func=_status)
-
-    cancel = sub.add_parser(
-        "cancel", parents=[common], help="cancel a queued job, or stop a running one after its iteration"
+    cancel = command(
+        sub, "cancel", _cancel, "cancel a queued job, or stop a running one after its iteration", "id"
     )
-    cancel.add_argument("id", help="the job's id (distbelief status lists them)")
     cancel.add_argument("--wait", action="store_true", help="wait until a running job has stopped")
-    _client_options(cancel)
-    cancel.set_defaults(func=_cancel)
-
-    delete = sub.add_parser("delete", parents=[common], help="delete a finished job and what it stored")
-    delete.add_argument("id", help="the job's id (distbelief status lists them)")
-    _client_options(delete)
-    delete.set_defaults(func=_delete)
-
-    metrics = sub.add_parser(
-        "metrics", parents=[common], help="show a job's metrics as a table, or write them as CSV (--csv)"
+    command(sub, "delete", _delete, "delete a finished job and what it stored", "id")
+    metrics = command(
+        sub, "metrics", _metrics, "show a job's metrics as a table, or write them as CSV (--csv)", "id"
     )
-    metrics.add_argument("id", help="the job's id (distbelief status lists them)")
     metrics.add_argument("--csv", metavar="FILE", help="write a CSV file instead of the table (- for stdout)")
-    _client_options(metrics)
-    metrics.set_defaults(func=_metrics)
-
-    params = sub.add_parser(
-        "params", parents=[common], help="save the parameters a finished job ended with as a .npy file"
+    params = command(
+        sub, "params", _params, "save the parameters a finished job ended with as a .npy file", "id"
     )
-    params.add_argument("id", help="the job's id (distbelief status lists them)")
     params.add_argument(
         "-o", "--output", required=True, metavar="FILE.npy", help="the file to write (numpy.load reads it)"
     )
-    _client_options(params)
-    params.set_defaults(func=_params)
 
     datasets = sub.add_parser("datasets", parents=[common], help="upload, list, show and delete datasets")
     dsub = datasets.add_subparsers(dest="datasets_command", required=True)
-    upload = dsub.add_parser(
-        "upload", parents=[common], help="upload an .npz (arrays X and y) or a CSV file as a dataset"
+    upload = command(
+        dsub, "upload", _datasets_upload, "upload an .npz (arrays X and y) or a CSV file as a dataset", "file"
     )
-    upload.add_argument("file", help="the .npz or .csv file")
     upload.add_argument("--name", help="the dataset's name (default: the file's name without its suffix)")
     upload.add_argument(
         "--label-column", help="a CSV file's label column, by name or number (default: the last one)"
     )
     upload.add_argument("--overwrite", action="store_true", help="replace a dataset of the same name")
-    _client_options(upload)
-    upload.set_defaults(func=_datasets_upload)
-    listing = dsub.add_parser("list", parents=[common], help="list the datasets")
-    _client_options(listing)
-    listing.set_defaults(func=_datasets_list)
-    show = dsub.add_parser("show", parents=[common], help="show one dataset as JSON")
-    show.add_argument("name", help="the dataset's name")
-    _client_options(show)
-    show.set_defaults(func=_datasets_show)
-    remove = dsub.add_parser(
-        "delete", parents=[common], help="delete an uploaded dataset, or forget a registered one"
+    command(dsub, "list", _datasets_list, "list the datasets")
+    command(dsub, "show", _datasets_show, "show one dataset as JSON", "name")
+    command(
+        dsub, "delete", _datasets_delete, "delete an uploaded dataset, or forget a registered one", "name"
     )
-    remove.add_argument("name", help="the dataset's name (distbelief datasets list lists them)")
-    _client_options(remove)
-    remove.set_defaults(func=_datasets_delete)
 
     demo = sub.add_parser(
         "demo",

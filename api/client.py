@@ -104,8 +104,10 @@ class Client:
             raise ApiError(response.status_code, _detail(response))
         return response
 
-    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        return self._request(method, path, **kwargs).json()
+    def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        # Every answer of the service is a JSON object.
+        body: dict[str, Any] = self._request(method, path, **kwargs).json()
+        return body
 
     # -- datasets -----------------------------------------------------------------------------------
     def upload_dataset(
@@ -142,15 +144,11 @@ class Client:
         data = {"name": name, "overwrite": "true" if overwrite else "false"}
         if label_column is not None:
             data["label_column"] = str(label_column)
-        result: dict[str, Any] = self._json(
-            "POST", "/api/datasets", data=data, files={"file": (filename, content)}
-        )
-        return result
+        return self._json("POST", "/api/datasets", data=data, files={"file": (filename, content)})
 
     def register_dataset(self, name: str, url: str) -> dict[str, Any]:
         """Register an existing dataset (in the server's store, or a remote object store) as ``name``."""
-        result: dict[str, Any] = self._json("POST", "/api/datasets", json={"name": name, "url": url})
-        return result
+        return self._json("POST", "/api/datasets", json={"name": name, "url": url})
 
     def datasets(self) -> list[dict[str, Any]]:
         """Every dataset the server has."""
@@ -158,8 +156,7 @@ class Client:
 
     def dataset(self, name: str) -> dict[str, Any]:
         """One dataset."""
-        result: dict[str, Any] = self._json("GET", f"/api/datasets/{_segment(name, 'dataset name')}")
-        return result
+        return self._json("GET", f"/api/datasets/{_segment(name, 'dataset name')}")
 
     def delete_dataset(self, name: str) -> None:
         """Delete an uploaded dataset (or forget a registered one)."""
@@ -186,8 +183,7 @@ class Client:
         body = dict(spec)
         if isinstance(body.get("options"), Mapping):
             body["options"] = {k: _json_option(v) for k, v in body["options"].items()}
-        result: dict[str, Any] = self._json("POST", "/api/jobs", json=body)
-        return result
+        return self._json("POST", "/api/jobs", json=body)
 
     def jobs(self, *, status: str | None = None, limit: int = 1000, offset: int = 0) -> list[dict[str, Any]]:
         """Jobs, newest first (optionally only those with ``status``)."""
@@ -198,8 +194,7 @@ class Client:
 
     def job(self, job_id: str) -> dict[str, Any]:
         """One job's record."""
-        result: dict[str, Any] = self._json("GET", f"/api/jobs/{_segment(job_id, 'job id')}")
-        return result
+        return self._json("GET", _job(job_id))
 
     def wait(
         self, job_id: str, timeout: float | None = None, *, progress: bool = True, poll: float = 0.25
@@ -246,12 +241,11 @@ class Client:
         >>> c.metrics_columns(job_id)["columns"]["objective"][-1]   # doctest: +SKIP
         0.2639
         """
-        result: dict[str, Any] = self._json("GET", f"/api/jobs/{_segment(job_id, 'job id')}/metrics")
-        return result
+        return self._json("GET", f"{_job(job_id)}/metrics")
 
     def metrics_csv(self, job_id: str) -> str:
         """The job's metrics as CSV text: a header of metric names, then one row per iteration or step."""
-        path = f"/api/jobs/{_segment(job_id, 'job id')}/metrics"
+        path = f"{_job(job_id)}/metrics"
         return self._request("GET", path, params={"format": "csv"}).text
 
     def metrics(self, job_id: str) -> xr.Dataset:
@@ -286,7 +280,7 @@ class Client:
         >>> status, np.load(io.BytesIO(data)).shape   # doctest: +SKIP
         ('succeeded', (650,))
         """
-        response = self._request("GET", f"/api/jobs/{_segment(job_id, 'job id')}/params")
+        response = self._request("GET", f"{_job(job_id)}/params")
         return response.content, response.headers.get("X-Job-Status")
 
     def estimator(self, job_id: str, **params: Any) -> Any:
@@ -322,20 +316,17 @@ class Client:
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Cancel a queued or running job."""
-        result: dict[str, Any] = self._json("POST", f"/api/jobs/{_segment(job_id, 'job id')}/cancel")
-        return result
+        return self._json("POST", f"{_job(job_id)}/cancel")
 
     def delete(self, job_id: str) -> None:
         """Delete a finished job and what it stored."""
-        self._request("DELETE", f"/api/jobs/{_segment(job_id, 'job id')}")
+        self._request("DELETE", _job(job_id))
 
     def events(self, job_id: str) -> Iterator[tuple[str, Any]]:
         """Follow the job's server-sent events: ``(event, data)`` pairs until it has finished."""
         import json
 
-        with self._http.stream(
-            "GET", f"/api/jobs/{_segment(job_id, 'job id')}/events", timeout=None
-        ) as response:
+        with self._http.stream("GET", f"{_job(job_id)}/events", timeout=None) as response:
             if response.status_code >= 400:
                 response.read()
                 raise ApiError(response.status_code, _detail(response))
@@ -356,13 +347,11 @@ class Client:
 
     def cluster(self) -> dict[str, Any]:
         """Scheduler, workers, shards and replicas."""
-        result: dict[str, Any] = self._json("GET", "/api/cluster")
-        return result
+        return self._json("GET", "/api/cluster")
 
     def health(self) -> dict[str, Any]:
         """``{"status": "ok", "version": ...}``."""
-        result: dict[str, Any] = self._json("GET", "/api/health")
-        return result
+        return self._json("GET", "/api/health")
 
 
 def _json_option(value: Any) -> Any:
@@ -380,6 +369,11 @@ def _json_option(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     return value
+
+
+def _job(job_id: str) -> str:
+    """The path of a job's routes."""
+    return f"/api/jobs/{_segment(job_id, 'job id')}"
 
 
 def _segment(value: str, what: str) -> str:

@@ -531,13 +531,9 @@ class JobRunner:
         records.sort(key=lambda r: (r.created_at, r.id), reverse=True)
         return records[offset : offset + limit], len(records)
 
-    def counts(self) -> dict[str, int]:
-        """How many jobs are in each status."""
-        out: dict[str, int] = {}
-        for job in list(self._jobs.values()):
-            status = job.record.status
-            out[status] = out.get(status, 0) + 1
-        return out
+    def queued(self) -> int:
+        """How many jobs are queued."""
+        return sum(1 for job in list(self._jobs.values()) if job.record.status == "queued")
 
     def running_ids(self) -> list[str]:
         """Ids of the jobs running now."""
@@ -554,10 +550,6 @@ class JobRunner:
         if stored is None:
             return job.dim, [job.dim], []
         return stored
-
-    def params(self, job_id: str) -> bytes:
-        """The ``.npy`` bytes of the parameters a finished job ended with (see :meth:`params_of`)."""
-        return self.params_of(job_id)[0]
 
     def params_of(self, job_id: str) -> tuple[bytes, str]:
         """The ``.npy`` bytes of the parameters a finished job saved, and the job's status.
@@ -729,7 +721,7 @@ class JobRunner:
                 downpour.DownpourOptions(**downpour_kwargs(options), has_callback=True)
                 if options.get("replicas") is not None:  # every replica needs rows of its own
                     downpour.split_rows(data.n_rows, int(options["replicas"]))
-        queued = sum(1 for j in list(self._jobs.values()) if j.record.status == "queued")
+        queued = self.queued()
         if queued >= self.settings.max_queued_jobs:
             raise QueueFullError(
                 f"{queued} jobs are queued already (the limit is DISTBELIEF_MAX_QUEUED_JOBS="
@@ -910,21 +902,18 @@ class JobRunner:
             # walk, holding the GIL (~10-30 ms each, a stall of every request). Once the runner is idle for
             # the first time (no job running or queued, so no job's objects are alive), move them out of the
             # collector's sight as the app did with the imports at its start (see create_app).
-            refreeze = idle and not self._refrozen and self.freeze_after_first_job and not self._queued()
+            refreeze = idle and not self._refrozen and self.freeze_after_first_job and not self.queued()
             if refreeze:
                 self._refrozen = True
         gc.collect()
         if refreeze:
             with self._jobs_lock:
                 # Again: a job submitted during the collection must not have its objects frozen with the rest.
-                still_idle = not self._running and not self._queued()
+                still_idle = not self._running and not self.queued()
                 if not still_idle:
                     self._refrozen = False  # the next idle moment then
             if still_idle:
                 gc.freeze()
-
-    def _queued(self) -> bool:
-        return any(j.record.status == "queued" for j in list(self._jobs.values()))
 
     @staticmethod
     def _model(job: _Job) -> BuiltIn:

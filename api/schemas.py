@@ -14,7 +14,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -61,15 +61,9 @@ __all__ = [
 Algorithm = Literal[
     "sandblaster-lbfgs", "sandblaster-cg", "sandblaster-gd", "sandblaster-owlqn", "downpour-sgd"
 ]
-ALGORITHMS: tuple[str, ...] = (
-    "sandblaster-lbfgs",
-    "sandblaster-cg",
-    "sandblaster-gd",
-    "sandblaster-owlqn",
-    "downpour-sgd",
-)
+ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-JOB_STATUSES: tuple[str, ...] = ("queued", "running", "succeeded", "failed", "cancelled")
+JOB_STATUSES: tuple[str, ...] = get_args(JobStatus)
 FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 
 #: More replicas, shards or partitions than this is a typo, not a plan: each is a Dask actor with state.
@@ -214,9 +208,9 @@ def _check_name(name: str) -> str:
 _LISTED = 10
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def _short(value: Any) -> str:
     text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class JobCreate(BaseModel):

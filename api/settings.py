@@ -151,13 +151,13 @@ class Settings(BaseSettings):
         return value
 
 
-def check_exposure(settings: Settings, host: str | None = None) -> None:
+def check_exposure(settings: Settings) -> None:
     """Refuse to serve on a non-loopback address without a bearer token.
 
     Raises
     ------
     distbelief.errors.InvalidOptionError
-        If ``host`` (default ``settings.host``) is reachable from other machines and no token is set.
+        If ``settings.host`` is reachable from other machines and no token is set.
 
     Examples
     --------
@@ -166,11 +166,10 @@ def check_exposure(settings: Settings, host: str | None = None) -> None:
     ...
     distbelief.errors.InvalidOptionError: refusing to listen on 0.0.0.0 without a token: ...
     """
-    host = settings.host if host is None else host
-    if settings.api_token is None and not is_loopback(host):
+    if settings.api_token is None and not is_loopback(settings.host):
         raise InvalidOptionError(
-            f"refusing to listen on {host} without a token: anyone who can reach it could run jobs. Set "
-            "DISTBELIEF_API_TOKEN (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))') "
+            f"refusing to listen on {settings.host} without a token: anyone who can reach it could run jobs. "
+            "Set DISTBELIEF_API_TOKEN (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))') "
             "or listen on 127.0.0.1"
         )
 

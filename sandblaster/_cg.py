@@ -18,30 +18,23 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from distbelief.errors import DatasetError, InvalidOptionError
 
 from ._linesearch import (
-    LBFGSB_FTOL,
     LBFGSB_STPMAX,
-    ReferenceResult,
     interpolated_initial_step,
 )
 from ._space import (
-    InProcessSpace,
     IterationRecord,
     ParameterSpace,
     accept_trial,
-    check_budget,
     close_iteration,
     other_buffer,
-    reference_result,
     stop_test,
     wolfe_search,
 )
 
-__all__ = ["CG_C1", "CG_C2", "_minimize_cg", "minimize_cg_reference", "polak_ribiere_plus"]
+__all__ = ["CG_C1", "CG_C2", "_minimize_cg", "polak_ribiere_plus"]
 
 #: Strong Wolfe constants for nonlinear CG: c2 = 0.1 keeps consecutive directions nearly conjugate.
 CG_C1 = 1e-4
@@ -112,11 +105,10 @@ def _minimize_cg(
     maxfev: int,
     maxls: int = 20,
     restart_every: int,
-    c1: float = CG_C1,
-    c2: float = CG_C2,
     callback: Callable[[IterationRecord], None] | None = None,
 ) -> tuple[bool, str]:
-    """Polak-Ribière+ nonlinear CG with restarts in ``space`` (scalars in, scalars out).
+    """Polak-Ribière+ nonlinear CG with restarts in ``space`` (scalars in, scalars out), its line search
+    strong Wolfe with :data:`CG_C1` and :data:`CG_C2`.
 
     The initial step of each line search is SciPy's guess from the last decrease
     (:func:`sandblaster._linesearch.interpolated_initial_step`, with ``phi_prev = f + ||g||/2`` on the
@@ -133,8 +125,6 @@ def _minimize_cg(
         Evaluations per line search.
     restart_every : int
         Restart period, usually the number of parameters.
-    c1, c2 : float
-        Strong Wolfe constants (``1e-4``, ``0.1``).
     callback : callable, optional
         Called with each iteration's record.
 
@@ -147,6 +137,8 @@ def _minimize_cg(
 
     Examples
     --------
+    >>> import numpy as np
+    >>> from distbelief.sandblaster._space import InProcessSpace
     >>> space = InProcessSpace(lambda x: (float(x @ x), 2 * x), np.array([3.0, -4.0]))
     >>> space.start()
     >>> _minimize_cg(space, gtol=1e-5, ftol=0.0, maxiter=10, maxfev=100, restart_every=2)
@@ -173,7 +165,7 @@ def _minimize_cg(
         found = wolfe_search(
             space, step=interpolated_initial_step(st.f, f_prev, gd_guess, max_step=max_step),
             setup=[direction_op], speculate=[("dots", [(g_trial, g_trial), (g_trial, st.g)])],
-            maxfev=maxfev, c1=c1, c2=c2, stpmax=stpmax, max_evals=maxls,
+            maxfev=maxfev, c1=CG_C1, c2=CG_C2, stpmax=stpmax, max_evals=maxls,
         )  # fmt: skip
         if found.over_budget:
             return False, "maximum number of function evaluations reached"
@@ -196,55 +188,3 @@ def _minimize_cg(
         )
         direction_op, gd_guess = ("lincomb", "d", [-1.0, beta], [st.g, "d"]), -g1g1 + beta * g1d
         since_restart = 0 if restart else since_restart + 1
-
-
-def minimize_cg_reference(
-    fun_and_grad: Callable[[np.ndarray], tuple[float, np.ndarray]],
-    x0: np.ndarray,
-    *,
-    gtol: float = 1e-5,
-    ftol: float = LBFGSB_FTOL,
-    maxiter: int = 15000,
-    maxfev: int = 15000,
-    restart_every: int | None = None,
-    c1: float = CG_C1,
-    c2: float = CG_C2,
-    maxls: int = 30,
-) -> ReferenceResult:
-    """:func:`_minimize_cg` in an :class:`InProcessSpace` (the oracle of the distributed run).
-
-    Parameters
-    ----------
-    fun_and_grad : callable
-        ``x -> (F(x), grad F(x))``.
-    x0 : numpy.ndarray
-        Starting point.
-    gtol, ftol, maxiter, maxfev : float, float, int, int
-        Stopping rules.
-    restart_every : int or None
-        Restart period; ``None`` means ``len(x0)``.
-    c1, c2 : float
-        Strong Wolfe constants (``1e-4``, ``0.1``).
-    maxls : int
-        Evaluations per line search.
-
-    Returns
-    -------
-    ReferenceResult
-
-    Examples
-    --------
-    >>> fg = lambda x: (float(x @ x), 2 * x)
-    >>> r = minimize_cg_reference(fg, np.array([3.0, -4.0]))
-    >>> r.success, round(r.fun, 12)
-    (True, 0.0)
-    """
-    check_budget(gtol=gtol, ftol=ftol, maxiter=maxiter)
-    space = InProcessSpace(fun_and_grad, x0)
-    space.start()
-    success, message = _minimize_cg(
-        space, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls,
-        restart_every=space.vector(space.state.x).size if restart_every is None else restart_every,
-        c1=c1, c2=c2,
-    )  # fmt: skip
-    return reference_result(space, success, message)

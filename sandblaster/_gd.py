@@ -14,26 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
-
 from ._linesearch import (
-    LBFGSB_FTOL,
     ArmijoBacktracking,
-    ReferenceResult,
 )
 from ._space import (
-    InProcessSpace,
     IterationRecord,
     ParameterSpace,
     accept_trial,
-    check_budget,
     close_iteration,
     other_buffer,
-    reference_result,
     stop_test,
 )
 
-__all__ = ["_minimize_gd", "minimize_gd_reference"]
+__all__ = ["_minimize_gd"]
 
 
 def _minimize_gd(
@@ -44,11 +37,7 @@ def _minimize_gd(
     maxiter: int,
     maxfev: int,
     step: float = 1.0,
-    c1: float = 1e-4,
-    shrink: float = 0.5,
-    grow: float = 2.0,
     maxls: int = 30,
-    barzilai_borwein: bool = True,
     callback: Callable[[IterationRecord], None] | None = None,
 ) -> tuple[bool, str]:
     """Gradient descent with Armijo backtracking in ``space``.
@@ -60,11 +49,9 @@ def _minimize_gd(
     gtol, ftol, maxiter, maxfev : float, float, int, int
         Stop on ``max|g_i| <= gtol``, a relative decrease ``<= ftol``, or after ``maxiter`` steps or
         ``maxfev`` evaluations.
-    step, c1, shrink, grow, maxls : float or int
-        Options of :class:`sandblaster._linesearch.ArmijoBacktracking` (``maxls`` is its ``max_evals``).
-    barzilai_borwein : bool
-        Start each search at the Barzilai-Borwein step ``s.y / y.y`` (default) instead of the last
-        accepted step times ``grow``: ~10x fewer iterations on logistic regression.
+    step, maxls : float, int
+        The first trial step and the trials of one search (``step`` and ``max_evals`` of
+        :class:`sandblaster._linesearch.ArmijoBacktracking`; its other options keep their defaults).
     callback : callable, optional
         Called with each iteration's record.
 
@@ -77,6 +64,8 @@ def _minimize_gd(
 
     Examples
     --------
+    >>> import numpy as np
+    >>> from distbelief.sandblaster._space import InProcessSpace
     >>> space = InProcessSpace(lambda x: (float(x @ x), 2 * x), np.array([3.0, -4.0]))
     >>> space.start()
     >>> _minimize_gd(space, gtol=1e-5, ftol=0.0, maxiter=10, maxfev=100, step=0.5)
@@ -85,7 +74,7 @@ def _minimize_gd(
     st = space.state
     if st.g_inf <= gtol:
         return True, "gradient inf-norm <= gtol at x0"
-    search = ArmijoBacktracking(step=step, c1=c1, shrink=shrink, grow=grow, max_evals=maxls)
+    search = ArmijoBacktracking(step=step, max_evals=maxls)
     (gg,) = space.run([("dot", st.g, st.g)])
     while True:
         search.start(st.f, -gg)
@@ -108,74 +97,16 @@ def _minimize_gd(
             return False, f"line search failed: {res.message}"
         f_old = accept_trial(st, trial)
         g1g1, g1g0 = trial.extra[-1]
-        if barzilai_borwein:
-            # Barzilai & Borwein (1988): with s = -t*g and y = g_new - g, start the next search at
-            # s.y / y.y (their second step, the safer one under a monotone search); the Armijo test still
-            # guards every step. Without curvature along s (s.y <= 0) keep the grown step.
-            sy = res.step * (gg - g1g0)
-            yy = g1g1 - 2.0 * g1g0 + gg
-            if sy > 0.0 and yy > 0.0:
-                search.step_size = min(sy / yy, search.max_step)
+        # Barzilai & Borwein (1988): with s = -t*g and y = g_new - g, start the next search at s.y / y.y
+        # (their second step, the safer one under a monotone search; ~10x fewer iterations than the grown
+        # step on logistic regression); the Armijo test still guards every step. Without curvature along s
+        # (s.y <= 0) keep the grown step.
+        sy = res.step * (gg - g1g0)
+        yy = g1g1 - 2.0 * g1g0 + gg
+        if sy > 0.0 and yy > 0.0:
+            search.step_size = min(sy / yy, search.max_step)
         gg = g1g1
         close_iteration(space, res.step, callback, [st.x, st.g])
         stop = stop_test(st, f_old, gtol=gtol, ftol=ftol, maxiter=maxiter)
         if stop is not None:
             return stop
-
-
-def minimize_gd_reference(
-    fun_and_grad: Callable[[np.ndarray], tuple[float, np.ndarray]],
-    x0: np.ndarray,
-    *,
-    gtol: float = 1e-5,
-    ftol: float = LBFGSB_FTOL,
-    maxiter: int = 15000,
-    maxfev: int = 150000,
-    step: float = 1.0,
-    c1: float = 1e-4,
-    shrink: float = 0.5,
-    grow: float = 2.0,
-    max_evals: int = 40,
-    barzilai_borwein: bool = True,
-    history: list[float] | None = None,
-) -> ReferenceResult:
-    """:func:`_minimize_gd` in an :class:`InProcessSpace` (the oracle of the distributed run).
-
-    Parameters
-    ----------
-    fun_and_grad : callable
-        ``x -> (F(x), grad F(x))``.
-    x0 : numpy.ndarray
-        Starting point.
-    gtol, ftol, maxiter, maxfev : float, float, int, int
-        Stop on ``max|g_i| <= gtol``, a relative decrease ``<= ftol``, or after ``maxiter`` steps or
-        ``maxfev`` evaluations.
-    step, c1, shrink, grow, max_evals : float or int
-        Options of :class:`sandblaster._linesearch.ArmijoBacktracking`.
-    barzilai_borwein : bool
-        Start each search at the Barzilai-Borwein step (see :func:`_minimize_gd`).
-    history : list of float, optional
-        If given, the objective after every accepted step is appended (``F(x0)`` first).
-
-    Returns
-    -------
-    ReferenceResult
-
-    Examples
-    --------
-    >>> fg = lambda x: (float(x @ x), 2 * x)
-    >>> r = minimize_gd_reference(fg, np.array([3.0, -4.0]), step=0.1)
-    >>> r.success, r.fun < 1e-8
-    (True, True)
-    """
-    check_budget(gtol=gtol, ftol=ftol, maxiter=maxiter)
-    space = InProcessSpace(fun_and_grad, x0)
-    space.start()
-    if history is not None:
-        history.append(space.state.f)
-    success, message = _minimize_gd(
-        space, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, step=step, c1=c1, shrink=shrink,
-        grow=grow, maxls=max_evals, barzilai_borwein=barzilai_borwein,
-        callback=None if history is None else (lambda rec: history.append(rec.objective)),
-    )  # fmt: skip
-    return reference_result(space, success, message)

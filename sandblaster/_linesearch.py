@@ -8,7 +8,7 @@ The line searches here are therefore *state machines over scalars*: ask for the 
 :class:`StrongWolfeLineSearch` is a port of MINPACK-2's ``dcsrch``/``dcstep`` (Moré & Thuente, "Line search
 algorithms with guaranteed sufficient decrease", ACM TOMS 20(3), 1994), following SciPy's Python port
 (``scipy/optimize/_dcsrch.py``, SciPy 1.17). It is the line search of L-BFGS-B (``lnsrlb`` in
-``scipy/optimize/src/lbfgsb``), so the reference L-BFGS built on it takes the same steps as SciPy's
+``scipy/optimize/src/lbfgsb``), so the L-BFGS built on it takes the same steps as SciPy's
 ``L-BFGS-B`` on unconstrained problems. :class:`ArmijoBacktracking` is the simple sufficient-decrease
 search of Nocedal & Wright, *Numerical Optimization* (2nd ed.), Algorithm 3.1, with a step that grows
 after a success so plain gradient descent does not stay stuck with a tiny step.
@@ -33,7 +33,6 @@ __all__ = [
     "ArmijoBacktracking",
     "LineSearchResult",
     "LineSearchStatus",
-    "ReferenceResult",
     "StrongWolfeLineSearch",
     "interpolated_initial_step",
     "lbfgsb_initial_step",
@@ -102,40 +101,6 @@ class LineSearchResult:
     def ok(self) -> bool:
         """Whether the step may be taken (``"converged"`` or ``"warning"``)."""
         return self.status != "failed"
-
-
-@dataclass(frozen=True)
-class ReferenceResult:
-    """Result of the in-memory reference drivers (``minimize_*_reference``).
-
-    Attributes
-    ----------
-    x : numpy.ndarray
-        Final iterate.
-    fun : float
-        Objective at ``x``.
-    nit : int
-        Iterations (accepted steps).
-    nfev : int
-        Objective-and-gradient evaluations, the initial one included (as SciPy counts them).
-    success : bool
-        Whether a convergence test stopped the run.
-    message : str
-        Why it stopped.
-
-    Examples
-    --------
-    >>> r = ReferenceResult(np.zeros(2), 0.0, 3, 4, True, "converged")
-    >>> r.nit
-    3
-    """
-
-    x: np.ndarray
-    fun: float
-    nit: int
-    nfev: int
-    success: bool
-    message: str
 
 
 def relative_reduction_converged(f_old: float, f_new: float, *, ftol: float) -> bool:

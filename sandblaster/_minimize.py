@@ -341,14 +341,16 @@ class OptimizeResult(FittedMixin):
         )
 
 
-def _status_of(success: bool, message: str) -> int:
-    if success:
-        return 0
-    if "maximum" in message:
-        return 1
-    if "callback" in message:
-        return 3
-    return 2
+def _result(
+    state: RunState, x: np.ndarray, success: bool, message: str, store: str, stats: dict[str, Any]
+) -> OptimizeResult:
+    """What a run that ended in ``state`` at ``x`` found (``status`` from ``message``, see
+    :class:`OptimizeResult`)."""
+    status = 0 if success else 1 if "maximum" in message else 3 if "callback" in message else 2
+    return OptimizeResult(
+        x=x, fun=state.f, grad_norm=state.g_inf, nit=state.nit, nfev=state.nfev, success=success,
+        status=status, message=message, history=_history(state.records), store=store, stats=stats,
+    )  # fmt: skip
 
 
 #: Every option at its default: :func:`minimize`'s keywords take theirs from here (written once).
@@ -519,17 +521,17 @@ def minimize(
     """
     # Every keyword after callback is an option: their one definition (and check) is SandblasterOptions.
     opts = options_of(SandblasterOptions, locals())
+    for a, b in opts.l1_exclude:
+        if b > model.n_params:
+            raise InvalidOptionError(
+                f"l1_exclude range ({a}, {b}) ends past the model's {model.n_params} parameters"
+            )
     if local:
         if client is not None or store is not None or not isinstance(data, tuple):
             raise InvalidOptionError(
                 "local=True runs in this process on rows in memory: give data as (X, y) arrays, and no "
                 "client= or store= (or use local=False for the cluster)"
             )
-        for a, b in opts.l1_exclude:
-            if b > model.n_params:
-                raise InvalidOptionError(
-                    f"l1_exclude range ({a}, {b}) ends past the model's {model.n_params} parameters"
-                )
         result = _run_local(model, data, start_vector(model, x0, seed), opts, callback)
         result.model = model
         return result
@@ -539,11 +541,6 @@ def minimize(
         check_partitioned(model, data, partitions)
     if resume and store is None:
         raise InvalidOptionError("resume=True needs the store= of the run to continue")
-    for a, b in opts.l1_exclude:
-        if b > model.n_params:
-            raise InvalidOptionError(
-                f"l1_exclude range ({a}, {b}) ends past the model's {model.n_params} parameters"
-            )
     x_start = start_vector(model, x0, seed)
     with run_store(store, "sandblaster-") as root, embedded_client(client) as c:
         result = _run(model, as_dataset(data, root), x_start, c, root, opts, callback)
@@ -567,12 +564,7 @@ def open_session(
     New shards start with ``x0`` as the coordinator's ``x`` when it is given (``opts.resume`` restores
     every vector from the store instead).
     """
-    if hasattr(dataset, "check_model"):
-        dataset.check_model(model)
-    elif dataset.n_features != getattr(model, "n_features", dataset.n_features):
-        raise DatasetError(
-            f"the model expects {model.n_features} features, the data has {dataset.n_features}"
-        )
+    dataset.check_model(model)
     workers = worker_addresses(client, required=True)
     shard_workers = list(opts.shard_workers or workers)
     replica_workers = list(opts.replica_workers or workers)
@@ -636,14 +628,7 @@ def open_session(
                 )
             )
         if opts.resume:
-            ps = ParameterServer.open(
-                client, store=params, workers=shard_workers, memory_budget=opts.shard_memory
-            )
-            if ps.n != n or not ps.checkpoint_id:
-                raise InvalidOptionError(
-                    f"{params!r} holds no checkpoint of a run with {n} parameters; "
-                    "start runs with checkpoint_every=k to be able to resume them"
-                )
+            ps = _checkpointed(client, params, shard_workers, opts, n)
         else:
             ps = ParameterServer.create(
                 client,
@@ -692,6 +677,20 @@ def open_session(
             ps.close()
 
 
+def _checkpointed(
+    client: Client, params: str, workers: Sequence[str], opts: SandblasterOptions, n: int
+) -> ParameterServer:
+    """The shards of the checkpointed run at ``params`` (``resume=True``); it must have ``n`` parameters."""
+    ps = ParameterServer.open(client, store=params, workers=workers, memory_budget=opts.shard_memory)
+    if ps.n != n or not ps.checkpoint_id:
+        ps.close()
+        raise InvalidOptionError(
+            f"{params!r} holds no checkpoint of a run with {n} parameters; "
+            "start runs with checkpoint_every=k to be able to resume them"
+        )
+    return ps
+
+
 @contextlib.contextmanager
 def _partitioned_session(
     model: Any,
@@ -714,14 +713,7 @@ def _partitioned_session(
     ps: ParameterServer | None = None
     try:
         if opts.resume:
-            ps = ParameterServer.open(
-                client, store=params, workers=shard_workers, memory_budget=opts.shard_memory
-            )
-            if ps.n != plan.perm.size or not ps.checkpoint_id:
-                raise InvalidOptionError(
-                    f"{params!r} holds no checkpoint of a run with {plan.perm.size} parameters; "
-                    "start runs with checkpoint_every=k to be able to resume them"
-                )
+            ps = _checkpointed(client, params, shard_workers, opts, plan.perm.size)
         else:
             layout = partition_layout(plan.bounds, shards_per_partition=(opts.shards or K) // K)
             owned = partition_shards(layout, plan.bounds)
@@ -815,19 +807,7 @@ def _run(
             stats["partitions"] = opts.partitions
             stats["rebuilt_partitions"] = list(getattr(scheduler, "rebuilt", []))
         stats["wall_s"] = time.perf_counter() - t_start
-        return OptimizeResult(
-            x=x,
-            fun=coord.state.f,
-            grad_norm=coord.state.g_inf,
-            nit=coord.state.nit,
-            nfev=coord.state.nfev,
-            success=success,
-            status=_status_of(success, message),
-            message=message,
-            history=_history(coord.state.records),
-            store=ps.url,
-            stats=stats,
-        )
+        return _result(coord.state, x, success, message, ps.url, stats)
 
 
 def _run_local(
@@ -857,20 +837,8 @@ def _run_local(
         success, message = _run_method(space, opts, x_start.size, callback, None)
     except StopIteration:
         success, message = False, "stopped by the callback"
-    st = space.state
-    return OptimizeResult(
-        x=space.vector(st.x).copy(),
-        fun=st.f,
-        grad_norm=st.g_inf,
-        nit=st.nit,
-        nfev=st.nfev,
-        success=success,
-        status=_status_of(success, message),
-        message=message,
-        history=_history(st.records),
-        store="",
-        stats={"local": True, "wall_s": time.perf_counter() - t_start, "history_dtype": opts.history_dtype},
-    )
+    stats = {"local": True, "wall_s": time.perf_counter() - t_start, "history_dtype": opts.history_dtype}
+    return _result(space.state, space.vector(space.state.x).copy(), success, message, "", stats)
 
 
 def _run_method(

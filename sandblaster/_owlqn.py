@@ -20,7 +20,7 @@ shards form ``d`` as a linear combination and run the L1 ops (``pseudo_grad``, `
 against :class:`~sandblaster._space.ParameterSpace`; every op rides on an evaluation (the direction, the
 orthant, the trial point, ``s``, ``v.s``, ``||x_t||_1`` and the nonzero count on the replicas' fetch; ``y``,
 the new pseudo-gradient and the new Gram entries on the last push), so a typical iteration costs the
-coordinator no round trip of its own. :func:`minimize_owlqn_reference` runs it in process.
+coordinator no round trip of its own. In an :class:`~sandblaster._space.InProcessSpace` it runs in process.
 """
 
 from __future__ import annotations
@@ -29,27 +29,21 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from distbelief.errors import InvalidOptionError
 
-from ._linesearch import LBFGSB_FTOL, ReferenceResult
 from ._space import (
     Evaluation,
-    InProcessSpace,
     IterationRecord,
     Op,
     ParameterSpace,
     accept_trial,
-    check_budget,
     close_iteration,
     other_buffer,
-    reference_result,
     stop_test,
 )
 from ._vlbfgs import VLBFGSHistory, _checkpoint_extra, _minimize_lbfgs, history_ops, resumed_history
 
-__all__ = ["OWLQN_C1", "OWLQN_SHRINK", "_minimize_owlqn", "check_l1", "minimize_owlqn_reference"]
+__all__ = ["OWLQN_C1", "OWLQN_SHRINK", "_minimize_owlqn", "check_l1"]
 
 #: Sufficient-decrease constant of the backtracking search (Andrew & Gao's gamma).
 OWLQN_C1 = 1e-4
@@ -211,6 +205,8 @@ def _minimize_owlqn(
 
     Examples
     --------
+    >>> import numpy as np
+    >>> from distbelief.sandblaster._space import InProcessSpace
     >>> space = InProcessSpace(lambda x: (float((x - 3) @ (x - 3)), 2 * (x - 3)), np.array([0.0, 0.0]))
     >>> space.start()
     >>> _minimize_owlqn(space, l1=2.0, m=5, gtol=1e-9, ftol=0.0, maxiter=50, maxfev=500)[0]
@@ -275,53 +271,3 @@ def _minimize_owlqn(
         stop = stop_test(st, f_old, gtol=gtol, ftol=ftol, maxiter=maxiter)
         if stop is not None:
             return stop
-
-
-def minimize_owlqn_reference(
-    fun_and_grad: Callable[[np.ndarray], tuple[float, np.ndarray]],
-    x0: np.ndarray,
-    *,
-    l1: float,
-    m: int = 10,
-    gtol: float = 1e-5,
-    ftol: float = LBFGSB_FTOL,
-    maxiter: int = 15000,
-    maxfev: int = 15000,
-    maxls: int = 20,
-    l1_exclude: Sequence[tuple[int, int]] = (),
-    history_dtype: str = "float64",
-) -> ReferenceResult:
-    """:func:`_minimize_owlqn` in an :class:`InProcessSpace`: minimize ``f(x) + l1 ||x||_1``.
-
-    Parameters
-    ----------
-    fun_and_grad : callable
-        ``x -> (f(x), grad f(x))`` of the smooth part.
-    x0 : numpy.ndarray
-        Starting point (copied, float64).
-    l1 : float
-        L1 strength (``>= 0``).
-    m, gtol, ftol, maxiter, maxfev, maxls, l1_exclude, history_dtype : int, float, ranges or str
-        As :func:`_minimize_owlqn`'s.
-
-    Returns
-    -------
-    ReferenceResult
-        ``fun`` is ``F``, the L1 term included.
-
-    Examples
-    --------
-    >>> fg = lambda x: (0.5 * float(x @ x) - float(x.sum()), x - 1.0)
-    >>> r = minimize_owlqn_reference(fg, np.zeros(3), l1=0.25, gtol=1e-10)
-    >>> r.success, r.x                                  # soft-thresholding: 1 - 0.25
-    (True, array([0.75, 0.75, 0.75]))
-    """
-    l1 = check_l1(l1)
-    check_budget(gtol=gtol, ftol=ftol, maxiter=maxiter)
-    space = InProcessSpace(fun_and_grad, x0)
-    space.start()
-    success, message = _minimize_owlqn(
-        space, l1=l1, m=m, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls,
-        l1_exclude=l1_exclude, history_dtype=history_dtype,
-    )  # fmt: skip
-    return reference_result(space, success, message)

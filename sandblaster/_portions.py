@@ -85,6 +85,9 @@ READ_COST_PRIOR = 4.0
 BALANCED_PACE = 1.5
 #: Round-trip cost of a call to a replica, added to its pace (~1.5 ms here).
 CALL_OVERHEAD = 0.002
+#: A portion is overdue, and worth a backup copy, once it has taken this many times the typical time per
+#: portion (the fastest replicas' recent pace) times the work queued ahead of it.
+BACKUP_AFTER = 2.0
 
 
 @dataclass
@@ -206,9 +209,6 @@ class PortionMachine:
         Duplicate outstanding portions onto idle replicas near the end of a batch.
     in_flight : int
         Work calls outstanding per replica, so a replica never idles for a round trip.
-    backup_after : float
-        A portion is overdue, and worth a backup copy, once it has taken this many times the typical
-        time per portion (the fastest replicas' recent pace) times the work queued ahead of it.
     held : list of list of int, optional
         Portions each replica holds in memory already (default: its initial block, which it preloads).
 
@@ -227,7 +227,6 @@ class PortionMachine:
         push_every: int = 4,
         backups: bool = True,
         in_flight: int = 2,
-        backup_after: float = 2.0,
         held: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.n_replicas = n_replicas
@@ -235,7 +234,6 @@ class PortionMachine:
         self.push_every = push_every
         self.backups = backups
         self.in_flight = in_flight
-        self.backup_after = backup_after
         self.alive = [True] * n_replicas
         #: Seconds per portion of each replica (its own fetch + compute + push, without queueing), learned
         #: from its reports; the fastest one sets when a portion elsewhere counts as overdue.
@@ -524,7 +522,7 @@ class PortionMachine:
         expected = (math.inf if fastest is None else fastest) * ahead
         for p in portions:
             ev.copies.setdefault(p, set()).add(r)
-            ev.due.setdefault(p, now + self.backup_after * expected)
+            ev.due.setdefault(p, now + BACKUP_AFTER * expected)
         ev.stats.work_calls += 1
         return send
 

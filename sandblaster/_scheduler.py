@@ -56,7 +56,7 @@ class PortionScheduler:
         The coordinator's client (its event loop carries the messages).
     replicas : list of (Actor, Future)
         The replica actors and the futures that hold them (to notice a dead worker).
-    n_portions, push_every, backups, in_flight, backup_after, held
+    n_portions, push_every, backups, in_flight, held
         The scheduling policy's: see :class:`PortionMachine`.
 
     Examples
@@ -76,7 +76,6 @@ class PortionScheduler:
         push_every: int = 4,
         backups: bool = True,
         in_flight: int = 2,
-        backup_after: float = 2.0,
         held: Sequence[Sequence[int]] | None = None,
         hand_out: Any = None,
     ) -> None:
@@ -92,7 +91,6 @@ class PortionScheduler:
             push_every=push_every,
             backups=backups,
             in_flight=in_flight,
-            backup_after=backup_after,
             held=held,
         )
 

@@ -7,7 +7,7 @@ scalars. :class:`ParameterSpace` is that contract. L-BFGS (:mod:`sandblaster._vl
 as SciPy has one private ``_minimize_*`` per method, and run in either implementation:
 
 * :class:`InProcessSpace` holds the vectors in a dict of numpy arrays and evaluates a callable
-  ``fun(x) -> (f, g)``: the oracle, and the reference drivers ``minimize_*_reference``;
+  ``fun(x) -> (f, g)``: ``minimize(local=True)``, and the tests' oracle of the distributed runs;
 * :class:`sandblaster._coordinator.Coordinator` holds them on the shards and evaluates with the replicas.
 
 An op is a tuple in the shards' language (:data:`distbelief.storage.OPS`): ``("dot", a, b)``,
@@ -39,7 +39,6 @@ from distbelief.storage.internal import kernels, l1_ops
 
 from ._linesearch import (
     LineSearchResult,
-    ReferenceResult,
     StrongWolfeLineSearch,
     relative_reduction_converged,
 )
@@ -53,10 +52,8 @@ __all__ = [
     "RunState",
     "Search",
     "accept_trial",
-    "check_budget",
     "close_iteration",
     "other_buffer",
-    "reference_result",
     "stop_test",
     "wolfe_search",
 ]
@@ -143,22 +140,6 @@ def other_buffer(name: str) -> str:
     ('xb', 'ga')
     """
     return {"xa": "xb", "xb": "xa", "ga": "gb", "gb": "ga"}[name]
-
-
-def check_budget(*, gtol: float, ftol: float, maxiter: int) -> None:
-    """Refuse stopping rules no method can run with.
-
-    Examples
-    --------
-    >>> check_budget(gtol=1e-5, ftol=0.0, maxiter=0)
-    Traceback (most recent call last):
-    ...
-    distbelief.errors.InvalidOptionError: maxiter must be an int >= 1, got 0
-    """
-    if not (gtol >= 0.0 and ftol >= 0.0):
-        raise InvalidOptionError(f"gtol and ftol must be >= 0, got gtol={gtol!r}, ftol={ftol!r}")
-    if isinstance(maxiter, bool) or not isinstance(maxiter, int) or maxiter < 1:
-        raise InvalidOptionError(f"maxiter must be an int >= 1, got {maxiter!r}")
 
 
 def stop_test(
@@ -289,12 +270,6 @@ def accept_trial(state: RunState, trial: Evaluation) -> float:
     state.x, state.g = other_buffer(state.x), other_buffer(state.g)
     state.f, state.g_inf = trial.f, trial.g_inf
     return f_old
-
-
-def reference_result(space: InProcessSpace, success: bool, message: str) -> ReferenceResult:
-    """The outcome of a method run in ``space``, as the reference drivers return it."""
-    st = space.state
-    return ReferenceResult(space.vector(st.x).copy(), st.f, st.nit, st.nfev, success, message)
 
 
 class ParameterSpace(Protocol):

@@ -13,7 +13,7 @@ the next, so each iteration costs one batched ``dots`` round trip (``6k`` scalar
 check and the recursion. :func:`_minimize_lbfgs` is the method, written once against
 :class:`sandblaster._space.ParameterSpace` (on the shards or in process); it reproduces SciPy's
 ``L-BFGS-B`` on unconstrained problems (same line search, initial step, stopping rules, and restart after a
-failed line search; Byrd, Lu, Nocedal & Zhu 1995). :func:`minimize_lbfgs_reference` runs it in process.
+failed line search; Byrd, Lu, Nocedal & Zhu 1995).
 
 ``history_dtype="float32"`` (issue 29) stores the pairs ``s``, ``y`` as float32 on the shards: each is
 formed in float64 and rounded once when stored; the Gram entries are float64 dot products of the stored
@@ -37,21 +37,16 @@ from distbelief.errors import DatasetError, InvalidOptionError, ProtocolError
 from ._linesearch import (
     LBFGSB_C1,
     LBFGSB_C2,
-    LBFGSB_FTOL,
     LBFGSB_STPMAX,
     LBFGSB_XTOL,
-    ReferenceResult,
     lbfgsb_initial_step,
 )
 from ._space import (
-    InProcessSpace,
     IterationRecord,
     ParameterSpace,
     accept_trial,
-    check_budget,
     close_iteration,
     other_buffer,
-    reference_result,
     stop_test,
     wolfe_search,
 )
@@ -62,9 +57,7 @@ __all__ = [
     "VLBFGSHistory",
     "_minimize_lbfgs",
     "history_ops",
-    "minimize_lbfgs_reference",
     "resumed_history",
-    "two_loop_reference",
     "vlbfgs_coefficients",
 ]
 
@@ -141,36 +134,6 @@ def vlbfgs_coefficients(gram: np.ndarray) -> np.ndarray:
     for i in range(k):
         delta[i] += alpha[i] - dot(gram[k + i]) / sy[i]
     return delta
-
-
-def two_loop_reference(
-    g: np.ndarray, s_list: Sequence[np.ndarray], y_list: Sequence[np.ndarray]
-) -> np.ndarray:
-    """Classic L-BFGS two-loop recursion on vectors: ``d = -H g`` (Nocedal & Wright, Algorithm 7.4).
-
-    The oracle for :class:`VLBFGSHistory`. Pairs are ordered oldest to newest; ``H_0 = gamma * I`` with
-    ``gamma = s.y / y.y`` of the newest pair, and ``d = -g`` without pairs.
-
-    Examples
-    --------
-    >>> two_loop_reference(np.array([4.0, 2.0]), [np.array([1.0, 0.0])], [np.array([2.0, 0.0])])
-    array([-2., -1.])
-    """
-    if len(s_list) != len(y_list):
-        raise InvalidOptionError(f"need as many s as y vectors, got {len(s_list)} and {len(y_list)}")
-    q = np.array(g, dtype=np.float64, copy=True)
-    k = len(s_list)
-    rho = [1.0 / float(s_list[i] @ y_list[i]) for i in range(k)]
-    alpha = [0.0] * k
-    for i in range(k - 1, -1, -1):
-        alpha[i] = rho[i] * float(s_list[i] @ q)
-        q -= alpha[i] * y_list[i]
-    if k:
-        q *= float(s_list[-1] @ y_list[-1]) / float(y_list[-1] @ y_list[-1])
-    for i in range(k):
-        beta = rho[i] * float(y_list[i] @ q)
-        q += (alpha[i] - beta) * s_list[i]
-    return -q
 
 
 class VLBFGSHistory:
@@ -664,6 +627,7 @@ def _minimize_lbfgs(
 
     Examples
     --------
+    >>> from distbelief.sandblaster._space import InProcessSpace
     >>> space = InProcessSpace(lambda x: (float(x @ x), 2 * x), np.array([3.0, -4.0]))
     >>> space.start()
     >>> _minimize_lbfgs(space, m=5, gtol=1e-5, ftol=0.0, maxiter=10, maxfev=100)
@@ -721,53 +685,3 @@ def _minimize_lbfgs(
         stop = stop_test(st, f_old, gtol=gtol, ftol=ftol, maxiter=maxiter)
         if stop is not None:
             return stop
-
-
-def minimize_lbfgs_reference(
-    fun_and_grad: Callable[[np.ndarray], tuple[float, np.ndarray]],
-    x0: np.ndarray,
-    *,
-    m: int = 10,
-    gtol: float = 1e-5,
-    ftol: float = LBFGSB_FTOL,
-    maxiter: int = 15000,
-    maxfev: int = 15000,
-    maxls: int = 20,
-    history_dtype: str = "float64",
-) -> ReferenceResult:
-    """:func:`_minimize_lbfgs` in an :class:`InProcessSpace`: SciPy's ``L-BFGS-B`` without bounds.
-
-    Matches ``scipy.optimize.minimize(method="L-BFGS-B", options={"maxcor": m, "gtol": gtol,
-    "ftol": ftol})``; the oracle of the distributed run, which executes the same code on the shards.
-
-    Parameters
-    ----------
-    fun_and_grad : callable
-        ``x -> (F(x), grad F(x))``.
-    x0 : numpy.ndarray
-        Starting point (copied, float64).
-    m, gtol, ftol, maxiter, maxfev, maxls : int or float
-        Memory size, gradient and relative-decrease tolerances, iteration, evaluation and line-search
-        budgets.
-    history_dtype : {"float64", "float32"}
-        How the pairs are stored (float64 arithmetic either way).
-
-    Returns
-    -------
-    ReferenceResult
-
-    Examples
-    --------
-    >>> fg = lambda x: (float(x @ x), 2 * x)
-    >>> r = minimize_lbfgs_reference(fg, np.array([3.0, -4.0]), m=5)
-    >>> r.success, round(r.fun, 12)
-    (True, 0.0)
-    """
-    check_budget(gtol=gtol, ftol=ftol, maxiter=maxiter)
-    space = InProcessSpace(fun_and_grad, x0)
-    space.start()
-    success, message = _minimize_lbfgs(
-        space, m=m, gtol=gtol, ftol=ftol, maxiter=maxiter, maxfev=maxfev, maxls=maxls,
-        history_dtype=history_dtype,
-    )  # fmt: skip
-    return reference_result(space, success, message)

@@ -167,6 +167,16 @@ async def confirm_dead_async(
         return bool(verdict.value)
 
 
+def current_worker() -> Any:
+    """The Dask worker this code runs on, or None outside a worker."""
+    from distributed import get_worker
+
+    try:
+        return get_worker()
+    except ValueError:
+        return None
+
+
 # ------------------------------------------------------------------------------------------- timed calls
 
 

@@ -41,7 +41,7 @@ import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from typing import IO, Any, Literal, cast
+from typing import IO, TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -59,6 +59,7 @@ from ._dataset_meta import (
     _LABEL_KINDS,
     FloatArray,
     LabelKind,
+    WriteOptions,
     _Meta,
 )
 from ._dataset_readers import (
@@ -78,6 +79,9 @@ from ._dataset_validation import (
     _is_number,
     _layout,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.12
 
 __all__ = ["Dataset"]
 
@@ -234,12 +238,7 @@ class Dataset:
         path: PathLike,
         x_key: str = "X",
         y_key: str = "y",
-        portion_rows: int | None = None,
-        chunk_rows: int | None = None,
-        label_kind: LabelKind | None = None,
-        n_classes: int | None = None,
-        overwrite: bool = False,
-        storage_options: dict[str, Any] | None = None,
+        **options: Unpack[WriteOptions],
     ) -> Dataset:
         """Build a dataset from a ``.npz`` file holding arrays ``X`` and ``y``.
 
@@ -262,7 +261,7 @@ class Dataset:
         >>> Dataset.from_npz(os.path.join(d, "a.npz"), path=os.path.join(d, "ds")).label_kind
         'classes'
         """
-        _precheck(_location(path, storage_options), overwrite)
+        _precheck_options(path, options)
         name = _describe(file)
         try:
             loaded = np.load(file, allow_pickle=False)
@@ -281,20 +280,7 @@ class Dataset:
         except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
             # BadZipFile / zlib.error: a truncated or corrupted archive (an interrupted upload).
             raise DatasetError(f"cannot read {name} as an .npz file: {exc}") from exc
-        return _with_context(
-            name,
-            lambda: cls.from_arrays(
-                X,
-                y,
-                path=path,
-                portion_rows=portion_rows,
-                chunk_rows=chunk_rows,
-                label_kind=label_kind,
-                n_classes=n_classes,
-                overwrite=overwrite,
-                storage_options=storage_options,
-            ),
-        )
+        return _with_context(name, lambda: cls.from_arrays(X, y, path=path, **options))
 
     @classmethod
     def from_npy(
@@ -303,12 +289,7 @@ class Dataset:
         y_file: PathLike | IO[bytes],
         *,
         path: PathLike,
-        portion_rows: int | None = None,
-        chunk_rows: int | None = None,
-        label_kind: LabelKind | None = None,
-        n_classes: int | None = None,
-        overwrite: bool = False,
-        storage_options: dict[str, Any] | None = None,
+        **options: Unpack[WriteOptions],
     ) -> Dataset:
         """Build a dataset from two ``.npy`` files (``X`` and ``y``).
 
@@ -325,7 +306,7 @@ class Dataset:
         >>> ds.n_rows, ds.n_features
         (4, 2)
         """
-        _precheck(_location(path, storage_options), overwrite)
+        _precheck_options(path, options)
         arrays = []
         for f in (X_file, y_file):
             name = _describe(f)
@@ -339,17 +320,7 @@ class Dataset:
                     arr.close()
                 raise DatasetError(f"{name} is an .npz archive, not a single .npy array; use from_npz")
             arrays.append(arr)
-        return cls.from_arrays(
-            arrays[0],
-            arrays[1],
-            path=path,
-            portion_rows=portion_rows,
-            chunk_rows=chunk_rows,
-            label_kind=label_kind,
-            n_classes=n_classes,
-            overwrite=overwrite,
-            storage_options=storage_options,
-        )
+        return cls.from_arrays(arrays[0], arrays[1], path=path, **options)
 
     @classmethod
     def from_csv(
@@ -360,12 +331,7 @@ class Dataset:
         label_column: int | str = -1,
         header: bool | Literal["auto"] = "auto",
         delimiter: str = ",",
-        portion_rows: int | None = None,
-        chunk_rows: int | None = None,
-        label_kind: LabelKind | None = None,
-        n_classes: int | None = None,
-        overwrite: bool = False,
-        storage_options: dict[str, Any] | None = None,
+        **options: Unpack[WriteOptions],
     ) -> Dataset:
         """Build a dataset from a CSV file of numbers: one row per example, one column holds the label.
 
@@ -396,7 +362,7 @@ class Dataset:
         """
         import pandas as pd
 
-        _precheck(_location(path, storage_options), overwrite)
+        _precheck_options(path, options)
         name = _describe(file)
         if header not in (True, False, "auto"):
             raise InvalidOptionError(f"header must be True, False or 'auto', got {header!r}")
@@ -458,20 +424,7 @@ class Dataset:
         values = frame.to_numpy(dtype=np.float64)
         y = values[:, j].copy()
         X = np.ascontiguousarray(np.delete(values, j, axis=1))
-        return _with_context(
-            name,
-            lambda: cls.from_arrays(
-                X,
-                y,
-                path=path,
-                portion_rows=portion_rows,
-                chunk_rows=chunk_rows,
-                label_kind=label_kind,
-                n_classes=n_classes,
-                overwrite=overwrite,
-                storage_options=storage_options,
-            ),
-        )
+        return _with_context(name, lambda: cls.from_arrays(X, y, path=path, **options))
 
     @classmethod
     def from_svmlight(
@@ -483,13 +436,8 @@ class Dataset:
         zero_based: bool | Literal["auto"] = "auto",
         ignore_qid: bool = False,
         batch_lines: int = 4096,
-        portion_rows: int | None = None,
-        chunk_rows: int | None = None,
-        label_kind: LabelKind | None = None,
-        n_classes: int | None = None,
-        overwrite: bool = False,
-        storage_options: dict[str, Any] | None = None,
         source_options: dict[str, Any] | None = None,
+        **options: Unpack[WriteOptions],
     ) -> Dataset:
         """Build a sparse dataset from svmlight/libsvm text, streaming: memory stays bounded by a batch.
 
@@ -536,9 +484,7 @@ class Dataset:
 
         return _sparse.from_svmlight(
             source, path=path, n_features=n_features, zero_based=zero_based, ignore_qid=ignore_qid,
-            batch_lines=batch_lines, portion_rows=portion_rows, chunk_rows=chunk_rows, label_kind=label_kind,
-            n_classes=n_classes, overwrite=overwrite, storage_options=storage_options,
-            source_options=source_options,
+            batch_lines=batch_lines, source_options=source_options, **options,
         )  # fmt: skip
 
     # ---------------------------------------------------------------------------------- opening
@@ -1224,6 +1170,18 @@ def _precheck(loc: _Location, overwrite: object) -> Literal["missing", "empty", 
             f"{loc.url} already exists; pass overwrite=True to replace it, or choose another path"
         )
     return state
+
+
+def _precheck_options(path: PathLike, options: WriteOptions) -> None:
+    """:func:`_precheck` for a ``from_*`` builder, before it reads its input; a keyword it does not know is
+    refused here too, before the reading."""
+    unknown = sorted(set(options) - set(WriteOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument {unknown[0]!r}; the write options are "
+            f"{sorted(WriteOptions.__annotations__)}"
+        )
+    _precheck(_location(path, options.get("storage_options")), options.get("overwrite", False))
 
 
 def _commit(loc: _Location, meta: _Meta, write: Callable[[zarr.Group], None], *, overwrite: bool) -> None:

@@ -45,7 +45,8 @@ from distbelief.errors import DatasetError, InvalidOptionError
 
 from ._dataset import Dataset, _commit, _precheck
 from ._dataset_location import PathLike, _location
-from ._dataset_meta import _Meta
+from ._dataset_meta import WriteOptions, _Meta
+from ._dataset_sources import _check_features, compute_on, dataset_from_dask
 from ._dataset_validation import _detect_labels
 
 __all__ = ["Encoding", "dataset_from_frame", "dataset_from_parquet"]
@@ -53,9 +54,7 @@ __all__ = ["Encoding", "dataset_from_frame", "dataset_from_parquet"]
 Categorical = Literal["error", "onehot"]
 
 #: The options of dataset_from_dask that a table passes on (besides path and client).
-_WRITE_OPTIONS = frozenset(
-    {"portion_rows", "chunk_rows", "label_kind", "n_classes", "overwrite", "storage_options"}
-)
+_WRITE_OPTIONS = frozenset(WriteOptions.__annotations__)
 #: Parquet parts aim at about this many uncompressed bytes (whole row groups; a bigger group is one part).
 _PART_BYTES = 64 << 20
 
@@ -225,17 +224,13 @@ def encode_dense(df: Any, enc: Encoding) -> tuple[np.ndarray[Any, Any], np.ndarr
 
 
 def _hash_tokens(tokens: Sequence[str], n_features: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    """Column and sign of every token, as scikit-learn's ``FeatureHasher`` (signed MurmurHash3, seed 0)."""
-    from sklearn.utils import murmurhash3_32
+    """Column and sign of every token: scikit-learn's ``FeatureHasher`` of each alone (one +-1 a row)."""
+    from sklearn.feature_extraction import FeatureHasher
 
-    cols = np.empty(len(tokens), dtype=np.int64)
-    signs = np.empty(len(tokens), dtype=np.float64)
-    for i, t in enumerate(tokens):
-        h = int(murmurhash3_32(t, seed=0, positive=False))
-        # abs(-2**31) does not fit in 32 bits; FeatureHasher maps it as below.
-        cols[i] = (2147483647 - (n_features - 1)) % n_features if h == -(2**31) else abs(h) % n_features
-        signs[i] = 1.0 if h >= 0 else -1.0
-    return cols, signs
+    if not tokens:  # (FeatureHasher refuses no rows at all)
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64)
+    hashed = FeatureHasher(n_features=n_features, input_type="string").transform([[t] for t in tokens])
+    return hashed.indices.astype(np.int64), hashed.data.astype(np.float64)
 
 
 def encode_hashed(df: Any, enc: Encoding) -> tuple[Any, np.ndarray[Any, Any]]:
@@ -354,8 +349,6 @@ def _parquet_parts(url: str, storage_options: dict[str, Any] | None) -> tuple[li
 
 
 def _columns(columns: list[str], features: Sequence[str] | None, label: str, where: str) -> list[str]:
-    from ._dataset_sources import _check_features
-
     wanted = [c for c in columns if c != label] if features is None else list(features)
     _check_features(wanted, label)
     missing = [c for c in [*wanted, label] if c not in columns]
@@ -389,11 +382,6 @@ def _build(
 
         client = as_client(client)
 
-    def compute(values: list[Any]) -> list[Any]:
-        if client is not None:
-            return list(client.compute(values, sync=True))
-        return list(dask.compute(*values))
-
     unknown = sorted(set(kw) - _WRITE_OPTIONS)
     if unknown:
         raise InvalidOptionError(
@@ -404,11 +392,12 @@ def _build(
     # Refuse an existing target before any pass over the data.
     _precheck(_location(path, kw.get("storage_options")), kw.get("overwrite", False))
     if lengths is None or (enc.categorical and enc.hash_features is None):
-        scans = compute(
+        scans = compute_on(
+            client,
             [
                 dask.delayed(_scan)(p, enc.categorical if enc.hash_features is None else (), max_categories)
                 for p in parts
-            ]
+            ],
         )
         lengths = [n for n, _ in scans]
         cats: dict[str, tuple[Any, ...]] = {}
@@ -433,8 +422,6 @@ def _build(
         out = dask.delayed(encode_dense, nout=2)(p, enc)
         xs.append(da.from_delayed(out[0], shape=(n, d), dtype=np.float64))
         ys.append(da.from_delayed(out[1], shape=(n,), dtype=np.float64))
-    from ._dataset_sources import dataset_from_dask
-
     extra = {"feature_names": tuple(enc.feature_names), "encoding": _encoding_attrs(enc)}
     return dataset_from_dask(
         da.concatenate(xs), da.concatenate(ys), path=path, client=client, _extra=extra, **kw
@@ -464,15 +451,10 @@ def _write_hashed(
 
     from . import _sparse
 
-    def compute(value: Any) -> Any:
-        if client is not None:
-            return client.compute(value, sync=True)
-        return dask.compute(value)[0]
-
     loc = _location(path, kw.get("storage_options"))
     overwrite = kw.get("overwrite", False)
     _precheck(loc, overwrite)
-    counts = compute([dask.delayed(_hashed_counts)(p, enc) for p in parts])
+    counts = compute_on(client, [dask.delayed(_hashed_counts)(p, enc) for p in parts])
     n = sum(c[0] for c in counts)
     nnz = sum(c[1] for c in counts)
     if n == 0:

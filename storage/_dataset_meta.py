@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as _dt
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +26,18 @@ FORMAT_VERSION = 1
 _READ_VERSION = 2
 _LAYOUTS = ("dense", "csr")
 _LABEL_KINDS = ("real", "binary", "classes")
+
+
+class WriteOptions(TypedDict, total=False):
+    """The keywords that every ``Dataset.from_*`` builder passes on to the write (see
+    :meth:`Dataset.from_arrays <storage.Dataset.from_arrays>` for what they mean)."""
+
+    portion_rows: int | None
+    chunk_rows: int | None
+    label_kind: LabelKind | None
+    n_classes: int | None
+    overwrite: bool
+    storage_options: dict[str, Any] | None
 
 
 # ------------------------------------------------------------------------------------------- metadata

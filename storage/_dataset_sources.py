@@ -26,7 +26,7 @@ from ._dataset_location import PathLike, _location
 from ._dataset_meta import _LABEL_KINDS, LabelKind, _Meta
 from ._dataset_validation import _detect_labels, _layout
 
-__all__ = ["dataset_from_dask", "dataset_from_xarray"]
+__all__ = ["compute_on", "dataset_from_dask", "dataset_from_xarray"]
 
 
 def _finite_block(
@@ -90,7 +90,6 @@ def dataset_from_dask(
 
     See :meth:`Dataset.from_dask`. ``_extra``: more metadata fields (feature names, encoding) to record.
     """
-    import dask
     import dask.array as da
 
     for name, arr, ndim in (("X", X, 2), ("y", y, 1)):
@@ -118,7 +117,7 @@ def dataset_from_dask(
     c, p = _layout(n, d, portion_rows, chunk_rows)
 
     def compute(*values: Any) -> Any:
-        out = client.compute(list(values), sync=True) if client is not None else dask.compute(*values)
+        out = compute_on(client, list(values))
         return tuple(out) if len(values) > 1 else out[0]
 
     Xc = X.rechunk({0: c, 1: -1}).map_blocks(_finite_block, dtype=np.float64)
@@ -135,6 +134,14 @@ def dataset_from_dask(
 
     _commit(loc, meta, write, overwrite=overwrite)
     return Dataset(loc, meta, p)
+
+
+def compute_on(client: Any, values: list[Any]) -> list[Any]:
+    """``values`` (Dask collections, delayed objects) computed on ``client``, or on Dask's default
+    scheduler for None."""
+    import dask
+
+    return list(client.compute(values, sync=True)) if client is not None else list(dask.compute(*values))
 
 
 def _check_features(features: Sequence[Any], label: object) -> None:

@@ -109,12 +109,7 @@ def train_test_split_digits(
         train_parts.append(rows[k:])
     train = rng.permutation(np.concatenate(train_parts))
     test = rng.permutation(np.concatenate(test_parts))
-    return (
-        np.ascontiguousarray(X[train]),
-        np.ascontiguousarray(y[train]),
-        np.ascontiguousarray(X[test]),
-        np.ascontiguousarray(y[test]),
-    )
+    return X[train], y[train], X[test], y[test]  # (fancy indexing makes C-contiguous copies)
 
 
 def digits_dataset(
@@ -172,26 +167,10 @@ def digits_dataset(
     else:
         raise InvalidOptionError(f"subset must be 'all', 'train' or 'test', got {subset!r}")
     # Fix the label kind rather than detect it: a subset is still a 10-class (or 0/1) problem.
-    if digit is None:
-        return Dataset.from_arrays(
-            X,
-            y,
-            path=path,
-            portion_rows=portion_rows,
-            label_kind="classes",
-            n_classes=N_CLASSES,
-            overwrite=overwrite,
-            storage_options=storage_options,
-        )
     return Dataset.from_arrays(
-        X,
-        y,
-        path=path,
-        portion_rows=portion_rows,
-        label_kind="binary",
-        overwrite=overwrite,
-        storage_options=storage_options,
-    )
+        X, y, path=path, portion_rows=portion_rows, label_kind="classes" if digit is None else "binary",
+        n_classes=N_CLASSES if digit is None else None, overwrite=overwrite, storage_options=storage_options,
+    )  # fmt: skip
 
 
 def _check_digit(binary_digit: object) -> int | None:

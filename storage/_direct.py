@@ -33,6 +33,8 @@ from distributed.protocol import to_serialize
 
 from distbelief.errors import ClusterError
 
+from ._calls import current_worker
+
 __all__ = ["HANDLER", "call_from_worker", "direct_call", "direct_call_to", "install"]
 
 #: The worker handler's name (the ``op`` of the RPC message).
@@ -57,14 +59,8 @@ async def _call_method(obj: Any, method: str, payload: bytes) -> Any:
 def install(worker: Any = None) -> None:
     """Install :data:`HANDLER` on ``worker`` (default: the worker running the caller); does nothing
     outside a worker or when it is installed already. Called by the actors' constructors."""
-    if worker is None:
-        from distributed import get_worker
-
-        try:
-            worker = get_worker()
-        except ValueError:
-            return
-    if HANDLER in worker.handlers:
+    worker = current_worker() if worker is None else worker
+    if worker is None or HANDLER in worker.handlers:
         return
     var = _worker_var()
 

@@ -62,7 +62,6 @@ __all__ = [
     "deposit",
     "deposit_at",
     "merge",
-    "state_bytes",
     "value",
     "zeros",
 ]
@@ -112,17 +111,6 @@ def clear(state: np.ndarray) -> np.ndarray:
     """
     state.fill(0.0)
     return state
-
-
-def state_bytes(n: int) -> int:
-    """Bytes of a state for ``n`` elements.
-
-    Examples
-    --------
-    >>> state_bytes(1_000)
-    32000
-    """
-    return (BINS + 1) * 8 * n
 
 
 def _units(v: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

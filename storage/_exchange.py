@@ -27,8 +27,8 @@ import numpy as np
 
 from distbelief.errors import ClusterError
 
+from ._calls import current_worker
 from ._monitor import Sample, install_worker
-from ._server import current_worker
 
 __all__ = ["PartitionPeer", "PassAborted", "call_peer"]
 

@@ -199,14 +199,10 @@ def install_worker(worker: Any = None) -> None:
     --------
     >>> install_worker()  # not on a Dask worker: nothing to do
     """
-    if worker is None:
-        from distributed import get_worker
+    from ._calls import current_worker
 
-        try:
-            worker = get_worker()
-        except ValueError:
-            return
-    if HANDLER not in worker.handlers:
+    worker = current_worker() if worker is None else worker
+    if worker is not None and HANDLER not in worker.handlers:
 
         async def handle(comm: Any) -> list[Sample]:
             return worker_samples(worker)

@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import zarr
@@ -45,6 +45,7 @@ from ._calls import (
     actor_gone,
     await_call,
     confirm_dead,
+    current_worker,
     gather_calls,
     start_call,
 )
@@ -54,6 +55,9 @@ from ._session import NO_WORKERS, worker_addresses
 from ._shard import OPS
 from ._store import normalize_url, open_group
 from ._wire import SMALL_BYTES, array_bytes, unpack
+
+#: What an op method of :class:`_Ops` returns (an index in a batch, or the op's result).
+R = TypeVar("R")
 
 __all__ = ["Batch", "ParameterServer", "ServerStats", "ShardMap", "reduce_results"]
 
@@ -120,10 +124,67 @@ def reduce_results(ops: Sequence[Sequence[Any]], partials: Sequence[Sequence[Any
     return [_reduce(OPS[op[0]], [p[k] for p in partials]) for k, op in enumerate(ops)]
 
 
-class Batch:
+class _Ops(Generic[R]):
+    """The shards' vector ops, one method each, written once for :class:`Batch` (a method appends its op
+    and returns the op's index in the batch) and :class:`ParameterServer` (a method runs its op on every
+    shard at once and returns its reduced result: None for the ops that only change vectors)."""
+
+    def _op(self, *op: Any) -> R:
+        raise NotImplementedError
+
+    def fill(self, name: str, value: float) -> R:
+        """``name[:] = value`` on every shard (creates ``name``)."""
+        return self._op("fill", name, float(value))
+
+    def copy(self, src: str, dst: str) -> R:
+        """``dst = src`` (creates ``dst``)."""
+        return self._op("copy", src, dst)
+
+    def scale(self, alpha: float, name: str) -> R:
+        """``name *= alpha``."""
+        return self._op("scale", float(alpha), name)
+
+    def axpy(self, alpha: float, x: str, y: str) -> R:
+        """``y += alpha * x``."""
+        return self._op("axpy", float(alpha), x, y)
+
+    def lincomb(self, dst: str, coeffs: Sequence[float], names: Sequence[str]) -> R:
+        """``dst = sum_i coeffs[i] * names[i]`` (``dst`` may be among ``names``)."""
+        return self._op("lincomb", dst, [float(c) for c in coeffs], list(names))
+
+    def mul(self, x: str, y: str, dst: str) -> R:
+        """``dst = x * y`` elementwise."""
+        return self._op("mul", x, y, dst)
+
+    def delete(self, name: str) -> R:
+        """Drop vector ``name`` from every shard."""
+        return self._op("delete", name)
+
+    def dot(self, a: str, b: str) -> R:
+        """``a . b``."""
+        return self._op("dot", a, b)
+
+    def dots(self, pairs: Sequence[tuple[str, str]]) -> R:
+        """``[a . b for a, b in pairs]``, in one round trip."""
+        return self._op("dots", [(a, b) for a, b in pairs])
+
+    def norm2(self, name: str) -> R:
+        """Euclidean norm of ``name``."""
+        return self._op("norm2", name)
+
+    def norm_inf(self, name: str) -> R:
+        """Max-abs norm of ``name``."""
+        return self._op("norm_inf", name)
+
+    def sum(self, name: str) -> R:
+        """Sum of the elements of ``name``."""
+        return self._op("sum", name)
+
+
+class Batch(_Ops[int]):
     """Ops collected to be sent to every shard in one call (one round trip for the lot).
 
-    Each method appends one op and returns its index into the list that :meth:`run` returns.
+    Each op method appends one op and returns its index into the list that :meth:`run` returns.
 
     Examples
     --------
@@ -136,57 +197,9 @@ class Batch:
         self._server = server
         self.ops: list[tuple[Any, ...]] = []
 
-    def _add(self, *op: Any) -> int:
+    def _op(self, *op: Any) -> int:
         self.ops.append(op)
         return len(self.ops) - 1
-
-    def fill(self, name: str, value: float) -> int:
-        """``name[:] = value`` (creates ``name``)."""
-        return self._add("fill", name, float(value))
-
-    def copy(self, src: str, dst: str) -> int:
-        """``dst = src`` (creates ``dst``)."""
-        return self._add("copy", src, dst)
-
-    def scale(self, alpha: float, name: str) -> int:
-        """``name *= alpha``."""
-        return self._add("scale", float(alpha), name)
-
-    def axpy(self, alpha: float, x: str, y: str) -> int:
-        """``y += alpha * x``."""
-        return self._add("axpy", float(alpha), x, y)
-
-    def lincomb(self, dst: str, coeffs: Sequence[float], names: Sequence[str]) -> int:
-        """``dst = sum_i coeffs[i] * names[i]`` (``dst`` may be among ``names``)."""
-        return self._add("lincomb", dst, [float(c) for c in coeffs], list(names))
-
-    def mul(self, x: str, y: str, dst: str) -> int:
-        """``dst = x * y`` elementwise."""
-        return self._add("mul", x, y, dst)
-
-    def delete(self, name: str) -> int:
-        """Drop vector ``name`` from every shard."""
-        return self._add("delete", name)
-
-    def dot(self, a: str, b: str) -> int:
-        """``a . b``."""
-        return self._add("dot", a, b)
-
-    def dots(self, pairs: Sequence[tuple[str, str]]) -> int:
-        """``[a . b for a, b in pairs]``."""
-        return self._add("dots", [(a, b) for a, b in pairs])
-
-    def norm2(self, name: str) -> int:
-        """Euclidean norm of ``name``."""
-        return self._add("norm2", name)
-
-    def norm_inf(self, name: str) -> int:
-        """Max-abs norm of ``name``."""
-        return self._add("norm_inf", name)
-
-    def sum(self, name: str) -> int:
-        """Sum of the elements of ``name``."""
-        return self._add("sum", name)
 
     def run(self) -> list[Any]:
         """Send the ops to every shard in one call each; return the reduced result of every op."""
@@ -348,7 +361,7 @@ class ShardMap:
 INLINE_VECTOR_BYTES = 1 << 20
 
 
-class ParameterServer:
+class ParameterServer(_Ops[Any]):
     """A vector space of ``n`` float64 parameters sharded over Dask actors and checkpointed to zarr.
 
     Create with :meth:`create` or reopen with :meth:`open`; do not call the constructor directly.
@@ -742,56 +755,8 @@ class ParameterServer:
                 partials[i] = part
         return reduce_results(ops, partials)
 
-    def _one(self, op: tuple[Any, ...]) -> Any:
+    def _op(self, *op: Any) -> Any:
         return self.run([op])[0]
-
-    def fill(self, name: str, value: float) -> None:
-        """``name[:] = value`` on every shard (creates ``name``)."""
-        self._one(("fill", name, float(value)))
-
-    def copy(self, src: str, dst: str) -> None:
-        """``dst = src``."""
-        self._one(("copy", src, dst))
-
-    def scale(self, alpha: float, name: str) -> None:
-        """``name *= alpha``."""
-        self._one(("scale", float(alpha), name))
-
-    def axpy(self, alpha: float, x: str, y: str) -> None:
-        """``y += alpha * x`` on every shard."""
-        self._one(("axpy", float(alpha), x, y))
-
-    def lincomb(self, dst: str, coeffs: Sequence[float], names: Sequence[str]) -> None:
-        """``dst = sum_i coeffs[i] * names[i]``."""
-        self._one(("lincomb", dst, [float(c) for c in coeffs], list(names)))
-
-    def mul(self, x: str, y: str, dst: str) -> None:
-        """``dst = x * y`` elementwise."""
-        self._one(("mul", x, y, dst))
-
-    def delete(self, name: str) -> None:
-        """Drop vector ``name``."""
-        self._one(("delete", name))
-
-    def dot(self, a: str, b: str) -> float:
-        """``a . b``."""
-        return float(self._one(("dot", a, b)))
-
-    def dots(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
-        """Many dot products in one round trip."""
-        return list(self._one(("dots", [(a, b) for a, b in pairs])))
-
-    def norm2(self, name: str) -> float:
-        """Euclidean norm."""
-        return float(self._one(("norm2", name)))
-
-    def norm_inf(self, name: str) -> float:
-        """Max-abs norm."""
-        return float(self._one(("norm_inf", name)))
-
-    def sum(self, name: str) -> float:
-        """Sum of elements."""
-        return float(self._one(("sum", name)))
 
     # -- slices ----------------------------------------------------------------------------------------
     def _shards_of(self, lo: int, hi: int) -> list[int]:
@@ -975,16 +940,6 @@ def worker_alive(address: str | None) -> bool:
         return address in worker_addresses(get_client())
     except Exception:
         return True
-
-
-def current_worker() -> Any:
-    """The Dask worker this code runs on, or None outside a worker."""
-    try:
-        from distributed import get_worker
-
-        return get_worker()
-    except ValueError:
-        return None
 
 
 def _as_vector(values: Any) -> np.ndarray:

@@ -24,7 +24,6 @@ from distbelief.errors import ClusterError, InvalidOptionError
 
 from ._cluster import bound_to, check_workers, resolve_client
 from ._dataset import Dataset
-from ._sparse import is_sparse
 
 __all__ = [
     "as_dataset",
@@ -236,16 +235,12 @@ def _on_loopback(address: str) -> bool:
 @contextlib.contextmanager
 def _direct_when_local(client: Client) -> Iterator[None]:
     """Actor calls straight to the workers (not relayed by the scheduler) when they are all on loopback."""
-    if client.direct_to_workers:
-        yield
-        return
-    try:
-        addresses = [str(getattr(client.scheduler, "address", "")), *worker_addresses(client)]
-    except Exception:
-        addresses = []
-    local = bool(addresses) and all(_on_loopback(str(a)) for a in addresses)
-    if not local:
-        yield
+    addresses = []
+    if not client.direct_to_workers:
+        with contextlib.suppress(Exception):
+            addresses = [str(getattr(client.scheduler, "address", "")), *worker_addresses(client)]
+    if not addresses or not all(_on_loopback(a) for a in addresses):
+        yield  # already direct, or a remote cluster: the caller's setting stays
         return
     client.direct_to_workers = True
     try:
@@ -266,9 +261,8 @@ def as_dataset(data: Any, store: str) -> Dataset:
     if isinstance(data, Dataset):
         return data
     if isinstance(data, tuple) and len(data) == 2:
-        X, y = data
-        rows = X if is_sparse(X) else np.asarray(X)  # scipy.sparse rows make a sparse dataset
-        return Dataset.from_arrays(rows, np.asarray(y), path=os.path.join(store, "data"), overwrite=True)
+        # (scipy.sparse rows make a sparse dataset)
+        return Dataset.from_arrays(*data, path=os.path.join(store, "data"), overwrite=True)
     raise InvalidOptionError(
         "data must be a storage.Dataset or a tuple (X, y) of arrays (X may be a scipy.sparse matrix)"
     )

@@ -17,6 +17,7 @@ from ._calls import (
     actor_gone,
     await_call,
     confirm_dead_async,
+    current_worker,
     gather_calls,
     start_call,
     task_result,
@@ -47,7 +48,7 @@ from ._keys import (
 )
 from ._malloc import KEEP_FREE_BYTES
 from ._monitor import Sample, install_worker, shard_samples
-from ._server import current_worker, read_attrs, worker_alive
+from ._server import read_attrs, worker_alive
 from ._session import run_store
 from ._sparse import as_csr, is_sparse, nbytes
 from ._store import normalize_url

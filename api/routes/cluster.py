@@ -42,6 +42,6 @@ def cluster_state(request: Request, runner: RunnerDep, settings: SettingsDep) ->
         workers=workers,
         actors=sorted(actors, key=lambda a: (a.job_id or "", a.kind, a.key)),
         running_jobs=runner.running_ids(),
-        queued_jobs=runner.counts().get("queued", 0),
+        queued_jobs=runner.queued(),
         max_concurrent_jobs=settings.max_concurrent_jobs,
     )

@@ -41,7 +41,7 @@ from sklearn.exceptions import ConvergenceWarning
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.models import Model
 from distbelief.storage import Dataset
-from distbelief.storage.internal import run_store
+from distbelief.storage.internal import resolve_client, run_store
 
 __all__ = [
     "PENALTIES",
@@ -50,7 +50,6 @@ __all__ = [
     "RowWeights",
     "WeightColumn",
     "fit_model",
-    "resolve_client",
     "row_weights",
     "with_weights",
 ]
@@ -65,32 +64,11 @@ FloatArray = NDArray[np.float64]
 logger = logging.getLogger("distbelief.sklearn")
 
 
-class FreeParams:
-    """A model whose parameters in ``free`` are left out of the shards' L2 penalty (intercepts, biases).
+class _Wrapper:
+    """What a model's wrapper (:class:`FreeParams`, :class:`RowWeights`) passes through as it is."""
 
-    Parameters
-    ----------
-    model : Model
-        The wrapped model; every other member is passed through.
-    l2 : float
-        The ``l2`` the solver applies on the shards.
-    free : sequence of (start, stop)
-        Ranges of ``w`` that must not be penalized.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from distbelief.models import LeastSquares, objective
-    >>> m = FreeParams(LeastSquares(1), 0.5, [(1, 2)])
-    >>> X, y, w = np.ones((4, 1)), np.zeros(4), np.array([1.0, 2.0])
-    >>> objective(m, w, X, y, l2=0.5)[0] == objective(LeastSquares(1), w, X, y)[0] + 0.25 * 1.0
-    True
-    """
-
-    def __init__(self, model: Any, l2: float, free: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, model: Any) -> None:
         self.model = model
-        self.l2 = float(l2)
-        self.free = tuple((int(a), int(b)) for a, b in free)
 
     @property
     def n_params(self) -> int:
@@ -122,6 +100,34 @@ class FreeParams:
         check = getattr(self.model, "check_labels", None)
         if callable(check):
             check(y)
+
+
+class FreeParams(_Wrapper):
+    """A model whose parameters in ``free`` are left out of the shards' L2 penalty (intercepts, biases).
+
+    Parameters
+    ----------
+    model : Model
+        The wrapped model; every other member is passed through.
+    l2 : float
+        The ``l2`` the solver applies on the shards.
+    free : sequence of (start, stop)
+        Ranges of ``w`` that must not be penalized.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from distbelief.models import LeastSquares, objective
+    >>> m = FreeParams(LeastSquares(1), 0.5, [(1, 2)])
+    >>> X, y, w = np.ones((4, 1)), np.zeros(4), np.array([1.0, 2.0])
+    >>> objective(m, w, X, y, l2=0.5)[0] == objective(LeastSquares(1), w, X, y)[0] + 0.25 * 1.0
+    True
+    """
+
+    def __init__(self, model: Any, l2: float, free: Sequence[tuple[int, int]]) -> None:
+        super().__init__(model)
+        self.l2 = float(l2)
+        self.free = tuple((int(a), int(b)) for a, b in free)
 
     def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
         """The wrapped model's summed loss, minus ``(l2/2) ||w_free||^2`` per row, and its gradient."""
@@ -189,7 +195,7 @@ class FreeParams:
         return float(self.model.accuracy(w, X, y))
 
 
-class RowWeights:
+class RowWeights(_Wrapper):
     """A model trained on rows whose last column is each row's weight (``sample_weight``, ``class_weight``).
 
     Its rows are ``[X, s]`` (made by :func:`with_weights`); ``loss_and_grad`` splits them into ``X`` and
@@ -210,44 +216,15 @@ class RowWeights:
     (1.5, array([3.]))
     """
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    @property
-    def n_params(self) -> int:
-        """That of the wrapped model."""
-        return int(self.model.n_params)
-
     @property
     def n_features(self) -> int:
         """The wrapped model's features and the weight column."""
         return int(self.model.n_features) + 1
 
     @property
-    def n_classes(self) -> int | None:
-        """That of the wrapped model."""
-        k = getattr(self.model, "n_classes", None)
-        return None if k is None else int(k)
-
-    @property
-    def label_kind(self) -> str:
-        """That of the wrapped model."""
-        return str(getattr(self.model, "label_kind", "real"))
-
-    @property
     def spec(self) -> None:
         """None: no built-in model takes the weight column (a saved result holds the parameters only)."""
         return None
-
-    def init_params(self, seed: int | None = None) -> FloatArray:
-        """That of the wrapped model."""
-        return np.asarray(self.model.init_params(seed), dtype=np.float64)
-
-    def check_labels(self, y: ArrayLike) -> None:
-        """That of the wrapped model (if it has one)."""
-        check = getattr(self.model, "check_labels", None)
-        if callable(check):
-            check(y)
 
     def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
         """The wrapped model's ``sum_i s_i loss_i`` over the rows ``X[:, :-1]`` with weights ``X[:, -1]``."""
@@ -625,24 +602,18 @@ def weighted_data(
     if weights is None:
         return data, lambda model: model
     what = "sample_weight / class_weight"
+    if (downpour_options or {}).get("eval_data") is not None:
+        raise InvalidOptionError(
+            f"{name}.fit: {what} cannot be used with downpour_options['eval_data'] (the held-out rows "
+            "would be read as weighted ones); drop eval_data and score the fitted estimator on them instead"
+        )
     if isinstance(weights, WeightColumn):
-        if (downpour_options or {}).get("eval_data") is not None:
-            raise InvalidOptionError(
-                f"{name}.fit: {what} cannot be used with downpour_options['eval_data'] (the held-out rows "
-                "would be read as weighted ones); drop eval_data and score the fitted estimator on them "
-                "instead"
-            )
         return data, RowWeights
     if not isinstance(data, tuple):
         raise InvalidOptionError(
             f"{name}.fit: {what} need the rows in memory (numpy, pandas or scipy.sparse); a "
             "storage.Dataset, Dask arrays or a Dask DataFrame cannot carry per-row weights. Fit arrays "
             "(X.compute(), y.compute()), or for integer weights repeat the rows in the dataset"
-        )
-    if (downpour_options or {}).get("eval_data") is not None:
-        raise InvalidOptionError(
-            f"{name}.fit: {what} cannot be used with downpour_options['eval_data'] (the held-out rows "
-            "would be read as weighted ones); drop eval_data and score the fitted estimator on them instead"
         )
     X, y = data
     return (with_weights(X, weights), y), RowWeights
@@ -668,23 +639,6 @@ def check_callback(callback: object, name: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- clusters
-
-
-def resolve_client(client: Any) -> Any:
-    """The Dask client a fit runs on (:func:`storage._cluster.resolve_client`).
-
-    ``None``: the current default client (``distributed.default_client()``) if one runs, else the
-    embedded ``LocalCluster`` shared by every call of this process. A ``str``: a client of the scheduler at
-    that address (made once, then reused). A ``Client``: itself.
-
-    Raises
-    ------
-    InvalidOptionError
-        For anything else, or a malformed address.
-    """
-    from distbelief.storage.internal import resolve_client as resolve
-
-    return resolve(client)
 
 
 def clone_keeping_client(estimator: Any) -> Any:
@@ -848,84 +802,41 @@ def fit_model(
     logger.info("%s: fitting %d rows with solver=%r, max_iter=%d, %s", name, rows, solver, max_iter, where)
     started = time.perf_counter()
     with FitProgress(name, verbose=verbose, callback=callback, total=max_iter) as report:
-        w, nit, result = _solve(
-            run_model, data, l2=l2, l1=l1, free=free, solver=solver, max_iter=max_iter, tol=tol, client=c,
-            store=store, x0=x0, seed=seed, downpour_options=downpour_options, name=name, callback=report,
-        )  # fmt: skip
+        if solver == "downpour":
+            from distbelief.downpour import train
+
+            result: Any = train(
+                run_model, data, l2=l2, epochs=max_iter, client=c, store=os.path.join(store, "run"), x0=x0,
+                seed=seed, callback=report, **(downpour_options or {}),
+            )  # fmt: skip
+            if not result.success:
+                raise DatasetError(f"{name}: Downpour stopped early ({result.message})")
+            nit = int(max_iter)
+        else:
+            from distbelief.sandblaster import minimize
+
+            run_on: dict[str, Any] = (
+                {"local": True} if c is None else {"client": c, "store": os.path.join(store, "run")}
+            )
+            result = minimize(
+                run_model, data, method="owlqn" if l1 > 0 else solver,  # type: ignore[arg-type]
+                x0=x0, l2=l2, l1=l1, l1_exclude=free if l1 > 0 else (), gtol=tol,
+                ftol=64 * np.finfo(float).eps,  # scikit-learn's lbfgs setting
+                maxiter=max_iter, seed=seed, callback=report, **run_on,
+            )  # fmt: skip
+            if result.status == 1:
+                warnings.warn(
+                    f"{name}: {solver} did not converge in max_iter={max_iter} iterations "
+                    f"({result.message}); increase max_iter or scale the data",
+                    ConvergenceWarning,
+                    stacklevel=4,  # the estimator's fit
+                )
+            nit = int(result.nit)
     logger.info(
         "%s: %s stopped after %d iterations in %.2f s: %s",
         name, solver, nit, time.perf_counter() - started, getattr(result, "message", ""),
     )  # fmt: skip
-    return w, nit, result
-
-
-def _solve(
-    run_model: Model,
-    data: Any,
-    *,
-    l2: float,
-    free: Sequence[tuple[int, int]],
-    solver: str,
-    l1: float,
-    max_iter: int,
-    tol: float,
-    client: Any,
-    store: str,
-    x0: FloatArray | None,
-    seed: int,
-    downpour_options: dict[str, Any] | None,
-    name: str,
-    callback: Callable[[Any], None],
-) -> tuple[FloatArray, int, Any]:
-    """The solver call of :func:`fit_model`."""
-    c = client
-    if solver == "downpour":
-        from distbelief.downpour import train
-
-        options = dict(downpour_options or {})
-        trained = train(
-            run_model,
-            data,
-            l2=l2,
-            epochs=max_iter,
-            client=c,
-            store=os.path.join(store, "run"),
-            x0=x0,
-            seed=seed,
-            callback=callback,
-            **options,
-        )
-        if not trained.success:
-            raise DatasetError(f"{name}: Downpour stopped early ({trained.message})")
-        return np.asarray(trained.x, dtype=np.float64), int(max_iter), trained
-    from distbelief.sandblaster import minimize
-
-    where: dict[str, Any] = (
-        {"local": True} if c is None else {"client": c, "store": os.path.join(store, "run")}
-    )
-    res = minimize(
-        run_model,
-        data,
-        method="owlqn" if l1 > 0 else solver,  # type: ignore[arg-type]
-        x0=x0,
-        l2=l2,
-        l1=l1,
-        l1_exclude=free if l1 > 0 else (),
-        gtol=tol,
-        ftol=64 * np.finfo(float).eps,  # scikit-learn's lbfgs setting
-        maxiter=max_iter,
-        seed=seed,
-        callback=callback,
-        **where,
-    )
-    if res.status == 1:
-        warnings.warn(
-            f"{name}: {solver} did not converge in max_iter={max_iter} iterations ({res.message}); "
-            "increase max_iter or scale the data",
-            ConvergenceWarning,
-            stacklevel=5,
-        )
-    return np.asarray(res.x, dtype=np.float64), int(res.nit), res
+    return np.asarray(result.x, dtype=np.float64), nit, result
 
 
 #: Rows in memory whose gradient takes at most about this many multiply-adds (nonzeros of ``X`` times the

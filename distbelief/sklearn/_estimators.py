@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import numbers
 import warnings
 from typing import Any
@@ -25,6 +24,7 @@ from sklearn.utils.validation import (
 from distbelief import models
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.storage import Dataset
+from distbelief.storage.internal import resolve_client
 
 from ._base import (
     WeightColumn,
@@ -43,7 +43,6 @@ from ._base import (
     map_rows,
     names_of,
     picklable_state,
-    resolve_client,
     row_weights,
     weighted_data,
 )
@@ -73,6 +72,12 @@ class _Distbelief(BaseEstimator):
     verbose: int
     callback: Any
     random_state: Any
+
+    def _keep_params(self, values: dict[str, Any]) -> None:
+        """Store every argument of ``__init__`` (``values``: its ``locals()``) as the attribute of its name,
+        and nothing else: scikit-learn's rule for an estimator's constructor."""
+        for name in self._get_param_names():
+            setattr(self, name, values[name])
 
     def __sklearn_clone__(self) -> Any:
         return clone_keeping_client(self)
@@ -488,21 +493,7 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
         store: str | None = None,
         downpour_options: dict[str, Any] | None = None,
     ) -> None:
-        self.penalty = penalty
-        self.C = C
-        self.l1_ratio = l1_ratio
-        self.fit_intercept = fit_intercept
-        self.class_weight = class_weight
-        self.solver = solver
-        self.max_iter = max_iter
-        self.tol = tol
-        self.random_state = random_state
-        self.warm_start = warm_start
-        self.verbose = verbose
-        self.callback = callback
-        self.client = client
-        self.store = store
-        self.downpour_options = downpour_options
+        self._keep_params(locals())
 
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> Any:
         """Fit on ``X`` (numpy, pandas, ``scipy.sparse``, Dask array or DataFrame, ``storage.Dataset``) and
@@ -787,18 +778,7 @@ class LinearRegression(RegressorMixin, _Distbelief):
         store: str | None = None,
         downpour_options: dict[str, Any] | None = None,
     ) -> None:
-        self.alpha = alpha
-        self.fit_intercept = fit_intercept
-        self.solver = solver
-        self.max_iter = max_iter
-        self.tol = tol
-        self.random_state = random_state
-        self.warm_start = warm_start
-        self.verbose = verbose
-        self.callback = callback
-        self.client = client
-        self.store = store
-        self.downpour_options = downpour_options
+        self._keep_params(locals())
 
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> LinearRegression:
         """Fit on ``X`` (numpy, pandas, ``scipy.sparse``, Dask array or DataFrame, ``storage.Dataset``) and
@@ -822,11 +802,14 @@ class LinearRegression(RegressorMixin, _Distbelief):
                 downpour_options=self.downpour_options, seed=0 if seed is None else seed,
                 weights=self._row_weights(sample_weight, data),
             )  # fmt: skip
+        self._set_coef(model, w)
+        self.n_iter_ = self._nit
+        return self
+
+    def _set_coef(self, model: models.LeastSquares, w: FloatArray) -> None:
         d = model.n_features
         self.coef_: FloatArray = w[:d].copy()
         self.intercept_: float = float(w[d]) if model.fit_intercept else 0.0
-        self.n_iter_ = self._nit
-        return self
 
     def predict(self, X: Any) -> Any:
         """Predicted targets ``X @ coef_ + intercept_``."""
@@ -892,19 +875,7 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
         store: str | None = None,
         downpour_options: dict[str, Any] | None = None,
     ) -> None:
-        self.hidden_layer_sizes = hidden_layer_sizes
-        self.activation = activation
-        self.alpha = alpha
-        self.solver = solver
-        self.max_iter = max_iter
-        self.tol = tol
-        self.random_state = random_state
-        self.warm_start = warm_start
-        self.verbose = verbose
-        self.callback = callback
-        self.client = client
-        self.store = store
-        self.downpour_options = downpour_options
+        self._keep_params(locals())
 
     def _hidden(self) -> list[int]:
         sizes = self.hidden_layer_sizes
@@ -944,23 +915,24 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
             k = len(self.classes_)
             sizes = [int(self.n_features_in_), *hidden, k]
             model = models.MLP(sizes, activation=_ACTIVATIONS[self.activation])
-            free, start = [], 0
-            for fan_in, fan_out in itertools.pairwise(sizes):
-                start += fan_in * fan_out
-                free.append((start, start + fan_out))
-                start += fan_out
+            # The biases (unpenalized) where the model's own layout puts them: unpack the parameters' indices.
+            biases = [b for _, b in model.unpack(np.arange(model.n_params, dtype=np.float64))]
+            free = [(int(b[0]), int(b[-1]) + 1) for b in biases]
             w = self._fit_with(
                 model, data, l2=float(self.alpha) / n, free=free, store=store,
                 x0=model.init_params(seed), seed=0 if seed is None else seed,
                 downpour_options=self.downpour_options, weights=self._row_weights(sample_weight, data),
             )  # fmt: skip
+        self._set_coef(model, w)
+        self.n_iter_ = self._nit
+        return self
+
+    def _set_coef(self, model: models.MLP, w: FloatArray) -> None:
         layers = model.unpack(w)
         self.coefs_ = [W.copy() for W, _ in layers]
         self.intercepts_ = [b.copy() for _, b in layers]
-        self.n_iter_ = self._nit
-        self.n_layers_ = len(sizes)
-        self.n_outputs_ = k
-        return self
+        self.n_layers_ = len(model.layer_sizes)
+        self.n_outputs_ = model.layer_sizes[-1]
 
     def predict_proba(self, X: Any) -> Any:
         """Class probabilities, shape (n, n_classes), columns in the order of ``classes_``."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,27 +68,16 @@ def from_model(
     est: Any
     if isinstance(model, models.LeastSquares):
         est = LinearRegression(fit_intercept=model.fit_intercept, **params)
-        d = model.n_features
-        est.coef_ = w_arr[:d].copy()
-        est.intercept_ = float(w_arr[d]) if model.fit_intercept else 0.0
-        est.n_iter_ = int(n_iter)
     elif isinstance(model, models.Logistic | models.Softmax):
         cls = LogisticRegression if isinstance(model, models.Logistic) else SoftmaxRegression
         est = cls(fit_intercept=model.fit_intercept, **params)
-        est._set_coef(model, w_arr)
-        est.n_iter_ = np.array([n_iter], dtype=np.int32)
     else:
-        sizes = list(model.layer_sizes)
-        est = MLPClassifier(tuple(sizes[1:-1]), activation=_ACTIVATION_NAMES[model.activation], **params)
-        est.coefs_, est.intercepts_, start = [], [], 0
-        for fan_in, fan_out in itertools.pairwise(sizes):
-            est.coefs_.append(w_arr[start : start + fan_in * fan_out].reshape(fan_in, fan_out).copy())
-            start += fan_in * fan_out
-            est.intercepts_.append(w_arr[start : start + fan_out].copy())
-            start += fan_out
-        est.n_iter_ = int(n_iter)
-        est.n_layers_ = len(sizes)
-        est.n_outputs_ = sizes[-1]
+        hidden = tuple(model.layer_sizes[1:-1])
+        est = MLPClassifier(hidden, activation=_ACTIVATION_NAMES[model.activation], **params)
+    est._set_coef(model, w_arr)
+    # As fit sets it: the linear classifiers' is an array of one count, as in scikit-learn.
+    is_array = isinstance(model, models.Logistic | models.Softmax)
+    est.n_iter_ = np.array([n_iter], dtype=np.int32) if is_array else int(n_iter)
     k = getattr(model, "n_classes", None)
     if k is not None:
         est.classes_ = np.arange(k) if classes is None else np.asarray(classes)

@@ -61,18 +61,7 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
         store: str | None = None,
         downpour_options: dict[str, Any] | None = None,
     ) -> None:
-        self.model = model
-        self.alpha = alpha
-        self.solver = solver
-        self.max_iter = max_iter
-        self.tol = tol
-        self.random_state = random_state
-        self.warm_start = warm_start
-        self.verbose = verbose
-        self.callback = callback
-        self.client = client
-        self.store = store
-        self.downpour_options = downpour_options
+        self._keep_params(locals())
 
     def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> ModelClassifier:
         """Fit ``model`` on ``X`` (numpy, Dask array or ``storage.Dataset``) and labels ``y``.

@@ -140,6 +140,7 @@ async def test_queue_runs_at_most_the_limit_and_cancels_queued_jobs(
         listed = (await http.get("/api/jobs", params={"status": "queued"})).json()
         assert {j["id"] for j in listed["data"]} == {second["id"], third["id"]} and listed["count"] == 2
         assert app.state.runner.running_ids() == [first["id"]]
+        assert (await http.get("/api/cluster")).json()["queued_jobs"] == 2
         cancelled = (await http.post(f"/api/jobs/{third['id']}/cancel")).json()
         assert cancelled["status"] == "cancelled" and cancelled["message"] == "cancelled while queued"
         await http.post(f"/api/jobs/{first['id']}/cancel")

@@ -14,9 +14,9 @@ from scipy.optimize import minimize
 from threadpoolctl import threadpool_limits
 
 from distbelief.errors import DatasetError, InvalidOptionError
-from distbelief.sandblaster._cg import minimize_cg_reference, polak_ribiere_plus
-from distbelief.sandblaster._gd import minimize_gd_reference
+from distbelief.sandblaster._cg import polak_ribiere_plus
 from tests.sandblaster._problems import Problem, ill_conditioned_lsq, logistic_digits, rosenbrock
+from tests.sandblaster._reference import minimize_cg_reference, minimize_gd_reference
 
 
 @pytest.fixture(autouse=True)
@@ -133,6 +133,6 @@ def test_gd_budget_and_bad_input() -> None:
     with pytest.raises(DatasetError):
         minimize_gd_reference(lambda x: (float("inf"), x), np.ones(2))
     with pytest.raises(InvalidOptionError):
-        minimize_gd_reference(fg, np.zeros(x_star.size), shrink=2.0)
+        minimize_gd_reference(fg, np.zeros(x_star.size), step=-1.0)
     with pytest.raises(InvalidOptionError):
         minimize_cg_reference(fg, np.zeros(x_star.size), maxiter=0)

@@ -13,9 +13,8 @@ from distributed import Client
 
 from distbelief import models, sandblaster
 from distbelief.errors import InvalidOptionError
-from distbelief.sandblaster._cg import minimize_cg_reference
-from distbelief.sandblaster._gd import minimize_gd_reference
 from distbelief.storage import Dataset, train_test_split_digits
+from tests.sandblaster._reference import minimize_cg_reference, minimize_gd_reference
 from tests.sandblaster.conftest import Problem
 
 

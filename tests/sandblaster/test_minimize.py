@@ -337,6 +337,17 @@ def test_bad_options_are_refused_with_a_message(
         sandblaster.minimize(problem.model, ds, client=client, resume=True)
 
 
+def test_resume_without_a_checkpoint_says_how_to_get_one(
+    client: Client, tmp_path: Path, softmax_digits: Problem
+) -> None:
+    problem = softmax_digits
+    ds = dataset(problem, tmp_path / "data", 512)
+    run: dict[str, Any] = {"client": client, "store": tmp_path / "run", "maxiter": 1, "x0": problem.x0}
+    sandblaster.minimize(problem.model, ds, **run)  # checkpoint_every=0: no checkpoint
+    with pytest.raises(InvalidOptionError, match=r"holds no checkpoint .* checkpoint_every=k"):
+        sandblaster.minimize(problem.model, ds, resume=True, **run)
+
+
 def test_resume_continues_a_checkpointed_run_exactly(
     client: Client, tmp_path: Path, softmax_digits: Problem
 ) -> None:

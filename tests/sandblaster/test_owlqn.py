@@ -19,10 +19,11 @@ from sklearn.linear_model import LogisticRegression
 from distbelief import models, sandblaster
 from distbelief.errors import InvalidOptionError
 from distbelief.sandblaster._minimize import SandblasterOptions
-from distbelief.sandblaster._owlqn import _minimize_owlqn, check_l1, minimize_owlqn_reference
+from distbelief.sandblaster._owlqn import _minimize_owlqn, check_l1
 from distbelief.sandblaster._space import InProcessSpace, IterationRecord
 from distbelief.sandblaster._vlbfgs import _minimize_lbfgs
 from distbelief.storage import Dataset, ParameterServer, Shard, reduce_results
+from tests.sandblaster._reference import minimize_owlqn_reference
 from tests.sandblaster.conftest import Problem
 from tests.sandblaster.test_methods import final_x, started_space
 
@@ -354,8 +355,10 @@ def test_minimize_with_l1_exclude_on_shards_matches_the_in_process_run(
     assert res.fun == pytest.approx(ref.fun, rel=1e-9)
     np.testing.assert_array_equal(res.x == 0.0, ref.x == 0.0)
     assert res.x[64] != 0.0  # the intercept of an unbalanced problem, not shrunk to zero
-    with pytest.raises(InvalidOptionError, match="l1_exclude"):
-        sandblaster.minimize(model, ds, method="owlqn", l1=l1, l1_exclude=[(64, 66)], client=client)
+    for where in ({"client": client}, {"local": True}):
+        with pytest.raises(InvalidOptionError, match=r"l1_exclude range \(64, 66\) ends past"):
+            data = ds if "client" in where else (X, y)
+            sandblaster.minimize(model, data, method="owlqn", l1=l1, l1_exclude=[(64, 66)], **where)
 
 
 def test_a_float32_history_ends_within_1e_6_of_float64(elastic_digits: Problem) -> None:

@@ -21,11 +21,10 @@ from distbelief.sandblaster._vlbfgs import (
     _minimize_lbfgs,
     _SpeculativePair,
     history_ops,
-    minimize_lbfgs_reference,
-    two_loop_reference,
     vlbfgs_coefficients,
 )
 from tests.sandblaster._problems import Problem, ill_conditioned_lsq, logistic_digits, rosenbrock
+from tests.sandblaster._reference import minimize_lbfgs_reference, two_loop_reference
 
 
 @pytest.fixture(autouse=True)
@@ -452,7 +451,7 @@ def test_a_float64_history_sends_the_ops_it_always_sent() -> None:
         with pytest.raises(InvalidOptionError, match="history_dtype"):
             history_ops(bad)  # type: ignore[arg-type]
         with pytest.raises(InvalidOptionError, match="history_dtype"):
-            minimize_lbfgs_reference(*logistic_digits(), history_dtype=bad)  # type: ignore[arg-type]
+            minimize_lbfgs_reference(*logistic_digits(), history_dtype=bad)
 
 
 def test_a_float32_run_resumes_from_its_checkpoint_exactly_and_refuses_another_dtype() -> None:

@@ -18,8 +18,9 @@ from sklearn.preprocessing import StandardScaler
 from distbelief import models
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.sklearn import LinearRegression, LogisticRegression, MLPClassifier, SoftmaxRegression
-from distbelief.sklearn._base import FreeParams, check_common, resolve_client
+from distbelief.sklearn._base import FreeParams, check_common
 from distbelief.storage import Dataset
+from distbelief.storage.internal import resolve_client
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,10 @@ def test_mlp_learns_and_leaves_biases_unpenalized(iris: tuple[np.ndarray, np.nda
     assert clf.score(X, y) > 0.95
     assert [c.shape for c in clf.coefs_] == [(4, 6), (6, 3)]
     assert [b.shape for b in clf.intercepts_] == [(6,), (3,)]
+    # What it minimized penalizes the weights only: F = mean loss + (alpha / (2N)) sum ||W||^2.
+    weights = sum(float((W**2).sum()) for W in clf.coefs_)
+    expected = models.objective(clf.model_, clf.w_, X, y.astype(float))[0] + 0.5 * 1e-3 / len(y) * weights
+    assert clf.result_.fun == pytest.approx(expected, rel=1e-10)
     # Same seed, same fit; the seed changes the start.
     again = MLPClassifier((6,), activation="tanh", alpha=1e-3, random_state=0, max_iter=500).fit(X, y)
     np.testing.assert_array_equal(clf.coefs_[0], again.coefs_[0])
@@ -174,7 +179,7 @@ def test_clone_keeps_the_client_and_pickle_drops_it(
     # An address the user gave is their setting, and is kept.
     by_address = LogisticRegression(client=client.scheduler.address)
     assert pickle.loads(pickle.dumps(by_address)).client == client.scheduler.address
-    assert resolve_client(by_address.client).scheduler.address == client.scheduler.address
+    assert resolve_client(by_address.client).scheduler_info()["address"] == client.scheduler.address
 
 
 def test_fit_a_dataset(tmp_path: Path, iris: tuple[np.ndarray, np.ndarray]) -> None:

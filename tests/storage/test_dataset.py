@@ -579,6 +579,16 @@ def test_npz_round_trip_and_keys(tmp_path: Path) -> None:
         assert Dataset.from_npz(fh, path=tmp_path / "dc").n_rows == 30
 
 
+def test_the_file_builders_pass_the_write_options_on_and_refuse_unknown_ones(tmp_path: Path) -> None:
+    X, y = _rng_data(30, 4)
+    np.savez(tmp_path / "a.npz", X=X, y=y)
+    ds = Dataset.from_npz(tmp_path / "a.npz", path=tmp_path / "da", portion_rows=10, label_kind="real")
+    assert (ds.portion_rows, ds.n_portions, ds.label_kind) == (10, 3, "real")
+    with pytest.raises(TypeError, match=r"'portion_row'.*'portion_rows'"):
+        Dataset.from_npz(tmp_path / "a.npz", path=tmp_path / "db", portion_row=10)  # type: ignore[call-arg]
+    assert not (tmp_path / "db").exists()
+
+
 def test_bad_npz(tmp_path: Path) -> None:
     X, y = _rng_data(5, 2)
     np.savez(tmp_path / "wrong_keys.npz", features=X, y=y)
