@@ -575,6 +575,14 @@ def _build(nb: Any, family: str, cache: bool) -> Any:
     return _jit(nb, "_softmax_pass", signature, cache=cache)
 
 
+def _forget_compiled_helpers() -> None:
+    """Rebind the module globals :func:`_jit` bound to dispatchers back to the plain functions, so that an
+    uncached build compiles its helpers anew (a cached helper would load the same failing entry)."""
+    for name, fn in _PY_FUNCS.items():
+        if hasattr(globals()[name], "py_func"):
+            globals()[name] = fn
+
+
 def _family_kernel(family: str) -> Any | None:
     """The compiled top-level kernel of ``family``, built on first use (thread-safe), or None."""
     if family in _built:
@@ -589,8 +597,14 @@ def _family_kernel(family: str) -> Any | None:
             try:
                 try:
                     kernel = _build(nb, family, cache=True)
-                except RuntimeError as exc:  # e.g. no writable cache directory: compile every process
-                    logger.info("numba cannot cache the %s kernels (%s); compiling uncached", family, exc)
+                except Exception as exc:
+                    # No writable cache directory (RuntimeError), or a cache entry this file wrote while
+                    # imported under another name (``models._compiled`` from a checkout's root, where the
+                    # package's folders sit beside ``distbelief/``): loading it imports that name, which a
+                    # worker may not have (ModuleNotFoundError; every linear model then took the numpy
+                    # pass, at half the speed). Compile in this process instead.
+                    logger.info("numba cannot cache the %s kernels (%r); compiling uncached", family, exc)
+                    _forget_compiled_helpers()
                     kernel = _build(nb, family, cache=False)
             except Exception as exc:
                 warnings.warn(
