@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from distbelief.errors import InvalidOptionError
 from distbelief.options import (
@@ -27,7 +28,15 @@ from distbelief.storage.internal import Communication
 from ._compress import Compression, check_compression
 from ._core import ADAGRAD_MAX_COALESCE
 
-__all__ = ["DEFAULT_LR", "DownpourOptions", "Rule", "auto_sync", "check_workers", "worker_tuple"]
+__all__ = [
+    "DEFAULT_LR",
+    "DownpourOptions",
+    "Rule",
+    "auto_sync",
+    "check_workers",
+    "options_from",
+    "worker_tuple",
+]
 
 #: ``n_fetch = n_push`` when neither is given, by what a run communicates (see :func:`auto_sync`).
 SYNC_WINDOWED = 50
@@ -330,3 +339,18 @@ class DownpourOptions:
         """The resolved learning rate (``lr`` as a float)."""
         assert self.lr is not None
         return float(self.lr)
+
+
+def options_from(given: dict[str, Any], **fixed: Any) -> DownpourOptions:
+    """The :class:`DownpourOptions` of ``downpour.train``'s arguments ``given`` (its locals), with ``fixed``.
+
+    Examples
+    --------
+    >>> options_from({"max_steps": 5, "callback": None, "model": None}).max_steps
+    5
+    """
+    names = {f.name for f in fields(DownpourOptions)} - {"has_callback", *fixed}
+    kwargs = {name: given[name] for name in names if name in given}
+    for name in ("shard_workers", "replica_workers"):
+        kwargs[name] = worker_tuple(kwargs.get(name))
+    return DownpourOptions(**kwargs, **fixed, has_callback=given.get("callback") is not None)

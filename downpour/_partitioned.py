@@ -43,13 +43,13 @@ from distbelief.storage.internal import DEAD_STATES, POLL, confirm_dead_async
 
 from ._batches import BatchPlan, split_rows
 from ._driver import DriverMachine
-from ._options import DownpourOptions, check_workers, worker_tuple
+from ._options import DownpourOptions, check_workers, options_from
 from ._partition import PartitionActor, PartitionConfig, check_memory
 from ._replica import RecordPlan
 from ._resume import ResumePoint
 from ._shards import Shards
 
-__all__ = ["PartitionedReplicas", "check_partitioned_options", "options_from", "train_partitioned"]
+__all__ = ["PartitionedReplicas", "check_partitioned_options", "train_partitioned"]
 
 #: Times a run may rebuild a replica that lost a partition's worker before the run fails.
 MAX_REBUILDS = 8
@@ -469,6 +469,17 @@ class PartitionedReplicas:
         self._sync(functools.partial(self._tell, "set_shard_map", shard_map, which=which))
         return {r: (True, None) for r in which}
 
+    def wait(self, seconds: float) -> None:
+        """Until the next poll: ``seconds``, or less once a partition's ``run`` ends (the run's end is then
+        seen at once, not up to a poll later: a 10-step run took ~0.2 s more)."""
+
+        async def first_end() -> None:
+            running = [t for t in self.tasks if not t.done()]
+            if running:
+                await asyncio.wait(running, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+
+        self._sync(first_end)
+
     def losses(self, which: Sequence[int]) -> dict[int, np.ndarray]:
         """Partition 0's per-step mini-batch losses of every replica's last generation."""
         out = {}
@@ -568,21 +579,6 @@ def check_partitioned_options(partitions: int, given: dict[str, Any]) -> Downpou
     # The options it takes are checked as downpour.train checks them (lr > 0, l2 >= 0, seed >= 0, ...).
     taken = {k: v for k, v in given.items() if k not in (*_UNSUPPORTED, "max_staleness")}
     return options_from(taken, staleness_scale=False)
-
-
-def options_from(given: dict[str, Any], **fixed: Any) -> DownpourOptions:
-    """The :class:`DownpourOptions` of ``downpour.train``'s arguments ``given`` (its locals), with ``fixed``.
-
-    Examples
-    --------
-    >>> options_from({"max_steps": 5, "callback": None, "model": None}).max_steps
-    5
-    """
-    names = {f.name for f in fields(DownpourOptions)} - {"has_callback", *fixed}
-    kwargs = {name: given[name] for name in names if name in given}
-    for name in ("shard_workers", "replica_workers"):
-        kwargs[name] = worker_tuple(kwargs.get(name))
-    return DownpourOptions(**kwargs, **fixed, has_callback=given.get("callback") is not None)
 
 
 def train_partitioned(model: Any, data: Any, *, partitions: int, **options: Any) -> Any:

@@ -72,8 +72,8 @@ from distbelief.storage.internal import (
 from ._batches import BatchPlan
 from ._compress import Compression
 from ._driver import MESSAGES, SUCCESS, Checkpoint, DriverMachine, Measure, Poll, Probe, Release, Report
-from ._options import DownpourOptions, Rule
-from ._partitioned import PartitionedReplicas, check_partitioned_options, options_from
+from ._options import DownpourOptions, Rule, options_from
+from ._partitioned import PartitionedReplicas, check_partitioned_options
 from ._replica import RecordPlan
 from ._resume import ResumePoint
 from ._shards import Shards
@@ -189,7 +189,8 @@ class TrainResult(FittedMixin):
     steps : int
         Mini-batch steps taken by all replicas together.
     wall_time : float
-        Seconds from the start of the replicas to the end of the run.
+        Seconds from the start of the replicas until they stopped (the end-of-run evaluation of the
+        history rows still pending, at most ``END_EVAL_S`` or 5% of the run, comes after).
     store : str
         Where the parameter server's checkpoints are, the last one taken at the end of the run
         (``storage.ParameterServer.open(client, store=...)`` brings it back; deleted with a temporary
@@ -682,6 +683,8 @@ class _Run:
         self.watch = Watchdog(opts.max_loss_growth)
         #: The shards' parameters read during the current poll, for windowed sparse replicas' records.
         self._gathered_at = -math.inf
+        #: Seconds the last history row with parameters took to evaluate (the first is timed before the run).
+        self.row_cost = 0.0
         self._gather_s = 0.0
         #: With ``resume=True``: the checkpoint the run continues from.
         self.resumed: ResumePoint | None = None
@@ -943,15 +946,18 @@ class _Run:
         done = 0
         with threadpool_limits(limits=1):  # small evaluations; the cores are the replicas'
             for t_record, _, record in ready:
-                if time.perf_counter() > deadline:
+                x = record["x"]
+                # A row with parameters costs an evaluation: one that would end past the budget waits.
+                if time.perf_counter() + (self.row_cost if x is not None else 0.0) > deadline:
                     break
                 last = self.rows[-1].time if self.rows else -math.inf
                 t = max(t_record, float(np.nextafter(last, math.inf)))
-                x = record["x"]
                 started = time.perf_counter()
                 out.append((self._record(t, x, self._totals_at(t)), x))
-                self.eval_s += time.perf_counter() - started
+                spent = time.perf_counter() - started
+                self.eval_s += spent
                 self.evals += int(x is not None)
+                self.row_cost = spent if x is not None else self.row_cost
                 done += 1
         self.pending = ready[done:] + later
         if done:
@@ -979,11 +985,25 @@ class _Run:
             if i > 0:
                 self.points[r] = points[i:]
 
-    def _record(self, now: float, x: np.ndarray | None, t: dict[str, Any] | None = None) -> Progress:
-        """The history row at ``now`` on the counters ``t`` (the latest statuses', all of them, if None)."""
+    def _evaluations(self, x: np.ndarray | None) -> tuple[float, float, float]:
+        """``(objective, test_loss, test_accuracy)`` at ``x`` (NaN without parameters, or non-finite ones)."""
+        if x is None or not np.isfinite(x).all():
+            return (math.nan,) * 3
+        return (self._objective(x), *_evaluate(self.model, x, self.eval_arrays))
+
+    def _record(
+        self,
+        now: float,
+        x: np.ndarray | None,
+        t: dict[str, Any] | None = None,
+        *,
+        evaluated: tuple[float, float, float] | None = None,
+    ) -> Progress:
+        """The history row at ``now`` on the counters ``t`` (the latest statuses', all of them, if None), at
+        the parameters ``x`` (their :meth:`_evaluations` if ``evaluated`` does not give them)."""
         if x is not None and not np.isfinite(x).all():
             x = None  # diverged (the watchdog is told by the caller): the model refuses such parameters
-        test_loss, test_acc = _evaluate(self.model, x, self.eval_arrays) if x is not None else (math.nan,) * 2
+        objective_value, test_loss, test_acc = self._evaluations(x) if evaluated is None else evaluated
         upto = now if t is not None else math.inf
         t = self._totals() if t is None else t
         window = [m for when, m in self._stale_windows if when <= upto]
@@ -995,7 +1015,7 @@ class _Run:
             step=t["steps"],
             epoch=t["rows"] / self.dataset.n_rows,
             train_loss=(t["loss_sum"] - loss0) / d_rows if d_rows else math.nan,
-            objective=self._objective(x),
+            objective=objective_value,
             test_loss=test_loss,
             test_accuracy=test_acc,
             staleness_mean=(t["staleness_sum"] - sum0) / d_count if d_count else math.nan,
@@ -1080,15 +1100,20 @@ class _Run:
         n_replicas = self.kind.n_replicas
         # A resumed run's clock goes on from its checkpoint's (time_limit counts the whole run).
         start = self.resumed.time if self.resumed is not None else 0.0
+        # The first row (the starting parameters' objective: up to ~1 s for an image model's sample) before
+        # the replicas start and the clock runs: the driver's evaluation would take a core from them.
+        started = time.perf_counter()
+        evaluated = self._evaluations(self.x_start)
+        self.row_cost = time.perf_counter() - started
         self.t0 = time.perf_counter() - start
         self.t0_wall = time.time() - start
         if m.waiting:
             self.kind.call([0], "hold", (opts.warmstart_steps,))
         self._start([0] if m.waiting else list(range(n_replicas)))
         self._measure_applied(start)
-        _diverged(self.watch, self._record(start, self.x_start), self.x_start)
+        _diverged(self.watch, self._record(start, self.x_start, evaluated=evaluated), self.x_start)
         while True:
-            time.sleep(self.kind.poll_every)
+            self.kind.wait(self.kind.poll_every)
             self._replan(time.perf_counter() - self.t0)
             self._poll()
             now = time.perf_counter() - self.t0
@@ -1154,6 +1179,9 @@ class _Run:
         live = [r for r in range(n_replicas) if self.alive[r] and self.started[r]]
         finals = kind.stop(live, self.opts.call_timeout + 5.0)
         self.stopped = True
+        # The run's time is its training's: the history rows still to evaluate below (bounded by END_EVAL_S)
+        # are not (a 10-step partitioned run spent more on them than on its steps).
+        wall = time.perf_counter() - self.t0
         for r, (ok, value) in finals.items():
             if ok:
                 self._ingest(r, value)
@@ -1172,7 +1200,6 @@ class _Run:
         for progress, x_row in self._rows_from_records(math.inf):
             if _diverged(self.watch, progress, x_row) and stop_reason in SUCCESS:
                 stop_reason = "diverged"
-        wall = time.perf_counter() - self.t0
         # The store ends up holding the final state (parameters, Adagrad accumulators, shard versions).
         self._checkpoint(wall, final=True)
         x = kind.to_model(self._ps_call(lambda: ps.gather("x")))

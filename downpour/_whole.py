@@ -6,6 +6,7 @@ carry on); the partitioned kind (``downpour._partitioned``) rebuilds its replica
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -156,6 +157,10 @@ class WholeReplicas:
     def set_shard_map(self, which: Sequence[int], shard_map: ShardMap) -> dict[int, tuple[bool, Any]]:
         """Hand the replicas ``which`` a new shard map (a shard was restored)."""
         return self.call(which, "set_shard_map", (shard_map,))
+
+    def wait(self, seconds: float) -> None:
+        """Until the next poll (whole replicas report their end in their polled status)."""
+        time.sleep(seconds)
 
     def losses(self, which: Sequence[int]) -> dict[int, np.ndarray]:
         """Every replica's per-step mini-batch losses (``trace=True``)."""

@@ -64,8 +64,10 @@ def test_every_option_a_front_door_is_given_reaches_its_options_object(
             built.update({name: getattr(self, name) for name in option_names(options)})
             raise _Built
 
-    module = sys.modules[front_door.__module__]
-    monkeypatch.setattr(module, options.__name__, StandIn)
+    # Patched where the options object is built: the front door's module (Sandblaster) or the options'
+    # own, whose options_from builds it from train()'s arguments (Downpour).
+    for module in {sys.modules[front_door.__module__], sys.modules[options.__module__]}:
+        monkeypatch.setattr(module, options.__name__, StandIn)
     # Distinct strings (the stand-in checks nothing); train() sends partitions > 1 elsewhere (its own test).
     given = {name: f"<{name}>" for name in option_names(options) if name != "partitions" or options is _SO}
     with pytest.raises(_Built):
