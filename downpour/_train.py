@@ -947,8 +947,10 @@ class _Run:
         with threadpool_limits(limits=1):  # small evaluations; the cores are the replicas'
             for t_record, _, record in ready:
                 x = record["x"]
-                # A row with parameters costs an evaluation: one that would end past the budget waits.
-                if time.perf_counter() + (self.row_cost if x is not None else 0.0) > deadline:
+                # A row with parameters costs an evaluation: one that would end past the budget waits (the
+                # first of a call if its cost alone is more than the budget).
+                cost = self.row_cost if x is not None else 0.0
+                if (cost > budget_s) if not done else (time.perf_counter() + cost > deadline):
                     break
                 last = self.rows[-1].time if self.rows else -math.inf
                 t = max(t_record, float(np.nextafter(last, math.inf)))
@@ -1145,7 +1147,10 @@ class _Run:
         """History rows for the records every replica has reported past (no round trip of their own), each
         passed to the callback and the watchdog. Evaluations take at most EVAL_SHARE of the run's time so
         far (the rest wait, and are thinned)."""
-        allowed = min(self.opts.poll_every, EVAL_SHARE * (time.perf_counter() - self.t0) - self.eval_s)
+        # One poll's share at a time, or one row's measured cost once the run's share covers it (a row
+        # costlier than a poll's share would otherwise wait for the end, and the callback with it).
+        share = EVAL_SHARE * (time.perf_counter() - self.t0) - self.eval_s
+        allowed = min(share, max(self.opts.poll_every, self.row_cost))
         for progress, x in self._rows_from_records(self._frontier(), budget_s=allowed):
             stop = False
             if self.callback is not None and m.stopped is None:
@@ -1193,7 +1198,7 @@ class _Run:
                 self._fail(r, st)
         # At most about HISTORY_POINTS more rows to evaluate (the run is over: only the history waits), and
         # no more than END_EVAL_S or EVAL_SHARE of the run take at the rows' measured cost (issue 30, item 3).
-        per_row = self.eval_s / self.evals if self.evals else 0.0
+        per_row = self.eval_s / self.evals if self.evals else self.row_cost
         budget = max(END_EVAL_S, EVAL_SHARE * (time.perf_counter() - self.t0))
         affordable = int(budget / per_row) if per_row > 0 else HISTORY_POINTS
         self._thin_pending(max(2, min(affordable, max(HISTORY_POINTS, 2 * HISTORY_POINTS - len(self.rows)))))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import cloudpickle
 import numpy as np
 import pytest
 from distributed import Client
+from numpy.typing import ArrayLike, NDArray
 
 from distbelief import downpour, models
 from distbelief.downpour import BatchPlan, Progress, sequential_sgd
@@ -297,6 +299,34 @@ def test_worker_addresses_not_in_the_cluster_are_refused(
     with pytest.raises(InvalidOptionError, match=r"'tcp://127\.0\.0\.1:1' is not a worker of the cluster"):
         downpour.train(model, digits, **run, **unknown, call_timeout=2.0)
     assert not (tmp_path / "params").exists() and not (tmp_path / "ps").exists()
+
+
+class _SlowObjective(models.LeastSquares):
+    """Least squares whose loss takes 0.08 s on more rows than a mini-batch: the driver's history objective
+    (on every row) costs more than a poll's share of the evaluation budget, the replicas' steps do not."""
+
+    def loss_and_grad(
+        self, w: ArrayLike, X: ArrayLike, y: ArrayLike, *, sample_weight: ArrayLike | None = None
+    ) -> tuple[float, NDArray[np.float64]]:
+        if np.shape(X)[0] > 64:
+            time.sleep(0.08)
+        return super().loss_and_grad(w, X, y, sample_weight=sample_weight)
+
+
+def test_an_expensive_objective_still_gives_the_callback_rows_as_the_run_goes(client: Client) -> None:
+    # Rows wait while their evaluation does not fit the 5% budget, but not for good: a row whose measured
+    # cost is above one poll's share is made once the run's share covers it (the callback saw nothing
+    # until the end when a row had to fit a single poll's 50 ms).
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(400, 3))
+    seen: list[Progress] = []
+    res = downpour.train(
+        _SlowObjective(3), (X, X @ np.ones(3)), replicas=1, rule="sgd", lr=0.01, batch_size=8, time_limit=2.5,
+        eval_every=0.05, callback=seen.append, client=client,
+    )  # fmt: skip
+    assert res.stop_reason == "time_limit"
+    during = [p for p in seen if 0 < p.time < res.wall_time and np.isfinite(p.objective)]
+    assert during, [(round(p.time, 2), p.objective) for p in seen]
 
 
 @pytest.mark.parametrize("partitions", [1, 2], ids=["replicas", "partitions"])
