@@ -254,6 +254,15 @@ def test_downpour_figure4_issue30_problem_has_the_adagrad_floor_and_merges(
     labels = [r["label"] for r in mlp30["rows"]]
     assert labels[:2] == ["numpy SGD (1 process)", "numpy Adagrad (1 process)"]
     assert "ratio_adagrad2_over_numpy_adagrad" in mlp30
+    # Each side at its own best rate: the one-process rows run (and say) theirs, not the replicas'.
+    assert problem.numpy_lr and problem.numpy_lr != problem.lr
+    assert mlp30["numpy_learning_rates"] == problem.numpy_lr
+    for row in mlp30["rows"][:2]:
+        assert row["lr"] == problem.numpy_lr[row["rule"]]
+        assert row["runs"][0]["steps_to_target"] is None or row["runs"][0]["steps_to_target"] > 0
+    # The headline against the fastest one-process row (no replica row ran here: not met).
+    best = mlp30["ratio_best_2_replicas_over_best_process"]
+    assert best["process_row"] in labels[:2] and best["met"] is False and best["target"] == 0.7
 
 
 def test_downpour_figure4_flags_a_row_at_chance() -> None:
