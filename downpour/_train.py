@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 from distributed import Client
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 from distbelief.errors import ClusterError, DatasetError, DistbeliefError, InvalidOptionError, StoreError
 from distbelief.models import objective
@@ -103,6 +103,18 @@ OBJECTIVE_MAX_WORK = 100_000_000
 #: the cores the replicas train on.
 EVAL_SHARE = 0.05
 END_EVAL_S = 1.5
+
+_blas: ThreadpoolController | None = None
+
+
+def _one_blas_thread() -> Any:
+    """``threadpool_limits(limits=1)`` for the driver's evaluations, from one controller made at first use:
+    a fresh one scans every library the process has loaded (1-4 ms in a driver holding Dask), and the driver
+    asks at every poll."""
+    global _blas
+    if _blas is None:
+        _blas = ThreadpoolController()
+    return _blas.limit(limits=1)
 
 
 @dataclass(frozen=True)
@@ -527,7 +539,7 @@ def _with_stall_warning(run: _Run, history: xr.Dataset, x: np.ndarray, message: 
         what, losses = "held-out loss", history.test_loss.values
     try:
         X, y = run.objective_sample()
-        with threadpool_limits(limits=1):
+        with _one_blas_thread():
             g0, g1 = (
                 float(np.linalg.norm(objective(run.model, w, X, y, l2=run.opts.l2)[1]))
                 for w in (run.x_start, x)
@@ -944,7 +956,7 @@ class _Run:
         out = []
         deadline = time.perf_counter() + budget_s
         done = 0
-        with threadpool_limits(limits=1):  # small evaluations; the cores are the replicas'
+        with _one_blas_thread():  # small evaluations; the cores are the replicas'
             for t_record, _, record in ready:
                 x = record["x"]
                 # A row with parameters costs an evaluation: one that would end past the budget waits (the
