@@ -681,6 +681,9 @@ class _Run:
         self.points: dict[int, list[tuple[float, dict[str, Any]]]] = {}
         #: Records not yet made history rows: ``(time, replica, record)``.
         self.pending: list[tuple[float, int, dict[str, Any]]] = []
+        #: Rows made during the run whose parameters the budget could not evaluate then: ``(row index, x)``,
+        #: evaluated at the end as its budget allows (:meth:`_fill`).
+        self.unfilled: list[tuple[int, np.ndarray]] = []
         #: Shard-counted applied pushes, as measured: ``(time, per shard)``.
         self.applied_log: list[tuple[float, list[int]]] = []
         self.plan = RecordPlan()
@@ -943,40 +946,69 @@ class _Run:
     def _rows_from_records(
         self, upto: float, budget_s: float = math.inf
     ) -> list[tuple[Progress, np.ndarray | None]]:
-        """History rows for the replicas' records up to time ``upto``, in time order, for at most about
-        ``budget_s`` seconds of evaluation (the rest stay pending: the driver must keep deciding when to
-        stop; a row of the digits MLP took ~0.15 s to evaluate at load average ~30).
+        """History rows for the replicas' records up to time ``upto``, in time order, with at most about
+        ``budget_s`` seconds of evaluation (the driver must keep deciding when to stop; a row of the digits
+        MLP took ~0.15 s to evaluate at load average ~30). Returns each row with the parameters it was
+        evaluated at (None: none, or not evaluated yet).
 
         A row's counters are the replicas' at the record's time (the recording replica's exactly, the others'
         as of their last record or poll before it); its objective and held-out metrics are evaluated here
         on the recording replica's parameters (its local copy: the last fetch plus its own steps since).
+        Every ready record becomes a row at once, so a callback sees the run as it goes; a finite budget goes
+        to the newest rows first (a callback deciding when to stop wants the latest parameters: evaluated
+        oldest first, a 6 s run's callback got the rows of steps 1 and 2, at 3.7 and 5.3 s), and the rows
+        it does not cover are made with NaN metrics and evaluated at the end (:meth:`_fill`).
         """
         ready = sorted((p for p in self.pending if p[0] <= upto), key=lambda p: p[0])
-        later = [p for p in self.pending if p[0] > upto]
-        out = []
+        self.pending = [p for p in self.pending if p[0] > upto]
+        with_x = [i for i, p in enumerate(ready) if p[2]["x"] is not None]
+        evaluated: dict[int, tuple[float, float, float]] = {}
         deadline = time.perf_counter() + budget_s
-        done = 0
         with _one_blas_thread():  # small evaluations; the cores are the replicas'
-            for t_record, _, record in ready:
-                x = record["x"]
-                # A row with parameters costs an evaluation: one that would end past the budget waits (the
-                # first of a call if its cost alone is more than the budget).
-                cost = self.row_cost if x is not None else 0.0
-                if (cost > budget_s) if not done else (time.perf_counter() + cost > deadline):
+            for i in reversed(with_x) if math.isfinite(budget_s) else with_x:
+                # An evaluation that would end past the budget is not started (the first of a call is, if
+                # its measured cost alone fits).
+                cost = self.row_cost
+                if (cost > budget_s) if not evaluated else (time.perf_counter() + cost > deadline):
                     break
-                last = self.rows[-1].time if self.rows else -math.inf
-                t = max(t_record, float(np.nextafter(last, math.inf)))
                 started = time.perf_counter()
-                out.append((self._record(t, x, self._totals_at(t)), x))
-                spent = time.perf_counter() - started
-                self.eval_s += spent
-                self.evals += int(x is not None)
-                self.row_cost = spent if x is not None else self.row_cost
-                done += 1
-        self.pending = ready[done:] + later
-        if done:
-            self._prune(ready[done - 1][0])
+                evaluated[i] = self._evaluations(ready[i][2]["x"])
+                self.row_cost = time.perf_counter() - started
+                self.eval_s += self.row_cost
+                self.evals += 1
+        out: list[tuple[Progress, np.ndarray | None]] = []
+        for i, (t_record, _, record) in enumerate(ready):
+            x = record["x"]
+            last = self.rows[-1].time if self.rows else -math.inf
+            t = max(t_record, float(np.nextafter(last, math.inf)))
+            if x is None or i in evaluated:
+                out.append((self._record(t, x, self._totals_at(t), evaluated=evaluated.get(i)), x))
+                continue
+            out.append((self._record(t, None, self._totals_at(t)), None))
+            self.unfilled.append((len(self.rows) - 1, x))
+        if ready:
+            self._prune(ready[-1][0])
         return out
+
+    def _fill(self, budget_s: float) -> None:
+        """Evaluate the rows :meth:`_rows_from_records` made without their metrics, as many as ``budget_s``
+        affords at their measured cost, evenly spread in time (the others keep NaN)."""
+        if not self.unfilled:
+            return
+        affordable = int(budget_s / self.row_cost) if self.row_cost > 0 else len(self.unfilled)
+        if affordable < len(self.unfilled):
+            picks = np.linspace(0, len(self.unfilled) - 1, max(0, affordable)).round().astype(int)
+            self.unfilled = [self.unfilled[i] for i in sorted(set(picks.tolist()))]
+        with _one_blas_thread():
+            for index, x in self.unfilled:
+                objective_value, test_loss, accuracy = self._evaluations(x)
+                self.rows[index] = dataclasses.replace(
+                    self.rows[index], objective=objective_value, test_loss=test_loss, test_accuracy=accuracy
+                )
+                if self.opts.trace:
+                    row = self.rows[index]
+                    bisect.insort(self.snapshots, (row.time, row.step, x), key=lambda s: s[0])
+        self.unfilled = []
 
     def _thin_pending(self, keep: int) -> None:
         """Keep ``keep`` of the pending records, evenly spread in time (bounds the work left at the end), and
@@ -1158,7 +1190,7 @@ class _Run:
     def _report(self, m: DriverMachine) -> None:
         """History rows for the records every replica has reported past (no round trip of their own), each
         passed to the callback and the watchdog. Evaluations take at most EVAL_SHARE of the run's time so
-        far (the rest wait, and are thinned)."""
+        far, newest rows first (the others are evaluated at the end, as its budget allows)."""
         # One poll's share at a time, or one row's measured cost once the run's share covers it (a row
         # costlier than a poll's share would otherwise wait for the end, and the callback with it).
         share = EVAL_SHARE * (time.perf_counter() - self.t0) - self.eval_s
@@ -1217,6 +1249,7 @@ class _Run:
         for progress, x_row in self._rows_from_records(math.inf):
             if _diverged(self.watch, progress, x_row) and stop_reason in SUCCESS:
                 stop_reason = "diverged"
+        self._fill(budget - (time.perf_counter() - self.t0 - wall))
         # The store ends up holding the final state (parameters, Adagrad accumulators, shard versions).
         self._checkpoint(wall, final=True)
         x = kind.to_model(self._ps_call(lambda: ps.gather("x")))

@@ -314,9 +314,11 @@ class _SlowObjective(models.LeastSquares):
 
 
 def test_an_expensive_objective_still_gives_the_callback_rows_as_the_run_goes(client: Client) -> None:
-    # Rows wait while their evaluation does not fit the 5% budget, but not for good: a row whose measured
-    # cost is above one poll's share is made once the run's share covers it (the callback saw nothing
-    # until the end when a row had to fit a single poll's 50 ms).
+    # A row whose evaluation does not fit the 5% budget is made at once without its metrics, and the
+    # budget goes to the newest row: a row whose measured cost is above one poll's share is evaluated once
+    # the run's share covers it (the callback saw nothing until the end when a row had to fit a single
+    # poll's 50 ms), and it is the latest one, not the oldest waiting (a 6 s run's callback got the rows of
+    # steps 1 and 2, at 3.7 and 5.3 s). The end evaluates the rows skipped, as its budget allows.
     rng = np.random.default_rng(0)
     X = rng.normal(size=(400, 3))
     seen: list[Progress] = []
@@ -325,8 +327,13 @@ def test_an_expensive_objective_still_gives_the_callback_rows_as_the_run_goes(cl
         eval_every=0.05, callback=seen.append, client=client,
     )  # fmt: skip
     assert res.stop_reason == "time_limit"
-    during = [p for p in seen if 0 < p.time < res.wall_time and np.isfinite(p.objective)]
-    assert during, [(round(p.time, 2), p.objective) for p in seen]
+    shown = [(round(p.time, 2), p.objective) for p in seen]
+    during = [i for i, p in enumerate(seen) if 0 < p.time < res.wall_time and np.isfinite(p.objective)]
+    assert during, shown
+    # Rows came before the first evaluated one without their metrics: it was the newest ready row.
+    assert any(np.isnan(p.objective) for p in seen[1 : during[0]]), shown
+    filled = np.isfinite(res.history.objective.values).sum()
+    assert filled > sum(np.isfinite(p.objective) for p in seen), (filled, shown)
 
 
 @pytest.mark.parametrize("partitions", [1, 2], ids=["replicas", "partitions"])
