@@ -288,9 +288,9 @@ def run_numpy(problem: Problem, rule: str) -> dict[str, Any]:
         return bool(hit) and t >= hit[0] * 1.25 + 0.1
 
     res = downpour.sequential_sgd(
-        model, problem.X, problem.y, model.init_params(0), plan.global_batches(10_000), rule=rule,
+        model, problem.X, problem.y, model.init_params(0), (b for e in range(9999) for _, b in plan.epoch(e)),
         lr=problem.lr[rule], l2=problem.l2, time_limit=problem.time_limit, snapshot_every=problem.eval_every,
-        on_snapshot=on_snapshot,
+        on_snapshot=on_snapshot, rule=rule,
     )  # fmt: skip
     return {
         "time_to_target": time_to(curve, target),
