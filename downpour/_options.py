@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from distbelief.errors import InvalidOptionError
@@ -21,6 +21,7 @@ from distbelief.options import (
     check_fields,
     check_option,
     option,
+    options_of,
     worker_tuple,
 )
 from distbelief.storage import Rule
@@ -345,8 +346,5 @@ def options_from(given: dict[str, Any], **fixed: Any) -> DownpourOptions:
     >>> options_from({"max_steps": 5, "callback": None, "model": None}).max_steps
     5
     """
-    names = {f.name for f in fields(DownpourOptions)} - {"has_callback", *fixed}
-    kwargs = {name: given[name] for name in names if name in given}
-    for name in ("shard_workers", "replica_workers"):
-        kwargs[name] = worker_tuple(kwargs.get(name))
-    return DownpourOptions(**kwargs, **fixed, has_callback=given.get("callback") is not None)
+    rest = {name: value for name, value in given.items() if name not in fixed}
+    return options_of(DownpourOptions, rest, **fixed, has_callback=given.get("callback") is not None)
