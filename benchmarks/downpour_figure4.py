@@ -305,10 +305,10 @@ def run_numpy(problem: Problem, rule: str) -> dict[str, Any]:
         return bool(hit) and t >= hit[0] * 1.25 + 0.1
 
     res = downpour.sequential_sgd(
-        model, problem.X, problem.y, model.init_params(0), plan.global_batches(10_000), rule=rule,
+        model, problem.X, problem.y, model.init_params(0),
+        (batch for epoch in range(10_000) for _, batch in plan.epoch(epoch)), rule=rule,
         lr=rate(problem, "numpy", rule), l2=problem.l2, time_limit=problem.time_limit,
-        snapshot_every=problem.eval_every,
-        on_snapshot=on_snapshot,
+        snapshot_every=problem.eval_every, on_snapshot=on_snapshot,
     )  # fmt: skip
     return {
         "time_to_target": time_to(curve, target),

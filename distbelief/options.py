@@ -46,6 +46,7 @@ __all__ = [
     "REST_MAX_ITER",
     "OptionSpec",
     "check_fields",
+    "check_option",
     "defaults",
     "option",
     "option_names",
@@ -214,6 +215,12 @@ def check_fields(opts: Any) -> None:
             continue
         expected = spec.expected or _expected(base, optional, spec)
         raise InvalidOptionError(f"option {f.name}={value!r} is invalid: expected {expected}")
+
+
+def check_option(ok: bool, name: str, value: object, expected: str) -> None:
+    """Unless ``ok``: ``InvalidOptionError("option NAME=VALUE is invalid: expected EXPECTED")``."""
+    if not ok:
+        raise InvalidOptionError(f"option {name}={value!r} is invalid: expected {expected}")
 
 
 def refuse_unknown(fn: Callable[P, R]) -> Callable[P, R]:

@@ -131,12 +131,6 @@ class BatchPlan:
             for start in range(0, n, self.batch_size):
                 yield s, order[start : start + self.batch_size]
 
-    def global_batches(self, epochs: int) -> Iterator[np.ndarray]:
-        """Every mini-batch of the first ``epochs`` epochs as global row indices (for references)."""
-        for e in range(epochs):
-            for s, rows in self.epoch(e):
-                yield self.segments[s][0] + rows
-
 
 def _segments(portion_rows: int, lo: int, hi: int) -> Sequence[tuple[int, int]]:
     out = []

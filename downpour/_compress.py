@@ -131,18 +131,6 @@ class ThresholdCompressor:
         r[idx] -= np.where(negative, -self.tau, self.tau)
         return idx, negative
 
-    def sent_vector(self, idx: np.ndarray, negative: np.ndarray) -> np.ndarray:
-        """The dense vector that ``(idx, negative)`` stands for (for tests and references).
-
-        Examples
-        --------
-        >>> ThresholdCompressor(3, Compression(tau=2.0)).sent_vector(np.array([2]), np.array([True]))
-        array([ 0.,  0., -2.])
-        """
-        out = np.zeros_like(self.residual)
-        out[idx] = np.where(negative, -self.tau, self.tau)
-        return out
-
 
 def encode(idx: np.ndarray, negative: np.ndarray, bounds: Sequence[int]) -> list[np.ndarray]:
     """Per shard, the sign-coded local keys of the sent entries (``storage._keys`` encoding)."""

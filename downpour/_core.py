@@ -449,11 +449,6 @@ class ReplicaCore:
         """Pushes sent that not every shard has answered."""
         return len(self._pending)
 
-    @property
-    def idle(self) -> bool:
-        """Nothing in flight."""
-        return not self._fetches and not self._pending
-
     def staleness_estimate(self) -> int:
         """A lower bound on the staleness a push sent now would have, at its worst shard."""
         worst = 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from distbelief.errors import InvalidOptionError
@@ -19,7 +19,9 @@ from distbelief.options import (
     REST_MAX_ACTORS,
     REST_MAX_ITER,
     check_fields,
+    check_option,
     option,
+    options_of,
     worker_tuple,
 )
 from distbelief.storage import Rule
@@ -79,11 +81,6 @@ def auto_sync(n_params: int, *, windowed: bool) -> int:
 #: mini-batches of a few dozen rows (the gradient is the mini-batch *mean*, so the rate does not depend on
 #: the batch size).
 DEFAULT_LR: dict[str, float] = {"sgd": 0.1, "adagrad": 0.2}
-
-
-def _check(ok: bool, name: str, value: object, expected: str) -> None:
-    if not ok:
-        raise InvalidOptionError(f"option {name}={value!r} is invalid: expected {expected}")
 
 
 def check_workers(name: str, given: Sequence[str] | None, known: Sequence[str]) -> None:
@@ -204,7 +201,7 @@ class DownpourOptions:
         check_fields(self)
         if self.lr is None:
             object.__setattr__(self, "lr", DEFAULT_LR[self.rule])
-        _check(
+        check_option(
             not (self.communication == "sparse" and self.l2),
             "communication",
             self.communication,
@@ -212,19 +209,19 @@ class DownpourOptions:
         )
         if self.deterministic is True:
             # Rounds of n steps (storage/_rounds.py): a fetch and a push a round, all replicas from the start.
-            _check(
+            check_option(
                 self.n_fetch is None or self.n_push is None or self.n_fetch == self.n_push,
                 "n_fetch",
                 self.n_fetch,
                 f"equal to n_push ({self.n_push}) with deterministic=True (rounds of n steps)",
             )
-            _check(
+            check_option(
                 self.warmstart_steps == 0,
                 "warmstart_steps",
                 self.warmstart_steps,
                 "0 with deterministic=True (every replica takes part from the first round)",
             )
-            _check(
+            check_option(
                 not self.resume,
                 "resume",
                 self.resume,
@@ -233,7 +230,7 @@ class DownpourOptions:
         check_compression(self.compression)
         for name in ("shard_workers", "replica_workers"):
             value = getattr(self, name)
-            _check(
+            check_option(
                 value is None
                 or (isinstance(value, tuple) and len(value) > 0 and all(isinstance(w, str) for w in value)),
                 name,
@@ -349,8 +346,5 @@ def options_from(given: dict[str, Any], **fixed: Any) -> DownpourOptions:
     >>> options_from({"max_steps": 5, "callback": None, "model": None}).max_steps
     5
     """
-    names = {f.name for f in fields(DownpourOptions)} - {"has_callback", *fixed}
-    kwargs = {name: given[name] for name in names if name in given}
-    for name in ("shard_workers", "replica_workers"):
-        kwargs[name] = worker_tuple(kwargs.get(name))
-    return DownpourOptions(**kwargs, **fixed, has_callback=given.get("callback") is not None)
+    rest = {name: value for name, value in given.items() if name not in fixed}
+    return options_of(DownpourOptions, rest, **fixed, has_callback=given.get("callback") is not None)

@@ -154,16 +154,10 @@ class PartitionedReplicas:
         partition-major ``x[plan.perm]``; reopened from the last checkpoint with ``resume=True``."""
         K = self.plan.partitions
         places = [self.homes[k % len(self.homes)] for k in range(K) for _ in self.owned[k]]
-        if opts.resume:
-            return Shards.reopen(
-                self.client, store, self.n_replicas, self.model.n_params, workers=places,
-                timeout=opts.call_timeout, layout=self.layout, partitions=K,
-            )  # fmt: skip
-        ps = Shards.create(
-            self.client, store, self.n_replicas, x_start[self.plan.perm], rule=opts.rule, workers=places,
-            timeout=opts.call_timeout, layout=self.layout, partitions=K,
+        return Shards.open(
+            self.client, store, self.n_replicas, x_start[self.plan.perm], opts, workers=places,
+            layout=self.layout, partitions=K,
         )  # fmt: skip
-        return ps, None
 
     def to_model(self, x_ps: np.ndarray) -> np.ndarray:
         """The shards' partition-major vector in the model's own layout."""

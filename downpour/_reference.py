@@ -84,7 +84,7 @@ def sequential_sgd(
     x0 : numpy.ndarray
         Starting parameters (copied).
     batches : iterable of integer arrays
-        Row indices of each mini-batch, in order (e.g. ``BatchPlan.global_batches(epochs)``).
+        Row indices of each mini-batch, in order (e.g. a ``BatchPlan``'s, as global row indices).
     rule : {"sgd", "adagrad"}
         Update rule.
     lr : float

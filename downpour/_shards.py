@@ -19,6 +19,7 @@ from distbelief.errors import InvalidOptionError, ShardLostError
 from distbelief.storage import Layout, ParameterServer, ShardMap
 from distbelief.storage.internal import ShardRecovery, normalize_url, read_attrs
 
+from ._options import DownpourOptions
 from ._resume import ResumePoint, checkpoint_meta, params_store, require_resume_point
 
 __all__ = ["MAX_RECOVERIES", "Shards"]
@@ -35,7 +36,7 @@ class Shards:
     Parameters
     ----------
     ps : storage.ParameterServer
-        The shards (from :meth:`create` or :meth:`reopen`).
+        The shards (from :meth:`open`).
     clock : callable
         The run's time now (what a restored shard's entry in ``shard_losses`` says).
     repoint : callable
@@ -45,8 +46,8 @@ class Shards:
 
     Examples
     --------
-    >>> shards = Shards(Shards.create(client, store, 2, x, rule="sgd", workers=None, timeout=30.0),
-    ...                 clock=lambda: 0.0, repoint=print)                         # doctest: +SKIP
+    >>> ps, _ = Shards.open(client, store, 2, x, DownpourOptions(max_steps=9), workers=None)  # doctest: +SKIP
+    >>> shards = Shards(ps, clock=lambda: 0.0, repoint=print)                 # doctest: +SKIP
     >>> shards.checkpoint(1.5, {}, 2); shards.checkpoints                        # doctest: +SKIP
     2
     """
@@ -66,51 +67,39 @@ class Shards:
         self.shard_losses: list[tuple[float, int]] = []
 
     @staticmethod
-    def create(
+    def open(
         client: Client,
         store: str,
         n_replicas: int,
         x: np.ndarray,
+        opts: DownpourOptions,
         *,
-        rule: str,
         workers: Sequence[str] | None,
-        timeout: float,
         shards: int = 1,
         layout: Layout | None = None,
-        **meta: Any,
-    ) -> ParameterServer:
-        """New shards holding ``x`` (and zero Adagrad accumulators), checkpointed once: a shard lost before
-        the first periodic checkpoint comes back from this one. ``meta``: more for the checkpoint's meta."""
-        ps = ParameterServer.create(
-            client, x.size, shards=shards, layout=layout, store=params_store(store), workers=workers,
-            vectors={"x": x}, timeout=timeout, overwrite=True,
-        )  # fmt: skip
-        if rule == "adagrad":
-            # The accumulators exist from the start: every checkpoint (and a restored shard) holds them.
-            ps.fill("x.adagrad", 0.0)
-        ps.checkpoint(meta=checkpoint_meta(0.0, {}, n_replicas, **meta))
-        return ps
-
-    @staticmethod
-    def reopen(
-        client: Client,
-        store: str,
-        n_replicas: int,
-        n: int,
-        *,
-        workers: Sequence[str] | None,
-        timeout: float,
-        layout: Layout | None = None,
         partitions: int | None = None,
-    ) -> tuple[ParameterServer, ResumePoint]:
-        """``resume=True``: the shards as the run's last checkpoint left them, and where the run was.
+    ) -> tuple[ParameterServer, ResumePoint | None]:
+        """New shards holding ``x`` (and zero Adagrad accumulators), checkpointed once: a shard lost before
+        the first periodic checkpoint comes back from this one (its meta says ``partitions`` when given). With
+        ``opts.resume``: the shards as the run's last checkpoint left them, and where the run was.
 
         Raises
         ------
         distbelief.errors.InvalidOptionError
-            No checkpoint in ``store``, or one of a run with another model (``n`` parameters), partitions or
-            layout: checked before any shard is rebuilt.
+            ``resume``: no checkpoint in ``store``, or one of a run with another model (as many parameters as
+            ``x``), partitions or layout: checked before any shard is rebuilt.
         """
+        if not opts.resume:
+            ps = ParameterServer.create(
+                client, x.size, shards=shards, layout=layout, store=params_store(store), workers=workers,
+                vectors={"x": x}, timeout=opts.call_timeout, overwrite=True,
+            )  # fmt: skip
+            if opts.rule == "adagrad":
+                # The accumulators exist from the start: every checkpoint (and a restored shard) holds them.
+                ps.fill("x.adagrad", 0.0)
+            extra = {} if partitions is None else {"partitions": partitions}
+            ps.checkpoint(meta=checkpoint_meta(0.0, {}, n_replicas, **extra))
+            return ps, None
         point = require_resume_point(store, n_replicas)
         attrs = read_attrs(normalize_url(params_store(store)))
         saved = Layout.from_dict(attrs["layout"])
@@ -121,14 +110,15 @@ class Shards:
                 f"{saved.n} parameters in {saved.shards} shards; resume it with the model, partitions and "
                 "shards_per_partition of that run"
             )
-        if saved.n != n:
+        if saved.n != x.size:
             raise InvalidOptionError(
-                f"the checkpoint holds {saved.n} parameters but the model has {n}; resume with the model of "
-                "the interrupted run"
+                f"the checkpoint holds {saved.n} parameters but the model has {x.size}; resume with the "
+                "model of the interrupted run"
             )
-        return ParameterServer.open(
-            client, store=params_store(store), workers=workers, timeout=timeout
-        ), point
+        ps = ParameterServer.open(
+            client, store=params_store(store), workers=workers, timeout=opts.call_timeout
+        )
+        return ps, point
 
     def _restored(self, err: ShardLostError) -> None:
         """A shard came back from its checkpoint: noted, and the replicas handed the new shard map."""

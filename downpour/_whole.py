@@ -79,16 +79,10 @@ class WholeReplicas:
         """New shards holding ``x_start`` (one per shard worker for a large model, else one), or with
         ``resume=True`` the shards the run's last checkpoint left."""
         n = x_start.size
-        if opts.resume:
-            return Shards.reopen(
-                self.client, store, self.n_replicas, n, workers=self.shard_workers, timeout=opts.call_timeout
-            )
         n_shards = min(opts.shards or (len(self.shard_workers) if n >= SHARD_MIN_PARAMS else 1), n)
-        ps = Shards.create(
-            self.client, store, self.n_replicas, x_start, rule=opts.rule, workers=self.shard_workers,
-            timeout=opts.call_timeout, shards=n_shards,
-        )  # fmt: skip
-        return ps, None
+        return Shards.open(
+            self.client, store, self.n_replicas, x_start, opts, workers=self.shard_workers, shards=n_shards
+        )
 
     def to_model(self, x_ps: np.ndarray) -> np.ndarray:
         """The shards' vector is the model's."""

@@ -61,7 +61,12 @@ class Model(Protocol):
         ...
 
     def loss_and_grad(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> tuple[float, FloatArray]:
-        """Sum of the per-example losses over the rows ``X`` (labels ``y``) and its gradient in ``w``."""
+        """Sum of the per-example losses over the rows ``X`` (labels ``y``) and its gradient in ``w``.
+
+        The built-in models take ``w`` (shape (n_params,)), ``X`` (shape (n_rows, n_features); float64 input
+        is used as is, never copied) and ``sample_weight`` (shape (n_rows,), optional): per-row weights
+        ``s_i >= 0``, the loss becomes ``sum_i s_i loss_i`` with its gradient (scikit-learn's meaning).
+        """
         ...
 
 

@@ -524,6 +524,20 @@ class _Linear(ModelBase):
         loss = kernel(X, labels, W, intercept, grad[:n_coef].reshape(d, k), grad_b, rows)
         return loss, grad
 
+    def _weighted_or_csr(
+        self,
+        w: FloatArray,
+        X: Any,
+        y: FloatArray | NDArray[np.intp],
+        sample_weight: ArrayLike | None,
+        per_row: Callable[[FloatArray], tuple[FloatArray, FloatArray]],
+    ) -> tuple[float, FloatArray] | None:
+        """:meth:`_weighted` with ``sample_weight``, else :meth:`_compiled_csr` on CSR rows, else None (then
+        the fused or two-pass numpy path)."""
+        if sample_weight is not None:
+            return self._weighted(w, X, sample_weight, per_row)
+        return self._compiled_csr(y, w, X) if _checks.is_sparse(X) else None
+
     def _weighted(
         self,
         w: FloatArray,
@@ -620,14 +634,10 @@ class LeastSquares(_Linear):
 
         Parameters
         ----------
-        w : array_like, shape (n_params,)
-        X : array_like, shape (n_rows, n_features)
-            float64 input is used as is (never copied).
+        w, X, sample_weight
+            As in :meth:`Model.loss_and_grad`.
         y : array_like, shape (n_rows,)
             Real targets.
-        sample_weight : array_like, shape (n_rows,), optional
-            Per-row weights ``s_i >= 0``: the loss becomes ``sum_i s_i loss_i`` and its gradient (the
-            meaning scikit-learn gives them).
 
         Returns
         -------
@@ -645,11 +655,7 @@ class LeastSquares(_Linear):
         w_arr, X_arr = self._checked(w, X)
         rows = _block_rows(X_arr, 1)
         y_arr = np.asarray(_checks.as_targets(y, X_arr.shape[0], self._name), dtype=np.float64)
-        compiled: tuple[float, FloatArray] | None
-        if sample_weight is not None:
-            compiled = self._weighted(w_arr, X_arr, sample_weight, partial(_squares_rows, y_arr))
-        else:
-            compiled = self._compiled_csr(y_arr, w_arr, X_arr) if _checks.is_sparse(X_arr) else None
+        compiled = self._weighted_or_csr(w_arr, X_arr, y_arr, sample_weight, partial(_squares_rows, y_arr))
         if compiled is not None:
             loss, grad = compiled
         elif rows:
@@ -742,14 +748,10 @@ class Logistic(_Linear):
 
         Parameters
         ----------
-        w : array_like, shape (n_params,)
-        X : array_like, shape (n_rows, n_features)
-            float64 input is used as is (never copied).
+        w, X, sample_weight
+            As in :meth:`Model.loss_and_grad`.
         y : array_like, shape (n_rows,)
             Labels 0 or 1 (any numeric or bool dtype).
-        sample_weight : array_like, shape (n_rows,), optional
-            Per-row weights ``s_i >= 0``: the loss becomes ``sum_i s_i loss_i`` and its gradient (the
-            meaning scikit-learn gives them).
 
         Returns
         -------
@@ -778,11 +780,7 @@ class Logistic(_Linear):
         # dloss/dz = sigmoid(z) - y = (1 - 2 y) * sigmoid(t): no cancellation of sigmoid(z) - 1 when y = 1.
         sign = np.multiply(y_arr, -2.0)
         sign += 1.0  # 1 - 2 y: +1 for label 0, -1 for label 1
-        compiled: tuple[float, FloatArray] | None
-        if sample_weight is not None:
-            compiled = self._weighted(w_arr, X_arr, sample_weight, partial(_logistic_rows, sign))
-        else:
-            compiled = self._compiled_csr(y_arr, w_arr, X_arr) if _checks.is_sparse(X_arr) else None
+        compiled = self._weighted_or_csr(w_arr, X_arr, y_arr, sample_weight, partial(_logistic_rows, sign))
         if compiled is not None:
             loss, grad = compiled
         elif rows:
@@ -940,14 +938,10 @@ class Softmax(_Linear):
 
         Parameters
         ----------
-        w : array_like, shape (n_params,)
-        X : array_like, shape (n_rows, n_features)
-            float64 input is used as is (never copied).
+        w, X, sample_weight
+            As in :meth:`Model.loss_and_grad`.
         y : array_like, shape (n_rows,)
             Class labels 0..n_classes-1, as integers or integral floats.
-        sample_weight : array_like, shape (n_rows,), optional
-            Per-row weights ``s_i >= 0``: the loss becomes ``sum_i s_i loss_i`` and its gradient (the
-            meaning scikit-learn gives them).
 
         Returns
         -------
@@ -971,11 +965,9 @@ class Softmax(_Linear):
         rows = _block_rows(X_arr, self._n_outputs)
         y_raw = _checks.as_targets(y, X_arr.shape[0], self._name)
         labels = _checks.class_labels(y_raw, self._n_outputs, self._name)
-        compiled: tuple[float, FloatArray] | None
-        if sample_weight is not None:
-            compiled = self._weighted(w_arr, X_arr, sample_weight, partial(softmax_xent_rows, labels))
-        else:
-            compiled = self._compiled_csr(labels, w_arr, X_arr) if _checks.is_sparse(X_arr) else None
+        compiled = self._weighted_or_csr(
+            w_arr, X_arr, labels, sample_weight, partial(softmax_xent_rows, labels)
+        )
         if compiled is not None:
             loss, grad = compiled
         elif rows:

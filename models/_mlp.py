@@ -211,14 +211,10 @@ class MLP(ModelBase):
 
         Parameters
         ----------
-        w : array_like, shape (n_params,)
-        X : array_like, shape (n_rows, n_features)
-            float64 input is used as is (never copied).
+        w, X, sample_weight
+            As in :meth:`Model.loss_and_grad`.
         y : array_like, shape (n_rows,)
             Class labels 0..n_classes-1, as integers or integral floats.
-        sample_weight : array_like, shape (n_rows,), optional
-            Per-row weights ``s_i >= 0``: the loss becomes ``sum_i s_i loss_i`` and its gradient (the
-            meaning scikit-learn gives them).
 
         Returns
         -------

@@ -23,6 +23,7 @@ from distbelief.options import (
     REST_MAX_ACTORS,
     REST_MAX_ITER,
     check_fields,
+    check_option,
     option,
     options_of,
     refuse_unknown,
@@ -166,7 +167,7 @@ class SandblasterOptions:
             object.__setattr__(self, name, worker_tuple(getattr(self, name)) or None)
         object.__setattr__(self, "slowdown", dict(self.slowdown or {}))
         check_fields(self)
-        _check(
+        check_option(
             _are_ranges(self.l1_exclude),
             "l1_exclude",
             self.l1_exclude,
@@ -206,16 +207,16 @@ class SandblasterOptions:
                         f"process, no cluster); leave it at {default!r} or use local=False"
                     )
         for r, factor in self.slowdown.items():
-            _check(factor >= 1.0, f"slowdown[{r}]", factor, "a factor >= 1")
+            check_option(factor >= 1.0, f"slowdown[{r}]", factor, "a factor >= 1")
         for name in ("shard_workers", "replica_workers"):
             workers = getattr(self, name)
-            _check(
+            check_option(
                 workers is None or (isinstance(workers, tuple) and all(isinstance(w, str) for w in workers)),
                 name,
                 workers,
                 "None or a list of worker addresses",
             )
-        _check(
+        check_option(
             self.shard_memory in (None, "auto")
             or (
                 isinstance(self.shard_memory, int)
@@ -280,11 +281,6 @@ def _are_ranges(ranges: object) -> bool:
         and 0 <= p[0] < p[1]
         for p in pairs
     )
-
-
-def _check(ok: bool, name: str, value: object, expected: str) -> None:
-    if not ok:
-        raise InvalidOptionError(f"option {name}={value!r} is invalid: expected {expected}")
 
 
 @dataclass

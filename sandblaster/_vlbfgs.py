@@ -228,19 +228,9 @@ class VLBFGSHistory:
         return len(self._live)
 
     @property
-    def slot_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """All ``s`` and all ``y`` slot names the shards may be asked to hold (``m + 1`` each)."""
-        return self._s_names, self._y_names
-
-    @property
     def pair_names(self) -> list[tuple[str, str]]:
         """``(s_name, y_name)`` of the kept pairs, oldest first."""
         return [(self._s_names[i], self._y_names[i]) for i in self._live]
-
-    @property
-    def last_pair_accepted(self) -> bool | None:
-        """Whether the last pushed pair passed the curvature check (``None`` before any decision)."""
-        return self._last_accepted
 
     def base_names(self) -> list[str]:
         """Names of the base vectors ``[s_1..s_k, y_1..y_k, g]``, in the order of the Gram matrix."""

@@ -382,6 +382,7 @@ class ParameterServer(_Ops[Any]):
         *,
         timeout: float,
         meta: dict[str, Any],
+        memory_budget: int | str | None = "auto",
     ) -> None:
         self.client = client
         self.url = url
@@ -395,7 +396,7 @@ class ParameterServer(_Ops[Any]):
         self._slot_arrays: dict[str, dict[str, str]] = {}  # slot -> {array name: its dtype}
         self._group: Any = None
         #: Per-shard RAM budget the shards were made with (see :meth:`create`), reused for rebuilt shards.
-        self.memory_budget: int | str | None = "auto"
+        self.memory_budget = memory_budget
 
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -467,21 +468,11 @@ class ParameterServer(_Ops[Any]):
         placement = _placement(client, layout.shards, workers)
         largest = max((hi - lo for lo, hi in layout.ranges()), default=0)
         inline = 8 * largest * len(initial) <= INLINE_VECTOR_BYTES
-        offsets = layout.offsets()
         # The actors are built while the store is prepared below: a new shard reads nothing from it.
+        vectors = initial if inline else None
         futures = [
-            _submit_shard(
-                client,
-                i,
-                lo,
-                hi,
-                url,
-                placement[i],
-                offset=offsets[i],
-                budget=_budget_kwargs(memory_budget, placement, i),
-                vectors={name: values[lo:hi] for name, values in initial.items()} if inline else None,
-            )
-            for i, (lo, hi) in enumerate(layout.ranges())
+            _submit_shard(client, url, layout, i, placement, memory_budget, vectors=vectors)
+            for i in range(layout.shards)
         ]
         meta: dict[str, Any] = {
             "format": FORMAT_VERSION if layout.padded else 1,
@@ -497,8 +488,10 @@ class ParameterServer(_Ops[Any]):
                 if slot in group:
                     del group[slot]
             group.attrs[ATTR] = meta
-            server = cls(client, url, layout, futures, timeout=timeout, meta=json.loads(json.dumps(meta)))
-            server.memory_budget = memory_budget
+            server = cls(
+                client, url, layout, futures, timeout=timeout, meta=json.loads(json.dumps(meta)),
+                memory_budget=memory_budget,
+            )  # fmt: skip
         except BaseException:
             _release(futures)
             raise
@@ -529,26 +522,12 @@ class ParameterServer(_Ops[Any]):
         meta = read_attrs(url)
         layout = Layout.from_dict(meta["layout"])
         placement = _placement(client, layout.shards, workers)
-        slot = meta["current"]
-        offsets = layout.offsets()
         futures = [
-            _submit_shard(
-                client,
-                i,
-                lo,
-                hi,
-                url,
-                placement[i],
-                offset=offsets[i],
-                budget=_budget_kwargs(memory_budget, placement, i),
-                restore=None if slot is None else (f"slot{slot}", meta["names"], meta["states"][i]),
-            )
-            for i, (lo, hi) in enumerate(layout.ranges())
+            _submit_shard(client, url, layout, i, placement, memory_budget, restore=_restore(meta, i))
+            for i in range(layout.shards)
         ]
         try:
-            server = cls(client, url, layout, futures, timeout=timeout, meta=meta)
-            server.memory_budget = memory_budget
-            return server
+            return cls(client, url, layout, futures, timeout=timeout, meta=meta, memory_budget=memory_budget)
         except BaseException:
             _release(futures)  # e.g. a shard that could not be restored: the others must not linger
             raise
@@ -689,26 +668,14 @@ class ParameterServer(_Ops[Any]):
     def _recover(self, lost: list[int], method: str) -> None:
         """Rebuild the lost shards from the last checkpoint on live workers, then raise ShardLostError."""
         self._meta = self._read_meta()
-        slot = self._meta.get("current")
-        restored = slot is not None
+        restored = self._meta.get("current") is not None
         placement = _placement(self.client, len(lost), None)
         for k, i in enumerate(lost):
-            lo, hi = self.layout.ranges()[i]
             # Its worker's other shards are unknown here: the budget as if it were alone there.
-            restore = (
-                (f"slot{slot}", self._meta.get("names", []), self._meta["states"][i]) if restored else None
-            )
             fut = _submit_shard(
-                self.client,
-                i,
-                lo,
-                hi,
-                self.url,
-                placement[k],
-                offset=self.layout.offsets()[i],
-                budget=_budget_kwargs(self.memory_budget, [placement[k]], 0),
-                restore=restore,
-            )
+                self.client, self.url, self.layout, i, [placement[k]], self.memory_budget,
+                restore=_restore(self._meta, i), worker=0,
+            )  # fmt: skip
             self._actors[i] = fut.result(timeout=self.timeout)
             self._futures[i] = fut
         names = ", ".join(f"{i} [{self.layout.bounds[i]}, {self.layout.bounds[i + 1]})" for i in lost)
@@ -989,20 +956,23 @@ def _check_budget(budget: object) -> None:
 
 def _submit_shard(
     client: Client,
-    index: int,
-    lo: int,
-    hi: int,
     url: str,
-    worker: str,
+    layout: Layout,
+    index: int,
+    placement: Sequence[str],
+    budget: int | str | None,
     *,
-    offset: int,
-    budget: dict[str, Any],
-    vectors: dict[str, np.ndarray] | None = None,
+    worker: int | None = None,
+    vectors: Mapping[str, np.ndarray] | None = None,
     restore: tuple[str, Sequence[str], Any] | None = None,
 ) -> Future[Any]:
-    """Start shard ``index`` (``[lo, hi)``) as a :class:`ShardActor` on ``worker``: new (with ``vectors``, or
-    empty), or restored from a checkpoint, ``restore = (slot, names, scalar state)``. The one place a shard
-    actor is built (create, open and recovery)."""
+    """Start shard ``index`` of ``layout`` as a :class:`ShardActor` on ``placement[worker]`` (default
+    ``placement[index]``), its memory ``budget`` shared with the other shards ``placement`` puts there: new
+    (with its slices of ``vectors``, or empty), or restored from a checkpoint, ``restore = (slot, names,
+    scalar state)``. The one place a shard actor is built (create, open and recovery)."""
+    _check_budget(budget)
+    lo, hi = layout.ranges()[index]
+    address = placement[index if worker is None else worker]
     slot, names, state = restore if restore is not None else (None, (), None)
     return client.submit(
         ShardActor,
@@ -1013,21 +983,22 @@ def _submit_shard(
         slot=slot,
         names=names,
         state=state,
-        vectors=vectors,
-        **budget,
-        offset=offset,
+        vectors=None if vectors is None else {name: values[lo:hi] for name, values in vectors.items()},
+        memory_budget=budget,
+        shards_here=max(1, list(placement).count(address)),
+        offset=layout.offsets()[index],
         actor=True,
-        workers=[worker],
+        workers=[address],
         allow_other_workers=False,
         key=f"shard-{index}-{uuid.uuid4().hex[:12]}",
         pure=False,
     )
 
 
-def _budget_kwargs(budget: int | str | None, placement: Sequence[str], i: int) -> dict[str, Any]:
-    """The ShardActor keywords for the memory budget of the shard placed at ``placement[i]``."""
-    _check_budget(budget)
-    return {"memory_budget": budget, "shards_here": max(1, list(placement).count(placement[i]))}
+def _restore(meta: Mapping[str, Any], i: int) -> tuple[str, Sequence[str], Any] | None:
+    """Shard ``i``'s ``restore`` from the last checkpoint the store's ``meta`` names (None: no checkpoint)."""
+    slot = meta.get("current")
+    return None if slot is None else (f"slot{slot}", meta.get("names", []), meta["states"][i])
 
 
 def _placement(client: Client, count: int, workers: Sequence[str] | None) -> list[str]:

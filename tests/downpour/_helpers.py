@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,6 +213,13 @@ class Simulator:
         raise AssertionError("the simulation did not finish")
 
 
+def global_batches(plan: BatchPlan, epochs: int) -> Iterator[np.ndarray]:
+    """Every mini-batch of ``plan``'s first ``epochs`` epochs as global row indices (for references)."""
+    for e in range(epochs):
+        for s, rows in plan.epoch(e):
+            yield plan.segments[s][0] + rows
+
+
 def plan_batches(
     n_rows: int, replicas: int, *, batch_size: int, epochs: int, seed: int
 ) -> list[list[np.ndarray]]:
@@ -221,5 +228,5 @@ def plan_batches(
     for r in range(replicas):
         lo, hi = r * n_rows // replicas, (r + 1) * n_rows // replicas
         plan = BatchPlan(((lo, hi),), batch_size=batch_size, seed=seed, replica=r)
-        out.append(list(plan.global_batches(epochs)))
+        out.append(list(global_batches(plan, epochs)))
     return out

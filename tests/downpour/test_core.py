@@ -13,7 +13,7 @@ from distbelief import models
 from distbelief.downpour import BatchPlan, DownpourOptions, ReplicaCore, sequential_sgd, split_rows
 from distbelief.errors import InvalidOptionError
 from distbelief.storage import train_test_split_digits
-from tests.downpour._helpers import ConstantGradient, Simulator, plan_batches
+from tests.downpour._helpers import ConstantGradient, Simulator, global_batches, plan_batches
 
 X_TR, Y_TR, _, _ = train_test_split_digits(seed=0)
 X_SMALL, Y_SMALL = X_TR[:240], Y_TR[:240]
@@ -48,9 +48,9 @@ def test_every_row_is_visited_once_per_epoch(
         # Segments never cross a portion boundary (a replica reads portion by portion).
         assert all(a // portion == (b - 1) // portion for a, b in plan.segments)
         for e in range(2):
-            rows = np.concatenate(list(plan.global_batches(e + 1))[plan.batches_per_epoch * e :])
+            rows = np.concatenate(list(global_batches(plan, e + 1))[plan.batches_per_epoch * e :])
             assert sorted(rows.tolist()) == list(range(lo, hi))
-            assert all(len(b) <= batch for b in plan.global_batches(1))
+            assert all(len(b) <= batch for b in global_batches(plan, 1))
         seen += list(range(lo, hi))
     assert seen == list(range(n_rows))
 
@@ -175,7 +175,8 @@ def test_every_step_lands_once_with_the_weight_the_shards_report(
     steps = sum(len(p) for p in plans)
     weights = np.zeros(12)
     for rep, plan in zip(sim.replicas, plans, strict=True):
-        assert rep.core.counters.steps == len(plan) and rep.core.idle
+        assert rep.core.counters.steps == len(plan)
+        assert not rep.core._fetches and not rep.core._pending  # nothing in flight
         for i, (lo, hi) in enumerate(sim.layout.ranges()):
             weights[lo:hi] += rep.core.counters.applied_weight[i]
     if not scale:

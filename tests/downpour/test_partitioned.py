@@ -21,6 +21,7 @@ from distbelief.downpour import BatchPlan, sequential_sgd
 from distbelief.downpour._reference import ReferenceResult
 from distbelief.errors import ClusterError, DatasetError, InvalidOptionError
 from distbelief.storage import Dataset, train_test_split_digits, worker_addresses
+from tests.downpour._helpers import global_batches
 
 X_TR, Y_TR, _, _ = train_test_split_digits(seed=0)
 
@@ -35,7 +36,7 @@ def _reference(
     model: models.MLP | models.LocallyConnected, ds: Dataset, steps: int, **kw: Any
 ) -> ReferenceResult:
     plan = BatchPlan.for_rows(ds, 0, ds.n_rows, batch_size=32, seed=3, replica=0)
-    batches = list(itertools.islice(plan.global_batches(100), steps))
+    batches = list(itertools.islice(global_batches(plan, 100), steps))
     return sequential_sgd(model, X_TR, Y_TR, model.init_params(3), batches, **kw)
 
 

@@ -14,6 +14,7 @@ from distbelief import downpour, models
 from distbelief.downpour import BatchPlan, ReplicaCore, sequential_sgd
 from distbelief.errors import InvalidOptionError
 from distbelief.storage import Dataset, Shard
+from tests.downpour._helpers import global_batches
 
 
 def _wide(n_rows: int, d: int, nnz: int, seed: int = 0) -> tuple[Any, np.ndarray]:
@@ -49,7 +50,7 @@ def test_windowed_steps_of_other_linear_models_are_sequential_too(
         communication="sparse", n_fetch=1, client=client,
     )  # fmt: skip
     plan = BatchPlan.for_rows(ds, 0, ds.n_rows, batch_size=32, seed=0, replica=0)
-    batches = list(itertools.islice(plan.global_batches(10_000), steps))
+    batches = list(itertools.islice(global_batches(plan, 10_000), steps))
     ref = sequential_sgd(model, X, y, model.init_params(0), batches, rule="adagrad", lr=0.1)
     assert res.stats["communication"] == "sparse" and res.steps == steps
     np.testing.assert_allclose(res.x, ref.x, rtol=1e-12, atol=1e-14)
@@ -72,7 +73,7 @@ def test_one_replica_with_max_staleness_0_is_sequential(
         communication=mode, n_fetch=1, client=client,  # a fetch before every step (not auto_sync's 50)
     )  # fmt: skip
     plan = BatchPlan.for_rows(ds, 0, ds.n_rows, batch_size=32, seed=0, replica=0)
-    batches = list(itertools.islice(plan.global_batches(10_000), steps))
+    batches = list(itertools.islice(global_batches(plan, 10_000), steps))
     ref = sequential_sgd(model, X, y, model.init_params(0), batches, rule=rule, lr=0.2)
     assert res.stats["communication"] == mode and res.steps == steps
     np.testing.assert_allclose(res.x, ref.x, rtol=1e-12, atol=1e-14)

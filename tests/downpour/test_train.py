@@ -19,7 +19,7 @@ from distbelief.downpour._train import HISTORY_POINTS
 from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.storage import Dataset, ParameterServer, train_test_split_digits
 from tests.downpour import _helpers
-from tests.downpour._helpers import ConstantGradient
+from tests.downpour._helpers import ConstantGradient, global_batches
 
 # The test model lives in this test package, which the workers cannot import: ship it by value.
 cloudpickle.register_pickle_by_value(_helpers)
@@ -38,7 +38,7 @@ def reference_batches(
     ds: Dataset, *, seed: int, steps: int, lo: int = 0, hi: int | None = None
 ) -> list[np.ndarray]:
     plan = BatchPlan.for_rows(ds, lo, ds.n_rows if hi is None else hi, batch_size=32, seed=seed, replica=0)
-    return list(itertools.islice(plan.global_batches(10_000), steps))
+    return list(itertools.islice(global_batches(plan, 10_000), steps))
 
 
 def test_one_replica_sgd_is_plain_sequential_minibatch_sgd(client: Client, digits: Dataset) -> None:

@@ -83,7 +83,7 @@ def test_coefficients_match_two_loop_and_counts(m: int, n: int, iters: int, seed
         requests = _deliver(hist, vec)
         assert len(requests) == _expected_count(kept_before, m, pushed=True)
         assert len(set(map(frozenset, requests))) == len(requests)  # each symmetric entry once
-        assert hist.last_pair_accepted is True
+        assert hist._last_accepted is True
         kept_s, kept_y = [*kept_s, s][-m:], [*kept_y, y][-m:]
         assert hist.n_pairs == len(kept_s)
         # The cached matrix is the Gram matrix of the base vectors, old entries included.
@@ -97,7 +97,7 @@ def test_coefficients_match_two_loop_and_counts(m: int, n: int, iters: int, seed
     assert _relerr(_direction(hist, vec), two_loop_reference(vec["g"], kept_s, kept_y)) <= 1e-10
     # Never more than m + 1 slot pairs in use, whatever the number of iterations.
     used = {name for pair in hist.pair_names for name in pair}
-    assert used <= set(hist.slot_names[0]) | set(hist.slot_names[1])
+    assert used <= set(hist._s_names) | set(hist._y_names)
 
 
 @pytest.mark.parametrize("m", [1, 3, 7])
@@ -161,7 +161,7 @@ def _small_history(
         vec[s_name] = rng.standard_normal(n)
         vec[y_name] = 3.0 * vec[s_name] + 0.1 * rng.standard_normal(n)
         vec["g"] = rng.standard_normal(n)
-        assert _deliver(hist, vec) and hist.last_pair_accepted
+        assert _deliver(hist, vec) and hist._last_accepted
         s_list.append(vec[s_name])
         y_list.append(vec[y_name])
     return hist, vec, s_list[-m:], y_list[-m:]
@@ -185,7 +185,7 @@ def test_curvature_check_skips_pair_and_keeps_memory(m: int, pairs: int, bad_y: 
     vec[s_name], vec[y_name] = s, y
     vec["g"] = np.linspace(-1.0, 2.0, 6)
     _deliver(hist, vec)
-    assert hist.last_pair_accepted is False
+    assert hist._last_accepted is False
     assert hist.pair_names == kept
     assert _relerr(_direction(hist, vec), two_loop_reference(vec["g"], s_list, y_list)) <= 1e-10
     # The skipped pair's slot is the next one handed out.
@@ -231,8 +231,8 @@ def test_alternating_gradient_names() -> None:
         vec[y_name] = vec[new] - vec[grad] if it % 3 else 2.0 * vec[s_name]
         grad = new
         hist.update_dots([float(vec[a] @ vec[b]) for a, b in hist.dot_requests(grad)])
-        decisions.append(hist.last_pair_accepted)
-        if hist.last_pair_accepted:
+        decisions.append(hist._last_accepted)
+        if hist._last_accepted:
             s_list, y_list = [*s_list, vec[s_name]][-m:], [*y_list, vec[y_name]][-m:]
         assert hist.base_names()[-1] == grad
         d = sum((c * vec[name] for c, name in hist.direction_coefficients()), np.zeros(n))
