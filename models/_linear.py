@@ -580,7 +580,21 @@ class _Linear(ModelBase):
         return {"kind": self.kind, "n_features": self._n_features, "fit_intercept": self._fit_intercept}
 
 
-class LeastSquares(_Linear):
+class _OneOutput(_Linear):
+    """A linear model with one output (:class:`LeastSquares`, :class:`Logistic`): one constructor."""
+
+    def __init__(self, n_features: int, *, fit_intercept: bool = True) -> None:
+        spec = validate_spec({"kind": self.kind, "n_features": n_features, "fit_intercept": fit_intercept})
+        assert isinstance(spec, LeastSquaresSpec | LogisticSpec)
+        super().__init__(spec.n_features, spec.fit_intercept, 1)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """``{"kind": ..., "n_features": ..., "fit_intercept": ...}``."""
+        return self._spec_fields()
+
+
+class LeastSquares(_OneOutput):
     """Linear least squares: ``loss_i = 0.5 * (x_i . coef + b - y_i) ** 2``.
 
     Parameter layout: ``w = [coef (n_features), b]`` (``b`` only when ``fit_intercept``).
@@ -612,20 +626,10 @@ class LeastSquares(_Linear):
     label_kind: ClassVar[LabelKind] = "real"
     _name: ClassVar[str] = "least squares"
 
-    def __init__(self, n_features: int, *, fit_intercept: bool = True) -> None:
-        spec = validate_spec({"kind": self.kind, "n_features": n_features, "fit_intercept": fit_intercept})
-        assert isinstance(spec, LeastSquaresSpec)
-        super().__init__(spec.n_features, spec.fit_intercept, 1)
-
     @property
     def n_classes(self) -> None:
         """None: the targets are real numbers."""
         return None
-
-    @property
-    def spec(self) -> dict[str, Any]:
-        """``{"kind": "least_squares", "n_features": ..., "fit_intercept": ...}``."""
-        return self._spec_fields()
 
     def loss_and_grad(
         self, w: ArrayLike, X: ArrayLike, y: ArrayLike, *, sample_weight: ArrayLike | None = None
@@ -691,7 +695,7 @@ class LeastSquares(_Linear):
         return self._linear(w, X)[1]
 
 
-class Logistic(_Linear):
+class Logistic(_OneOutput):
     """Binary logistic regression on labels 0/1.
 
     ``z_i = x_i . coef + b``, ``P(y_i = 1) = 1 / (1 + exp(-z_i))`` and
@@ -726,20 +730,10 @@ class Logistic(_Linear):
     label_kind: ClassVar[LabelKind] = "binary"
     _name: ClassVar[str] = "logistic regression"
 
-    def __init__(self, n_features: int, *, fit_intercept: bool = True) -> None:
-        spec = validate_spec({"kind": self.kind, "n_features": n_features, "fit_intercept": fit_intercept})
-        assert isinstance(spec, LogisticSpec)
-        super().__init__(spec.n_features, spec.fit_intercept, 1)
-
     @property
     def n_classes(self) -> int:
         """2 (labels 0 and 1)."""
         return 2
-
-    @property
-    def spec(self) -> dict[str, Any]:
-        """``{"kind": "logistic", "n_features": ..., "fit_intercept": ...}``."""
-        return self._spec_fields()
 
     def loss_and_grad(
         self, w: ArrayLike, X: ArrayLike, y: ArrayLike, *, sample_weight: ArrayLike | None = None
