@@ -859,7 +859,6 @@ class PartitionedModel:
         self.model = model
         self.plan = partition_plan(model, partitions)
         self.traffic = Traffic()
-        self.passes = 0
 
     @property
     def n_params(self) -> int:
@@ -886,11 +885,10 @@ class PartitionedModel:
         X_arr = _checks.as_rows(X, self.model.n_features, type(self.model).__name__)
         loss, grad, traffic = run_partitioned(self.plan, w_arr, X_arr, y)
         self.traffic.merge(traffic)
-        self.passes += 1
         return loss, grad
 
     def __getattr__(self, name: str) -> Any:
         # predict, accuracy, check_labels, spec, label_kind, ...: the whole model's.
-        if name in ("model", "plan", "traffic", "passes"):
+        if name in ("model", "plan", "traffic"):
             raise AttributeError(name)
         return getattr(self.model, name)
