@@ -3,17 +3,8 @@
 Each replica trains on its own contiguous part of the rows, fetches the parameters every ``n_fetch`` steps,
 pushes its accrued gradient every ``n_push`` steps, and the parameter-server shards apply every push on their
 own, with plain SGD or Adagrad. :func:`train` is the front door; :class:`ReplicaCore` is the replica's logic
-with no Dask in it, and :func:`sequential_sgd` the single-process reference it reduces to.
-
-Examples
---------
->>> from distbelief import downpour, models
->>> from distbelief.storage import train_test_split_digits
->>> X, y, Xt, yt = train_test_split_digits(seed=0)
->>> res = downpour.train(models.Softmax(64, 10), (X, y), replicas=2, epochs=5,
-...                      eval_data=(Xt, yt))                                   # doctest: +SKIP
->>> res.stop_reason                                                            # doctest: +SKIP
-'epochs'
+with no Dask in it, and :func:`sequential_sgd` the single-process reference it reduces to. See :func:`train`
+for an example.
 """
 
 from ._batches import BatchPlan, split_rows
