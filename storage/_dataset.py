@@ -94,28 +94,11 @@ _CHECK_ROWS = 1 << 20
 class Dataset:
     """Rows ``X`` and labels ``y`` kept in zarr and split along rows into portions.
 
-    Build one with :meth:`from_arrays`, :meth:`from_npz`, :meth:`from_npy` or :meth:`from_csv`; open an
-    existing one with :meth:`open` or :meth:`in_store`. Do not call the constructor directly.
+    Build one with a ``from_*`` constructor (:meth:`from_arrays`, :meth:`from_csv`, :meth:`from_parquet`,
+    ...); open an existing one with :meth:`open` or :meth:`in_store`. Do not call the constructor directly.
+    Its properties (:attr:`n_rows`, :attr:`portion_rows`, :attr:`label_kind`, ...) describe the data.
     A ``Dataset`` pickles to its location and metadata only (a few hundred bytes) and reopens the store
     lazily, so it is cheap to send to Dask workers; a worker needs access to the same path or URL.
-
-    Attributes
-    ----------
-    n_rows, n_features : int
-        Shape of ``X``.
-    portion_rows : int
-        Rows per portion (the last portion may be shorter).
-    n_portions : int
-        Number of portions.
-    chunk_rows : int
-        Rows per zarr chunk; ``portion_rows`` is a multiple of it (or covers all rows).
-    label_kind : {"real", "binary", "classes"}
-        ``"binary"``: every label is 0 or 1. ``"classes"``: integer labels ``0..n_classes-1``.
-        ``"real"``: anything else (regression targets).
-    n_classes : int or None
-        2 for binary labels, K for classes, None for real labels.
-    url : str
-        Absolute local path or fsspec URL (``path`` is the same).
 
     Examples
     --------
@@ -822,12 +805,13 @@ class Dataset:
 
     @property
     def chunk_rows(self) -> int:
-        """Rows per zarr chunk."""
+        """Rows per zarr chunk; :attr:`portion_rows` is a multiple of it (or covers all rows)."""
         return self._meta.chunk_rows
 
     @property
     def label_kind(self) -> LabelKind:
-        """``"real"``, ``"binary"`` (labels 0/1) or ``"classes"`` (labels 0..n_classes-1)."""
+        """``"real"`` (anything else, e.g. regression targets), ``"binary"`` (every label 0 or 1) or
+        ``"classes"`` (integer labels 0..n_classes-1)."""
         return self._meta.label_kind
 
     @property
