@@ -682,16 +682,12 @@ class Dataset:
         """
         loc = _location(path_or_url, storage_options)
         meta, arrays = _open_checked(loc, expected_id=None)
-        p = meta.portion_rows
-        if portion_rows is not None:
-            p = min(cast(int, _check_int(portion_rows, "portion_rows")), meta.n_rows)
-            _check_portion_rows(p, meta.chunk_rows, meta.n_rows)
         kind: type[Dataset] = cls
         if meta.layout == "csr":
             from ._sparse import SparseDataset as kind
-        ds = kind(loc, meta, p)
+        ds = kind(loc, meta, meta.portion_rows)
         ds._set_arrays(arrays)
-        return ds
+        return ds if portion_rows is None else ds.with_portion_rows(portion_rows)
 
     @classmethod
     def in_store(cls, root: PathLike, name: str, *, storage_options: dict[str, Any] | None = None) -> Dataset:
