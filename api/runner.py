@@ -581,15 +581,11 @@ class JobRunner:
         """The record and the metrics rows after ``cursor`` (all rows if ``generation`` is stale)."""
         job = self._job(job_id)
         with job.lock:
-            record = job.record.model_copy()
-            if job.rows is not None:
-                start = cursor if generation == job.generation else 0
-                return Snapshot(
-                    record, job.dim, list(job.columns), job.rows[start:], len(job.rows), job.generation
-                )
-            gen = job.generation
+            record, gen, live = job.record.model_copy(), job.generation, job.rows
+            start = cursor if generation == gen else 0
+            if live is not None:
+                return Snapshot(record, job.dim, list(job.columns), live[start:], len(live), gen)
         dim, columns, rows = self.metrics(job_id)
-        start = cursor if generation == gen else 0
         return Snapshot(record, dim, columns, rows[start:], len(rows), gen)
 
     # -- events -------------------------------------------------------------------------------------
