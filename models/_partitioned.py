@@ -860,25 +860,6 @@ class PartitionedModel:
         self.plan = partition_plan(model, partitions)
         self.traffic = Traffic()
 
-    @property
-    def n_params(self) -> int:
-        """The whole model's parameters."""
-        return self.model.n_params
-
-    @property
-    def n_features(self) -> int:
-        """Input width."""
-        return self.model.n_features
-
-    @property
-    def n_classes(self) -> int:
-        """Number of classes."""
-        return self.model.n_classes
-
-    def init_params(self, seed: int | None = None) -> FloatArray:
-        """The whole model's starting point."""
-        return self.model.init_params(seed)
-
     def loss_and_grad(self, w: Any, X: Any, y: Any) -> tuple[float, FloatArray]:
         """Summed loss and gradient, computed by the K partitions (``w`` in the model's own layout)."""
         w_arr = _checks.as_params(w, self.model.n_params, type(self.model).__name__)
@@ -888,7 +869,7 @@ class PartitionedModel:
         return loss, grad
 
     def __getattr__(self, name: str) -> Any:
-        # predict, accuracy, check_labels, spec, label_kind, ...: the whole model's.
+        # n_params, init_params, predict, accuracy, check_labels, spec, label_kind, ...: the whole model's.
         if name in ("model", "plan", "traffic"):
             raise AttributeError(name)
         return getattr(self.model, name)
