@@ -33,6 +33,7 @@ shows, with the resource that saturates first named in each row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -204,7 +205,9 @@ def predict(
     return {"steps_per_s": limits[bound], "bound": bound, "limits": limits}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None, *, client: Any = None) -> dict[str, Any]:
+    """The benchmark; on ``client``'s cluster (two workers) when given (the suite's smoke run: a cluster of
+    its own cost a start and a close), else on a 2-worker ``LocalCluster`` of its own."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="a small grid, 0.6 s runs, one round")
     ap.add_argument("--repeats", type=int, default=3)
@@ -226,12 +229,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     y = np.zeros(len(X))
     rounds: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
     load_start = os.getloadavg()
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, dashboard_address="127.0.0.1:0", host="127.0.0.1"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with contextlib.ExitStack() as stack:
+        if client is None:
+            cluster = stack.enter_context(
+                LocalCluster(
+                    n_workers=2, threads_per_worker=1, dashboard_address="127.0.0.1:0", host="127.0.0.1"
+                )
+            )
+            client = stack.enter_context(Client(cluster))
         one_run(client, SleepModel(grid[0][2], step_s), X, y, replicas=1, shards=1, limit=1.0)  # warm
         reference: list[float] = []
         for _ in range(args.repeats):

@@ -17,6 +17,7 @@ different amount of work, not overhead. Writes ``small_fits.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -66,7 +67,9 @@ def _timed(make: Any, X: np.ndarray, y: np.ndarray, repeats: int) -> dict[str, A
     }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None, *, client: Any = None) -> dict[str, Any]:
+    """The benchmark; the ``client=`` rows on ``client``'s cluster when given (the suite's smoke run: a
+    cluster of its own cost a start and a close), else on a 2-worker ``LocalCluster`` of its own."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="2 fits each")
     ap.add_argument("--repeats", type=int, default=9)
@@ -82,12 +85,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warnings.simplefilter("ignore")  # scikit-learn's multi_class deprecation chatter
     rows = []
     load_start = os.getloadavg()
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, dashboard_address="127.0.0.1:0", host="127.0.0.1"
-        ) as cluster,
-        Client(cluster, set_as_default=False) as client,
-    ):
+    with contextlib.ExitStack() as stack:
+        if client is None:
+            cluster = stack.enter_context(
+                LocalCluster(
+                    n_workers=2, threads_per_worker=1, dashboard_address="127.0.0.1:0", host="127.0.0.1"
+                )
+            )
+            client = stack.enter_context(Client(cluster, set_as_default=False))
         for name, (X, y) in _data().items():
             ref = _timed(lambda: sk.LogisticRegression(C=1.0, tol=1e-6, max_iter=1000), X, y, args.repeats)
             here = _timed(lambda: LogisticRegression(C=1.0, tol=1e-6, max_iter=1000), X, y, args.repeats)

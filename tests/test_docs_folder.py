@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from distbelief.api import Settings, create_app
+from tests._scripts import Outcome, run_blocks, unguarded
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = {
@@ -49,18 +48,30 @@ def test_links_stay_inside_the_repository() -> None:
         assert "DESIGN.md" not in text and "../shared" not in text
 
 
+def _needs_missing_jax(script: str) -> bool:
+    return "import jax" in script and importlib.util.find_spec("jax") is None
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Outcome]:
+    """Every block that can run here, in turn in one interpreter (tests/_scripts.py says why)."""
+    runnable = [i for i, script in enumerate(SCRIPTS) if not _needs_missing_jax(script)]
+    outcomes = run_blocks([SCRIPTS[i] for i in runnable], tmp_path_factory.mktemp("data-science"))
+    return dict(zip(runnable, outcomes, strict=True))
+
+
 @pytest.mark.parametrize("index", range(len(SCRIPTS)))
-def test_the_data_science_page_runs_as_written(index: int, tmp_path: Path) -> None:
-    script = SCRIPTS[index]
-    if "import jax" in script and importlib.util.find_spec("jax") is None:
+def test_the_data_science_page_runs_as_written(index: int, ran: dict[int, Outcome]) -> None:
+    if _needs_missing_jax(SCRIPTS[index]):
         pytest.skip('needs JAX: pip install "distbelief[jax]"')
-    path = tmp_path / f"block{index}.py"
-    path.write_text(script)
-    done = subprocess.run(
-        [sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip()  # every block prints what it shows
+    outcome = ran[index]
+    assert outcome.ok, outcome.stderr[-3000:]
+    assert outcome.stdout.strip()  # every block prints what it shows
+
+
+def test_every_block_has_the_main_guard() -> None:
+    # The blocks start the embedded cluster, whose worker processes import the script.
+    assert unguarded(SCRIPTS) == []
 
 
 def test_the_data_science_page_has_its_sections() -> None:

@@ -87,15 +87,23 @@ def external(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
             _wait(c, 2)
         yield address, tmp, procs
     finally:
-        for p in reversed(procs):
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGINT)
-        for p in reversed(procs):
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        # The workers first, while their scheduler still answers: a worker whose scheduler went first spent
+        # ~7 s trying to reach it before it exited (the module's teardown took 8 s, 1.4 s in this order).
+        _stop(procs[1:])
+        _stop(procs[:1])
+
+
+def _stop(procs: list[Any]) -> None:
+    """Interrupts ``procs`` together (as Ctrl-C would), then waits for each; one that hangs is killed."""
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 @pytest.fixture(scope="module")

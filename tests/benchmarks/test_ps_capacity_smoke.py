@@ -7,12 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
+from distributed import Client
 
 from benchmarks import ps_capacity
 
 
-def test_quick_run_writes_rows_fit_and_prediction(tmp_path: Path) -> None:
-    result = ps_capacity.main(["--quick", "--out", str(tmp_path)])
+def test_quick_run_writes_rows_fit_and_prediction(tmp_path: Path, client: Client) -> None:
+    # On the session's cluster: the script's own would cost a cluster start.
+    result = ps_capacity.main(["--quick", "--out", str(tmp_path)], client=client)
     saved = json.loads((tmp_path / "ps_capacity_quick.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"], default=float))
     assert saved["one_process_steps_per_s"] > 0

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from distributed import Client
+
 from benchmarks import small_fits
 
 
-def test_quick_run_writes_every_row_with_its_target(tmp_path: Path) -> None:
-    result = small_fits.main(["--quick", "--out", str(tmp_path)])
+def test_quick_run_writes_every_row_with_its_target(tmp_path: Path, client: Client) -> None:
+    # On the session's cluster: the script's own would cost a cluster start.
+    result = small_fits.main(["--quick", "--out", str(tmp_path)], client=client)
     saved = json.loads((tmp_path / "small_fits_quick.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
     for data in ("breast_cancer", "digits"):
