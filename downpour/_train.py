@@ -102,7 +102,7 @@ OBJECTIVE_MAX_WORK = 100_000_000
 #: run's time while it runs, and at its end at most this share of its length (or END_EVAL_S): they run on
 #: the cores the replicas train on.
 EVAL_SHARE = 0.05
-END_EVAL_S = 1.5
+END_EVAL_S = 1.0
 
 _blas: ThreadpoolController | None = None
 
@@ -992,16 +992,21 @@ class _Run:
 
     def _fill(self, budget_s: float) -> None:
         """Evaluate the rows :meth:`_rows_from_records` made without their metrics, as many as ``budget_s``
-        affords at their measured cost, evenly spread in time (the others keep NaN)."""
+        affords at their measured cost, evenly spread in time, and none past it (the others keep NaN)."""
         if not self.unfilled:
             return
+        deadline = time.perf_counter() + budget_s
         affordable = int(budget_s / self.row_cost) if self.row_cost > 0 else len(self.unfilled)
         if affordable < len(self.unfilled):
             picks = np.linspace(0, len(self.unfilled) - 1, max(0, affordable)).round().astype(int)
             self.unfilled = [self.unfilled[i] for i in sorted(set(picks.tolist()))]
         with _one_blas_thread():
             for index, x in self.unfilled:
+                if time.perf_counter() + self.row_cost > deadline:
+                    break  # a loaded box: the measured cost was low
+                started = time.perf_counter()
                 objective_value, test_loss, accuracy = self._evaluations(x)
+                self.row_cost = time.perf_counter() - started
                 self.rows[index] = dataclasses.replace(
                     self.rows[index], objective=objective_value, test_loss=test_loss, test_accuracy=accuracy
                 )
