@@ -981,7 +981,8 @@ class _Run:
             x = record["x"]
             last = self.rows[-1].time if self.rows else -math.inf
             t = max(t_record, float(np.nextafter(last, math.inf)))
-            if x is None or i in evaluated:
+            # Parameters gone NaN / inf cost nothing to evaluate, and tell the watchdog the run diverged.
+            if x is None or i in evaluated or not np.isfinite(x).all():
                 out.append((self._record(t, x, self._totals_at(t), evaluated=evaluated.get(i)), x))
                 continue
             out.append((self._record(t, None, self._totals_at(t)), None))
@@ -990,11 +991,13 @@ class _Run:
             self._prune(ready[-1][0])
         return out
 
-    def _fill(self, budget_s: float) -> None:
+    def _fill(self, budget_s: float) -> list[tuple[Progress, np.ndarray]]:
         """Evaluate the rows :meth:`_rows_from_records` made without their metrics, as many as ``budget_s``
-        affords at their measured cost, evenly spread in time, and none past it (the others keep NaN)."""
+        affords at their measured cost, evenly spread in time, and none past it (the others keep NaN).
+        Returns the rows evaluated, in time order, with their parameters."""
+        filled: list[tuple[Progress, np.ndarray]] = []
         if not self.unfilled:
-            return
+            return filled
         deadline = time.perf_counter() + budget_s
         affordable = int(budget_s / self.row_cost) if self.row_cost > 0 else len(self.unfilled)
         if affordable < len(self.unfilled):
@@ -1010,10 +1013,13 @@ class _Run:
                 self.rows[index] = dataclasses.replace(
                     self.rows[index], objective=objective_value, test_loss=test_loss, test_accuracy=accuracy
                 )
+                row = self.rows[index]
                 if self.opts.trace:
-                    row = self.rows[index]
                     bisect.insort(self.snapshots, (row.time, row.step, x), key=lambda s: s[0])
+                # For the watchdog: its running loss was seen when the row was made.
+                filled.append((dataclasses.replace(row, train_loss=math.nan), x))
         self.unfilled = []
+        return filled
 
     def _thin_pending(self, keep: int) -> None:
         """Keep ``keep`` of the pending records, evenly spread in time (bounds the work left at the end), and
@@ -1254,7 +1260,10 @@ class _Run:
         for progress, x_row in self._rows_from_records(math.inf):
             if _diverged(self.watch, progress, x_row) and stop_reason in SUCCESS:
                 stop_reason = "diverged"
-        self._fill(budget - (time.perf_counter() - self.t0 - wall))
+        # Filled rows go to the watchdog too (a short diverging run may have had few rows evaluated in time).
+        for progress, x_row in self._fill(budget - (time.perf_counter() - self.t0 - wall)):
+            if _diverged(self.watch, progress, x_row) and stop_reason in SUCCESS:
+                stop_reason = "diverged"
         # The store ends up holding the final state (parameters, Adagrad accumulators, shard versions).
         self._checkpoint(wall, final=True)
         x = kind.to_model(self._ps_call(lambda: ps.gather("x")))

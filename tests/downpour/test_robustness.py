@@ -12,7 +12,7 @@ from distributed import Client
 
 from distbelief import downpour, models
 from distbelief.downpour._core import ADAGRAD_MAX_COALESCE
-from distbelief.storage import train_test_split_digits
+from distbelief.storage import load_digits, train_test_split_digits
 
 X_TR, Y_TR, X_TE, Y_TE = train_test_split_digits(seed=0)
 
@@ -42,6 +42,18 @@ def test_a_diverging_run_stops_with_a_message(client: Client) -> None:
     assert res.stop_reason == "diverged" and not res.success
     assert res.message.startswith("diverged: the ") and "lower lr" in res.message
     assert res.wall_time < 20.0  # stopped by the watchdog, not by the time limit
+
+
+def test_a_short_diverging_run_is_caught_on_the_rows_evaluated_after_it(client: Client) -> None:
+    # Softmax at lr 1000 on the raw digits (pixels 0-16): ~1 s of steps, too short for the 5% budget to
+    # evaluate many rows while it runs; the rows evaluated after it go to the watchdog too (the service's
+    # dashboard job once "succeeded").
+    X, y = load_digits()
+    res = downpour.train(
+        models.Softmax(64, 10), (X, y.astype(float)), replicas=1, rule="sgd", lr=1e3, epochs=20,
+        eval_every=0.05, eval_data=(X, y.astype(float)), client=client, callback=lambda progress: None,
+    )  # fmt: skip
+    assert res.stop_reason == "diverged" and not res.success, res.message
 
 
 def test_an_infinite_loss_stops_the_run(client: Client) -> None:
