@@ -991,11 +991,11 @@ class _Run:
             self._prune(ready[-1][0])
         return out
 
-    def _fill(self, budget_s: float) -> list[tuple[Progress, np.ndarray]]:
+    def _fill(self, budget_s: float) -> int:
         """Evaluate the rows :meth:`_rows_from_records` made without their metrics, as many as ``budget_s``
         affords at their measured cost, evenly spread in time, and none past it (the others keep NaN).
-        Returns the rows evaluated, in time order, with their parameters."""
-        filled: list[tuple[Progress, np.ndarray]] = []
+        Returns how many it evaluated."""
+        filled = 0
         if not self.unfilled:
             return filled
         deadline = time.perf_counter() + budget_s
@@ -1016,10 +1016,25 @@ class _Run:
                 row = self.rows[index]
                 if self.opts.trace:
                     bisect.insort(self.snapshots, (row.time, row.step, x), key=lambda s: s[0])
-                # For the watchdog: its running loss was seen when the row was made.
-                filled.append((dataclasses.replace(row, train_loss=math.nan), x))
+                filled += 1
         self.unfilled = []
         return filled
+
+    def _rewatch(self) -> Watchdog:
+        """A watchdog that saw the whole history in time order, with the rows :meth:`_fill` evaluated (the
+        run's own saw the newest rows first, and the filled ones are older: fed to it out of order, a row
+        of the run's start read as growth from the lowest objective of its end)."""
+        watch = Watchdog(self.opts.max_loss_growth)
+        watch.running_loss_growth = self.watch.running_loss_growth
+        for row in self.rows:
+            evaluated = not (math.isnan(row.objective) and math.isnan(row.test_loss))
+            watch.observe(
+                train_loss=row.train_loss,
+                test_loss=row.test_loss,
+                objective=row.objective,
+                evaluated=evaluated,
+            )
+        return watch
 
     def _thin_pending(self, keep: int) -> None:
         """Keep ``keep`` of the pending records, evenly spread in time (bounds the work left at the end), and
@@ -1260,9 +1275,11 @@ class _Run:
         for progress, x_row in self._rows_from_records(math.inf):
             if _diverged(self.watch, progress, x_row) and stop_reason in SUCCESS:
                 stop_reason = "diverged"
-        # Filled rows go to the watchdog too (a short diverging run may have had few rows evaluated in time).
-        for progress, x_row in self._fill(budget - (time.perf_counter() - self.t0 - wall)):
-            if _diverged(self.watch, progress, x_row) and stop_reason in SUCCESS:
+        # The history is judged again with the rows filled (a short diverging run may have had few rows
+        # evaluated while it ran).
+        if self._fill(budget - (time.perf_counter() - self.t0 - wall)) and stop_reason in SUCCESS:
+            self.watch = self._rewatch()
+            if self.watch.message is not None:
                 stop_reason = "diverged"
         # The store ends up holding the final state (parameters, Adagrad accumulators, shard versions).
         self._checkpoint(wall, final=True)

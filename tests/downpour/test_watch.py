@@ -153,3 +153,31 @@ def test_a_row_whose_parameters_were_not_read_measured_no_held_out_loss() -> Non
         assert watch.observe(train_loss=0.6, test_loss=math.nan, evaluated=False) is None
     assert watch.observe(train_loss=0.6, test_loss=0.6) is None
     assert watch.observe(train_loss=0.6, test_loss=math.nan) is not None  # measured, and NaN: diverged
+
+
+def test_rows_filled_after_the_run_are_judged_again_in_time_order() -> None:
+    # The driver evaluates the newest rows first while a run goes, and older ones after it; the watchdog
+    # that saw them in that order read a row of the start (F 3.05) as growth from the lowest F of the end
+    # (0.256): the demo's converging job stopped as "diverged" once in CI. _Run._rewatch judges the whole
+    # history in time order.
+    from distbelief.downpour._train import _Row, _Run
+
+    def rows(objectives: list[float]) -> list[_Row]:
+        nan = math.nan
+        return [
+            _Row(time=float(t), step=t, epoch=0.0, train_loss=nan, test_loss=nan, test_accuracy=nan,
+                 staleness_mean=nan, staleness_max=nan, replicas_alive=1, objective=f)
+            for t, f in enumerate(objectives)
+        ]  # fmt: skip
+
+    run = object.__new__(_Run)
+    run.opts, run.watch = DownpourOptions(max_steps=1), Watchdog(10.0)
+    run.rows = rows([3.05, 3.1, 1.0, 0.5, 0.26, 0.2563])
+    assert run._rewatch().message is None
+    out_of_order = Watchdog(10.0)
+    for f in (0.26, 0.2563, 3.05, 3.1):
+        out_of_order.observe(train_loss=math.nan, test_loss=math.nan, objective=f)
+    assert out_of_order.message is not None
+    # A history that does grow past the bound, in time order, is still divergence.
+    run.rows = rows([2.3, 0.5, 6.0, 7.0])
+    assert run._rewatch().message is not None
