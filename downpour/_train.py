@@ -971,9 +971,7 @@ class _Run:
                 cost = self.row_cost
                 if (cost > budget_s) if not evaluated else (time.perf_counter() + cost > deadline):
                     break
-                started = time.perf_counter()
-                evaluated[i] = self._evaluations(ready[i][2]["x"])
-                self.row_cost = time.perf_counter() - started
+                evaluated[i] = self._timed_evaluations(ready[i][2]["x"])
                 self.eval_s += self.row_cost
                 self.evals += 1
         out: list[tuple[Progress, np.ndarray | None]] = []
@@ -1007,9 +1005,7 @@ class _Run:
             for index, x in self.unfilled:
                 if time.perf_counter() + self.row_cost > deadline:
                     break  # a loaded box: the measured cost was low
-                started = time.perf_counter()
-                objective_value, test_loss, accuracy = self._evaluations(x)
-                self.row_cost = time.perf_counter() - started
+                objective_value, test_loss, accuracy = self._timed_evaluations(x)
                 self.rows[index] = dataclasses.replace(
                     self.rows[index], objective=objective_value, test_loss=test_loss, test_accuracy=accuracy
                 )
@@ -1062,6 +1058,13 @@ class _Run:
         if x is None or not np.isfinite(x).all():
             return (math.nan,) * 3
         return (self._objective(x), *_evaluate(self.model, x, self.eval_arrays))
+
+    def _timed_evaluations(self, x: np.ndarray) -> tuple[float, float, float]:
+        """:meth:`_evaluations` at ``x``, its time kept as the measured cost of a row (``row_cost``)."""
+        started = time.perf_counter()
+        values = self._evaluations(x)
+        self.row_cost = time.perf_counter() - started
+        return values
 
     def _record(
         self,
@@ -1174,9 +1177,7 @@ class _Run:
         start = self.resumed.time if self.resumed is not None else 0.0
         # The first row (the starting parameters' objective: up to ~1 s for an image model's sample) before
         # the replicas start and the clock runs: the driver's evaluation would take a core from them.
-        started = time.perf_counter()
-        evaluated = self._evaluations(self.x_start)
-        self.row_cost = time.perf_counter() - started
+        evaluated = self._timed_evaluations(self.x_start)
         self.t0 = time.perf_counter() - start
         self.t0_wall = time.time() - start
         if m.waiting:
