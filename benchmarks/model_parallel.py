@@ -47,11 +47,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from distbelief import models
 from distbelief.downpour._partition import memory_needed
-from distbelief.downpour._partitioned import train_partitioned
+from distbelief.downpour._partitioned import check_partitioned_options
+from distbelief.downpour._train import fit
 from distbelief.errors import InvalidOptionError
 from distbelief.storage import Dataset
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def train_partitioned(model: Any, data: Any, *, partitions: int, **options: Any) -> Any:
+    """``downpour.train(model, data, partitions=K, **options)`` with K = 1 too: one partition actor per
+    replica, the partitioned code path (``downpour.train`` takes it only from K = 2; this compares K = 1
+    with K > 1)."""
+    opts = check_partitioned_options(partitions, {**options, "partitions": partitions})
+    run = {k: options.get(k) for k in ("eval_data", "client", "store", "callback", "x0")}
+    return fit(model, data, opts, partitions=partitions, **run)
 
 
 def _data(n_features: int, n_classes: int, rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

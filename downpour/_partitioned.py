@@ -21,7 +21,6 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import fields
 from typing import Any, TypeVar
 
 import numpy as np
@@ -49,7 +48,7 @@ from ._replica import RecordPlan
 from ._resume import ResumePoint
 from ._shards import Shards
 
-__all__ = ["PartitionedReplicas", "check_partitioned_options", "train_partitioned"]
+__all__ = ["PartitionedReplicas", "check_partitioned_options"]
 
 #: Times a run may rebuild a replica that lost a partition's worker before the run fails.
 MAX_REBUILDS = 8
@@ -574,33 +573,3 @@ def check_partitioned_options(partitions: int, given: dict[str, Any]) -> Downpou
     taken = {k: v for k, v in given.items() if k not in (*_UNSUPPORTED, "max_staleness")}
     return options_from(taken, staleness_scale=False)
 
-
-def train_partitioned(model: Any, data: Any, *, partitions: int, **options: Any) -> Any:
-    """``downpour.train(model, data, partitions=K, **options)``, with ``partitions=1`` too: one partition
-    actor per replica (the partitioned code path, which ``downpour.train`` takes only from K = 2; the
-    benchmarks compare K = 1 with K > 1).
-
-    Parameters
-    ----------
-    model : models.MLP, models.LocallyConnected or models.LocallyConnected2D
-        A model with a partitioned form (``models.partition_plan``).
-    data : storage.Dataset or (X, y)
-        Training rows.
-    partitions : int
-        Partitions per replica (K >= 1).
-    **options
-        ``downpour.train``'s, as :func:`check_partitioned_options` takes them.
-
-    Examples
-    --------
-    >>> res = train_partitioned(models.LocallyConnected(64, 10, fields=[5]), (X, y), partitions=1,
-    ...                         max_steps=100, rule="sgd", lr=0.1)        # doctest: +SKIP
-    """
-    from ._train import fit
-
-    run_args = ("eval_data", "client", "store", "callback", "x0")
-    unknown = set(options) - {f.name for f in fields(DownpourOptions)} - set(run_args)
-    if unknown:
-        raise InvalidOptionError(f"unknown options {sorted(unknown)}: pass downpour.train's options")
-    opts = check_partitioned_options(partitions, {**options, "partitions": partitions})
-    return fit(model, data, opts, partitions=partitions, **{k: options.get(k) for k in run_args})

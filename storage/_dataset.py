@@ -479,14 +479,8 @@ class Dataset:
         y: Any,
         *,
         path: PathLike,
-        portion_rows: int | None = None,
-        chunk_rows: int | None = None,
-        label_kind: LabelKind | None = None,
-        n_classes: int | None = None,
-        overwrite: bool = False,
-        storage_options: dict[str, Any] | None = None,
         client: Any = None,
-        **encoding: Any,
+        **options: Any,
     ) -> Dataset:
         """Write Dask arrays or a Dask DataFrame as a dataset, on the workers: the rows never pass through
         this process.
@@ -525,22 +519,18 @@ class Dataset:
         >>> ds.feature_names, ds.read_all()[0][:2].tolist()
         (['x', 'city=a', 'city=b', 'city=c'], [[0.5, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
         """
-        common: dict[str, Any] = {
-            "path": path, "portion_rows": portion_rows, "chunk_rows": chunk_rows, "label_kind": label_kind,
-            "n_classes": n_classes, "overwrite": overwrite, "storage_options": storage_options,
-            "client": client,
-        }  # fmt: skip
         if type(X).__module__.startswith("dask.dataframe"):
             from ._dataset_frames import dataset_from_frame
 
-            return dataset_from_frame(X, y, **common, **encoding)
+            return dataset_from_frame(X, y, path=path, client=client, **options)
+        encoding = sorted(set(options) & {"features", "categorical", "max_categories", "hash_features"})
         if encoding:
             raise InvalidOptionError(
-                f"from_dask got unexpected options {sorted(encoding)}: they apply to a Dask DataFrame X only"
+                f"from_dask got unexpected options {encoding}: they apply to a Dask DataFrame X only"
             )
         from ._dataset_sources import dataset_from_dask
 
-        return dataset_from_dask(X, y, **common)
+        return dataset_from_dask(X, y, path=path, client=client, **options)
 
     @classmethod
     def from_xarray(

@@ -152,7 +152,6 @@ def test_the_docs_of_partitions_name_every_model_that_can_be_partitioned() -> No
     from pathlib import Path
 
     from distbelief import downpour, models, sandblaster
-    from distbelief.downpour import _partitioned as downpour_partitioned
 
     built_in: list[models.Model] = [
         models.LeastSquares(4),
@@ -179,11 +178,9 @@ def test_the_docs_of_partitions_name_every_model_that_can_be_partitioned() -> No
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     bullet = readme[readme.index("- **Model parallelism**") :].split("\n- ", 1)[0]
-    train_partitioned = downpour_partitioned.train_partitioned
     texts = {
         "sandblaster.minimize(partitions=)": section(sandblaster.minimize.__doc__ or "", "    partitions :"),
         "downpour.train(partitions=)": section(downpour.train.__doc__ or "", "    partitions :"),
-        "train_partitioned(model=)": section(train_partitioned.__doc__ or "", "    model :"),
         "README": bullet,
     }
     for where, text in texts.items():

@@ -12,7 +12,7 @@ import pytest
 import xarray as xr
 from distributed import Client
 
-from distbelief.errors import DatasetError
+from distbelief.errors import DatasetError, InvalidOptionError
 from distbelief.storage import Dataset
 
 
@@ -99,6 +99,12 @@ def test_from_dask_bad_input(tmp_path: Path) -> None:
         Dataset.from_dask(da.ones((3, 2)), da.zeros(3), path=tmp_path / "exists")
         with pytest.raises(DatasetError, match="overwrite=True"):
             Dataset.from_dask(da.ones((3, 2)), da.zeros(3), path=tmp_path / "exists")
+        # A DataFrame's encoding options, or a misspelled one, with arrays: refused before anything is written.
+        with pytest.raises(InvalidOptionError, match=r"\['categorical'\]: they apply to a Dask DataFrame"):
+            Dataset.from_dask(da.ones((3, 2)), da.zeros(3), path=tmp_path / "b", categorical="onehot")
+        with pytest.raises(TypeError, match="portion_row"):
+            Dataset.from_dask(da.ones((3, 2)), da.zeros(3), path=tmp_path / "b", portion_row=2)
+        assert not (tmp_path / "b").exists()
 
 
 def test_from_dask_never_holds_the_rows_in_the_client(tmp_path: Path, client: Client) -> None:
