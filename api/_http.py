@@ -331,10 +331,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _unexpected)
 
 
-class _BodyTooLarge(HTTPException):
-    pass
-
-
 class BodyLimitMiddleware:
     """Refuse request bodies over a limit (413) before they are read whole.
 
@@ -380,7 +376,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise _BodyTooLarge(status.HTTP_413_CONTENT_TOO_LARGE, self._message(limit, upload))
+                    raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, self._message(limit, upload))
             return message
 
         await self.app(scope, counted, send)

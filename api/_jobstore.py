@@ -27,7 +27,7 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import fsspec
@@ -145,6 +145,7 @@ class JobStore:
         except (ValueError, ImportError) as exc:
             raise StoreError(f"cannot open the store {url!r}: {exc}; check DISTBELIEF_STORE") from exc
         self.local = "file" in _protocols(self.fs)
+        self._join: Callable[..., str] = os.path.join if self.local else posixpath.join
         #: Held exclusively while the set of dataset names changes (an upload installed, a dataset deleted or
         #: registered), shared while a job is admitted: a job is never accepted on a dataset that is going
         #: away, and submissions do not wait for each other.
@@ -163,10 +164,7 @@ class JobStore:
 
     # -- locations ----------------------------------------------------------------------------------
     def _path(self, *parts: str) -> str:
-        return posixpath.join(self.root, *parts) if not self.local else os.path.join(self.root, *parts)
-
-    def _join(self, base: str, name: str) -> str:
-        return os.path.join(base, name) if self.local else posixpath.join(base, name)
+        return self._join(self.root, *parts)
 
     def url(self, *parts: str) -> str:
         """A location under the root, as a plain path (local) or a URL with its protocol."""
@@ -186,11 +184,9 @@ class JobStore:
         """Whether a local path or URL lies inside the store root (after resolving ``..`` and links)."""
         if not self.local:
             return url.rstrip("/").startswith(self.url().rstrip("/") + "/")
-        text = url[len("file://") :] if url.startswith("file://") else url
-        if "://" in text:
-            return False
-        if "\x00" in text:
-            return False  # no path holds a NUL byte
+        text = url.removeprefix("file://")
+        if "://" in text or "\x00" in text:
+            return False  # a URL elsewhere, or no path (none holds a NUL byte)
         real_root = os.path.realpath(self.root)
         target = os.path.realpath(os.path.join(self.root, text))
         return os.path.commonpath([real_root, target]) == real_root and target != real_root
@@ -206,7 +202,7 @@ class JobStore:
         >>> store.shown("/tmp/db-store/imports/d"), store.shown("s3://bucket/d")
         ('imports/d', 's3://bucket/d')
         """
-        text = url[len("file://") :] if url.startswith("file://") else url
+        text = url.removeprefix("file://")
         if not self.local or "://" in text:
             return url
         if self.contains(text):
@@ -219,10 +215,7 @@ class JobStore:
         self.fs.makedirs(posixpath.dirname(path) if not self.local else os.path.dirname(path), exist_ok=True)
         tmp = f"{path}{_STAGED}{uuid.uuid4().hex[:8]}"
         self.fs.pipe_file(tmp, data)
-        if self.local:
-            os.replace(tmp, path)
-        else:
-            self.fs.mv(tmp, path)
+        self._rename(tmp, path)
 
     def _read_json(self, path: str) -> dict[str, Any] | None:
         try:
@@ -326,21 +319,16 @@ class JobStore:
             name, kind = match["name"], match["kind"]
             if kind == _REPLACED[1:-1] and not self.fs.exists(self._path("datasets", name)):
                 self._rename(path, self._path("datasets", name))  # the old copy, back in its place
-                continue
-            self._remove(path)
-            removed.append(path)
-        for entry in list(self._children("jobs")):
-            path = self._path("jobs", entry)
-            if _LEFTOVER.fullmatch(entry):
-                self._remove(path)
+            else:
                 removed.append(path)
-                continue
-            for leftover in self.fs.glob(self._path("jobs", entry, f"*{_STAGED}*")):
-                self._remove(str(leftover))
-                removed.append(str(leftover))
-        for leftover in self.fs.glob(self._path("dataset-links", f"*{_STAGED}*")):
-            self._remove(str(leftover))
-            removed.append(str(leftover))
+        for entry in list(self._children("jobs")):
+            if _LEFTOVER.fullmatch(entry):
+                removed.append(self._path("jobs", entry))
+            else:
+                removed += map(str, self.fs.glob(self._path("jobs", entry, f"*{_STAGED}*")))
+        removed += map(str, self.fs.glob(self._path("dataset-links", f"*{_STAGED}*")))
+        for path in removed:
+            self._remove(path)
         return removed
 
     def _children(self, *parts: str) -> Iterator[str]:

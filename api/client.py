@@ -260,10 +260,8 @@ class Client:
 
         body = self.metrics_columns(job_id)
         columns: dict[str, list[float | None]] = body["columns"]
-        names = list(columns)
-        # null (a missing value) becomes NaN
-        values = np.array([[np.nan if v is None else v for v in columns[c]] for c in names], dtype=np.float64)
-        return metrics_to_dataset(body["dim"], names, values.T)
+        values = np.array(list(columns.values()), dtype=np.float64)  # null (a missing value) becomes NaN
+        return metrics_to_dataset(body["dim"], list(columns), values.T)
 
     def params(self, job_id: str) -> np.ndarray:
         """The parameters the job ended with."""

@@ -34,6 +34,7 @@ from distributed import Client
 
 from distbelief import models
 from distbelief.api.schemas import (
+    ALGORITHMS,
     FINAL_STATUSES,
     JobCreate,
     JobPublic,
@@ -107,7 +108,7 @@ def same_location(url: str) -> str:
     >>> same_location("file:///tmp/../tmp/d/") == same_location("/tmp/d")
     True
     """
-    text = url[len("file://") :] if url.startswith("file://") else url
+    text = url.removeprefix("file://")
     if "://" in text:
         return text.rstrip("/")
     return os.path.realpath(os.path.expanduser(text))
@@ -281,11 +282,7 @@ def evaluate_rows(model: BuiltIn, x: np.ndarray, datasets: Mapping[str, Dataset 
 
 
 _ADAPTERS: dict[str, Callable[[RunContext], RunOutcome]] = {
-    "sandblaster-lbfgs": run_sandblaster,
-    "sandblaster-cg": run_sandblaster,
-    "sandblaster-gd": run_sandblaster,
-    "sandblaster-owlqn": run_sandblaster,
-    "downpour-sgd": run_downpour,
+    name: run_downpour if name == "downpour-sgd" else run_sandblaster for name in ALGORITHMS
 }
 
 
@@ -1080,17 +1077,13 @@ class JobRunner:
             out = []
             for key, ts in dask_scheduler.tasks.items():
                 name = str(key)
+                parts = name.split("-")
                 # Shards are keyed shard-<i>-<uuid>, partitions partition-<replica>-<k>-<run>; replicas by
                 # their class name.
-                kind = (
-                    "shard"
-                    if name.startswith("shard-")
-                    else "partition"
-                    if name.startswith("partition-")
-                    else "replica"
-                    if "replica" in name.lower()
-                    else ""
-                )
+                if len(parts) > 1 and parts[0] in ("shard", "partition"):
+                    kind = parts[0]
+                else:
+                    kind = "replica" if "replica" in name.lower() else ""
                 if not getattr(ts, "actor", False) or not kind:
                     continue
                 holders = list(getattr(ts, "who_has", None) or ())
@@ -1103,7 +1096,6 @@ class JobRunner:
                     "state": ts.state,
                     "job_id": job,
                 }
-                parts = name.split("-")
                 if kind == "partition" and len(parts) >= 3 and parts[1].isdigit() and parts[2].isdigit():
                     row.update(replica=int(parts[1]), partition=int(parts[2]))
                 out.append(row)
@@ -1112,20 +1104,9 @@ class JobRunner:
         return list(self.client.run_on_scheduler(actor_table, annotation=ANNOTATION))
 
 
-def _groups(rows: list[dict[str, Any]]) -> list[ReplicaPlacementPublic]:
-    """Rows of partitions (each with its ``replica`` and ``partition``) as replicas, each the group of its
-    partitions in order; a row's other keys than ``PartitionPublic``'s are left out."""
-    by_replica: dict[int, list[PartitionPublic]] = {}
-    for row in rows:
-        by_replica.setdefault(int(row["replica"]), []).append(PartitionPublic.model_validate(row))
-    return [
-        ReplicaPlacementPublic(replica=r, partitions=sorted(parts, key=lambda p: p.partition))
-        for r, parts in sorted(by_replica.items())
-    ]
-
-
 def placement_of_actors(actors: list[dict[str, Any]]) -> list[ReplicaPlacementPublic]:
-    """Partition actors (rows of :meth:`JobRunner.actors`) as replicas, each a group of partitions.
+    """Partition actors (rows of :meth:`JobRunner.actors`) as replicas, each the group of its partitions in
+    order; a row's other keys than ``PartitionPublic``'s are left out, rows of no partition skipped.
 
     Examples
     --------
@@ -1133,7 +1114,14 @@ def placement_of_actors(actors: list[dict[str, Any]]) -> list[ReplicaPlacementPu
     ...     {"replica": 0, "partition": 1, "worker": "tcp://b"}, {"replica": 0, "partition": 0, "worker": "tcp://a"}])]
     [{'replica': 0, 'partitions': [{'partition': 0, 'worker': 'tcp://a'}, {'partition': 1, 'worker': 'tcp://b'}]}]
     """
-    return _groups([a for a in actors if a.get("replica") is not None and a.get("partition") is not None])
+    by_replica: dict[int, list[PartitionPublic]] = {}
+    for row in actors:
+        if row.get("replica") is not None and row.get("partition") is not None:
+            by_replica.setdefault(int(row["replica"]), []).append(PartitionPublic.model_validate(row))
+    return [
+        ReplicaPlacementPublic(replica=r, partitions=sorted(parts, key=lambda p: p.partition))
+        for r, parts in sorted(by_replica.items())
+    ]
 
 
 def placement_of_stats(stats: Any) -> list[ReplicaPlacementPublic] | None:
@@ -1148,7 +1136,7 @@ def placement_of_stats(stats: Any) -> list[ReplicaPlacementPublic] | None:
     """
     if not isinstance(stats, dict) or not isinstance(stats.get("per_partition"), list):
         return None
-    return _groups(stats["per_partition"])
+    return placement_of_actors(stats["per_partition"])
 
 
 def _objective_of(summary: dict[str, Any], x: np.ndarray, options: dict[str, Any]) -> dict[str, float]:

@@ -52,18 +52,10 @@ _NPY_MAGIC = b"\x93NUMPY"
 
 
 def _public(name: str, ds: Dataset, url: str | None, store: JobStore) -> DatasetPublic:
-    return DatasetPublic(
-        name=name,
-        source="registered" if url is not None else "upload",
-        url=None if url is None else store.shown(url),
-        n_rows=ds.n_rows,
-        n_features=ds.n_features,
-        label_kind=ds.label_kind,
-        n_classes=ds.n_classes,
-        n_portions=ds.n_portions,
-        portion_rows=ds.portion_rows,
-        created_at=ds.created_at,
-    )
+    # The other fields (shape, labels, portions, created_at) are the Dataset's attributes of those names.
+    own = {f: getattr(ds, f) for f in DatasetPublic.model_fields.keys() - {"name", "source", "url"}}
+    shown = None if url is None else store.shown(url)
+    return DatasetPublic(name=name, source="upload" if url is None else "registered", url=shown, **own)
 
 
 def _describe(runner: JobRunner, name: str) -> DatasetPublic:
