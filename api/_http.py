@@ -136,8 +136,8 @@ def _describe(err: dict[str, Any]) -> str:
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
-    if any(e.get("type") == "json_invalid" for e in errors):
-        err = next(e for e in errors if e.get("type") == "json_invalid")
+    err = next((e for e in errors if e.get("type") == "json_invalid"), None)
+    if err is not None:
         reason = (err.get("ctx") or {}).get("error", "it could not be parsed")
         return JSONResponse(
             {"detail": f"the request body is not valid JSON ({reason}); send a JSON object"},

@@ -38,10 +38,9 @@ from pydantic import ValidationError
 from distbelief.errors import ConflictError, StoreError
 from distbelief.storage import resolve_name
 
-from ._metrics import metrics_to_dataset
 from .schemas import JobPublic
 
-__all__ = ["JobStore", "json_safe", "metrics_to_dataset"]
+__all__ = ["JobStore", "json_safe"]
 
 _log = logging.getLogger("distbelief.api")
 

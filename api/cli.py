@@ -24,6 +24,7 @@ import re
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -369,18 +370,16 @@ def _params(args: argparse.Namespace) -> int:
 def _write_file(path: str, content: bytes) -> None:
     """Write ``content`` to ``path`` whole or not at all (a temporary file renamed into place)."""
     target = os.path.abspath(path)
-    folder = os.path.dirname(target)
+    tmp = os.path.join(os.path.dirname(target), f".distbelief-{uuid.uuid4().hex}.part")
     try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".distbelief-", suffix=".part")
+        # A new file, as mkstemp makes, but with the mode open() gives (the umask's), not mkstemp's 0600.
+        fh = open(tmp, "xb")  # noqa: SIM115
     except OSError as exc:
         raise InvalidOptionError(
             f"cannot write {path}: {exc.strerror or exc}; pick a writable folder (-o/--csv)"
         ) from exc
     try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)  # as open() would have made it, not mkstemp's 0600
-        with os.fdopen(fd, "wb") as fh:
+        with fh:
             fh.write(content)
         os.replace(tmp, target)
     except OSError as exc:

@@ -284,10 +284,8 @@ class Client:
     def estimator(self, job_id: str, **params: Any) -> Any:
         """A finished job as a fitted scikit-learn estimator (``distbelief.sklearn``), ready to predict.
 
-        The job's model spec picks the estimator (logistic -> LogisticRegression, softmax ->
-        SoftmaxRegression, least_squares -> LinearRegression, mlp -> MLPClassifier); its parameters become
-        ``coef_``/``intercept_`` (or ``coefs_``/``intercepts_``), its classes ``0..n_classes-1``.
-        ``params`` are estimator options (``client=``, ``C=``, ...) for refitting it later.
+        :func:`distbelief.sklearn.from_model` of the job's model spec and parameters (classes
+        ``0..n_classes-1``); ``params`` are estimator options (``client=``, ``C=``, ...) for refitting.
 
         Raises
         ------

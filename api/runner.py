@@ -46,7 +46,7 @@ from distbelief.api.settings import Settings
 from distbelief.errors import DatasetError, DistbeliefError, InvalidOptionError, StoreError
 from distbelief.models.internal import BuiltIn
 from distbelief.storage import Dataset, resolve_name
-from distbelief.storage.internal import task_result
+from distbelief.storage.internal import normalize_url, task_result
 
 from ._jobstore import JobStore, json_safe
 
@@ -108,10 +108,8 @@ def same_location(url: str) -> str:
     >>> same_location("file:///tmp/../tmp/d/") == same_location("/tmp/d")
     True
     """
-    text = url.removeprefix("file://")
-    if "://" in text:
-        return text.rstrip("/")
-    return os.path.realpath(os.path.expanduser(text))
+    url = normalize_url(url)
+    return url if "://" in url else os.path.realpath(url)
 
 
 def _now() -> str:
@@ -287,20 +285,12 @@ _ADAPTERS: dict[str, Callable[[RunContext], RunOutcome]] = {
 
 
 def _row_of(record: Any) -> dict[str, float]:
-    """The numeric scalar fields of a callback's record (a dataclass, a mapping or an object)."""
-    if dataclasses.is_dataclass(record) and not isinstance(record, type):
-        items = dataclasses.asdict(record)
-    elif isinstance(record, Mapping):
-        items = dict(record)
-    elif hasattr(record, "_asdict"):
-        items = record._asdict()
-    else:
-        items = dict(vars(record))
-    out = {}
-    for key, value in items.items():
-        if isinstance(value, bool | int | float | np.integer | np.floating):
-            out[str(key)] = float(value)
-    return out
+    """The numeric scalar fields of a callback's record: a dataclass (Sandblaster's ``IterationRecord``,
+    Downpour's ``Progress``)."""
+    items = dataclasses.asdict(record).items()
+    return {
+        str(k): float(v) for k, v in items if isinstance(v, bool | int | float | np.integer | np.floating)
+    }
 
 
 def _history_rows(history: xr.Dataset, index: str) -> tuple[str, list[str], list[list[float]]] | None:
@@ -949,8 +939,7 @@ class JobRunner:
                 return  # the server is going down: the job stays "running" and is taken up on restart
             reason = str(exc) or type(exc).__name__
             if resume:
-                where = "step" if rec.algorithm == "downpour-sgd" else "iteration"
-                reason = f"could not resume from the checkpoint of {where} {rec.resumed_from}: {reason}"
+                reason = f"could not resume from the checkpoint of {job.dim} {rec.resumed_from}: {reason}"
             if not isinstance(exc, DistbeliefError | ValueError):
                 reason = f"{type(exc).__name__}: {reason}"
                 # Not an error the user can act on: the traceback is for whoever runs the service.
@@ -1028,8 +1017,7 @@ class JobRunner:
     def _evaluate(
         self, model: BuiltIn, x: np.ndarray, data: Dataset, eval_data: Dataset | None
     ) -> dict[str, Any]:
-        """Mean data loss (and accuracy, for classifiers) on the training and held-out rows, computed by a
-        task on a worker: the rows are read where the cluster can read them, not into the web process."""
+        """:func:`evaluate_rows` of the training and held-out rows, as a task on a worker."""
         task = self.client.submit(
             evaluate_rows,
             model,

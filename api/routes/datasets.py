@@ -222,13 +222,10 @@ async def create_dataset(request: Request, runner: RunnerDep, settings: Settings
                 status.HTTP_422_UNPROCESSABLE_CONTENT, f"send one 'name' and one 'file'; {_UPLOAD_HELP}"
             )
         name, file = form.get("name"), form.get("file")
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str) or not name or not isinstance(file, UploadFile):
+            missing = "file" if isinstance(name, str) and name else "name"
             raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_CONTENT, f"the field 'name' is missing; {_UPLOAD_HELP}"
-            )
-        if not isinstance(file, UploadFile):
-            raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_CONTENT, f"the field 'file' is missing; {_UPLOAD_HELP}"
+                status.HTTP_422_UNPROCESSABLE_CONTENT, f"the field {missing!r} is missing; {_UPLOAD_HELP}"
             )
         label = form.get("label_column")
         label_column = label if isinstance(label, str) and label.strip() else None
