@@ -222,10 +222,7 @@ class WorkerMemory:
     def of(cls, client: Client) -> WorkerMemory:
         """The one instance of a client (so its cache is shared by every request)."""
         with cls._shared_lock:
-            memory = cls._shared.get(client)
-            if memory is None:
-                memory = cls._shared[client] = cls(client)
-            return memory
+            return cls._shared.setdefault(client, cls(client))
 
     def __init__(self, client: Client, ttl: float = 5.0) -> None:
         self.client = client

@@ -103,10 +103,9 @@ def status_of(exc: DistbeliefError) -> int:
     >>> status_of(DatasetError("bad")), status_of(ClusterError("down"))
     (422, 503)
     """
-    for cls, code in _STATUS:
-        if isinstance(exc, cls):
-            return code
-    return status.HTTP_500_INTERNAL_SERVER_ERROR
+    return next(
+        (code for cls, code in _STATUS if isinstance(exc, cls)), status.HTTP_500_INTERNAL_SERVER_ERROR
+    )
 
 
 def _where(loc: tuple[Any, ...]) -> str:

@@ -219,10 +219,8 @@ class JobStore:
     def _read_json(self, path: str) -> dict[str, Any] | None:
         try:
             data = json.loads(self.fs.cat_file(path))
-        except FileNotFoundError:
-            return None
         except (ValueError, OSError):
-            return None  # a torn or foreign file: skipped, never fatal
+            return None  # a missing, torn or foreign file: skipped, never fatal
         return data if isinstance(data, dict) else None
 
     # -- job records --------------------------------------------------------------------------------
@@ -256,9 +254,7 @@ class JobStore:
     def set_aside(self, job_id: str, reason: str) -> str:
         """Move a job whose record is unusable out of the way, to a hidden folder beside the jobs that holds
         ``SET_ASIDE.txt`` (the reason); log it. Returns the folder's new path (see :meth:`set_aside_jobs`)."""
-        path = self._path("jobs", job_id)
-        aside = self._path("jobs", f".{job_id}{_SET_ASIDE}{uuid.uuid4().hex[:8]}")
-        self._rename(path, aside)
+        aside = self._hide("jobs", job_id, _SET_ASIDE)
         with contextlib.suppress(OSError):
             self.fs.pipe_file(self._join(aside, "SET_ASIDE.txt"), f"{reason}\n".encode())
         _log.warning("job %s was set aside as %s: %s", job_id, aside, reason)
@@ -286,11 +282,14 @@ class JobStore:
     def delete_job(self, job_id: str) -> None:
         """Remove everything the store holds for a job, all at once: the folder is first renamed to a hidden
         name (a reader, or a restart after a crash, sees the whole job or none of it), then removed."""
-        path = self._path("jobs", job_id)
-        if self.fs.exists(path):
-            doomed = self._path("jobs", f".{job_id}{_DELETED}{uuid.uuid4().hex[:8]}")
-            self._rename(path, doomed)
-            self._remove(doomed)
+        if self.fs.exists(self._path("jobs", job_id)):
+            self._remove(self._hide("jobs", job_id, _DELETED))
+
+    def _hide(self, folder: str, name: str, marker: str) -> str:
+        """Rename ``folder/name`` to a new hidden name beside it (see :meth:`clean_leftovers`); that name."""
+        hidden = self._path(folder, f".{name}{marker}{uuid.uuid4().hex[:8]}")
+        self._rename(self._path(folder, name), hidden)
+        return hidden
 
     def _remove(self, path: str) -> None:
         # Best effort: what is left of a hidden folder is removed again by clean_leftovers on the next start.
@@ -453,8 +452,7 @@ class JobStore:
         source = self._path("datasets", posixpath.basename(staged.rstrip("/")))
         old = None
         if self.fs.exists(final):
-            old = self._path("datasets", f".{name}{_REPLACED}{uuid.uuid4().hex[:8]}")
-            self._rename(final, old)
+            old = self._hide("datasets", name, _REPLACED)
         try:
             self._rename(source, final)
         except BaseException:
@@ -481,8 +479,7 @@ class JobStore:
         renamed to a hidden name first, so no reader ever sees half of it."""
         final = self._path("datasets", posixpath.basename(resolve_name(self.datasets_root, name)))
         if self.fs.exists(final):
-            doomed = self._path("datasets", f".{name}{_DELETED}{uuid.uuid4().hex[:8]}")
-            self._rename(final, doomed)
+            doomed = self._hide("datasets", name, _DELETED)
             self._bump_datasets_version()
             self._remove(doomed)
 

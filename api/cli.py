@@ -491,13 +491,7 @@ def _demo(args: argparse.Namespace) -> int:
                     ]
                     rows = []
                     for label, job in runs:
-                        body = {
-                            "model": spec,
-                            "dataset": "digits-train",
-                            "eval_dataset": "digits-test",
-                            "name": f"demo: {label}",
-                            **job,
-                        }
+                        body = {**warm, "eval_dataset": "digits-test", "name": f"demo: {label}", **job}
                         record = client.wait(client.submit(body)["id"])
                         wall = _seconds(record.get("started_at"), record.get("finished_at"))
                         w = client.params(record["id"]) if record["status"] == "succeeded" else None

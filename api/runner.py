@@ -293,9 +293,9 @@ def _row_of(record: Any) -> dict[str, float]:
     }
 
 
-def _history_rows(history: xr.Dataset, index: str) -> tuple[str, list[str], list[list[float]]] | None:
-    """An algorithm's history as ``(index, columns, rows)``: one row per entry, indexed by the integer
-    variable or coordinate ``index`` (Sandblaster's ``iteration``, Downpour's ``step``).
+def _history_rows(history: xr.Dataset, index: str) -> tuple[list[str], list[list[float]]] | None:
+    """An algorithm's history as ``(columns, rows)``: one row per entry, indexed by the integer variable or
+    coordinate ``index``, the first column (Sandblaster's ``iteration``, Downpour's ``step``).
 
     Only variables along the history's main dimension are kept (Downpour's per-shard counters are not).
     """
@@ -307,9 +307,8 @@ def _history_rows(history: xr.Dataset, index: str) -> tuple[str, list[str], list
         for k, v in history.variables.items()
         if k != index and v.dims == (dim,) and (np.issubdtype(v.dtype, np.number) or v.dtype == bool)
     ]
-    n = history.sizes[dim]
     values = [np.asarray(history[k].values, dtype=np.float64) for k in (index, *names)]
-    return index, [index, *names], np.column_stack(values).tolist() if n else []
+    return [index, *names], np.column_stack(values).tolist()
 
 
 # ----------------------------------------------------------------------------------------- the runner
@@ -712,12 +711,9 @@ class JobRunner:
             )
         # The fields left out (started_at, result, restarts, ...) start at JobPublic's defaults.
         record = JobPublic(
+            **create.model_dump(include={"name", "algorithm", "dataset", "eval_dataset"}),
             id=uuid.uuid4().hex[:16],
-            name=create.name,
-            algorithm=create.algorithm,
             model=model.spec,
-            dataset=create.dataset,
-            eval_dataset=create.eval_dataset,
             options=options,
             status="queued",
             created_at=_now(),
@@ -981,20 +977,20 @@ class JobRunner:
             )
         summary.update(_objective_of(summary, outcome.x, rec.options))
         if outcome.history is not None:
-            rows = _history_rows(outcome.history, job.dim)
-            if rows is not None and rows[2]:
+            found = _history_rows(outcome.history, job.dim)
+            if found is not None and found[1]:
+                columns, rows = found
                 with job.lock:
                     # A resumed run's history starts at its checkpoint: the rows before it stay.
-                    first = rows[2][0][0]
                     at = {c: i for i, c in enumerate(job.columns)}
                     kept = [
-                        [r[at[c]] if c in at else math.nan for c in rows[1]]
+                        [r[at[c]] if c in at else math.nan for c in columns]
                         for r in (job.rows or [])
-                        if r[0] < first and job.dim == rows[0]
+                        if r[0] < rows[0][0]
                     ]
-                    job.dim, job.columns, job.rows = rows[0], rows[1], kept + rows[2]
+                    job.columns, job.rows = columns, kept + rows
                     job.generation += 1
-                    rec.iterations = int(rows[2][-1][0])
+                    rec.iterations = int(rows[-1][0])
                     rec.latest = _latest(job.columns, job.rows[-1])
         placement = placement_of_stats(summary.get("stats"))
         with job.lock:
