@@ -184,9 +184,8 @@ def estimate_cost(
     # Integers throughout: a width of 400 digits must reach the limits' checks, not overflow a float.
     shard_params = -(-n // shards)
     if partitions > 1:
-        # Partition k and its shard share a worker (Figure 2): the worker holds the shard's vectors of the
-        # partition's slice (the plan's, by arithmetic), the partition's fetched copy and gradient, its share
-        # of the rows' activations and room for what it receives (a whole layer, for the MLP's all-gather).
+        # Partition k and its shard share a worker (Figure 2), which holds what the module docstring lists;
+        # what it receives is up to a whole layer (the MLP's all-gather).
         shard_params = _widest_partition(spec, partitions)
         own = rows * sizes[0] + 2 * rows * sum(sizes[1:]) // partitions + rows * max(sizes)
         partition_bytes = ((vectors + 2) * shard_params + own) * _BYTES

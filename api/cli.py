@@ -338,17 +338,15 @@ def metrics_table(dim: str, columns: dict[str, list[float | None]]) -> str:
 
 def _metrics(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        if args.csv is not None:
-            text = client.metrics_csv(args.id)
-        else:
+        if args.csv is None:
             body = client.metrics_columns(args.id)
-    if args.csv is None:
-        columns = body["columns"]
-        if not columns or not next(iter(columns.values())):
-            print(f"job {args.id} has no metrics yet")
+            columns = body["columns"]
+            if not columns or not next(iter(columns.values())):
+                print(f"job {args.id} has no metrics yet")
+            else:
+                print(metrics_table(body["dim"], columns))
             return 0
-        print(metrics_table(body["dim"], columns))
-        return 0
+        text = client.metrics_csv(args.id)
     rows = max(text.count("\n") - 1, 0)
     if args.csv == "-":
         sys.stdout.write(text)

@@ -532,10 +532,7 @@ class JobRunner:
         with job.lock:
             if job.rows is not None:
                 return job.dim, list(job.columns), [list(r) for r in job.rows]
-        stored = self.store.load_metrics(job_id)
-        if stored is None:
-            return job.dim, [job.dim], []
-        return stored
+        return self.store.load_metrics(job_id) or (job.dim, [job.dim], [])  # (none stored: no rows)
 
     def params_of(self, job_id: str) -> tuple[bytes, str]:
         """The ``.npy`` bytes of the parameters a finished job saved, and the job's status.
