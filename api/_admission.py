@@ -184,9 +184,8 @@ def estimate_cost(
     # Integers throughout: a width of 400 digits must reach the limits' checks, not overflow a float.
     shard_params = -(-n // shards)
     if partitions > 1:
-        # Partition k and its shard share a worker (Figure 2): the worker holds the shard's vectors of the
-        # partition's slice (the plan's, by arithmetic), the partition's fetched copy and gradient, its share
-        # of the rows' activations and room for what it receives (a whole layer, for the MLP's all-gather).
+        # Partition k and its shard share a worker (Figure 2), which holds what the module docstring lists;
+        # what it receives is up to a whole layer (the MLP's all-gather).
         shard_params = _widest_partition(spec, partitions)
         own = rows * sizes[0] + 2 * rows * sum(sizes[1:]) // partitions + rows * max(sizes)
         partition_bytes = ((vectors + 2) * shard_params + own) * _BYTES
@@ -222,10 +221,7 @@ class WorkerMemory:
     def of(cls, client: Client) -> WorkerMemory:
         """The one instance of a client (so its cache is shared by every request)."""
         with cls._shared_lock:
-            memory = cls._shared.get(client)
-            if memory is None:
-                memory = cls._shared[client] = cls(client)
-            return memory
+            return cls._shared.setdefault(client, cls(client))
 
     def __init__(self, client: Client, ttl: float = 5.0) -> None:
         self.client = client
@@ -293,32 +289,26 @@ def admit(
             f"than DISTBELIEF_MAX_PASS_FLOPS={settings.max_pass_flops:.2g}"
         )
     if limit is not None:
-        budget = settings.job_memory_fraction * limit
-        if cost.bytes_per_partition is None and cost.bytes_per_shard > budget:
-            problems.append(
-                f"a shard would need {_size(cost.bytes_per_shard)}, more than "
-                f"{settings.job_memory_fraction:g} of a worker's {_size(limit)} "
-                "(DISTBELIEF_JOB_MEMORY_FRACTION); more shards (option 'shards') spread it"
-            )
+        # What one process holds: with partitions, the worker of the largest; else a shard, and a replica.
         if cost.bytes_per_partition is not None:
-            if cost.bytes_per_partition > budget:
-                problems.append(
-                    f"a partition would need {_size(cost.bytes_per_partition)}, more than "
-                    f"{settings.job_memory_fraction:g} of the smallest worker's {_size(limit)} "
-                    "(DISTBELIEF_JOB_MEMORY_FRACTION); more partitions (option 'partitions') spread it"
-                )
-        elif cost.bytes_per_replica > budget:
+            spread = "; more partitions (option 'partitions') spread it"
+            holders = [("partition", cost.bytes_per_partition, "the smallest worker's", spread)]
+        else:
+            partitioned = spec.get("kind") in ("mlp", *_LOCAL)
             hint = (
                 "; a model with a partitioned form (mlp, locally_connected, locally_connected_2d) can be "
                 "spread over workers with option 'partitions' (downpour-sgd)"
-                if spec.get("kind") in ("mlp", *_LOCAL)
-                else ""
             )
-            problems.append(
-                f"a replica would need {_size(cost.bytes_per_replica)}, more than "
-                f"{settings.job_memory_fraction:g} of a worker's {_size(limit)} "
-                f"(DISTBELIEF_JOB_MEMORY_FRACTION){hint}"
-            )
+            holders = [
+                ("shard", cost.bytes_per_shard, "a worker's", "; more shards (option 'shards') spread it"),
+                ("replica", cost.bytes_per_replica, "a worker's", hint if partitioned else ""),
+            ]
+        for what, need, whose, fix_it in holders:
+            if need > settings.job_memory_fraction * limit:
+                problems.append(
+                    f"a {what} would need {_size(need)}, more than {settings.job_memory_fraction:g} of "
+                    f"{whose} {_size(limit)} (DISTBELIEF_JOB_MEMORY_FRACTION){fix_it}"
+                )
     if problems:
         raise InvalidOptionError(
             f"this job is too big to run here: {'; '.join(problems)}. The job: {cost.figures()}; {fix}"

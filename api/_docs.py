@@ -103,9 +103,7 @@ def add_docs(app: FastAPI) -> None:
             )
         )
 
-    @app.get(oauth2_redirect, include_in_schema=False)
-    def swagger_ui_redirect() -> HTMLResponse:
-        return get_swagger_ui_oauth2_redirect_html()
+    app.get(oauth2_redirect, include_in_schema=False)(get_swagger_ui_oauth2_redirect_html)
 
     @app.get("/redoc", include_in_schema=False)
     def redoc(request: Request) -> HTMLResponse:

@@ -103,10 +103,9 @@ def status_of(exc: DistbeliefError) -> int:
     >>> status_of(DatasetError("bad")), status_of(ClusterError("down"))
     (422, 503)
     """
-    for cls, code in _STATUS:
-        if isinstance(exc, cls):
-            return code
-    return status.HTTP_500_INTERNAL_SERVER_ERROR
+    return next(
+        (code for cls, code in _STATUS if isinstance(exc, cls)), status.HTTP_500_INTERNAL_SERVER_ERROR
+    )
 
 
 def _where(loc: tuple[Any, ...]) -> str:
@@ -136,8 +135,8 @@ def _describe(err: dict[str, Any]) -> str:
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
-    if any(e.get("type") == "json_invalid" for e in errors):
-        err = next(e for e in errors if e.get("type") == "json_invalid")
+    err = next((e for e in errors if e.get("type") == "json_invalid"), None)
+    if err is not None:
         reason = (err.get("ctx") or {}).get("error", "it could not be parsed")
         return JSONResponse(
             {"detail": f"the request body is not valid JSON ({reason}); send a JSON object"},
@@ -331,10 +330,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _unexpected)
 
 
-class _BodyTooLarge(HTTPException):
-    pass
-
-
 class BodyLimitMiddleware:
     """Refuse request bodies over a limit (413) before they are read whole.
 
@@ -380,7 +375,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise _BodyTooLarge(status.HTTP_413_CONTENT_TOO_LARGE, self._message(limit, upload))
+                    raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, self._message(limit, upload))
             return message
 
         await self.app(scope, counted, send)

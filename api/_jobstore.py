@@ -27,7 +27,7 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import fsspec
@@ -38,10 +38,9 @@ from pydantic import ValidationError
 from distbelief.errors import ConflictError, StoreError
 from distbelief.storage import resolve_name
 
-from ._metrics import metrics_to_dataset
 from .schemas import JobPublic
 
-__all__ = ["JobStore", "json_safe", "metrics_to_dataset"]
+__all__ = ["JobStore", "json_safe"]
 
 _log = logging.getLogger("distbelief.api")
 
@@ -145,6 +144,7 @@ class JobStore:
         except (ValueError, ImportError) as exc:
             raise StoreError(f"cannot open the store {url!r}: {exc}; check DISTBELIEF_STORE") from exc
         self.local = "file" in _protocols(self.fs)
+        self._join: Callable[..., str] = os.path.join if self.local else posixpath.join
         #: Held exclusively while the set of dataset names changes (an upload installed, a dataset deleted or
         #: registered), shared while a job is admitted: a job is never accepted on a dataset that is going
         #: away, and submissions do not wait for each other.
@@ -163,10 +163,7 @@ class JobStore:
 
     # -- locations ----------------------------------------------------------------------------------
     def _path(self, *parts: str) -> str:
-        return posixpath.join(self.root, *parts) if not self.local else os.path.join(self.root, *parts)
-
-    def _join(self, base: str, name: str) -> str:
-        return os.path.join(base, name) if self.local else posixpath.join(base, name)
+        return self._join(self.root, *parts)
 
     def url(self, *parts: str) -> str:
         """A location under the root, as a plain path (local) or a URL with its protocol."""
@@ -186,11 +183,9 @@ class JobStore:
         """Whether a local path or URL lies inside the store root (after resolving ``..`` and links)."""
         if not self.local:
             return url.rstrip("/").startswith(self.url().rstrip("/") + "/")
-        text = url[len("file://") :] if url.startswith("file://") else url
-        if "://" in text:
-            return False
-        if "\x00" in text:
-            return False  # no path holds a NUL byte
+        text = url.removeprefix("file://")
+        if "://" in text or "\x00" in text:
+            return False  # a URL elsewhere, or no path (none holds a NUL byte)
         real_root = os.path.realpath(self.root)
         target = os.path.realpath(os.path.join(self.root, text))
         return os.path.commonpath([real_root, target]) == real_root and target != real_root
@@ -206,7 +201,7 @@ class JobStore:
         >>> store.shown("/tmp/db-store/imports/d"), store.shown("s3://bucket/d")
         ('imports/d', 's3://bucket/d')
         """
-        text = url[len("file://") :] if url.startswith("file://") else url
+        text = url.removeprefix("file://")
         if not self.local or "://" in text:
             return url
         if self.contains(text):
@@ -219,18 +214,13 @@ class JobStore:
         self.fs.makedirs(posixpath.dirname(path) if not self.local else os.path.dirname(path), exist_ok=True)
         tmp = f"{path}{_STAGED}{uuid.uuid4().hex[:8]}"
         self.fs.pipe_file(tmp, data)
-        if self.local:
-            os.replace(tmp, path)
-        else:
-            self.fs.mv(tmp, path)
+        self._rename(tmp, path)
 
     def _read_json(self, path: str) -> dict[str, Any] | None:
         try:
             data = json.loads(self.fs.cat_file(path))
-        except FileNotFoundError:
-            return None
         except (ValueError, OSError):
-            return None  # a torn or foreign file: skipped, never fatal
+            return None  # a missing, torn or foreign file: skipped, never fatal
         return data if isinstance(data, dict) else None
 
     # -- job records --------------------------------------------------------------------------------
@@ -264,9 +254,7 @@ class JobStore:
     def set_aside(self, job_id: str, reason: str) -> str:
         """Move a job whose record is unusable out of the way, to a hidden folder beside the jobs that holds
         ``SET_ASIDE.txt`` (the reason); log it. Returns the folder's new path (see :meth:`set_aside_jobs`)."""
-        path = self._path("jobs", job_id)
-        aside = self._path("jobs", f".{job_id}{_SET_ASIDE}{uuid.uuid4().hex[:8]}")
-        self._rename(path, aside)
+        aside = self._hide("jobs", job_id, _SET_ASIDE)
         with contextlib.suppress(OSError):
             self.fs.pipe_file(self._join(aside, "SET_ASIDE.txt"), f"{reason}\n".encode())
         _log.warning("job %s was set aside as %s: %s", job_id, aside, reason)
@@ -294,11 +282,14 @@ class JobStore:
     def delete_job(self, job_id: str) -> None:
         """Remove everything the store holds for a job, all at once: the folder is first renamed to a hidden
         name (a reader, or a restart after a crash, sees the whole job or none of it), then removed."""
-        path = self._path("jobs", job_id)
-        if self.fs.exists(path):
-            doomed = self._path("jobs", f".{job_id}{_DELETED}{uuid.uuid4().hex[:8]}")
-            self._rename(path, doomed)
-            self._remove(doomed)
+        if self.fs.exists(self._path("jobs", job_id)):
+            self._remove(self._hide("jobs", job_id, _DELETED))
+
+    def _hide(self, folder: str, name: str, marker: str) -> str:
+        """Rename ``folder/name`` to a new hidden name beside it (see :meth:`clean_leftovers`); that name."""
+        hidden = self._path(folder, f".{name}{marker}{uuid.uuid4().hex[:8]}")
+        self._rename(self._path(folder, name), hidden)
+        return hidden
 
     def _remove(self, path: str) -> None:
         # Best effort: what is left of a hidden folder is removed again by clean_leftovers on the next start.
@@ -326,21 +317,16 @@ class JobStore:
             name, kind = match["name"], match["kind"]
             if kind == _REPLACED[1:-1] and not self.fs.exists(self._path("datasets", name)):
                 self._rename(path, self._path("datasets", name))  # the old copy, back in its place
-                continue
-            self._remove(path)
-            removed.append(path)
-        for entry in list(self._children("jobs")):
-            path = self._path("jobs", entry)
-            if _LEFTOVER.fullmatch(entry):
-                self._remove(path)
+            else:
                 removed.append(path)
-                continue
-            for leftover in self.fs.glob(self._path("jobs", entry, f"*{_STAGED}*")):
-                self._remove(str(leftover))
-                removed.append(str(leftover))
-        for leftover in self.fs.glob(self._path("dataset-links", f"*{_STAGED}*")):
-            self._remove(str(leftover))
-            removed.append(str(leftover))
+        for entry in list(self._children("jobs")):
+            if _LEFTOVER.fullmatch(entry):
+                removed.append(self._path("jobs", entry))
+            else:
+                removed += map(str, self.fs.glob(self._path("jobs", entry, f"*{_STAGED}*")))
+        removed += map(str, self.fs.glob(self._path("dataset-links", f"*{_STAGED}*")))
+        for path in removed:
+            self._remove(path)
         return removed
 
     def _children(self, *parts: str) -> Iterator[str]:
@@ -466,8 +452,7 @@ class JobStore:
         source = self._path("datasets", posixpath.basename(staged.rstrip("/")))
         old = None
         if self.fs.exists(final):
-            old = self._path("datasets", f".{name}{_REPLACED}{uuid.uuid4().hex[:8]}")
-            self._rename(final, old)
+            old = self._hide("datasets", name, _REPLACED)
         try:
             self._rename(source, final)
         except BaseException:
@@ -494,8 +479,7 @@ class JobStore:
         renamed to a hidden name first, so no reader ever sees half of it."""
         final = self._path("datasets", posixpath.basename(resolve_name(self.datasets_root, name)))
         if self.fs.exists(final):
-            doomed = self._path("datasets", f".{name}{_DELETED}{uuid.uuid4().hex[:8]}")
-            self._rename(final, doomed)
+            doomed = self._hide("datasets", name, _DELETED)
             self._bump_datasets_version()
             self._remove(doomed)
 

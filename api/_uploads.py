@@ -97,11 +97,9 @@ def check_npz_size(file: IO[bytes], limit: int, name: str = "the file") -> None:
 
 def _header(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[tuple[int, ...], np.dtype]:
     with archive.open(info) as member:
-        version = npy_format.read_magic(member)
-        if version == (1, 0):
-            shape, _, dtype = npy_format.read_array_header_1_0(member, max_header_size=_MAX_HEADER)
-        else:
-            shape, _, dtype = npy_format.read_array_header_2_0(member, max_header_size=_MAX_HEADER)
+        v1 = npy_format.read_magic(member) == (1, 0)
+        read = npy_format.read_array_header_1_0 if v1 else npy_format.read_array_header_2_0
+        shape, _, dtype = read(member, max_header_size=_MAX_HEADER)
     return tuple(int(n) for n in shape), np.dtype(dtype)
 
 

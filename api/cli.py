@@ -24,6 +24,7 @@ import re
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -265,18 +266,29 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     # The same objective for every algorithm: F(w) on the training data (Downpour's running mini-batch loss is
     # in its metrics, not here).
-    print(
-        f"{'id':16}  {'status':9}  {'algorithm':17}  {'dataset':16}  {'iter':>6}  {'F(w) train':>12}  created"
-    )
+    widths = (16, 9, 17, 16, -6, -12, None)
+    print(_line(("id", "status", "algorithm", "dataset", "iter", "F(w) train", "created"), widths))
     for j in jobs:
-        latest = j.get("latest") or {}
-        value = (j.get("result") or {}).get("objective", latest.get("objective"))
-        shown = f"{value:12.6g}" if isinstance(value, float) else f"{'':12}"
-        print(
-            f"{j['id']:16}  {j['status']:9}  {j['algorithm']:17}  {j['dataset'][:16]:16}  "
-            f"{j['iterations']:6d}  {shown}  {j['created_at'][:19]}"
-        )
+        value = (j.get("result") or {}).get("objective", (j.get("latest") or {}).get("objective"))
+        shown = f"{value:.6g}" if isinstance(value, float) else ""
+        cells = (j["id"], j["status"], j["algorithm"], j["dataset"][:16], j["iterations"], shown)
+        print(_line((*cells, j["created_at"][:19]), widths))
     return 0
+
+
+def _line(cells: Sequence[Any], widths: Sequence[int | None], sep: str = "  ") -> str:
+    """A line of a table: each cell padded to its width, right-aligned where the width is negative (numbers);
+    a width of None leaves the cell as it is (the last column).
+
+    Examples
+    --------
+    >>> _line(("id", 3, "2026-01-01"), (4, -3, None))
+    'id      3  2026-01-01'
+    """
+    return sep.join(
+        str(c) if w is None else f"{c:>{-w}}" if w < 0 else f"{c:<{w}}"
+        for c, w in zip(cells, widths, strict=True)
+    )
 
 
 def _cancel(args: argparse.Namespace) -> int:
@@ -316,31 +328,25 @@ def metrics_table(dim: str, columns: dict[str, list[float | None]]) -> str:
             1          0.25             -
     """
     names = list(columns)
-    widths = [max(len(name), 9 if j == 0 else 12) for j, name in enumerate(names)]
-    lines = ["  ".join(f"{name:>{w}}" for name, w in zip(names, widths, strict=True))]
-    for i in range(len(columns[names[0]]) if names else 0):
-        cells = []
-        for j, (name, w) in enumerate(zip(names, widths, strict=True)):
-            v = columns[name][i]
-            text = "-" if v is None else (f"{int(v)}" if j == 0 else f"{v:.6g}")
-            cells.append(f"{text:>{w}}")
-        lines.append("  ".join(cells))
+    widths = [-max(len(name), 9 if j == 0 else 12) for j, name in enumerate(names)]
+    lines = [_line(names, widths)]
+    for row in zip(*columns.values(), strict=True):
+        cells = ["-" if v is None else (f"{int(v)}" if j == 0 else f"{v:.6g}") for j, v in enumerate(row)]
+        lines.append(_line(cells, widths))
     return "\n".join(lines)
 
 
 def _metrics(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        if args.csv is not None:
-            text = client.metrics_csv(args.id)
-        else:
+        if args.csv is None:
             body = client.metrics_columns(args.id)
-    if args.csv is None:
-        columns = body["columns"]
-        if not columns or not next(iter(columns.values())):
-            print(f"job {args.id} has no metrics yet")
+            columns = body["columns"]
+            if not columns or not next(iter(columns.values())):
+                print(f"job {args.id} has no metrics yet")
+            else:
+                print(metrics_table(body["dim"], columns))
             return 0
-        print(metrics_table(body["dim"], columns))
-        return 0
+        text = client.metrics_csv(args.id)
     rows = max(text.count("\n") - 1, 0)
     if args.csv == "-":
         sys.stdout.write(text)
@@ -362,18 +368,16 @@ def _params(args: argparse.Namespace) -> int:
 def _write_file(path: str, content: bytes) -> None:
     """Write ``content`` to ``path`` whole or not at all (a temporary file renamed into place)."""
     target = os.path.abspath(path)
-    folder = os.path.dirname(target)
+    tmp = os.path.join(os.path.dirname(target), f".distbelief-{uuid.uuid4().hex}.part")
     try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".distbelief-", suffix=".part")
+        # A new file, as mkstemp makes, but with the mode open() gives (the umask's), not mkstemp's 0600.
+        fh = open(tmp, "xb")  # noqa: SIM115
     except OSError as exc:
         raise InvalidOptionError(
             f"cannot write {path}: {exc.strerror or exc}; pick a writable folder (-o/--csv)"
         ) from exc
     try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)  # as open() would have made it, not mkstemp's 0600
-        with os.fdopen(fd, "wb") as fh:
+        with fh:
             fh.write(content)
         os.replace(tmp, target)
     except OSError as exc:
@@ -408,13 +412,12 @@ def _datasets_list(args: argparse.Namespace) -> int:
     if not datasets:
         print("no datasets (add one with: distbelief datasets upload FILE)")
         return 0
-    print(f"{'name':24}  {'rows':>9}  {'features':>8}  {'labels':13}  {'source':10}  created")
+    widths = (24, -9, -8, 13, 10, None)
+    print(_line(("name", "rows", "features", "labels", "source", "created"), widths))
     for d in datasets:
         labels = d["label_kind"] + (f" ({d['n_classes']})" if d.get("n_classes") else "")
-        print(
-            f"{d['name'][:24]:24}  {d['n_rows']:9d}  {d['n_features']:8d}  {labels[:13]:13}  "
-            f"{d['source']:10}  {d['created_at'][:19]}"
-        )
+        cells = (d["name"][:24], d["n_rows"], d["n_features"], labels[:13], d["source"], d["created_at"][:19])
+        print(_line(cells, widths))
     return 0
 
 
@@ -486,13 +489,7 @@ def _demo(args: argparse.Namespace) -> int:
                     ]
                     rows = []
                     for label, job in runs:
-                        body = {
-                            "model": spec,
-                            "dataset": "digits-train",
-                            "eval_dataset": "digits-test",
-                            "name": f"demo: {label}",
-                            **job,
-                        }
+                        body = {**warm, "eval_dataset": "digits-test", "name": f"demo: {label}", **job}
                         record = client.wait(client.submit(body)["id"])
                         wall = _seconds(record.get("started_at"), record.get("finished_at"))
                         w = client.params(record["id"]) if record["status"] == "succeeded" else None
@@ -599,10 +596,11 @@ def _print_table(
     from distbelief import models
 
     print()
-    titles = ("status", "iter/steps", "wall s", "F(w) train", "held-out acc")
-    print("{:28} {:10} {:>10} {:>8} {:>12} {:>12}".format("method", *titles))
+    titles = ("method", "status", "iter/steps", "wall s", "F(w) train", "held-out acc")
+    widths = (28, 10, -10, -8, -12, -12)
+    print(_line(titles, widths, " "))
     for label, record, wall, w in rows:
-        head = f"{label:28} {record['status']:10} {record.get('iterations', 0):10d} {wall:8.2f}"
+        head = _line((label, record["status"], record.get("iterations", 0), f"{wall:.2f}"), widths[:4], " ")
         if w is None:
             print(f"{head}   {record.get('message') or ''}")
             continue

@@ -16,6 +16,7 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import time
@@ -53,8 +54,8 @@ class ApiError(DistbeliefError):
         self.detail = detail
 
 
-class Client:
-    """Talks to a distbelief service.
+class Client(contextlib.AbstractContextManager["Client"]):
+    """Talks to a distbelief service (a context manager: :meth:`close` on exit).
 
     Parameters
     ----------
@@ -90,9 +91,6 @@ class Client:
     def close(self) -> None:
         """Close the connection pool."""
         self._http.close()
-
-    def __enter__(self) -> Client:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -256,14 +254,8 @@ class Client:
         >>> c.metrics(job_id).objective.values[-1]   # doctest: +SKIP
         0.2639
         """
-        from ._metrics import metrics_to_dataset
-
         body = self.metrics_columns(job_id)
-        columns: dict[str, list[float | None]] = body["columns"]
-        names = list(columns)
-        # null (a missing value) becomes NaN
-        values = np.array([[np.nan if v is None else v for v in columns[c]] for c in names], dtype=np.float64)
-        return metrics_to_dataset(body["dim"], names, values.T)
+        return _metrics_dataset(body["dim"], body["columns"])
 
     def params(self, job_id: str) -> np.ndarray:
         """The parameters the job ended with."""
@@ -286,10 +278,8 @@ class Client:
     def estimator(self, job_id: str, **params: Any) -> Any:
         """A finished job as a fitted scikit-learn estimator (``distbelief.sklearn``), ready to predict.
 
-        The job's model spec picks the estimator (logistic -> LogisticRegression, softmax ->
-        SoftmaxRegression, least_squares -> LinearRegression, mlp -> MLPClassifier); its parameters become
-        ``coef_``/``intercept_`` (or ``coefs_``/``intercepts_``), its classes ``0..n_classes-1``.
-        ``params`` are estimator options (``client=``, ``C=``, ...) for refitting it later.
+        :func:`distbelief.sklearn.from_model` of the job's model spec and parameters (classes
+        ``0..n_classes-1``); ``params`` are estimator options (``client=``, ``C=``, ...) for refitting.
 
         Raises
         ------
@@ -352,6 +342,25 @@ class Client:
     def health(self) -> dict[str, Any]:
         """``{"status": "ok", "version": ...}``."""
         return self._json("GET", "/api/health")
+
+
+def _metrics_dataset(dim: str, columns: Mapping[str, list[float | None]]) -> xr.Dataset:
+    """Metrics as the service sends them, one list per column (the first indexes the rows; null is a missing
+    value), as an ``xarray.Dataset`` with one variable per metric.
+
+    Examples
+    --------
+    >>> ds = _metrics_dataset("iteration", {"iteration": [0, 1], "objective": [2.0, None]})
+    >>> ds.objective.values.tolist(), ds.iteration.values.tolist()
+    ([2.0, nan], [0, 1])
+    """
+    import xarray as xr  # here only: the client's other calls (and `distbelief status`) do without it
+
+    (_, index), *metrics = columns.items()
+    return xr.Dataset(
+        {name: (dim, np.array(values, dtype=np.float64)) for name, values in metrics},
+        coords={dim: np.asarray(index, dtype=np.int64)},
+    )
 
 
 def _json_option(value: Any) -> Any:

@@ -70,15 +70,11 @@ async def require_token(
     expected = settings.api_token
     if expected is None:
         return
-    if token is None:
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            "this route needs a bearer token: send the header 'Authorization: Bearer <DISTBELIEF_API_TOKEN>'",
-            headers={"WWW-Authenticate": "Bearer"},
+    if token is None or not tokens_equal(token, expected):
+        why = (
+            "this route needs a bearer token: send the header 'Authorization: Bearer <DISTBELIEF_API_TOKEN>'"
+            if token is None
+            else "the bearer token is wrong; use the value of DISTBELIEF_API_TOKEN the server was started "
+            "with"
         )
-    if not tokens_equal(token, expected):
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            "the bearer token is wrong; use the value of DISTBELIEF_API_TOKEN the server was started with",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, why, headers={"WWW-Authenticate": "Bearer"})

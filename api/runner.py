@@ -34,6 +34,7 @@ from distributed import Client
 
 from distbelief import models
 from distbelief.api.schemas import (
+    ALGORITHMS,
     FINAL_STATUSES,
     JobCreate,
     JobPublic,
@@ -45,7 +46,7 @@ from distbelief.api.settings import Settings
 from distbelief.errors import DatasetError, DistbeliefError, InvalidOptionError, StoreError
 from distbelief.models.internal import BuiltIn
 from distbelief.storage import Dataset, resolve_name
-from distbelief.storage.internal import task_result
+from distbelief.storage.internal import normalize_url, task_result
 
 from ._jobstore import JobStore, json_safe
 
@@ -107,10 +108,8 @@ def same_location(url: str) -> str:
     >>> same_location("file:///tmp/../tmp/d/") == same_location("/tmp/d")
     True
     """
-    text = url[len("file://") :] if url.startswith("file://") else url
-    if "://" in text:
-        return text.rstrip("/")
-    return os.path.realpath(os.path.expanduser(text))
+    url = normalize_url(url)
+    return url if "://" in url else os.path.realpath(url)
 
 
 def _now() -> str:
@@ -281,34 +280,22 @@ def evaluate_rows(model: BuiltIn, x: np.ndarray, datasets: Mapping[str, Dataset 
 
 
 _ADAPTERS: dict[str, Callable[[RunContext], RunOutcome]] = {
-    "sandblaster-lbfgs": run_sandblaster,
-    "sandblaster-cg": run_sandblaster,
-    "sandblaster-gd": run_sandblaster,
-    "sandblaster-owlqn": run_sandblaster,
-    "downpour-sgd": run_downpour,
+    name: run_downpour if name == "downpour-sgd" else run_sandblaster for name in ALGORITHMS
 }
 
 
 def _row_of(record: Any) -> dict[str, float]:
-    """The numeric scalar fields of a callback's record (a dataclass, a mapping or an object)."""
-    if dataclasses.is_dataclass(record) and not isinstance(record, type):
-        items = dataclasses.asdict(record)
-    elif isinstance(record, Mapping):
-        items = dict(record)
-    elif hasattr(record, "_asdict"):
-        items = record._asdict()
-    else:
-        items = dict(vars(record))
-    out = {}
-    for key, value in items.items():
-        if isinstance(value, bool | int | float | np.integer | np.floating):
-            out[str(key)] = float(value)
-    return out
+    """The numeric scalar fields of a callback's record: a dataclass (Sandblaster's ``IterationRecord``,
+    Downpour's ``Progress``)."""
+    items = dataclasses.asdict(record).items()
+    return {
+        str(k): float(v) for k, v in items if isinstance(v, bool | int | float | np.integer | np.floating)
+    }
 
 
-def _history_rows(history: xr.Dataset, index: str) -> tuple[str, list[str], list[list[float]]] | None:
-    """An algorithm's history as ``(index, columns, rows)``: one row per entry, indexed by the integer
-    variable or coordinate ``index`` (Sandblaster's ``iteration``, Downpour's ``step``).
+def _history_rows(history: xr.Dataset, index: str) -> tuple[list[str], list[list[float]]] | None:
+    """An algorithm's history as ``(columns, rows)``: one row per entry, indexed by the integer variable or
+    coordinate ``index``, the first column (Sandblaster's ``iteration``, Downpour's ``step``).
 
     Only variables along the history's main dimension are kept (Downpour's per-shard counters are not).
     """
@@ -320,9 +307,8 @@ def _history_rows(history: xr.Dataset, index: str) -> tuple[str, list[str], list
         for k, v in history.variables.items()
         if k != index and v.dims == (dim,) and (np.issubdtype(v.dtype, np.number) or v.dtype == bool)
     ]
-    n = history.sizes[dim]
     values = [np.asarray(history[k].values, dtype=np.float64) for k in (index, *names)]
-    return index, [index, *names], np.column_stack(values).tolist() if n else []
+    return [index, *names], np.column_stack(values).tolist()
 
 
 # ----------------------------------------------------------------------------------------- the runner
@@ -546,10 +532,7 @@ class JobRunner:
         with job.lock:
             if job.rows is not None:
                 return job.dim, list(job.columns), [list(r) for r in job.rows]
-        stored = self.store.load_metrics(job_id)
-        if stored is None:
-            return job.dim, [job.dim], []
-        return stored
+        return self.store.load_metrics(job_id) or (job.dim, [job.dim], [])  # (none stored: no rows)
 
     def params_of(self, job_id: str) -> tuple[bytes, str]:
         """The ``.npy`` bytes of the parameters a finished job saved, and the job's status.
@@ -725,12 +708,9 @@ class JobRunner:
             )
         # The fields left out (started_at, result, restarts, ...) start at JobPublic's defaults.
         record = JobPublic(
+            **create.model_dump(include={"name", "algorithm", "dataset", "eval_dataset"}),
             id=uuid.uuid4().hex[:16],
-            name=create.name,
-            algorithm=create.algorithm,
             model=model.spec,
-            dataset=create.dataset,
-            eval_dataset=create.eval_dataset,
             options=options,
             status="queued",
             created_at=_now(),
@@ -952,8 +932,7 @@ class JobRunner:
                 return  # the server is going down: the job stays "running" and is taken up on restart
             reason = str(exc) or type(exc).__name__
             if resume:
-                where = "step" if rec.algorithm == "downpour-sgd" else "iteration"
-                reason = f"could not resume from the checkpoint of {where} {rec.resumed_from}: {reason}"
+                reason = f"could not resume from the checkpoint of {job.dim} {rec.resumed_from}: {reason}"
             if not isinstance(exc, DistbeliefError | ValueError):
                 reason = f"{type(exc).__name__}: {reason}"
                 # Not an error the user can act on: the traceback is for whoever runs the service.
@@ -995,20 +974,20 @@ class JobRunner:
             )
         summary.update(_objective_of(summary, outcome.x, rec.options))
         if outcome.history is not None:
-            rows = _history_rows(outcome.history, job.dim)
-            if rows is not None and rows[2]:
+            found = _history_rows(outcome.history, job.dim)
+            if found is not None and found[1]:
+                columns, rows = found
                 with job.lock:
                     # A resumed run's history starts at its checkpoint: the rows before it stay.
-                    first = rows[2][0][0]
                     at = {c: i for i, c in enumerate(job.columns)}
                     kept = [
-                        [r[at[c]] if c in at else math.nan for c in rows[1]]
+                        [r[at[c]] if c in at else math.nan for c in columns]
                         for r in (job.rows or [])
-                        if r[0] < first and job.dim == rows[0]
+                        if r[0] < rows[0][0]
                     ]
-                    job.dim, job.columns, job.rows = rows[0], rows[1], kept + rows[2]
+                    job.columns, job.rows = columns, kept + rows
                     job.generation += 1
-                    rec.iterations = int(rows[2][-1][0])
+                    rec.iterations = int(rows[-1][0])
                     rec.latest = _latest(job.columns, job.rows[-1])
         placement = placement_of_stats(summary.get("stats"))
         with job.lock:
@@ -1031,8 +1010,7 @@ class JobRunner:
     def _evaluate(
         self, model: BuiltIn, x: np.ndarray, data: Dataset, eval_data: Dataset | None
     ) -> dict[str, Any]:
-        """Mean data loss (and accuracy, for classifiers) on the training and held-out rows, computed by a
-        task on a worker: the rows are read where the cluster can read them, not into the web process."""
+        """:func:`evaluate_rows` of the training and held-out rows, as a task on a worker."""
         task = self.client.submit(
             evaluate_rows,
             model,
@@ -1080,17 +1058,13 @@ class JobRunner:
             out = []
             for key, ts in dask_scheduler.tasks.items():
                 name = str(key)
+                parts = name.split("-")
                 # Shards are keyed shard-<i>-<uuid>, partitions partition-<replica>-<k>-<run>; replicas by
                 # their class name.
-                kind = (
-                    "shard"
-                    if name.startswith("shard-")
-                    else "partition"
-                    if name.startswith("partition-")
-                    else "replica"
-                    if "replica" in name.lower()
-                    else ""
-                )
+                if len(parts) > 1 and parts[0] in ("shard", "partition"):
+                    kind = parts[0]
+                else:
+                    kind = "replica" if "replica" in name.lower() else ""
                 if not getattr(ts, "actor", False) or not kind:
                     continue
                 holders = list(getattr(ts, "who_has", None) or ())
@@ -1103,7 +1077,6 @@ class JobRunner:
                     "state": ts.state,
                     "job_id": job,
                 }
-                parts = name.split("-")
                 if kind == "partition" and len(parts) >= 3 and parts[1].isdigit() and parts[2].isdigit():
                     row.update(replica=int(parts[1]), partition=int(parts[2]))
                 out.append(row)
@@ -1112,20 +1085,9 @@ class JobRunner:
         return list(self.client.run_on_scheduler(actor_table, annotation=ANNOTATION))
 
 
-def _groups(rows: list[dict[str, Any]]) -> list[ReplicaPlacementPublic]:
-    """Rows of partitions (each with its ``replica`` and ``partition``) as replicas, each the group of its
-    partitions in order; a row's other keys than ``PartitionPublic``'s are left out."""
-    by_replica: dict[int, list[PartitionPublic]] = {}
-    for row in rows:
-        by_replica.setdefault(int(row["replica"]), []).append(PartitionPublic.model_validate(row))
-    return [
-        ReplicaPlacementPublic(replica=r, partitions=sorted(parts, key=lambda p: p.partition))
-        for r, parts in sorted(by_replica.items())
-    ]
-
-
 def placement_of_actors(actors: list[dict[str, Any]]) -> list[ReplicaPlacementPublic]:
-    """Partition actors (rows of :meth:`JobRunner.actors`) as replicas, each a group of partitions.
+    """Partition actors (rows of :meth:`JobRunner.actors`) as replicas, each the group of its partitions in
+    order; a row's other keys than ``PartitionPublic``'s are left out, rows of no partition skipped.
 
     Examples
     --------
@@ -1133,7 +1095,14 @@ def placement_of_actors(actors: list[dict[str, Any]]) -> list[ReplicaPlacementPu
     ...     {"replica": 0, "partition": 1, "worker": "tcp://b"}, {"replica": 0, "partition": 0, "worker": "tcp://a"}])]
     [{'replica': 0, 'partitions': [{'partition': 0, 'worker': 'tcp://a'}, {'partition': 1, 'worker': 'tcp://b'}]}]
     """
-    return _groups([a for a in actors if a.get("replica") is not None and a.get("partition") is not None])
+    by_replica: dict[int, list[PartitionPublic]] = {}
+    for row in actors:
+        if row.get("replica") is not None and row.get("partition") is not None:
+            by_replica.setdefault(int(row["replica"]), []).append(PartitionPublic.model_validate(row))
+    return [
+        ReplicaPlacementPublic(replica=r, partitions=sorted(parts, key=lambda p: p.partition))
+        for r, parts in sorted(by_replica.items())
+    ]
 
 
 def placement_of_stats(stats: Any) -> list[ReplicaPlacementPublic] | None:
@@ -1148,7 +1117,7 @@ def placement_of_stats(stats: Any) -> list[ReplicaPlacementPublic] | None:
     """
     if not isinstance(stats, dict) or not isinstance(stats.get("per_partition"), list):
         return None
-    return _groups(stats["per_partition"])
+    return placement_of_actors(stats["per_partition"])
 
 
 def _objective_of(summary: dict[str, Any], x: np.ndarray, options: dict[str, Any]) -> dict[str, float]:

@@ -136,29 +136,19 @@ class _DownpourRules(_Options):
         return self
 
 
+#: The options whose JSON form is an object, and its model.
+_OBJECT_OPTIONS: dict[str, type[_Options]] = {"compression": CompressionOptions}
+
 #: Options of ``downpour-sgd`` jobs: those of :class:`downpour.DownpourOptions` declared ``rest=True``, each
 #: optional (unset ones take :func:`downpour.train`'s defaults); ``compression`` as ``{"tau": ...}``.
 DownpourJobOptions: type[_Options] = rest_model(
     downpour.DownpourOptions,
     "DownpourJobOptions",
     base=_DownpourRules,
-    types_={"compression": CompressionOptions},
+    types_=_OBJECT_OPTIONS,
     doc="Options of ``downpour-sgd`` jobs (see :func:`downpour.train`); unset ones take its defaults.\n\n"
     "A job must stop by itself: set at least one of ``epochs``, ``max_steps`` and ``time_limit``.",
 )
-
-
-def _object_of(annotation: Any) -> Any:
-    """The pydantic model inside an option's annotation (``X | None`` -> ``X``), or None."""
-    import typing
-
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        inner = _object_of(arg)
-        if inner is not None:
-            return inner
-    return None
 
 
 def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
@@ -281,9 +271,9 @@ class JobCreate(BaseModel):
                 msg = str(err["msg"]).removeprefix("Value error, ")
                 if err["type"] == "extra_forbidden" and len(err["loc"]) > 1:
                     # A key inside an object option (compression): name that object's own keys.
-                    inner = schema.model_fields[str(err["loc"][0])].annotation
-                    keys = ", ".join(sorted(getattr(_object_of(inner), "model_fields", {})))
-                    problems.append(f"unknown key {field!r}; option {str(err['loc'][0])!r} takes: {keys}")
+                    option = str(err["loc"][0])
+                    keys = ", ".join(sorted(getattr(_OBJECT_OPTIONS.get(option), "model_fields", {})))
+                    problems.append(f"unknown key {field!r}; option {option!r} takes: {keys}")
                 elif err["type"] == "extra_forbidden":
                     unknown.append(field)
                 elif not field:

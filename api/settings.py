@@ -119,14 +119,6 @@ class Settings(BaseSettings):
         default_factory=lambda: ["s3", "gs", "gcs", "abfs", "az"]
     )
 
-    @field_validator("api_token", mode="before")
-    @classmethod
-    def _empty_token_is_none(cls, value: object) -> object:
-        # DISTBELIEF_API_TOKEN= (set but empty) must not count as a token.
-        if value is None or (isinstance(value, str) and not value.strip()):
-            return None
-        return value
-
     @field_validator("api_token")
     @classmethod
     def _long_enough(cls, value: SecretStr | None) -> SecretStr | None:
@@ -137,9 +129,10 @@ class Settings(BaseSettings):
             )
         return value
 
-    @field_validator("scheduler", "dask_dashboard_url", "dask_dashboard_address", mode="before")
+    @field_validator("api_token", "scheduler", "dask_dashboard_url", "dask_dashboard_address", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
+        # DISTBELIEF_API_TOKEN= (set but empty) must not count as a token, nor an empty address as one.
         return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("register_schemes", mode="before")

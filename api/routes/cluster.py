@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from fastapi import APIRouter, Request
 
 from distbelief.api.deps import RunnerDep, SettingsDep
@@ -21,10 +23,7 @@ def cluster_state(request: Request, runner: RunnerDep, settings: SettingsDep) ->
     backend = request.app.state.backend
     info = scheduler_identity(runner.client)
     actors = [ActorPublic(**a) for a in runner.actors()]
-    per_worker: dict[str, int] = {}
-    for a in actors:
-        if a.worker:
-            per_worker[a.worker] = per_worker.get(a.worker, 0) + 1
+    per_worker = Counter(a.worker for a in actors if a.worker)
     workers = [
         WorkerPublic(
             address=address,

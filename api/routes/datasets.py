@@ -52,18 +52,10 @@ _NPY_MAGIC = b"\x93NUMPY"
 
 
 def _public(name: str, ds: Dataset, url: str | None, store: JobStore) -> DatasetPublic:
-    return DatasetPublic(
-        name=name,
-        source="registered" if url is not None else "upload",
-        url=None if url is None else store.shown(url),
-        n_rows=ds.n_rows,
-        n_features=ds.n_features,
-        label_kind=ds.label_kind,
-        n_classes=ds.n_classes,
-        n_portions=ds.n_portions,
-        portion_rows=ds.portion_rows,
-        created_at=ds.created_at,
-    )
+    # The other fields (shape, labels, portions, created_at) are the Dataset's attributes of those names.
+    own = {f: getattr(ds, f) for f in DatasetPublic.model_fields.keys() - {"name", "source", "url"}}
+    shown = None if url is None else store.shown(url)
+    return DatasetPublic(name=name, source="upload" if url is None else "registered", url=shown, **own)
 
 
 def _describe(runner: JobRunner, name: str) -> DatasetPublic:
@@ -230,13 +222,10 @@ async def create_dataset(request: Request, runner: RunnerDep, settings: Settings
                 status.HTTP_422_UNPROCESSABLE_CONTENT, f"send one 'name' and one 'file'; {_UPLOAD_HELP}"
             )
         name, file = form.get("name"), form.get("file")
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str) or not name or not isinstance(file, UploadFile):
+            missing = "file" if isinstance(name, str) and name else "name"
             raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_CONTENT, f"the field 'name' is missing; {_UPLOAD_HELP}"
-            )
-        if not isinstance(file, UploadFile):
-            raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_CONTENT, f"the field 'file' is missing; {_UPLOAD_HELP}"
+                status.HTTP_422_UNPROCESSABLE_CONTENT, f"the field {missing!r} is missing; {_UPLOAD_HELP}"
             )
         label = form.get("label_column")
         label_column = label if isinstance(label, str) and label.strip() else None

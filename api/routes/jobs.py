@@ -114,10 +114,10 @@ def get_metrics(job_id: str, runner: RunnerDep, format: Literal["json", "csv"] =
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         writer.writerow(columns)
-        for row in rows:
-            writer.writerow(
-                ["" if not math.isfinite(v) else (int(v) if j == 0 else repr(v)) for j, v in enumerate(row)]
-            )
+        writer.writerows(
+            ["" if not math.isfinite(v) else (int(v) if j == 0 else repr(v)) for j, v in enumerate(row)]
+            for row in rows
+        )
         return Response(
             buf.getvalue(),
             media_type="text/csv",
@@ -138,8 +138,7 @@ def _event(name: str, data: Any) -> str:
 async def job_events(job_id: str, request: Request, runner: RunnerDep) -> StreamingResponse:
     """Server-sent events: ``status`` (the job, on every change of status), ``metrics`` (new rows; ``reset``
     means they replace all earlier ones), and ``end`` once the job has finished."""
-    runner.get(job_id)  # 404 now, not inside the stream
-    sub = runner.subscribe(job_id)
+    sub = runner.subscribe(job_id)  # (a 404 now, not inside the stream)
 
     async def stream() -> AsyncIterator[str]:
         try:
