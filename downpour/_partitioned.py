@@ -572,4 +572,3 @@ def check_partitioned_options(partitions: int, given: dict[str, Any]) -> Downpou
     # The options it takes are checked as downpour.train checks them (lr > 0, l2 >= 0, seed >= 0, ...).
     taken = {k: v for k, v in given.items() if k not in (*_UNSUPPORTED, "max_staleness")}
     return options_from(taken, staleness_scale=False)
-

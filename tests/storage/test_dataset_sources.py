@@ -99,7 +99,7 @@ def test_from_dask_bad_input(tmp_path: Path) -> None:
         Dataset.from_dask(da.ones((3, 2)), da.zeros(3), path=tmp_path / "exists")
         with pytest.raises(DatasetError, match="overwrite=True"):
             Dataset.from_dask(da.ones((3, 2)), da.zeros(3), path=tmp_path / "exists")
-        # A DataFrame's encoding options, or a misspelled one, with arrays: refused before anything is written.
+        # A DataFrame's encoding options, or a misspelled one, with arrays: refused, nothing written.
         with pytest.raises(InvalidOptionError, match=r"\['categorical'\]: they apply to a Dask DataFrame"):
             Dataset.from_dask(da.ones((3, 2)), da.zeros(3), path=tmp_path / "b", categorical="onehot")
         with pytest.raises(TypeError, match="portion_row"):
