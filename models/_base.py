@@ -137,18 +137,6 @@ class ModelBase:
             assert self.n_classes is not None
             _checks.class_labels(arr, self.n_classes, self._name)
 
-    def _accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
-        self.check_labels(y)
-        y_arr = np.asarray(y)
-        labels = self.predict(w, X)
-        if labels.shape != y_arr.shape:
-            raise DatasetError(
-                f"{self._name}: got {y_arr.shape[0]} labels for {labels.shape[0]} rows; pass one per row"
-            )
-        if labels.size == 0:
-            raise DatasetError(f"{self._name}: accuracy of zero rows is undefined; pass at least one row")
-        return float(np.count_nonzero(labels == y_arr)) / labels.size
-
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.spec.items() if k != "kind")
         return f"{type(self).__name__}({args})"
@@ -160,6 +148,58 @@ class ModelBase:
 
     def __hash__(self) -> int:
         return hash(json.dumps(self.spec, sort_keys=True))
+
+
+class ClassifierBase(ModelBase):
+    """Behaviour shared by the built-in classifiers: the most probable class and the accuracy (private)."""
+
+    def _logits(self, w: ArrayLike, X: ArrayLike) -> FloatArray:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def predict(self, w: ArrayLike, X: ArrayLike) -> NDArray[np.int64]:
+        """Most probable class of every row (int64), shape (n_rows,).
+
+        Examples
+        --------
+        >>> from distbelief.models import MLP, LocallyConnected
+        >>> MLP([1, 2]).predict([1.0, -1.0, 0.0, 0.0], [[2.0], [-2.0]])  # no hidden layer: W (1, 2), b (2,)
+        array([0, 1])
+        >>> m = LocallyConnected(4, 2, fields=[2], strides=[2])
+        >>> m.predict(np.zeros(m.n_params), np.ones((3, 4))).shape
+        (3,)
+        """
+        labels: NDArray[np.int64] = np.argmax(self._logits(w, X), axis=1).astype(np.int64)
+        return labels
+
+    def accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
+        """Fraction of rows whose predicted class equals ``y``.
+
+        Examples
+        --------
+        >>> from distbelief.models import Logistic, MLP
+        >>> Logistic(1).accuracy([1.0, 0.0], [[-2.0], [3.0]], [0, 0])
+        0.5
+        >>> MLP([1, 2]).accuracy([1.0, -1.0, 0.0, 0.0], [[2.0], [-2.0]], [0, 0])
+        0.5
+        """
+        self.check_labels(y)
+        y_arr = np.asarray(y)
+        labels = self.predict(w, X)
+        if labels.shape != y_arr.shape:
+            raise DatasetError(
+                f"{self._name}: got {y_arr.shape[0]} labels for {labels.shape[0]} rows; pass one per row"
+            )
+        if labels.size == 0:
+            raise DatasetError(f"{self._name}: accuracy of zero rows is undefined; pass at least one row")
+        return float(np.count_nonzero(labels == y_arr)) / labels.size
+
+
+def softmax_(Z: FloatArray) -> FloatArray:
+    """``softmax(Z)`` of every row of logits ``Z``, in place (shifted by the row's maximum: no overflow)."""
+    Z -= Z.max(axis=1, keepdims=True)
+    np.exp(Z, out=Z)
+    Z /= Z.sum(axis=1, keepdims=True)
+    return Z
 
 
 def objective(

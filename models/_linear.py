@@ -25,7 +25,7 @@ from numpy.typing import ArrayLike, NDArray
 from scipy.special import expit
 
 from . import _checks, _compiled
-from ._base import ModelBase
+from ._base import ClassifierBase, ModelBase, softmax_
 from ._checks import LabelKind
 from ._specs import LeastSquaresSpec, LogisticSpec, SoftmaxSpec, validate_spec
 
@@ -695,7 +695,7 @@ class LeastSquares(_OneOutput):
         return self._linear(w, X)[1]
 
 
-class Logistic(_OneOutput):
+class Logistic(_OneOutput, ClassifierBase):
     """Binary logistic regression on labels 0/1.
 
     ``z_i = x_i . coef + b``, ``P(y_i = 1) = 1 / (1 + exp(-z_i))`` and
@@ -839,18 +839,8 @@ class Logistic(_OneOutput):
         """
         return (self.decision_function(w, X) > 0).astype(np.int64)
 
-    def accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
-        """Fraction of rows whose predicted label equals ``y``.
 
-        Examples
-        --------
-        >>> Logistic(1).accuracy([1.0, 0.0], [[-2.0], [3.0]], [0, 0])
-        0.5
-        """
-        return self._accuracy(w, X, y)
-
-
-class Softmax(_Linear):
+class Softmax(_Linear, ClassifierBase):
     """Multinomial logistic (softmax) regression on class labels ``0..n_classes-1``.
 
     ``Z = X @ W + b`` with ``W`` of shape (n_features, n_classes); ``loss_i = logsumexp(Z_i) - Z_{i, y_i}``.
@@ -984,6 +974,8 @@ class Softmax(_Linear):
         """The logits ``Z = X @ W + b``, shape (n_rows, n_classes)."""
         return self._linear(w, X)[1]
 
+    _logits = decision_function
+
     def predict_proba(self, w: ArrayLike, X: ArrayLike) -> FloatArray:
         """Class probabilities ``softmax(Z)``, shape (n_rows, n_classes); each row sums to 1.
 
@@ -992,29 +984,4 @@ class Softmax(_Linear):
         >>> Softmax(1, 2).predict_proba([0.0, 0.0, 0.0, 0.0], [[1.0]])
         array([[0.5, 0.5]])
         """
-        Z = self.decision_function(w, X)
-        Z -= Z.max(axis=1, keepdims=True)
-        np.exp(Z, out=Z)
-        Z /= Z.sum(axis=1, keepdims=True)
-        return Z
-
-    def predict(self, w: ArrayLike, X: ArrayLike) -> NDArray[np.int64]:
-        """Most probable class of every row (int64), shape (n_rows,).
-
-        Examples
-        --------
-        >>> Softmax(1, 3, fit_intercept=False).predict([1.0, 0.0, -1.0], [[2.0], [-2.0]])
-        array([0, 2])
-        """
-        labels: NDArray[np.int64] = np.argmax(self.decision_function(w, X), axis=1).astype(np.int64)
-        return labels
-
-    def accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
-        """Fraction of rows whose predicted class equals ``y``.
-
-        Examples
-        --------
-        >>> Softmax(1, 3, fit_intercept=False).accuracy([1.0, 0.0, -1.0], [[2.0], [-2.0]], [0, 1])
-        0.5
-        """
-        return self._accuracy(w, X, y)
+        return softmax_(self.decision_function(w, X))

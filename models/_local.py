@@ -21,7 +21,7 @@ from scipy.special import expit
 from distbelief.errors import ModelSpecError
 
 from . import _checks
-from ._base import ModelBase
+from ._base import ClassifierBase
 from ._checks import LabelKind
 from ._linear import softmax_xent_
 
@@ -104,7 +104,7 @@ def _positive(name: str, value: Any) -> int:
     return int(value)
 
 
-class _LocalNetwork(ModelBase):
+class _LocalNetwork(ClassifierBase):
     """What :class:`LocallyConnected` and ``LocallyConnected2D`` share (private).
 
     Both are local layers then a dense softmax output layer, every ``(W, b)`` one contiguous range of the
@@ -279,36 +279,8 @@ class _LocalNetwork(ModelBase):
                 dA = dA_below
         return loss, np.concatenate(grads)
 
-    def predict(self, w: ArrayLike, X: ArrayLike) -> NDArray[np.int64]:
-        """Most probable class of every row.
-
-        Examples
-        --------
-        >>> m = LocallyConnected(4, 2, fields=[2], strides=[2])
-        >>> m.predict(np.zeros(m.n_params), np.ones((3, 4))).shape
-        (3,)
-        >>> from distbelief.models import LocallyConnected2D
-        >>> m = LocallyConnected2D((2, 2), 2, patches=[2])
-        >>> m.predict(np.zeros(m.n_params), np.ones((3, 4))).shape
-        (3,)
-        """
-        labels: NDArray[np.int64] = np.argmax(self._forward(w, X)[1][-1], axis=1).astype(np.int64)
-        return labels
-
-    def accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
-        """Fraction of rows whose predicted class equals ``y``.
-
-        Examples
-        --------
-        >>> m = LocallyConnected(4, 2, fields=[2], strides=[2])
-        >>> m.accuracy(np.zeros(m.n_params), np.ones((2, 4)), [0, 1])
-        0.5
-        >>> from distbelief.models import LocallyConnected2D
-        >>> m = LocallyConnected2D((2, 2), 2, patches=[2])
-        >>> m.accuracy(np.zeros(m.n_params), np.ones((2, 4)), [0, 1])
-        0.5
-        """
-        return self._accuracy(w, X, y)
+    def _logits(self, w: ArrayLike, X: ArrayLike) -> FloatArray:
+        return self._forward(w, X)[1][-1]
 
 
 class LocallyConnected(_LocalNetwork):

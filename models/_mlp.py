@@ -17,7 +17,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from . import _checks
-from ._base import ModelBase
+from ._base import ClassifierBase, softmax_
 from ._checks import LabelKind
 from ._linear import softmax_xent_, softmax_xent_rows
 from ._local import activate_
@@ -28,7 +28,7 @@ __all__ = ["MLP"]
 FloatArray = NDArray[np.float64]
 
 
-class MLP(ModelBase):
+class MLP(ClassifierBase):
     """Multilayer perceptron classifier: hidden layers with ``activation``, softmax cross-entropy output.
 
     Parameter layout (one flat float64 vector): for each layer ``l = 1..L`` in order, the weights
@@ -273,30 +273,7 @@ class MLP(ModelBase):
         >>> m.predict_proba(np.zeros(m.n_params), [[3.0]])
         array([[0.5, 0.5]])
         """
-        Z = self._forward(w, X)[1][-1]
-        Z -= Z.max(axis=1, keepdims=True)
-        np.exp(Z, out=Z)
-        Z /= Z.sum(axis=1, keepdims=True)
-        return Z
+        return softmax_(self._logits(w, X))
 
-    def predict(self, w: ArrayLike, X: ArrayLike) -> NDArray[np.int64]:
-        """Most probable class of every row (int64), shape (n_rows,).
-
-        Examples
-        --------
-        >>> m = MLP([1, 2])  # no hidden layer: W (1, 2), then b (2,)
-        >>> m.predict([1.0, -1.0, 0.0, 0.0], [[2.0], [-2.0]])
-        array([0, 1])
-        """
-        labels: NDArray[np.int64] = np.argmax(self._forward(w, X)[1][-1], axis=1).astype(np.int64)
-        return labels
-
-    def accuracy(self, w: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
-        """Fraction of rows whose predicted class equals ``y``.
-
-        Examples
-        --------
-        >>> MLP([1, 2]).accuracy([1.0, -1.0, 0.0, 0.0], [[2.0], [-2.0]], [0, 0])
-        0.5
-        """
-        return self._accuracy(w, X, y)
+    def _logits(self, w: ArrayLike, X: ArrayLike) -> FloatArray:
+        return self._forward(w, X)[1][-1]

@@ -12,7 +12,7 @@ from numpy.typing import NDArray
 from sklearn.metrics import log_loss
 
 from distbelief.errors import DatasetError, InvalidOptionError
-from distbelief.models import MLP, LeastSquares, Logistic, Model, Softmax, objective
+from distbelief.models import MLP, LeastSquares, LocallyConnected, Logistic, Model, Softmax, objective
 from tests.models._helpers import assert_gradient_matches
 
 FloatArray = NDArray[np.float64]
@@ -246,6 +246,15 @@ def test_least_squares_overflow_is_returned_not_misreported() -> None:
 def test_accuracy_of_zero_rows_is_an_error() -> None:
     with pytest.raises(DatasetError, match="zero rows"):
         Logistic(2).accuracy(np.zeros(3), np.empty((0, 2)), np.empty(0))
+
+
+def test_only_classifiers_have_accuracy() -> None:
+    # Downpour reports test_accuracy NaN for a model without ``accuracy``: a regressor must not get one.
+    assert not hasattr(LeastSquares(2), "accuracy")
+    assert all(
+        hasattr(m, "accuracy")
+        for m in (Logistic(2), Softmax(2, 3), MLP([2, 3]), LocallyConnected(4, 2, fields=[2], strides=[2]))
+    )
 
 
 def test_predictions_have_the_documented_shapes_and_types() -> None:
