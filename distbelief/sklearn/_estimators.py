@@ -72,6 +72,10 @@ class _Distbelief(BaseEstimator):
     verbose: int
     callback: Any
     random_state: Any
+    downpour_options: dict[str, Any] | None
+    #: Only the linear classifiers take ``class_weight`` (a parameter of their ``__init__``).
+    class_weight: Any = None
+    n_iter_: Any  # set by fit
 
     def _keep_params(self, values: dict[str, Any]) -> None:
         """Store every argument of ``__init__`` (``values``: its ``locals()``) as the attribute of its name,
@@ -312,51 +316,66 @@ class _Distbelief(BaseEstimator):
         )
         return _csr(out) if sp.issparse(out) else out
 
-    def _fit_with(
-        self,
-        model: Any,
-        data: Any,
-        *,
-        l2: float,
-        free: list[tuple[int, int]],
-        store: str,
-        x0: FloatArray | None = None,
-        seed: int = 0,
-        downpour_options: dict[str, Any] | None = None,
-        l1: float = 0.0,
-        weights: FloatArray | WeightColumn | None = None,
-    ) -> FloatArray:
-        """Fit ``model`` (with per-row ``weights`` if given, see ``_base.RowWeights``), starting from the
-        previous fit's parameters with ``warm_start``, else from ``x0``; set ``model_``, ``w_``,
-        ``result_``."""
+    def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> Any:
+        """Fit on ``X`` (numpy, pandas, Dask array or DataFrame, ``storage.Dataset``; the linear models also
+        ``scipy.sparse``) and labels or targets ``y``.
+
+        Parameters
+        ----------
+        X, y
+            The rows and their labels (``y`` is None for a ``storage.Dataset``, which holds its labels). A
+            Dask DataFrame ``X`` takes a Dask Series ``y`` aligned with it; the workers write both to the
+            fit's store. String column names become ``feature_names_in_``.
+        sample_weight : array_like of shape (n_samples,) or float, optional
+            Every row's weight in the objective (multiplied by its class's ``class_weight``, if the
+            estimator has one). For Dask rows a Dask array (Dask arrays ``X``) or a Dask Series aligned
+            with ``X`` (a Dask DataFrame), joined to the rows on the workers; not for a ``storage.Dataset``,
+            nor with Downpour's ``eval_data``. :class:`ModelClassifier` needs a model whose
+            ``loss_and_grad`` takes a ``sample_weight`` keyword (the built-in ones do).
+
+        Returns
+        -------
+        self
+        """
         name = type(self).__name__
+        self._check_options(name, sample_weight)
+        seed = self._seed()
         verbose = check_verbose(self.verbose, name)
         check_callback(self.callback, name)
-        data, wrap = weighted_data(data, weights, name, downpour_options=downpour_options)
-        x0 = self._warm_x0(model, x0)
-        w, nit, result = fit_model(
-            wrap(model),
-            data,
-            l2=l2,
-            l1=l1,
-            free=free,
-            solver=self.solver,
-            max_iter=int(self.max_iter),
-            tol=float(self.tol),
-            client=self.client,
-            store=store,
-            x0=x0,
-            seed=seed,
-            downpour_options=downpour_options,
-            name=name,
-            verbose=verbose,
-            callback=self.callback,
-        )
-        self.model_ = model
-        self.w_ = w
-        self.result_ = result
-        self._nit = nit
-        return w
+        with fit_store(self.store) as store:
+            data, n = self._data(X, y, store, sample_weight, self.class_weight)
+            model, terms = self._model(n, seed)
+            weights = self._row_weights(sample_weight, data, self.class_weight)
+            data, wrap = weighted_data(data, weights, name, downpour_options=self.downpour_options)
+            x0 = self._warm_x0(model, terms.pop("x0", None))
+            w, nit, result = fit_model(
+                wrap(model), data, **terms, solver=self.solver, max_iter=int(self.max_iter),
+                tol=float(self.tol), client=self.client, store=store, x0=x0, seed=seed or 0,
+                downpour_options=self.downpour_options, name=name, verbose=verbose, callback=self.callback,
+            )  # fmt: skip
+        return self._fitted(model, w, nit, result)
+
+    def _check_options(self, name: str, sample_weight: Any) -> None:  # pragma: no cover - overridden
+        """Raise :class:`InvalidOptionError` for an option of this estimator that is wrong, saying what to
+        pass (before anything is read or stored)."""
+        raise NotImplementedError
+
+    def _model(self, n: int, seed: int | None) -> tuple[Any, dict[str, Any]]:  # pragma: no cover
+        """The model to fit on ``n`` rows and ``fit_model``'s terms for it (``l2``, ``free``; ``l1``, ``x0``
+        when not 0 / None)."""
+        raise NotImplementedError
+
+    def _fitted(self, model: Any, w: FloatArray, nit: int, result: Any) -> Any:
+        """Set what a fit sets (``model_``, ``w_``, ``result_``, ``n_iter_``, :meth:`_set_coef`'s); return
+        ``self``."""
+        self.model_, self.w_, self.result_ = model, w, result
+        # The linear classifiers' n_iter_ is an array of one count, as scikit-learn's.
+        self.n_iter_ = np.array([nit], dtype=np.int32) if isinstance(self, _LinearClassifier) else nit
+        self._set_coef(model, w)
+        return self
+
+    def _set_coef(self, model: Any, w: FloatArray) -> None:
+        """The estimator's own fitted attributes (``coef_``, ...) from ``w`` (none by default)."""
 
     def _warm_x0(self, model: models.Model, x0: FloatArray | None) -> FloatArray | None:
         """The previous fit's parameters with ``warm_start`` (if there was one), else ``x0``.
@@ -471,8 +490,6 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
     _accept_sparse = True
     C: float
     fit_intercept: bool
-    downpour_options: dict[str, Any] | None
-    n_iter_: NDArray[np.int32]  # set by fit: one entry, as scikit-learn's linear classifiers
 
     def __init__(
         self,
@@ -495,56 +512,29 @@ class _LinearClassifier(ClassifierMixin, _Distbelief):
     ) -> None:
         self._keep_params(locals())
 
-    def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> Any:
-        """Fit on ``X`` (numpy, pandas, ``scipy.sparse``, Dask array or DataFrame, ``storage.Dataset``) and
-        labels ``y``.
-
-        Parameters
-        ----------
-        X, y
-            The rows and their labels (``y`` is None for a ``storage.Dataset``, which holds its labels). A
-            Dask DataFrame ``X`` takes a Dask Series ``y`` aligned with it; the workers write both to the
-            fit's store. String column names become ``feature_names_in_``.
-        sample_weight : array_like of shape (n_samples,) or float, optional
-            Every row's weight in the objective (multiplied by its class's ``class_weight``). For Dask
-            rows a Dask array (Dask arrays ``X``) or a Dask Series aligned with ``X`` (a Dask DataFrame),
-            joined to the rows on the workers; not for a ``storage.Dataset``, nor with Downpour's
-            ``eval_data``.
-
-        Returns
-        -------
-        self
-        """
-        name = type(self).__name__
+    def _check_options(self, name: str, sample_weight: Any) -> None:
         check_common(self.solver, self.penalty, self.max_iter, self.tol, name)
         if not isinstance(self.C, numbers.Real) or isinstance(self.C, bool) or not self.C > 0:
             raise InvalidOptionError(
                 f"{name}: C must be a number > 0 (inverse regularization), got {self.C!r}"
             )
+        self._l1_ratio()
+
+    def _model(self, n: int, seed: int | None) -> tuple[models.Logistic | models.Softmax, dict[str, Any]]:
+        k = len(self.classes_)
+        d = int(self.n_features_in_)
+        fit_intercept = bool(self.fit_intercept)
+        model: models.Logistic | models.Softmax
+        if k == 2 and not self._always_softmax:
+            model = models.Logistic(d, fit_intercept=fit_intercept)
+        else:
+            model = models.Softmax(d, k, fit_intercept=fit_intercept)
+        # scikit-learn: C * sum loss + r ||coef||_1 + ((1 - r) / 2) ||coef||^2 (r = 0 for "l2", 1 for
+        # "l1", l1_ratio for "elasticnet"), i.e. divided by C N: (1/N) sum loss + (r / (C N)) ||coef||_1
+        # + ((1 - r) / (2 C N)) ||coef||^2. The intercept is in neither term.
+        scale = 0.0 if self.penalty is None else 1.0 / (float(self.C) * n)
         ratio = self._l1_ratio()
-        with fit_store(self.store) as store:
-            data, n = self._data(X, y, store, sample_weight, self.class_weight)
-            k = len(self.classes_)
-            d = int(self.n_features_in_)
-            fit_intercept = bool(self.fit_intercept)
-            model: models.Logistic | models.Softmax
-            if k == 2 and not self._always_softmax:
-                model = models.Logistic(d, fit_intercept=fit_intercept)
-            else:
-                model = models.Softmax(d, k, fit_intercept=fit_intercept)
-            # scikit-learn: C * sum loss + r ||coef||_1 + ((1 - r) / 2) ||coef||^2 (r = 0 for "l2", 1 for
-            # "l1", l1_ratio for "elasticnet"), i.e. divided by C N: (1/N) sum loss + (r / (C N)) ||coef||_1
-            # + ((1 - r) / (2 C N)) ||coef||^2. The intercept is in neither term.
-            scale = 0.0 if self.penalty is None else 1.0 / (float(self.C) * n)
-            seed = self._seed()
-            w = self._fit_with(
-                model, data, l2=(1.0 - ratio) * scale, l1=ratio * scale, free=_free_linear(model),
-                store=store, downpour_options=self.downpour_options, seed=0 if seed is None else seed,
-                weights=self._row_weights(sample_weight, data, self.class_weight),
-            )  # fmt: skip
-        self._set_coef(model, w)
-        self.n_iter_ = np.array([self._nit], dtype=np.int32)
-        return self
+        return model, {"l2": (1.0 - ratio) * scale, "l1": ratio * scale, "free": _free_linear(model)}
 
     def _l1_ratio(self) -> float:
         """The share ``r`` of the penalty that is L1: 0 for "l2" and None, 1 for "l1", ``l1_ratio`` for
@@ -780,31 +770,13 @@ class LinearRegression(RegressorMixin, _Distbelief):
     ) -> None:
         self._keep_params(locals())
 
-    def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> LinearRegression:
-        """Fit on ``X`` (numpy, pandas, ``scipy.sparse``, Dask array or DataFrame, ``storage.Dataset``) and
-        targets ``y``.
-
-        ``sample_weight`` weighs every row's squared error, as in :class:`LogisticRegression`.
-
-        Returns
-        -------
-        self
-        """
-        name = type(self).__name__
+    def _check_options(self, name: str, sample_weight: Any) -> None:
         check_common(self.solver, "l2", self.max_iter, self.tol, name)
         check_alpha(self.alpha, name)
-        with fit_store(self.store) as store:
-            data, n = self._data(X, y, store, sample_weight)
-            model = models.LeastSquares(int(self.n_features_in_), fit_intercept=bool(self.fit_intercept))
-            seed = self._seed()
-            w = self._fit_with(
-                model, data, l2=float(self.alpha) / n, free=_free_linear(model), store=store,
-                downpour_options=self.downpour_options, seed=0 if seed is None else seed,
-                weights=self._row_weights(sample_weight, data),
-            )  # fmt: skip
-        self._set_coef(model, w)
-        self.n_iter_ = self._nit
-        return self
+
+    def _model(self, n: int, seed: int | None) -> tuple[models.LeastSquares, dict[str, Any]]:
+        model = models.LeastSquares(int(self.n_features_in_), fit_intercept=bool(self.fit_intercept))
+        return model, {"l2": float(self.alpha) / n, "free": _free_linear(model)}
 
     def _set_coef(self, model: models.LeastSquares, w: FloatArray) -> None:
         d = model.n_features
@@ -892,40 +864,22 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
             )
         return hidden
 
-    def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> MLPClassifier:
-        """Fit on ``X`` (numpy, pandas, Dask array or DataFrame, ``storage.Dataset``) and labels ``y``.
-
-        ``sample_weight`` weighs every row's loss, as in :class:`LogisticRegression`.
-
-        Returns
-        -------
-        self
-        """
-        name = type(self).__name__
+    def _check_options(self, name: str, sample_weight: Any) -> None:
         check_common(self.solver, "l2", self.max_iter, self.tol, name)
         if self.activation not in _ACTIVATIONS:
             raise InvalidOptionError(
                 f"{name}: activation must be one of {sorted(_ACTIVATIONS)}, got {self.activation!r}"
             )
         check_alpha(self.alpha, name)
-        hidden = self._hidden()
-        seed = self._seed()
-        with fit_store(self.store) as store:
-            data, n = self._data(X, y, store, sample_weight)
-            k = len(self.classes_)
-            sizes = [int(self.n_features_in_), *hidden, k]
-            model = models.MLP(sizes, activation=_ACTIVATIONS[self.activation])
-            # The biases (unpenalized) where the model's own layout puts them: unpack the parameters' indices.
-            biases = [b for _, b in model.unpack(np.arange(model.n_params, dtype=np.float64))]
-            free = [(int(b[0]), int(b[-1]) + 1) for b in biases]
-            w = self._fit_with(
-                model, data, l2=float(self.alpha) / n, free=free, store=store,
-                x0=model.init_params(seed), seed=0 if seed is None else seed,
-                downpour_options=self.downpour_options, weights=self._row_weights(sample_weight, data),
-            )  # fmt: skip
-        self._set_coef(model, w)
-        self.n_iter_ = self._nit
-        return self
+        self._hidden()
+
+    def _model(self, n: int, seed: int | None) -> tuple[models.MLP, dict[str, Any]]:
+        sizes = [int(self.n_features_in_), *self._hidden(), len(self.classes_)]
+        model = models.MLP(sizes, activation=_ACTIVATIONS[self.activation])
+        # The biases (unpenalized) where the model's own layout puts them: unpack the parameters' indices.
+        biases = [b for _, b in model.unpack(np.arange(model.n_params, dtype=np.float64))]
+        free = [(int(b[0]), int(b[-1]) + 1) for b in biases]
+        return model, {"l2": float(self.alpha) / n, "free": free, "x0": model.init_params(seed)}
 
     def _set_coef(self, model: models.MLP, w: FloatArray) -> None:
         layers = model.unpack(w)

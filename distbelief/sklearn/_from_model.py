@@ -74,18 +74,12 @@ def from_model(
     else:
         hidden = tuple(model.layer_sizes[1:-1])
         est = MLPClassifier(hidden, activation=_ACTIVATION_NAMES[model.activation], **params)
-    est._set_coef(model, w_arr)
-    # As fit sets it: the linear classifiers' is an array of one count, as in scikit-learn.
-    is_array = isinstance(model, models.Logistic | models.Softmax)
-    est.n_iter_ = np.array([n_iter], dtype=np.int32) if is_array else int(n_iter)
+    est._fitted(model, w_arr, int(n_iter), None)
     k = getattr(model, "n_classes", None)
     if k is not None:
         est.classes_ = np.arange(k) if classes is None else np.asarray(classes)
         if est.classes_.shape != (k,):
             raise InvalidOptionError(f"classes must list the model's {k} classes, got {est.classes_!r}")
     est.n_features_in_ = model.n_features
-    est.model_ = model
-    est.w_ = w_arr
-    est.result_ = None
     out: LogisticRegression | SoftmaxRegression | LinearRegression | MLPClassifier = est
     return out

@@ -11,7 +11,7 @@ from sklearn.base import ClassifierMixin
 from distbelief.errors import InvalidOptionError
 from distbelief.models import Model
 
-from ._base import check_alpha, check_common, fit_store
+from ._base import check_alpha, check_common
 from ._estimators import _Distbelief
 
 __all__ = ["ModelClassifier"]
@@ -63,39 +63,23 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
     ) -> None:
         self._keep_params(locals())
 
-    def fit(self, X: Any, y: Any = None, sample_weight: Any = None) -> ModelClassifier:
-        """Fit ``model`` on ``X`` (numpy, Dask array or ``storage.Dataset``) and labels ``y``.
-
-        ``sample_weight`` (as in :class:`LogisticRegression`) needs a model whose ``loss_and_grad`` takes
-        a ``sample_weight`` keyword (the built-in ones do).
-
-        Returns
-        -------
-        self
-        """
-        name = type(self).__name__
+    def _check_options(self, name: str, sample_weight: Any) -> None:
         if self.model is None or not callable(getattr(self.model, "loss_and_grad", None)):
             raise InvalidOptionError(
                 f"{name}: model must be a distbelief model (with loss_and_grad), got {self.model!r}"
             )
         check_common(self.solver, "l2", self.max_iter, self.tol, name)
         check_alpha(self.alpha, name)
-        seed = self._seed()
         if sample_weight is not None and not _takes_sample_weight(self.model):
             raise InvalidOptionError(
                 f"{name}: sample_weight needs a model whose loss_and_grad(w, X, y, *, sample_weight) takes "
                 f"per-row weights; {type(self.model).__name__}'s does not. Add that keyword to the model, or "
                 "fit without sample_weight"
             )
-        with fit_store(self.store) as store:
-            data, n = self._data(X, y, store, sample_weight)
-            self._fit_with(
-                self.model, data, l2=float(self.alpha) / n, free=[], store=store,
-                x0=np.asarray(self.model.init_params(seed), dtype=np.float64), seed=seed or 0,
-                downpour_options=self.downpour_options, weights=self._row_weights(sample_weight, data),
-            )  # fmt: skip
-        self.n_iter_ = self._nit
-        return self
+
+    def _model(self, n: int, seed: int | None) -> tuple[Model, dict[str, Any]]:
+        x0 = np.asarray(self.model.init_params(seed), dtype=np.float64)
+        return self.model, {"l2": float(self.alpha) / n, "free": [], "x0": x0}
 
     def predict_proba(self, X: Any) -> Any:
         """``model.predict_proba(w_, X)`` (only if the model has one)."""
