@@ -430,10 +430,27 @@ class _Distbelief(BaseEstimator):
         classes = getattr(self, "classes_", None) if self._classifier else None
         return row_weights(sample_weight, class_weight, classes, y, name)
 
-    def _log_of_proba(self, X: Any) -> Any:
-        """``log(predict_proba(X))`` (the classifiers without a closed form of their own)."""
+
+class _ModelProba(ClassifierMixin, _Distbelief):
+    """A classifier whose probabilities are its model's ``predict_proba`` (MLPClassifier, ModelClassifier)."""
+
+    _classifier = True
+
+    def predict_proba(self, X: Any) -> Any:
+        """Class probabilities ``model_.predict_proba(w_, X)``, shape (n, n_classes), columns in the order
+        of ``classes_`` (:class:`ModelClassifier`: only if its model has ``predict_proba``)."""
         if self._is_lazy(X):
-            return self._lazy(X, "_log_of_proba", len(self.classes_), np.float64)
+            return self._lazy(X, "predict_proba", len(self.classes_), np.float64)
+        rows = self._rows(X)
+        method = getattr(self.model_, "predict_proba", None)
+        if not callable(method):
+            raise AttributeError(f"{type(self.model_).__name__} has no predict_proba")
+        return np.asarray(method(self.w_, rows), dtype=np.float64)
+
+    def predict_log_proba(self, X: Any) -> Any:
+        """``log(predict_proba(X))``."""
+        if self._is_lazy(X):
+            return self._lazy(X, "predict_log_proba", len(self.classes_), np.float64)
         with np.errstate(divide="ignore"):
             return np.log(self.predict_proba(X))
 
@@ -791,7 +808,7 @@ class LinearRegression(RegressorMixin, _Distbelief):
         return out
 
 
-class MLPClassifier(ClassifierMixin, _Distbelief):
+class MLPClassifier(_ModelProba):
     """Multilayer perceptron classifier (softmax output) fitted on a Dask cluster.
 
     ``alpha`` has scikit-learn's meaning: the loss is ``mean cross-entropy + (alpha / (2 N)) ||W||^2`` over
@@ -827,8 +844,6 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
     >>> clf.score(X / 16, y) > 0.9                                                    # doctest: +SKIP
     True
     """
-
-    _classifier = True
 
     def __init__(
         self,
@@ -887,18 +902,6 @@ class MLPClassifier(ClassifierMixin, _Distbelief):
         self.intercepts_ = [b.copy() for _, b in layers]
         self.n_layers_ = len(model.layer_sizes)
         self.n_outputs_ = model.layer_sizes[-1]
-
-    def predict_proba(self, X: Any) -> Any:
-        """Class probabilities, shape (n, n_classes), columns in the order of ``classes_``."""
-        if self._is_lazy(X):
-            return self._lazy(X, "predict_proba", len(self.classes_), np.float64)
-        rows = self._rows(X)
-        Z = self.model_.predict_proba(self.w_, rows)
-        return np.asarray(Z, dtype=np.float64)
-
-    def predict_log_proba(self, X: Any) -> Any:
-        """``log(predict_proba(X))``."""
-        return self._log_of_proba(X)
 
     def predict(self, X: Any) -> Any:
         """The most probable class of every row (labels from ``classes_``)."""

@@ -6,18 +6,17 @@ import inspect
 from typing import Any
 
 import numpy as np
-from sklearn.base import ClassifierMixin
 
 from distbelief.errors import InvalidOptionError
 from distbelief.models import Model
 
 from ._base import check_alpha, check_common
-from ._estimators import _Distbelief
+from ._estimators import _ModelProba
 
 __all__ = ["ModelClassifier"]
 
 
-class ModelClassifier(ClassifierMixin, _Distbelief):
+class ModelClassifier(_ModelProba):
     """A classifier around any model with ``loss_and_grad`` and ``predict(w, X)`` (class indices).
 
     The labels are encoded as ``0..n_classes-1`` (``classes_`` holds the originals) before the model sees
@@ -42,8 +41,6 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
     >>> clf.fit(X, y).score(X, y)                                                       # doctest: +SKIP
     0.98
     """
-
-    _classifier = True
 
     def __init__(
         self,
@@ -80,20 +77,6 @@ class ModelClassifier(ClassifierMixin, _Distbelief):
     def _model(self, n: int, seed: int | None) -> tuple[Model, dict[str, Any]]:
         x0 = np.asarray(self.model.init_params(seed), dtype=np.float64)
         return self.model, {"l2": float(self.alpha) / n, "free": [], "x0": x0}
-
-    def predict_proba(self, X: Any) -> Any:
-        """``model.predict_proba(w_, X)`` (only if the model has one)."""
-        if self._is_lazy(X):
-            return self._lazy(X, "predict_proba", len(self.classes_), np.float64)
-        rows = self._rows(X)
-        method = getattr(self.model_, "predict_proba", None)
-        if not callable(method):
-            raise AttributeError(f"{type(self.model_).__name__} has no predict_proba")
-        return np.asarray(method(self.w_, rows), dtype=np.float64)
-
-    def predict_log_proba(self, X: Any) -> Any:
-        """``log(predict_proba(X))`` (only if the model has ``predict_proba``)."""
-        return self._log_of_proba(X)
 
     def predict(self, X: Any) -> Any:
         """The classes ``model.predict(w_, X)`` points at."""

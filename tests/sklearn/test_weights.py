@@ -284,9 +284,9 @@ def test_predict_log_proba_of_mlp_dask_and_generic(
         generic = ModelClassifier(models.Softmax(4, 3), max_iter=20).fit(X, y)
     for est in (mlp, generic):
         np.testing.assert_allclose(est.predict_log_proba(X), np.log(est.predict_proba(X)), atol=1e-12)
-    lin = LogisticRegression().fit(X, y)
-    lazy = lin.predict_log_proba(da.from_array(X, chunks=40))
-    np.testing.assert_allclose(lazy.compute(), lin.predict_log_proba(X), atol=1e-12)
+    for est in (mlp, generic, LogisticRegression().fit(X, y)):
+        lazy = est.predict_log_proba(da.from_array(X, chunks=40))
+        np.testing.assert_allclose(lazy.compute(), est.predict_log_proba(X), atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------ bad input
