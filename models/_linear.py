@@ -700,19 +700,7 @@ class Logistic(_OneOutput, ClassifierBase):
 
     ``z_i = x_i . coef + b``, ``P(y_i = 1) = 1 / (1 + exp(-z_i))`` and
     ``loss_i = log(1 + exp(-s_i z_i))`` with ``s_i = 2 y_i - 1``, evaluated stably with ``logaddexp``.
-    Parameter layout: ``w = [coef (n_features), b]`` (``b`` only when ``fit_intercept``).
-
-    Parameters
-    ----------
-    n_features : int
-        Number of input features (>= 1).
-    fit_intercept : bool, optional
-        Learn an intercept ``b`` (the last parameter). Default True.
-
-    Raises
-    ------
-    distbelief.errors.ModelSpecError
-        If a size is not a positive integer or ``fit_intercept`` is not a bool.
+    Parameter layout, parameters and errors: as :class:`LeastSquares`.
 
     Examples
     --------

@@ -207,26 +207,9 @@ class MLP(ClassifierBase):
     def loss_and_grad(
         self, w: ArrayLike, X: ArrayLike, y: ArrayLike, *, sample_weight: ArrayLike | None = None
     ) -> tuple[float, FloatArray]:
-        """Summed cross-entropy over the rows and its gradient by backpropagation.
-
-        Parameters
-        ----------
-        w, X, sample_weight
-            As in :meth:`Model.loss_and_grad`.
-        y : array_like, shape (n_rows,)
-            Class labels 0..n_classes-1, as integers or integral floats.
-
-        Returns
-        -------
-        loss : float
-            ``sum_i logsumexp(Z_i) - Z_{i, y_i}`` (a sum, not a mean; no regularizer).
-        grad : ndarray, shape (n_params,)
-            In the layout described in the class docstring.
-
-        Raises
-        ------
-        distbelief.errors.DatasetError
-            If a label is not an integer in range, or shapes do not match.
+        """Summed cross-entropy over the rows and its gradient by backpropagation: as
+        :meth:`Softmax.loss_and_grad` (its arguments, loss and errors)
+        with ``Z`` the output layer's logits, and the gradient in the layout of the class docstring.
 
         Examples
         --------
